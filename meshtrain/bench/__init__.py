@@ -1,0 +1,66 @@
+"""`meshtrain bench --vs PEER`: this project and PyTorch's native equivalent on the same
+model, data, world size and process group, interleaved step by step in one process tree
+(which of the two goes first alternates), so that a noisy machine slows both alike.
+Reports medians and their ratio (ours / peer); the first steps are warm-up and not timed."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+
+from meshtrain.bench.ddp import ddp_setup
+from meshtrain.comm import Comm
+from meshtrain.config import Config
+from meshtrain.metrics import model_state_bytes
+from meshtrain.train import setup, train_step
+
+PEERS = {"ddp": ddp_setup}
+WARMUP_STEPS = 2
+
+
+def run_bench(cfg: Config, comm: Comm, peer: str, json_mode: bool) -> int:
+    data, ours = setup(cfg, comm)
+    theirs = PEERS[peer](cfg, comm)
+    times = {"ours": [], "peer": []}
+    runs = [("ours", ours), ("peer", theirs)]
+    bar = None
+    if comm.mesh.is_main:
+        from tqdm import tqdm
+        bar = tqdm(total=cfg.train.steps, desc=f"bench vs {peer}", file=sys.stderr, unit="pair")
+    for step in range(WARMUP_STEPS + cfg.train.steps):
+        for name, s in (runs if step % 2 == 0 else runs[::-1]):
+            t0 = time.perf_counter()
+            train_step(s, data, step, cfg, comm)
+            if step >= WARMUP_STEPS:
+                times[name].append(time.perf_counter() - t0)
+        if bar is not None and step >= WARMUP_STEPS:
+            bar.update()
+    if bar is not None:
+        bar.close()
+    if not comm.mesh.is_main:
+        return 0
+    ours_median, peer_median = statistics.median(times["ours"]), statistics.median(times["peer"])
+    pair_ratios = [a / b for a, b in zip(times["ours"], times["peer"])]
+    result = {
+        "peer": peer,
+        "layout": cfg.layout.summary(),
+        "model": cfg.model.name,
+        "steps": cfg.train.steps,
+        "ours_step_time_median_s": ours_median,
+        "peer_step_time_median_s": peer_median,
+        "ratio": ours_median / peer_median,
+        "pairwise_ratio_median": statistics.median(pair_ratios),
+        "ours_model_state_bytes": model_state_bytes(ours.model, ours.optimizer),
+        "peer_model_state_bytes": model_state_bytes(theirs.model.module, theirs.optimizer),
+    }
+    out = sys.stderr if json_mode else sys.stdout
+    print(f"{cfg.model.name}, {cfg.layout.world_size} ranks, {cfg.train.steps} interleaved steps: "
+          f"ours {ours_median * 1e3:.1f} ms, {peer} {peer_median * 1e3:.1f} ms, ratio {result['ratio']:.3f} "
+          f"(pairwise median {result['pairwise_ratio_median']:.3f}); model-state bytes/rank ours "
+          f"{result['ours_model_state_bytes']['total']:,}, {peer} {result['peer_model_state_bytes']['total']:,}",
+          file=out)
+    if json_mode:
+        print(json.dumps(result), flush=True)
+    return 0

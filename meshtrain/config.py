@@ -1,0 +1,259 @@
+"""Configuration: dataclasses for the model, the parallel layout and training; a TOML file
+sets any field, command-line flags override it, and `validate` rejects a bad layout with
+one line naming the flag to change — before any process starts.
+
+No torch import here: a bad flag must fail in a fraction of a second."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import tomllib
+from dataclasses import dataclass, field
+
+from meshtrain.models.presets import PRESETS, GPTSpec
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
+RECOMPUTE = ("none", "full", "selective")
+PRECISIONS = ("fp32", "bf16")
+BUILTIN_DATA = ("shakespeare", "digits")
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot work; the message is one line that names the fix."""
+
+
+@dataclass
+class ModelConfig:
+    name: str = "gpt-small"
+
+
+@dataclass
+class LayoutConfig:
+    dp: int = 2
+    tp: int = 1
+    pp: int = 1
+    zero: int = 0
+    sp: bool = False
+    schedule: str = "1f1b"
+    chunks: int = 1
+    microbatches: int = 1
+    recompute: str = "none"
+    precision: str = "fp32"
+    bucket_mb: float = 25.0
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    def summary(self) -> dict:
+        """The `layout` object of the JSON contract."""
+        keys = ("dp", "tp", "pp", "zero", "sp", "schedule", "microbatches", "recompute", "precision")
+        return {k: getattr(self, k) for k in keys}
+
+
+@dataclass
+class TrainConfig:
+    data: str = "shakespeare"
+    steps: int = 200
+    batch_size: int = 8  # global, in sequences (samples), whatever the layout
+    seq_len: int = 128
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.1
+    warmup: int = 20
+    clip: float = 1.0  # global-norm clipping; 0 disables it
+    weight_decay: float = 0.1
+    seed: int = 0
+    out: str = "runs/latest"
+    resume: bool = False
+    vocab_size: int = 2048  # BPE vocabulary trained on the corpus; 256 means the byte tokenizer
+    sample_tokens: int = 120
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    layout: LayoutConfig = field(default_factory=LayoutConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Config":
+        cfg = cls()
+        apply_sections(cfg, d, source="config")
+        return cfg
+
+
+# (flag, section, field, type, help) — the command-line contract of DESIGN.md.
+FLAGS = [
+    ("--model", "model", "name", str, f"model preset: {', '.join(PRESETS)}"),
+    ("--data", "train", "data", str, "'shakespeare' (bundled), 'digits' (for --model mlp), or a text file/folder"),
+    ("--dp", "layout", "dp", int, "data-parallel size"),
+    ("--tp", "layout", "tp", int, "tensor-parallel size"),
+    ("--pp", "layout", "pp", int, "pipeline-parallel size"),
+    ("--zero", "layout", "zero", int, "ZeRO stage 0|1|2|3"),
+    ("--sp", "layout", "sp", bool, "sequence parallelism inside the TP group"),
+    ("--schedule", "layout", "schedule", str, "pipeline schedule: " + "|".join(SCHEDULES)),
+    ("--chunks", "layout", "chunks", int, "model chunks per pipeline stage (interleaved)"),
+    ("--microbatches", "layout", "microbatches", int, "micro-batches per step and DP rank (accumulated)"),
+    ("--recompute", "layout", "recompute", str, "activation checkpointing: " + "|".join(RECOMPUTE)),
+    ("--precision", "layout", "precision", str, "|".join(PRECISIONS)),
+    ("--bucket-mb", "layout", "bucket_mb", float, "DP gradient bucket size in MB (default 25)"),
+    ("--steps", "train", "steps", int, "optimizer steps"),
+    ("--batch-size", "train", "batch_size", int, "global batch in sequences, whatever the layout"),
+    ("--seq-len", "train", "seq_len", int, "tokens per sequence"),
+    ("--lr", "train", "lr", float, "peak learning rate (warm-up then cosine)"),
+    ("--warmup", "train", "warmup", int, "warm-up steps"),
+    ("--clip", "train", "clip", float, "global gradient-norm clip (0: off)"),
+    ("--seed", "train", "seed", int, "seed of weights and batches"),
+    ("--out", "train", "out", str, "output folder (metrics.jsonl, loss.png, model)"),
+    ("--resume", "train", "resume", bool, "resume from OUT (not in this version yet)"),
+    ("--vocab-size", "train", "vocab_size", int, "BPE vocabulary size (256: byte tokenizer)"),
+]
+
+_SECTION_TYPES = {"model": ModelConfig, "layout": LayoutConfig, "train": TrainConfig}
+
+
+def _flag_of(section: str, name: str) -> str:
+    for flag, sec, fld, _, _ in FLAGS:
+        if (sec, fld) == (section, name):
+            return flag
+    return f"[{section}] {name}"
+
+
+def _coerce(value, typ, where: str):
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+    elif typ is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif typ is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif isinstance(value, typ):
+        return value
+    raise ConfigError(f"{where} must be {typ.__name__}, got {value!r}")
+
+
+def apply_sections(cfg: Config, d: dict, source: str) -> None:
+    """Set fields from a {section: {field: value}} mapping, rejecting unknown names."""
+    for section, values in d.items():
+        if section not in _SECTION_TYPES or not isinstance(values, dict):
+            raise ConfigError(f"{source}: unknown section [{section}]; use [model], [layout] or [train]")
+        target = getattr(cfg, section)
+        types = {f.name: f.type for f in dataclasses.fields(_SECTION_TYPES[section])}
+        for name, value in values.items():
+            if name not in types:
+                raise ConfigError(f"{source}: unknown key '{name}' in [{section}]; known: {', '.join(types)}")
+            typ = {"int": int, "float": float, "bool": bool, "str": str}[types[name]]
+            setattr(target, name, _coerce(value, typ, f"{source}: [{section}] {name}"))
+
+
+def load(path: str | None, overrides: dict[tuple[str, str], object]) -> Config:
+    """Defaults, then the TOML file, then the command-line overrides."""
+    cfg = Config()
+    if path:
+        if not os.path.isfile(path):
+            raise ConfigError(f"--config {path}: no such file")
+        try:
+            with open(path, "rb") as f:
+                apply_sections(cfg, tomllib.load(f), source=path)
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"--config {path}: not valid TOML ({e})") from None
+    for (section, name), value in overrides.items():
+        setattr(getattr(cfg, section), name, value)
+    return cfg
+
+
+def validate(cfg: Config, world_size: int | None = None) -> None:
+    """Reject a configuration that cannot work, with one line naming the flag to change.
+    `world_size` is the number of processes a launcher already started, if any."""
+    m, lay, tr = cfg.model, cfg.layout, cfg.train
+    for section, name in [("layout", "dp"), ("layout", "tp"), ("layout", "pp"), ("layout", "chunks"),
+                          ("layout", "microbatches"), ("train", "steps"), ("train", "batch_size"),
+                          ("train", "seq_len")]:
+        value = getattr(getattr(cfg, section), name)
+        if value < 1:
+            raise ConfigError(f"{_flag_of(section, name)} {value}: must be a positive integer")
+    if not tr.lr > 0:
+        raise ConfigError(f"--lr {tr.lr}: must be positive")
+    if not lay.bucket_mb > 0:
+        raise ConfigError(f"--bucket-mb {lay.bucket_mb}: must be positive")
+    if tr.warmup < 0 or tr.clip < 0:
+        raise ConfigError(f"--warmup and --clip must not be negative (got {tr.warmup}, {tr.clip})")
+    if m.name not in PRESETS:
+        raise ConfigError(f"unknown model '{m.name}'; use --model {' | '.join(PRESETS)}")
+    if lay.schedule not in SCHEDULES:
+        raise ConfigError(f"unknown schedule '{lay.schedule}'; use --schedule {' | '.join(SCHEDULES)}")
+    if lay.recompute not in RECOMPUTE:
+        raise ConfigError(f"unknown recompute policy '{lay.recompute}'; use --recompute {' | '.join(RECOMPUTE)}")
+    if lay.precision not in PRECISIONS:
+        raise ConfigError(f"unknown precision '{lay.precision}'; use --precision {' | '.join(PRECISIONS)}")
+    if lay.zero not in (0, 1, 2, 3):
+        raise ConfigError(f"--zero {lay.zero}: use --zero 0, 1, 2 or 3")
+    if world_size is not None and world_size != lay.world_size:
+        raise ConfigError(f"the launcher started {world_size} processes but dp×tp×pp = {lay.dp}×{lay.tp}×{lay.pp} "
+                          f"= {lay.world_size}; change --dp/--tp/--pp so that their product is {world_size}")
+    per_step = lay.dp * lay.microbatches
+    if tr.batch_size % per_step:
+        raise ConfigError(f"--batch-size {tr.batch_size} is not divisible by dp×microbatches = {lay.dp}×"
+                          f"{lay.microbatches} = {per_step}; use a multiple of {per_step}")
+    _validate_data(cfg)
+    spec = PRESETS[m.name]
+    if isinstance(spec, GPTSpec):
+        if spec.n_heads % lay.tp:
+            ok = [d for d in range(1, spec.n_heads + 1) if spec.n_heads % d == 0]
+            raise ConfigError(f"--tp {lay.tp} does not divide the {spec.n_heads} heads of {m.name}; "
+                              f"use --tp {', '.join(map(str, ok))}")
+        if spec.n_layers % (lay.pp * lay.chunks):
+            raise ConfigError(f"pp×chunks = {lay.pp}×{lay.chunks} does not divide the {spec.n_layers} layers "
+                              f"of {m.name}; change --pp or --chunks")
+        if tr.seq_len > spec.max_seq_len:
+            raise ConfigError(f"--seq-len {tr.seq_len} exceeds the {spec.max_seq_len} positions of {m.name}")
+        if not 256 <= tr.vocab_size <= 65535:
+            raise ConfigError(f"--vocab-size {tr.vocab_size}: use 256 (bytes) up to 65535")
+    _reject_unbuilt(lay, tr)
+
+
+def _validate_data(cfg: Config) -> None:
+    data, is_mlp = cfg.train.data, cfg.model.name == "mlp"
+    if is_mlp and data != "digits":
+        raise ConfigError(f"--model mlp trains on images, not '{data}'; use --data digits")
+    if data == "digits" and not is_mlp:
+        raise ConfigError(f"--data digits is for --model mlp; use --model mlp or text data")
+    if data not in BUILTIN_DATA and not os.path.exists(data):
+        raise ConfigError(f"--data {data}: no such file or folder; use --data shakespeare or a text path")
+
+
+def _reject_unbuilt(lay: LayoutConfig, tr: TrainConfig) -> None:
+    """Strategies that later issues add. Refuse them plainly rather than run something else."""
+    unbuilt = [(lay.tp != 1, "--tp", "tensor parallelism", "--tp 1"),
+               (lay.pp != 1, "--pp", "pipeline parallelism", "--pp 1"),
+               (lay.zero != 0, "--zero", "ZeRO", "--zero 0"),
+               (lay.sp, "--sp", "sequence parallelism", "no --sp"),
+               (lay.chunks != 1, "--chunks", "interleaved pipelines", "--chunks 1"),
+               (lay.recompute != "none", "--recompute", "activation checkpointing", "--recompute none"),
+               (lay.precision != "fp32", "--precision", "mixed precision", "--precision fp32"),
+               (tr.resume, "--resume", "resuming from a checkpoint", "no --resume")]
+    for bad, flag, what, fix in unbuilt:
+        if bad:
+            raise ConfigError(f"{flag}: {what} is not in this version of meshtrain yet; use {fix}")
+
+
+def tokens_per_sample(cfg: Config) -> int:
+    """Loss terms per sample: one per token for text, one per image for the MLP."""
+    return 1 if cfg.model.name == "mlp" else cfg.train.seq_len
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Linear warm-up to `lr`, then cosine decay to `lr * min_lr_ratio` at the last step."""
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    span = max(1, cfg.steps - cfg.warmup)
+    progress = min(1.0, (step - cfg.warmup) / span)
+    floor = cfg.lr * cfg.min_lr_ratio
+    return floor + 0.5 * (cfg.lr - floor) * (1 + math.cos(math.pi * progress))

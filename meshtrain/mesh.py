@@ -1,0 +1,63 @@
+"""The device mesh: every rank's coordinates on the named axes (pp, dp, tp) and one process
+group per axis. tp is innermost (adjacent ranks share the fastest links), pp outermost.
+Strategies ask the mesh for their group and size; none computes ranks by hand."""
+
+from __future__ import annotations
+
+AXES = ("pp", "dp", "tp")
+
+
+class Mesh:
+    def __init__(self, sizes: dict[str, int], device, device_mesh=None):
+        self.sizes = {axis: int(sizes.get(axis, 1)) for axis in AXES}
+        self.device = device
+        self._dm = device_mesh  # torch DeviceMesh; None for the one-process mesh
+        # Rank and coordinates are read once, so they stay valid after the group is gone.
+        self.rank = device_mesh.get_rank() if device_mesh is not None else 0
+        coord = device_mesh.get_coordinate() if device_mesh is not None else (0,) * len(AXES)
+        self._coord = dict(zip(AXES, coord))
+
+    @classmethod
+    def build(cls, pp: int, dp: int, tp: int, device) -> "Mesh":
+        """Collective: every rank of the default process group must call it."""
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+
+        world = dist.get_world_size()
+        if world != pp * dp * tp:
+            raise ValueError(f"world size {world} != pp×dp×tp = {pp}×{dp}×{tp}")
+        dm = init_device_mesh(device.type, (pp, dp, tp), mesh_dim_names=AXES)
+        return cls({"pp": pp, "dp": dp, "tp": tp}, device, dm)
+
+    @classmethod
+    def single(cls, device) -> "Mesh":
+        """One process, every axis of size 1: the reference run; needs no process group."""
+        return cls({}, device)
+
+    @property
+    def world_size(self) -> int:
+        return self.sizes["pp"] * self.sizes["dp"] * self.sizes["tp"]
+
+    def size(self, axis: str) -> int:
+        return self.sizes[axis]
+
+    def coord(self, axis: str) -> int:
+        return self._coord[axis]
+
+    def coords(self) -> dict[str, int]:
+        return {axis: self.coord(axis) for axis in AXES}
+
+    def group(self, axis: str):
+        """The process group of this rank along `axis` (None on the one-process mesh)."""
+        return self._dm.get_group(axis) if self._dm is not None else None
+
+    def world_group(self):
+        import torch.distributed as dist
+        return dist.group.WORLD if self._dm is not None else None
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def __repr__(self) -> str:
+        return f"Mesh(pp={self.sizes['pp']}, dp={self.sizes['dp']}, tp={self.sizes['tp']}, rank={self.rank})"

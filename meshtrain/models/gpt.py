@@ -1,0 +1,97 @@
+"""A plain decoder-only transformer (GPT-2 shape): pre-LayerNorm blocks, causal attention
+through `scaled_dot_product_attention`, GELU MLP, learned positions. Its structure is what
+the strategies act on from outside: `embed`, `blocks`, `norm`, `head`. q, k and v are
+separate linears so that a tensor-parallel plan can split them by heads."""
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from meshtrain.models.presets import GPTSpec
+
+
+class Embedding(nn.Module):
+    def __init__(self, vocab_size: int, d_model: int, max_seq_len: int, dropout: float):
+        super().__init__()
+        self.tok = nn.Embedding(vocab_size, d_model)
+        self.pos = nn.Embedding(max_seq_len, d_model)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(idx.shape[1], device=idx.device)
+        return self.drop(self.tok(idx) + self.pos(positions))
+
+
+class Attention(nn.Module):
+    def __init__(self, d_model: int, n_heads: int, dropout: float):
+        super().__init__()
+        self.head_dim, self.dropout = d_model // n_heads, dropout
+        self.q = nn.Linear(d_model, d_model)
+        # No key bias: it adds the same amount to every score of a query, which softmax
+        # ignores, so its gradient is zero up to rounding and Adam would amplify the rounding.
+        self.k = nn.Linear(d_model, d_model, bias=False)
+        self.v = nn.Linear(d_model, d_model)
+        self.proj = nn.Linear(d_model, d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        # Heads are counted from the weights: a tensor-parallel plan that keeps some heads just works.
+        heads = self.q.out_features // self.head_dim
+        q, k, v = (lin(x).view(B, T, heads, self.head_dim).transpose(1, 2) for lin in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                           dropout_p=self.dropout if self.training else 0.0)
+        return self.proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, d_model: int, dropout: float):
+        super().__init__()
+        self.fc = nn.Linear(d_model, 4 * d_model)
+        self.proj = nn.Linear(4 * d_model, d_model)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.proj(F.gelu(self.fc(x))))
+
+
+class Block(nn.Module):
+    def __init__(self, spec: GPTSpec):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(spec.d_model)
+        self.attn = Attention(spec.d_model, spec.n_heads, spec.dropout)
+        self.ln2 = nn.LayerNorm(spec.d_model)
+        self.mlp = MLP(spec.d_model, spec.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, spec: GPTSpec, vocab_size: int):
+        super().__init__()
+        self.spec, self.vocab_size = spec, vocab_size
+        self.embed = Embedding(vocab_size, spec.d_model, spec.max_seq_len, spec.dropout)
+        self.blocks = nn.ModuleList(Block(spec) for _ in range(spec.n_layers))
+        self.norm = nn.LayerNorm(spec.d_model)
+        self.head = nn.Linear(spec.d_model, vocab_size, bias=False)
+        self._init_weights()
+
+    def _init_weights(self) -> None:
+        """GPT-2's initialisation: N(0, 0.02), residual projections scaled by 1/sqrt(2L)."""
+        for name, p in self.named_parameters():
+            if p.dim() == 1:
+                continue  # LayerNorm and biases keep PyTorch's ones/zeros
+            std = 0.02 / math.sqrt(2 * self.spec.n_layers) if name.endswith("proj.weight") else 0.02
+            nn.init.normal_(p, mean=0.0, std=std)
+        for m in self.modules():
+            if isinstance(m, nn.Linear) and m.bias is not None:
+                nn.init.zeros_(m.bias)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.embed(idx)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))

@@ -1,0 +1,30 @@
+"""Named model sizes. Pure data (no torch import) so that the command line can validate a
+layout against the model before any process starts."""
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class GPTSpec:
+    n_layers: int
+    n_heads: int
+    d_model: int
+    max_seq_len: int
+    dropout: float = 0.0
+    kind: str = "gpt"
+
+
+@dataclass(frozen=True)
+class MLPSpec:
+    hidden: tuple[int, ...]
+    kind: str = "mlp"
+
+
+PRESETS: dict[str, GPTSpec | MLPSpec] = {
+    # ~0.1M parameters with the byte tokenizer: for tests and quick checks.
+    "gpt-tiny": GPTSpec(n_layers=2, n_heads=4, d_model=64, max_seq_len=256),
+    # ~6.8M parameters with the default 2048-token BPE vocabulary: the default model.
+    "gpt-small": GPTSpec(n_layers=8, n_heads=8, d_model=256, max_seq_len=512),
+    # The classic data-parallel example: Linear+ReLU layers on 8x8 digits.
+    "mlp": MLPSpec(hidden=(128, 128, 128)),
+}
