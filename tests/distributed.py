@@ -1,0 +1,77 @@
+"""Run a function on N real processes joined in a gloo process group, from pytest.
+
+Each rank builds the mesh, calls `fn(mesh, *args)` and saves what it returns; the parent
+collects the results in rank order. A free port is picked per attempt, and the attempt is
+retried if another process took the port first."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import socket
+import sys
+import tempfile
+import traceback
+from pathlib import Path
+
+import torch
+
+ATTEMPTS = 3
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(fn, rank, world, port, sizes, out_dir, args):
+    code = 0
+    try:
+        from meshtrain.launch import RankEnv, init_distributed, shutdown_distributed
+        from meshtrain.mesh import Mesh
+
+        env = RankEnv("test", rank, world, rank, world, "127.0.0.1", port)
+        device = init_distributed(env)
+        torch.set_num_threads(1)
+        mesh = Mesh.build(sizes["pp"], sizes["dp"], sizes["tp"], device)
+        result = fn(mesh, *args)
+        torch.save(result, Path(out_dir, f"rank{rank}.pt"))
+        shutdown_distributed()
+    except BaseException as e:  # report, then leave with a code the parent can read
+        text = traceback.format_exc()
+        Path(out_dir, f"rank{rank}.err").write_text(text)
+        code = 3 if "EADDRINUSE" in text or "address already in use" in text.lower() else 1
+        print(text, file=sys.stderr)
+    from meshtrain.launch import finish
+    finish(code)
+
+
+def run_ranks(fn, world: int, *args, pp: int = 1, tp: int = 1, timeout: float = 180.0) -> list:
+    """Results of `fn(mesh, *args)` on each of `world` ranks (dp = world / (pp·tp))."""
+    sizes = {"pp": pp, "tp": tp, "dp": world // (pp * tp)}
+    ctx = mp.get_context("spawn")
+    for attempt in range(ATTEMPTS):
+        with tempfile.TemporaryDirectory() as out_dir:
+            port = free_port()
+            procs = [ctx.Process(target=_rank_main, args=(fn, r, world, port, sizes, out_dir, args))
+                     for r in range(world)]
+            for p in procs:
+                p.start()
+            for p in procs:
+                p.join(timeout)
+            hung = [r for r, p in enumerate(procs) if p.is_alive()]
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+            codes = [p.exitcode for p in procs]
+            if hung:
+                raise AssertionError(f"ranks {hung} hung for {timeout}s")
+            if any(c == 3 for c in codes) and attempt + 1 < ATTEMPTS:
+                continue  # the port was taken: try another
+            errors = [Path(out_dir, f"rank{r}.err") for r in range(world)]
+            msgs = [e.read_text() for e in errors if e.exists()]
+            if msgs or any(codes):
+                raise AssertionError(f"rank exit codes {codes}\n" + "\n".join(msgs))
+            return [torch.load(Path(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world)]
+    raise AssertionError("could not find a free port")

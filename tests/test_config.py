@@ -1,0 +1,94 @@
+import time
+
+import pytest
+
+from helpers import run_cli
+from meshtrain import config as C
+
+
+def cfg(**sections):
+    c = C.Config()
+    for section, values in sections.items():
+        for k, v in values.items():
+            setattr(getattr(c, section), k, v)
+    return c
+
+
+@pytest.mark.parametrize("sections, world, fix", [
+    ({"layout": {"dp": 2}}, 3, "--dp/--tp/--pp"),
+    ({"model": {"name": "gpt-huge"}}, None, "--model"),
+    ({"layout": {"schedule": "zigzag"}}, None, "--schedule"),
+    ({"train": {"data": "/no/such/file.txt"}}, None, "--data"),
+    ({"train": {"batch_size": 10}, "layout": {"dp": 2, "microbatches": 4}}, None, "multiple of 8"),
+    ({"layout": {"dp": 0}}, None, "--dp 0"),
+    ({"train": {"steps": -1}}, None, "--steps -1"),
+    ({"train": {"seq_len": 0}}, None, "--seq-len 0"),
+    ({"train": {"lr": 0.0}}, None, "--lr"),
+    ({"layout": {"zero": 4}}, None, "--zero"),
+    ({"model": {"name": "mlp"}}, None, "--data digits"),
+    ({"train": {"seq_len": 4096}}, None, "--seq-len 4096"),
+    ({"layout": {"tp": 3, "dp": 1}}, None, "use --tp 1, 2, 4, 8"),
+    ({"layout": {"tp": 2, "dp": 1}}, None, "not in this version"),
+])
+def test_validation_names_the_flag(sections, world, fix):
+    with pytest.raises(C.ConfigError) as e:
+        C.validate(cfg(**sections), world_size=world)
+    assert fix in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_defaults_are_valid():
+    C.validate(C.Config())
+    C.validate(C.Config(), world_size=2)
+
+
+def test_toml_then_flags(tmp_path):
+    f = tmp_path / "run.toml"
+    f.write_text('[layout]\ndp = 4\nmicrobatches = 2\n[train]\nsteps = 7\nlr = 3e-4\n[model]\nname = "gpt-tiny"\n')
+    c = C.load(str(f), {("train", "steps"): 9})
+    assert (c.layout.dp, c.layout.microbatches, c.train.steps, c.train.lr, c.model.name) == (4, 2, 9, 3e-4, "gpt-tiny")
+
+
+@pytest.mark.parametrize("text, fix", [("[layout]\ndpp = 2\n", "unknown key 'dpp'"),
+                                       ("[trian]\nsteps = 2\n", "unknown section"),
+                                       ("[layout]\ndp = 'two'\n", "must be int"),
+                                       ("[layout\n", "not valid TOML")])
+def test_bad_toml(tmp_path, text, fix):
+    f = tmp_path / "bad.toml"
+    f.write_text(text)
+    with pytest.raises(C.ConfigError, match=fix):
+        C.load(str(f), {})
+
+
+def test_lr_schedule_warms_up_then_decays():
+    tr = C.TrainConfig(steps=100, warmup=10, lr=1.0, min_lr_ratio=0.1)
+    lrs = [C.lr_at(s, tr) for s in range(100)]
+    assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
+    assert all(a >= b for a, b in zip(lrs[10:], lrs[11:]))
+    assert lrs[-1] == pytest.approx(0.1, abs=1e-3)
+
+
+@pytest.mark.parametrize("args, fix", [
+    (["train", "--dp", "0"], "--dp 0"),
+    (["train", "--model", "gpt-huge"], "unknown model"),
+    (["train", "--schedule", "zigzag"], "unknown schedule"),
+    (["train", "--data", "/no/such/path"], "no such file"),
+    (["verify", "--dp", "3", "--batch-size", "8"], "not divisible"),
+    (["bench", "--vs", "horovod"], "unknown peer"),
+])
+def test_cli_rejects_bad_input_in_one_line(args, fix):
+    t0 = time.perf_counter()
+    r = run_cli(*args, timeout=60)
+    assert r.returncode == 2
+    assert "Traceback" not in r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("meshtrain: error:") and fix in lines[0], r.stderr
+    assert "starting" not in r.stderr  # rejected before any rank starts
+    assert time.perf_counter() - t0 < 30
+
+
+def test_world_size_mismatch_under_torchrun():
+    r = run_cli("--nproc-per-node", "2", "-m", "meshtrain", "train", "--dp", "4", "--model", "gpt-tiny",
+                launcher=("-m", "torch.distributed.run"), timeout=120)
+    assert r.returncode != 0
+    assert "the launcher started 2 processes but dp×tp×pp" in r.stderr

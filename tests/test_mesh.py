@@ -1,0 +1,38 @@
+import torch
+
+from distributed import run_ranks
+from meshtrain.comm import Comm
+from meshtrain.mesh import AXES, Mesh
+
+
+def _mesh_facts(mesh):
+    comm = Comm(mesh)
+    sums = {}
+    for axis in AXES:
+        t = torch.tensor([float(mesh.rank)])
+        comm.all_reduce(t, axis)
+        sums[axis] = t.item()
+    return {"rank": mesh.rank, "coords": mesh.coords(), "sums": sums,
+            "sizes": {a: mesh.size(a) for a in AXES}, "comm": comm.totals()}
+
+
+def test_mesh_2x2x2_tp_innermost_pp_outermost():
+    facts = run_ranks(_mesh_facts, 8, pp=2, tp=2)
+    for f in facts:
+        r = f["rank"]
+        assert f["coords"] == {"pp": r // 4, "dp": (r // 2) % 2, "tp": r % 2}
+        assert f["sizes"] == {"pp": 2, "dp": 2, "tp": 2}
+        # each axis group holds exactly the ranks that differ only in that coordinate
+        assert f["sums"]["tp"] == r - r % 2 + (r - r % 2 + 1)
+        dp_base = r - ((r // 2) % 2) * 2
+        assert f["sums"]["dp"] == dp_base + dp_base + 2
+        assert f["sums"]["pp"] == r % 4 + r % 4 + 4
+        # 4 bytes all-reduced over 2 ranks: 2(n-1)/n * 4 = 4 bytes sent on each axis
+        assert f["comm"] == {"pp": 4.0, "dp": 4.0, "tp": 4.0}
+
+
+def test_single_process_mesh_needs_no_group():
+    mesh = Mesh.single(torch.device("cpu"))
+    t = torch.ones(3)
+    Comm(mesh).all_reduce(t, "dp")
+    assert mesh.world_size == 1 and mesh.coords() == {"pp": 0, "dp": 0, "tp": 0} and t.tolist() == [1, 1, 1]
