@@ -47,6 +47,10 @@ class LayoutConfig:
     def world_size(self) -> int:
         return self.dp * self.tp * self.pp
 
+    def short(self) -> str:
+        """One-line description for titles and logs."""
+        return f"dp={self.dp} tp={self.tp} pp={self.pp} microbatches={self.microbatches} {self.precision}"
+
     def summary(self) -> dict:
         """The `layout` object of the JSON contract."""
         keys = ("dp", "tp", "pp", "zero", "sp", "schedule", "microbatches", "recompute", "precision")
@@ -56,7 +60,7 @@ class LayoutConfig:
 @dataclass
 class TrainConfig:
     data: str = "shakespeare"
-    steps: int = 200
+    steps: int = 300
     batch_size: int = 8  # global, in sequences (samples), whatever the layout
     seq_len: int = 128
     lr: float = 1e-3

@@ -48,7 +48,7 @@ def finish_training(cfg: Config, comm: Comm, result: RunResult, json_mode: bool)
     out = Path(cfg.train.out)
     human = sys.stderr if json_mode else sys.stdout
     summary = summary_json(cfg, result, per_rank)
-    plot_losses(result.losses, out / "loss.png", f"{cfg.model.name}, layout {cfg.layout.summary()}")
+    plot_losses(result.losses, out / "loss.png", f"{cfg.model.name}, {cfg.layout.short()}")
     state = full_state_dict(result.model)
     save_model(out, state, cfg, result.data)
     print(f"loss {result.losses[0]:.3f} -> {result.losses[-1]:.3f} in {len(result.losses)} steps; "

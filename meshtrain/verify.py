@@ -79,7 +79,8 @@ def report(cfg: Config, result: dict, json_mode: bool) -> int:
     verdict = "PASS" if result["passed"] else "FAIL"
     print(f"max_loss_rel_diff {result['max_loss_rel_diff']:.2e}  max_param_rel_diff "
           f"{result['max_param_rel_diff']:.2e} (largest: {result['worst_param']})", file=out)
-    print(f"{verdict}: layout {cfg.layout.summary()} vs one process, tolerance {TOLERANCE:g}", file=out)
+    print(f"{verdict}: {cfg.model.name} with {cfg.layout.short()} vs one process, {cfg.train.steps} steps, "
+          f"tolerance {TOLERANCE:g}", file=out)
     if json_mode:
         keys = ("max_loss_rel_diff", "max_param_rel_diff", "worst_param", "tolerance", "passed", "losses")
         print(json.dumps({"steps": cfg.train.steps, "layout": cfg.layout.summary(),
