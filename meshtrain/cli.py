@@ -7,6 +7,7 @@ line and finds itself under a launcher, as it does under torchrun, srun or mpiru
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -87,8 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         C.validate(cfg, world_size=renv.world_size if renv else None)
         _check_command(cfg, args)
         if renv is None:  # prepare the data once, before any rank starts
-            from meshtrain.data.datasets import prepare
-            prepare(cfg.train.data, cfg.model.name, cfg.train.vocab_size, log=_log)
+            _prepare_data(cfg)
     except (C.ConfigError, DataError) as e:
         if renv is None or renv.rank == 0:
             print(f"meshtrain: error: {e}", file=sys.stderr)
@@ -96,11 +96,20 @@ def main(argv: list[str] | None = None) -> int:
 
     if renv is None and cfg.layout.world_size > 1:
         return _launch_local(cfg, args, argv)
-    return _run_here(cfg, args, renv)
+    try:
+        return _run_here(cfg, args, renv)
+    except KeyboardInterrupt:  # Ctrl-C reaches every rank: leave quietly, the launcher reports it
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        return launch.finish(130) if renv else 130
 
 
 def _log(msg: str) -> None:
     print(f"meshtrain: {msg}", file=sys.stderr, flush=True)
+
+
+def _prepare_data(cfg: C.Config) -> None:
+    from meshtrain.data.datasets import prepare
+    prepare(cfg.train.data, cfg.model.name, cfg.train.vocab_size, log=_log)
 
 
 def _launch_local(cfg: C.Config, args, argv: list[str]) -> int:
@@ -116,7 +125,7 @@ def _launch_local(cfg: C.Config, args, argv: list[str]) -> int:
         if code:
             return code
         layout = torch.load(Path(tmp, LAYOUT_DUMP), weights_only=False)
-    return verify.report(cfg, verify.compare(layout, verify.record_reference(cfg)), args.json)
+    return verify.against_reference(cfg, layout, args.json)
 
 
 def _run_here(cfg: C.Config, args, renv) -> int:
@@ -130,8 +139,7 @@ def _run_here(cfg: C.Config, args, renv) -> int:
         import torch.distributed as dist
         device = launch.init_distributed(renv)
         if renv.local_rank == 0:
-            from meshtrain.data.datasets import prepare
-            prepare(cfg.train.data, cfg.model.name, cfg.train.vocab_size, log=_log)
+            _prepare_data(cfg)
         mesh = Mesh.build(cfg.layout.pp, cfg.layout.dp, cfg.layout.tp, device)
         dist.barrier()  # the data is ready
     comm = Comm(mesh)
@@ -172,7 +180,7 @@ def _verify(cfg, comm, args, renv) -> int:
     if args.dump_dir:
         torch.save(rec, Path(args.dump_dir, LAYOUT_DUMP))
         return 0
-    return verify.report(cfg, verify.compare(rec, verify.record_reference(cfg)), args.json)
+    return verify.against_reference(cfg, rec, args.json)
 
 
 def _bench(cfg, comm, args) -> int:

@@ -75,9 +75,14 @@ def threads_per_rank(local_world_size: int) -> int:
     return max(1, (os.cpu_count() or 1) // max(1, local_world_size))
 
 
+def signal_name(sig) -> str:
+    return getattr(sig, "name", f"signal {sig}")
+
+
 def spawn(nproc: int, argv: list[str]) -> int:
     """Run `python -m meshtrain ARGV` as `nproc` local ranks under torchrun's engine and
     return the job's exit code. If any rank fails, the engine stops the others."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -94,6 +99,9 @@ def spawn(nproc: int, argv: list[str]) -> int:
         how = f"exit code {failure.exitcode}" if failure.exitcode > 0 else f"signal {-failure.exitcode}"
         print(f"meshtrain: rank {rank} failed ({how}); the other ranks were stopped", file=sys.stderr)
         return code
+    except SignalException as e:  # Ctrl-C or a scheduler's SIGTERM: the engine stopped the ranks
+        print(f"meshtrain: stopped by {signal_name(e.sigval)}; all ranks were stopped", file=sys.stderr)
+        return 128 + int(e.sigval)
     return 0
 
 

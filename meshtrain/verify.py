@@ -41,6 +41,11 @@ def record_reference(cfg: Config) -> dict:
     return record(reference_config(cfg), Comm(Mesh.single(local_device())), "reference")
 
 
+def against_reference(cfg: Config, layout: dict, json_mode: bool) -> int:
+    """Run the one-process reference here, compare, report; returns the exit code."""
+    return report(cfg, compare(layout, record_reference(cfg)), json_mode)
+
+
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.double(), b.double()
     denom = b.norm().item()

@@ -1,9 +1,13 @@
 """The command line as users and outside scripts call it (contract in DESIGN.md)."""
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
+from distributed import free_port
 from helpers import TINY, last_json, run_cli
 
 TRAIN_KEYS = {"steps", "losses", "final_loss", "step_time_median_s", "tokens_per_s", "n_params", "layout",
@@ -50,6 +54,26 @@ def test_verify_under_torchrun_joins_its_processes():
                 launcher=("-m", "torch.distributed.run"))
     assert r.returncode == 0, r.stderr
     assert "PASS" in r.stdout and "starting" not in r.stderr
+
+
+@pytest.mark.parametrize("launcher_env", [
+    lambda r: {"OMPI_COMM_WORLD_RANK": str(r), "OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_RANK": str(r),
+               "OMPI_COMM_WORLD_LOCAL_SIZE": "2"},
+    lambda r: {"SLURM_PROCID": str(r), "SLURM_STEP_NUM_TASKS": "2", "SLURM_LOCALID": str(r),
+               "SLURM_STEP_NUM_NODES": "1", "SLURM_STEP_NODELIST": "localhost", "SLURM_JOB_ID": "1"},
+], ids=["mpirun", "srun"])
+def test_joins_ranks_started_by_mpirun_or_srun(tmp_path, launcher_env):
+    """Two processes with the variables mpirun/srun set, as those launchers would start them."""
+    port = str(free_port())
+    procs = [subprocess.Popen([sys.executable, "-m", "meshtrain", "train", *TINY, "--dp", "2", "--steps", "2",
+                               "--out", tmp_path, "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env={**os.environ, **launcher_env(r), "MASTER_PORT": port})
+             for r in range(2)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs[0][1] + outs[1][1]
+    j = last_json(outs[0][0])
+    assert j["layout"]["dp"] == 2 and len(j["model_state_bytes_per_rank"]) == 2
+    assert outs[1][0].strip() == ""  # only rank 0 reports
 
 
 def test_bench_vs_ddp_smoke():

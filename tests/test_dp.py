@@ -29,7 +29,8 @@ def tiny_config(dp=1, microbatches=1, steps=3, batch_size=8, model="gpt-tiny", b
 def _train_and_record(mesh, cfg):
     result = train(cfg, Comm(mesh), snapshot_steps={1, cfg.train.steps})
     return {"losses": result.losses, "snapshots": result.snapshots, "comm": result.comm_per_step,
-            "n_params": result.n_params, "model_state": result.model_state}
+            "n_params": result.n_params, "model_state": result.model_state,
+            "params": torch.cat([p.detach().flatten() for p in result.model.parameters()])}
 
 
 def _reference(cfg):
@@ -40,7 +41,10 @@ def _reference(cfg):
 def test_dp_with_microbatches_equals_one_process_with_the_full_batch(dp, microbatches, model):
     cfg = tiny_config(dp=dp, microbatches=microbatches, batch_size=16 if model == "gpt-tiny" else 32,
                       model=model, bucket_mb=0.02)  # several buckets
-    layout = run_ranks(_train_and_record, dp, cfg)[0]
+    ranks = run_ranks(_train_and_record, dp, cfg)
+    # replicas stay bit-identical: every rank receives the same reduced gradient
+    assert all(torch.equal(r["params"], ranks[0]["params"]) for r in ranks)
+    layout = ranks[0]
     result = compare(layout, _reference(cfg))
     # fp32 with only the order of sums changed: differences at the level of rounding
     assert result["max_loss_rel_diff"] < 1e-5, result
