@@ -118,8 +118,9 @@ def _launch_local(cfg: C.Config, args, argv: list[str]) -> int:
     _log(f"starting {n} local ranks (dp={cfg.layout.dp}, tp={cfg.layout.tp}, pp={cfg.layout.pp})")
     if args.command != "verify":
         return launch.spawn(n, argv)
-    from meshtrain import verify
     import torch
+
+    from meshtrain import verify
     with tempfile.TemporaryDirectory(prefix="meshtrain-verify-") as tmp:
         code = launch.spawn(n, argv + ["--dump-dir", tmp])
         if code:

@@ -228,7 +228,7 @@ def _validate_data(cfg: Config) -> None:
     if is_mlp and data != "digits":
         raise ConfigError(f"--model mlp trains on images, not '{data}'; use --data digits")
     if data == "digits" and not is_mlp:
-        raise ConfigError(f"--data digits is for --model mlp; use --model mlp or text data")
+        raise ConfigError("--data digits is for --model mlp; use --model mlp or text data")
     if data not in BUILTIN_DATA and not os.path.exists(data):
         raise ConfigError(f"--data {data}: no such file or folder; use --data shakespeare or a text path")
 

@@ -7,7 +7,6 @@ retried if another process took the port first."""
 from __future__ import annotations
 
 import multiprocessing as mp
-import os
 import socket
 import sys
 import tempfile
@@ -38,7 +37,7 @@ def _rank_main(fn, rank, world, port, sizes, out_dir, args):
         result = fn(mesh, *args)
         torch.save(result, Path(out_dir, f"rank{rank}.pt"))
         shutdown_distributed()
-    except BaseException as e:  # report, then leave with a code the parent can read
+    except BaseException:  # report, then leave with a code the parent can read
         text = traceback.format_exc()
         Path(out_dir, f"rank{rank}.err").write_text(text)
         code = 3 if "EADDRINUSE" in text or "address already in use" in text.lower() else 1

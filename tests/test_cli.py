@@ -6,7 +6,6 @@ import subprocess
 import sys
 
 import pytest
-
 from distributed import free_port
 from helpers import TINY, last_json, run_cli
 

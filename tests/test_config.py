@@ -1,8 +1,8 @@
 import time
 
 import pytest
-
 from helpers import run_cli
+
 from meshtrain import config as C
 
 

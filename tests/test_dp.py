@@ -4,8 +4,8 @@ from contextlib import nullcontext
 
 import pytest
 import torch
-
 from distributed import run_ranks
+
 from meshtrain.comm import Comm
 from meshtrain.config import Config
 from meshtrain.launch import local_device

@@ -1,6 +1,6 @@
 import torch
-
 from distributed import run_ranks
+
 from meshtrain.comm import Comm
 from meshtrain.mesh import AXES, Mesh
 

@@ -2,14 +2,14 @@ import math
 
 import pytest
 import torch
-
 from distributed import run_ranks
+
 from meshtrain.comm import Comm
+from meshtrain.config import TrainConfig
 from meshtrain.mesh import Mesh
 from meshtrain.metrics import ActivationMeter, model_state_bytes
 from meshtrain.models import build_model
 from meshtrain.optim import SHARDED_OVER, build_optimizer, clip_grad_norm_
-from meshtrain.config import TrainConfig
 
 
 def _full_grads():
