@@ -21,13 +21,17 @@ BENCH_STEPS = 20
 LAYOUT_DUMP = "layout.pt"
 
 
-def _add_run_flags(p: argparse.ArgumentParser) -> None:
+def _add_run_flags(p: argparse.ArgumentParser, steps: int | None = None) -> None:
     p.add_argument("--config", metavar="FILE", help="TOML file with [model], [layout], [train] sections")
-    for flag, _, name, typ, help_text in C.FLAGS:
+    defaults = C.Config()
+    defaults.train.steps = steps or defaults.train.steps
+    for flag, section, name, typ, help_text in C.FLAGS:
         if typ is bool:
             p.add_argument(flag, action="store_true", default=None, help=help_text)
         else:
-            p.add_argument(flag, type=typ, default=None, help=help_text, metavar=typ.__name__.upper())
+            default = getattr(getattr(defaults, section), name)
+            p.add_argument(flag, type=typ, default=None, help=f"{help_text} (default {default})",
+                           metavar=typ.__name__.upper())
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
 
 
@@ -35,13 +39,20 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="meshtrain", description="Distributed training, every strategy, "
                                 "verified against one process.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    train = sub.add_parser("train", help="train a model (default: gpt-small on Shakespeare, dp=2)")
+    launched = ("From a shell, starts dp×tp×pp local ranks itself; under torchrun, srun or mpirun "
+                "it joins the ranks those started.")
+    train = sub.add_parser("train", help="train a model (default: gpt-small on Shakespeare, dp=2)",
+                           description="Train a model. " + launched)
     _add_run_flags(train)
-    verify = sub.add_parser("verify", help=f"check a layout against one process (default {VERIFY_STEPS} steps)")
-    _add_run_flags(verify)
+    verify = sub.add_parser("verify", help=f"check a layout against one process (default {VERIFY_STEPS} steps)",
+                            description="Run the layout and one-process training on the same seed and global "
+                            "batch; exit 0 only if losses and every parameter agree to 1e-4. " + launched)
+    _add_run_flags(verify, steps=VERIFY_STEPS)
     verify.add_argument("--dump-dir", help=argparse.SUPPRESS)  # set by the launching parent
-    bench = sub.add_parser("bench", help=f"ours vs PyTorch's native peer, interleaved (default {BENCH_STEPS} steps)")
-    _add_run_flags(bench)
+    bench = sub.add_parser("bench", help=f"ours vs PyTorch's native peer, interleaved (default {BENCH_STEPS} steps)",
+                           description="Run this project and PyTorch's native peer step by step in the same "
+                           "ranks; report median step times and their ratio. " + launched)
+    _add_run_flags(bench, steps=BENCH_STEPS)
     bench.add_argument("--vs", required=True, metavar="PEER", help="the peer: ddp")
     gen = sub.add_parser("generate", help="sample text from a model trained by `meshtrain train`")
     gen.add_argument("--ckpt", required=True, metavar="DIR", help="the --out folder of a training run")

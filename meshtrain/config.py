@@ -105,7 +105,7 @@ FLAGS = [
     ("--microbatches", "layout", "microbatches", int, "micro-batches per step and DP rank (accumulated)"),
     ("--recompute", "layout", "recompute", str, "activation checkpointing: " + "|".join(RECOMPUTE)),
     ("--precision", "layout", "precision", str, "|".join(PRECISIONS)),
-    ("--bucket-mb", "layout", "bucket_mb", float, "DP gradient bucket size in MB (default 25)"),
+    ("--bucket-mb", "layout", "bucket_mb", float, "DP gradient bucket size in MB"),
     ("--steps", "train", "steps", int, "optimizer steps"),
     ("--batch-size", "train", "batch_size", int, "global batch in sequences, whatever the layout"),
     ("--seq-len", "train", "seq_len", int, "tokens per sequence"),
