@@ -120,7 +120,7 @@ def _log(msg: str) -> None:
 
 def _prepare_data(cfg: C.Config) -> None:
     from meshtrain.data.datasets import prepare
-    prepare(cfg.train.data, cfg.model.name, cfg.train.vocab_size, log=_log)
+    prepare(cfg.train.data, cfg.model.name, cfg.train.vocab_size, cfg.train.seq_len, log=_log)
 
 
 def _launch_local(cfg: C.Config, args, argv: list[str]) -> int:

@@ -92,3 +92,10 @@ def test_world_size_mismatch_under_torchrun():
                 launcher=("-m", "torch.distributed.run"), timeout=120)
     assert r.returncode != 0
     assert "the launcher started 2 processes but dp×tp×pp" in r.stderr
+
+
+def test_cli_rejects_text_too_short_for_the_sequence(tmp_path):
+    (tmp_path / "short.txt").write_text("too short")
+    r = run_cli("train", "--data", tmp_path / "short.txt", "--model", "gpt-tiny", "--vocab-size", "256", timeout=60)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith("meshtrain: error: the text has 9 tokens")

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from meshtrain.data.corpus import read_text, text_files
+from meshtrain.data.corpus import DataError, read_text, text_files
 from meshtrain.data.tokenizer import TOKENIZER_FILE, BPETokenizer, ByteTokenizer, load_tokenizer
 
 TOKENS_FILE = "tokens.bin"
@@ -27,6 +27,12 @@ def cache_root() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "meshtrain"
 
 
+def check_length(n_tokens: int, seq_len: int) -> None:
+    if n_tokens < seq_len + 2:
+        raise DataError(f"the text has {n_tokens} tokens, too few for --seq-len {seq_len}; "
+                        f"use more text or a smaller --seq-len")
+
+
 class TextData:
     """Random windows of a memory-mapped uint16 token file."""
 
@@ -35,8 +41,7 @@ class TextData:
         self.tokenizer = load_tokenizer(folder, meta["vocab_size"])
         self.tokens = np.memmap(folder / TOKENS_FILE, dtype=np.uint16, mode="r")
         self.folder, self.vocab_size, self.seq_len, self.seed = folder, meta["vocab_size"], seq_len, seed
-        if len(self.tokens) < seq_len + 2:
-            raise ValueError(f"the corpus has {len(self.tokens)} tokens, fewer than --seq-len {seq_len} + 2")
+        check_length(len(self.tokens), seq_len)
 
     def batch(self, step: int, batch_size: int, rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows `rows` of the global batch of `step`: (inputs, next-token targets)."""
@@ -115,11 +120,13 @@ def prepare_text(source: str, vocab_size: int, log=print) -> Path:
     return folder
 
 
-def prepare(data: str, model: str, vocab_size: int, log=print) -> Path | None:
+def prepare(data: str, model: str, vocab_size: int, seq_len: int, log=print) -> Path | None:
     """Build what the ranks will read (once, before they start); None when nothing is needed."""
     if model == "mlp":
         return None
-    return prepare_text(data, vocab_size, log)
+    folder = prepare_text(data, vocab_size, log)
+    check_length(json.loads((folder / META_FILE).read_text())["n_tokens"], seq_len)
+    return folder
 
 
 def open_dataset(data: str, model: str, vocab_size: int, seq_len: int, seed: int):
