@@ -6,23 +6,17 @@ written under a temporary name and renamed, so a checkpoint is never half-writte
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 
 import torch
 
+from meshtrain.atomic import atomic_write
 from meshtrain.config import Config
 from meshtrain.data.tokenizer import TOKENIZER_FILE, ByteTokenizer, load_tokenizer
 
 WEIGHTS_FILE = "model.safetensors"
 RUN_FILE = "run.json"
-
-
-def _atomic(path: Path, write) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    write(tmp)
-    os.replace(tmp, path)
 
 
 def save_model(out: Path, state: dict[str, torch.Tensor], cfg: Config, data) -> None:
@@ -35,9 +29,9 @@ def save_model(out: Path, state: dict[str, torch.Tensor], cfg: Config, data) -> 
         meta["vocab_size"] = tokenizer.vocab_size
         folder = getattr(data, "folder", None)
         if tokenizer.vocab_size != ByteTokenizer.vocab_size and folder is not None:
-            _atomic(out / TOKENIZER_FILE, lambda p: shutil.copyfile(folder / TOKENIZER_FILE, p))
-    _atomic(out / WEIGHTS_FILE, lambda p: save_file({k: v.contiguous() for k, v in state.items()}, str(p)))
-    _atomic(out / RUN_FILE, lambda p: p.write_text(json.dumps(meta, indent=2)))
+            atomic_write(out / TOKENIZER_FILE, lambda p: shutil.copyfile(folder / TOKENIZER_FILE, p))
+    atomic_write(out / WEIGHTS_FILE, lambda p: save_file({k: v.contiguous() for k, v in state.items()}, str(p)))
+    atomic_write(out / RUN_FILE, lambda p: p.write_text(json.dumps(meta, indent=2)))
 
 
 def load_model(ckpt: Path, device="cpu"):

@@ -24,9 +24,6 @@ class _Done:
     def wait(self):
         return True
 
-    def is_completed(self):
-        return True
-
 
 class Comm:
     def __init__(self, mesh: Mesh):

@@ -75,10 +75,6 @@ def threads_per_rank(local_world_size: int) -> int:
     return max(1, (os.cpu_count() or 1) // max(1, local_world_size))
 
 
-def signal_name(sig) -> str:
-    return getattr(sig, "name", f"signal {sig}")
-
-
 def spawn(nproc: int, argv: list[str]) -> int:
     """Run `python -m meshtrain ARGV` as `nproc` local ranks under torchrun's engine and
     return the job's exit code. If any rank fails, the engine stops the others."""
@@ -100,7 +96,7 @@ def spawn(nproc: int, argv: list[str]) -> int:
         print(f"meshtrain: rank {rank} failed ({how}); the other ranks were stopped", file=sys.stderr)
         return code
     except SignalException as e:  # Ctrl-C or a scheduler's SIGTERM: the engine stopped the ranks
-        print(f"meshtrain: stopped by {signal_name(e.sigval)}; all ranks were stopped", file=sys.stderr)
+        print(f"meshtrain: stopped by {e.sigval.name}; all ranks were stopped", file=sys.stderr)
         return 128 + int(e.sigval)
     return 0
 

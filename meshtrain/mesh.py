@@ -51,10 +51,6 @@ class Mesh:
         """The process group of this rank along `axis` (None on the one-process mesh)."""
         return self._dm.get_group(axis) if self._dm is not None else None
 
-    def world_group(self):
-        import torch.distributed as dist
-        return dist.group.WORLD if self._dm is not None else None
-
     @property
     def is_main(self) -> bool:
         return self.rank == 0

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from meshtrain.atomic import atomic_write
 from meshtrain.data.corpus import DataError, read_text, text_files
 from meshtrain.data.tokenizer import TOKENIZER_FILE, BPETokenizer, ByteTokenizer, load_tokenizer
 
@@ -85,7 +86,6 @@ def _usable_vocab(vocab_size: int) -> int:
 
 
 def _text_cache_folder(source: str, vocab_size: int) -> tuple[Path, list[Path]]:
-    vocab_size = _usable_vocab(vocab_size)
     files = text_files(source)
     key = hashlib.sha256(json.dumps([[str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns] for f in files]
                                     + [vocab_size]).encode()).hexdigest()[:16]
@@ -93,11 +93,15 @@ def _text_cache_folder(source: str, vocab_size: int) -> tuple[Path, list[Path]]:
     return cache_root() / f"{name}-v{vocab_size}-{key}", files
 
 
-def prepare_text(source: str, vocab_size: int, log=print) -> Path:
+def _to_stderr(msg: str) -> None:
+    print(msg, file=sys.stderr)
+
+
+def prepare_text(source: str, vocab_size: int, log=_to_stderr) -> Path:
     """Tokenize the text once into a cached folder (tokenizer.json, tokens.bin, meta.json).
-    Every file is written under a temporary name and renamed: a reader never sees half."""
-    folder, files = _text_cache_folder(source, vocab_size)
+    Every file is written atomically: a reader never sees half. Returns the folder."""
     vocab_size = _usable_vocab(vocab_size)
+    folder, files = _text_cache_folder(source, vocab_size)
     if (folder / META_FILE).exists():
         return folder
     folder.mkdir(parents=True, exist_ok=True)
@@ -109,18 +113,14 @@ def prepare_text(source: str, vocab_size: int, log=print) -> Path:
         tokenizer = BPETokenizer.train(files, vocab_size)
         tokenizer.save(folder / TOKENIZER_FILE)
     ids = tokenizer.encode(text)
-    tmp = folder / f"{TOKENS_FILE}.tmp{os.getpid()}"
-    ids.tofile(tmp)
-    os.replace(tmp, folder / TOKENS_FILE)
+    atomic_write(folder / TOKENS_FILE, ids.tofile)
     meta = {"source": source, "files": len(files), "n_tokens": int(len(ids)), "vocab_size": tokenizer.vocab_size}
-    tmp = folder / f"{META_FILE}.tmp{os.getpid()}"
-    tmp.write_text(json.dumps(meta))
-    os.replace(tmp, folder / META_FILE)
+    atomic_write(folder / META_FILE, lambda p: p.write_text(json.dumps(meta)))
     log(f"tokenized {len(files)} file(s) into {len(ids):,} tokens (cached in {folder})")
     return folder
 
 
-def prepare(data: str, model: str, vocab_size: int, seq_len: int, log=print) -> Path | None:
+def prepare(data: str, model: str, vocab_size: int, seq_len: int, log=_to_stderr) -> Path | None:
     """Build what the ranks will read (once, before they start); None when nothing is needed."""
     if model == "mlp":
         return None
@@ -132,7 +132,4 @@ def prepare(data: str, model: str, vocab_size: int, seq_len: int, log=print) -> 
 def open_dataset(data: str, model: str, vocab_size: int, seq_len: int, seed: int):
     if model == "mlp":
         return DigitsData(seed)
-    folder, _ = _text_cache_folder(data, vocab_size)
-    if not (folder / META_FILE).exists():
-        folder = prepare_text(data, vocab_size)
-    return TextData(folder, seq_len, seed)
+    return TextData(prepare_text(data, vocab_size), seq_len, seed)  # cached: returns at once

@@ -3,10 +3,11 @@ few MB of text), and a plain byte tokenizer (vocabulary 256) that needs nothing 
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import numpy as np
+
+from meshtrain.atomic import atomic_write
 
 TOKENIZER_FILE = "tokenizer.json"
 
@@ -44,9 +45,7 @@ class BPETokenizer:
         return cls(Tokenizer.from_file(str(path)))
 
     def save(self, path: Path) -> None:
-        tmp = f"{path}.tmp{os.getpid()}"
-        self._tok.save(tmp)
-        os.replace(tmp, path)
+        atomic_write(path, lambda tmp: self._tok.save(str(tmp)))
 
     def encode(self, text: str) -> np.ndarray:
         # Encode line by line in one batch call: fast, and the byte-level BPE keeps the newlines.

@@ -35,10 +35,6 @@ class Bucket:
         self.pending = len(params)
         self.work = None
 
-    @property
-    def nbytes(self) -> int:
-        return self.buffer.numel() * self.buffer.element_size()
-
 
 class DataParallel:
     """Attach bucketed, overlapped gradient all-reduce over `axis` to `model`'s parameters.
@@ -56,10 +52,6 @@ class DataParallel:
                 p.register_post_accumulate_grad_hook(self._on_grad_ready)
         self._sync = True
         self._next_launch = 0
-
-    @property
-    def grad_bytes(self) -> int:
-        return sum(b.nbytes for b in self.buckets)
 
     def _on_grad_ready(self, p: nn.Parameter) -> None:
         bucket = self._bucket_of[p]
