@@ -101,9 +101,12 @@ def main(argv: list[str] | None = None) -> int:
         if renv is None:  # prepare the data once, before any rank starts
             _prepare_data(cfg)
     except (C.ConfigError, DataError) as e:
-        if renv is None or renv.rank == 0:
+        if renv is None:
             print(f"meshtrain: error: {e}", file=sys.stderr)
-        return launch.finish(2) if renv else 2
+            return 2
+        # Every rank says it: the launcher may stop the others as soon as the first one exits.
+        print(f"meshtrain: error (rank {renv.rank}): {e}", file=sys.stderr)
+        return launch.finish(2)
 
     if renv is None and cfg.layout.world_size > 1:
         return _launch_local(cfg, args, argv)
