@@ -9,7 +9,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.meshtrain-installed
 
-.PHONY: setup train test bench clean
+.PHONY: setup train test test-all bench clean
 
 setup: $(STAMP)
 
@@ -24,6 +24,9 @@ train: setup
 	$(VENV)/bin/meshtrain train
 
 test: setup
+	$(PY) -m pytest -q -m "not slow"
+
+test-all: setup
 	$(PY) -m pytest -q
 
 bench: setup

@@ -2,11 +2,16 @@
 
 From a plain shell a multi-rank command validates its configuration, prepares the data,
 and starts dp×tp×pp local ranks through torchrun's engine; each rank runs this same command
-line and finds itself under a launcher, as it does under torchrun, srun or mpirun."""
+line and finds itself under a launcher, as it does under torchrun, srun or mpirun.
+
+Each command has a collective part, which every rank runs inside the process group, and a
+part for rank 0 alone (writing files, the verify reference, printing), which runs after the
+group is shut down: nothing slow ever holds the other ranks inside a timed collective."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import tempfile
@@ -16,8 +21,7 @@ from meshtrain import config as C
 from meshtrain import launch
 
 BENCH_PEERS = ("ddp",)  # meshtrain.bench.PEERS, named here so that a bad --vs fails without torch
-VERIFY_STEPS = 10
-BENCH_STEPS = 20
+COMMAND_STEPS = {"verify": 10, "bench": 20}  # their default --steps, unless TOML or a flag says
 LAYOUT_DUMP = "layout.pt"
 
 
@@ -27,11 +31,12 @@ def _add_run_flags(p: argparse.ArgumentParser, steps: int | None = None) -> None
     defaults.train.steps = steps or defaults.train.steps
     for flag, section, name, typ, help_text in C.FLAGS:
         if typ is bool:
-            p.add_argument(flag, action="store_true", default=None, help=help_text)
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
+                           help=f"{help_text} (default off)")
         else:
             default = getattr(getattr(defaults, section), name)
-            p.add_argument(flag, type=typ, default=None, help=f"{help_text} (default {default})",
-                           metavar=typ.__name__.upper())
+            shown = f" (default {default})" if default is not None else ""
+            p.add_argument(flag, type=typ, default=None, help=f"{help_text}{shown}", metavar=typ.__name__.upper())
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
 
 
@@ -44,23 +49,28 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="train a model (default: gpt-small on Shakespeare, dp=2)",
                            description="Train a model. " + launched)
     _add_run_flags(train)
-    verify = sub.add_parser("verify", help=f"check a layout against one process (default {VERIFY_STEPS} steps)",
+    steps = COMMAND_STEPS["verify"]
+    verify = sub.add_parser("verify", help=f"check a layout against one process (default {steps} steps)",
                             description="Run the layout and one-process training on the same seed and global "
-                            "batch; exit 0 only if losses and every parameter agree to 1e-4. " + launched)
-    _add_run_flags(verify, steps=VERIFY_STEPS)
+                            "batch. At the first, a middle and the last step the reference takes the step from "
+                            "the layout's own state: gradients, updates and the loss must agree per tensor, "
+                            "and every rank's copy must match. Exit 0 only then. " + launched)
+    _add_run_flags(verify, steps=steps)
     verify.add_argument("--dump-dir", help=argparse.SUPPRESS)  # set by the launching parent
-    bench = sub.add_parser("bench", help=f"ours vs PyTorch's native peer, interleaved (default {BENCH_STEPS} steps)",
+    steps = COMMAND_STEPS["bench"]
+    bench = sub.add_parser("bench", help=f"ours vs PyTorch's native peer, interleaved (default {steps} steps)",
                            description="Run this project and PyTorch's native peer step by step in the same "
                            "ranks; report median step times and their ratio. " + launched)
-    _add_run_flags(bench, steps=BENCH_STEPS)
+    _add_run_flags(bench, steps=steps)
     bench.add_argument("--vs", required=True, metavar="PEER", help="the peer: ddp")
     gen = sub.add_parser("generate", help="sample text from a model trained by `meshtrain train`")
     gen.add_argument("--ckpt", required=True, metavar="DIR", help="the --out folder of a training run")
     gen.add_argument("--prompt", default="\n", help="text to continue")
-    gen.add_argument("--tokens", type=int, default=200, help="tokens to generate")
-    gen.add_argument("--temperature", type=float, default=0.8)
-    gen.add_argument("--top-k", type=int, default=50)
-    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--tokens", type=int, default=200, help="tokens to generate (default 200)")
+    gen.add_argument("--temperature", type=float, default=0.8, help="softmax temperature > 0 (default 0.8)")
+    gen.add_argument("--top-k", type=int, default=50, help="sample among the k likeliest; 0: all (default 50)")
+    gen.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    gen.add_argument("--device", default="auto", help="auto|cpu|cuda (default auto)")
     return p
 
 
@@ -71,11 +81,8 @@ def _dest(flag: str) -> str:
 def _config_from(args) -> C.Config:
     given = {(sec, name): getattr(args, _dest(flag)) for flag, sec, name, _, _ in C.FLAGS}
     overrides = {key: value for key, value in given.items() if value is not None}
-    if args.command == "verify":
-        overrides.setdefault(("train", "steps"), VERIFY_STEPS)
-    if args.command == "bench":
-        overrides.setdefault(("train", "steps"), BENCH_STEPS)
-    return C.load(args.config, overrides)
+    defaults = {("train", "steps"): COMMAND_STEPS[args.command]} if args.command in COMMAND_STEPS else {}
+    return C.load(args.config, overrides, defaults)
 
 
 def _check_command(cfg: C.Config, args) -> None:
@@ -86,6 +93,16 @@ def _check_command(cfg: C.Config, args) -> None:
             raise C.ConfigError("bench --vs ddp compares data parallelism; use --dp 2 or more")
 
 
+def _check_out_writable(out: str) -> None:
+    """Before any work: a run whose results cannot be saved is refused, not lost at the end."""
+    try:
+        os.makedirs(out, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=out, prefix=".meshtrain-probe-"):
+            pass
+    except OSError as e:
+        raise C.ConfigError(f"--out {out}: cannot write there ({e.strerror or e}); choose another folder") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
@@ -93,14 +110,25 @@ def main(argv: list[str] | None = None) -> int:
         return _generate(args)
     from meshtrain.data.corpus import DataError
 
-    renv = launch.detect()
+    renv = None
     try:
+        renv = launch.detect()
         cfg = _config_from(args)
         C.validate(cfg, world_size=renv.world_size if renv else None)
         _check_command(cfg, args)
-        if renv is None:  # prepare the data once, before any rank starts
-            _prepare_data(cfg)
-    except (C.ConfigError, DataError) as e:
+        speaks = renv.rank == 0 if renv else cfg.layout.world_size == 1  # rank 0 reports, once
+        if args.command == "train" and (renv is None or renv.rank == 0):
+            _check_out_writable(cfg.train.out)
+        for warning in C.warnings(cfg) if speaks and args.command == "train" else []:
+            print(f"meshtrain: warning: {warning}", file=sys.stderr)
+        # From a shell the local ranks are all ours: check the GPUs before starting them.
+        local_rank, local_world = (renv.local_rank, renv.local_world_size) if renv else (0, cfg.layout.world_size)
+        device = launch.choose_device(cfg.train.device, local_rank, local_world)
+        # From a shell: once, before any rank starts. Under a launcher: every rank, before
+        # joining the group (one builds the cache under a file lock, the others wait), so a
+        # large corpus never meets the collective timeout.
+        _prepare_data(cfg)
+    except (C.ConfigError, DataError, launch.LaunchError) as e:
         if renv is None:
             print(f"meshtrain: error: {e}", file=sys.stderr)
             return 2
@@ -111,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     if renv is None and cfg.layout.world_size > 1:
         return _launch_local(cfg, args, argv)
     try:
-        return _run_here(cfg, args, renv)
+        return _run_here(cfg, args, renv, device)
     except KeyboardInterrupt:  # Ctrl-C reaches every rank: leave quietly, the launcher reports it
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         return launch.finish(130) if renv else 130
@@ -143,76 +171,91 @@ def _launch_local(cfg: C.Config, args, argv: list[str]) -> int:
     return verify.against_reference(cfg, layout, args.json)
 
 
-def _run_here(cfg: C.Config, args, renv) -> int:
-    """This process is a rank (under a launcher), or the whole job (world size 1)."""
+def _run_here(cfg, args, renv, device) -> int:
+    """This process is a rank (under a launcher), or the whole job (world size 1): the
+    command's collective part inside the group, then its rank-0 part after shutdown."""
     from meshtrain.comm import Comm
     from meshtrain.mesh import Mesh
 
     if renv is None:
-        mesh = Mesh.single(launch.local_device())
+        mesh = Mesh.single(device)
     else:
-        import torch.distributed as dist
-        device = launch.init_distributed(renv)
-        if renv.local_rank == 0:
-            _prepare_data(cfg)
+        launch.init_distributed(renv, device)
         mesh = Mesh.build(cfg.layout.pp, cfg.layout.dp, cfg.layout.tp, device)
-        dist.barrier()  # the data is ready
-    comm = Comm(mesh)
-    if args.command == "verify":
-        code = _verify(cfg, comm, args, renv)
-    else:
-        code = _COMMANDS[args.command](cfg, comm, args)
-        if renv is not None:
-            launch.shutdown_distributed()
-    return launch.finish(code) if renv is not None else code
+    try:
+        after = _COMMANDS[args.command](cfg, Comm(mesh), args)
+    except Exception as e:
+        if renv is None or not launch.is_peer_failure(e):
+            raise
+        # Another rank died or hung: its own failure is the story; say one line, not a traceback.
+        reason = str(e).strip().splitlines()[0][:200]
+        print(f"meshtrain: rank {renv.rank} stopped: a collective failed ({reason})", file=sys.stderr)
+        return launch.finish(launch.PEER_LOST_EXIT)
+    if renv is None:
+        return after()
+    launch.shutdown_distributed()
+    return launch.finish(after())
 
 
-def _train(cfg, comm, args) -> int:
+def _train(cfg, comm, args):
+    from meshtrain import report
     from meshtrain.metrics import StepLog
-    from meshtrain.report import finish_training
     from meshtrain.train import train
 
     log = StepLog(Path(cfg.train.out) / "metrics.jsonl") if comm.mesh.is_main else None
     result = train(cfg, comm, progress="train", step_log=log)
     if log:
         log.close()
-    finish_training(cfg, comm, result, args.json)
-    return 0
+    gathered = report.gather(result, comm)
+    if not comm.mesh.is_main:
+        return lambda: 0
+    return lambda: report.write(cfg, result, gathered, comm.mesh.device, args.json)
 
 
-def _verify(cfg, comm, args, renv) -> int:
-    """The layout's run, then on rank 0: hand the record to our launching parent (which runs
+def _verify(cfg, comm, args):
+    """The layout's run; then on rank 0: hand the record to our launching parent (which runs
     the reference), or — under torchrun/srun/mpirun or alone — run the reference here."""
     import torch
 
     from meshtrain import verify
 
     rec = verify.record(cfg, comm, "layout")
-    if renv is not None:
-        launch.shutdown_distributed()
     if not comm.mesh.is_main:
-        return 0
-    if args.dump_dir:
+        return lambda: 0
+
+    def hand_over() -> int:
         torch.save(rec, Path(args.dump_dir, LAYOUT_DUMP))
         return 0
-    return verify.against_reference(cfg, rec, args.json)
+    return hand_over if args.dump_dir else lambda: verify.against_reference(cfg, rec, args.json)
 
 
-def _bench(cfg, comm, args) -> int:
-    from meshtrain.bench import run_bench
-    return run_bench(cfg, comm, args.vs, args.json)
+def _bench(cfg, comm, args):
+    from meshtrain import bench
+
+    result = bench.run_bench(cfg, comm, args.vs)
+    if not comm.mesh.is_main:
+        return lambda: 0
+    return lambda: bench.report(cfg, result, args.json)
 
 
-_COMMANDS = {"train": _train, "bench": _bench}
+_COMMANDS = {"train": _train, "verify": _verify, "bench": _bench}
 
 
 def _generate(args) -> int:
     from meshtrain.checkpoint import load_model
     from meshtrain.generate import sample
 
+    bad = [(args.tokens < 0, f"--tokens {args.tokens}: must not be negative"),
+           (args.top_k < 0, f"--top-k {args.top_k}: must not be negative (0 samples from every token)"),
+           (not args.temperature > 0, f"--temperature {args.temperature}: must be positive"),
+           (args.device not in C.DEVICES, f"unknown device '{args.device}'; use --device {' | '.join(C.DEVICES)}")]
     try:
-        model, tokenizer, cfg = load_model(Path(args.ckpt), launch.local_device())
-    except (FileNotFoundError, ValueError) as e:
+        for is_bad, message in bad:
+            if is_bad:
+                raise C.ConfigError(message)
+        device = launch.choose_device(args.device, 0, 1)
+        model, tokenizer, cfg = load_model(Path(args.ckpt), device)
+    except (C.ConfigError, launch.LaunchError, FileNotFoundError, ValueError) as e:
         print(f"meshtrain: error: {e}", file=sys.stderr)
         return 2
     prompt = list(tokenizer.encode(args.prompt))

@@ -1,10 +1,17 @@
-"""Every collective goes through here, so that the bytes each rank moves are counted per
-mesh axis. The count is what this rank sends under the bandwidth-optimal algorithms the
-papers' formulas assume: a ring all-reduce of B bytes over n ranks sends 2(n-1)/n·B, an
-all-gather or reduce-scatter of B bytes in all sends (n-1)/n·B, a point-to-point send B.
+"""Every collective and point-to-point transfer goes through here, so that the bytes each
+rank sends are counted per mesh axis. The count is what this rank sends under the
+bandwidth-optimal algorithms the papers' formulas assume, for B bytes and n ranks:
 
-Reductions made only to report numbers (the logged loss) are counted under "metrics", apart
-from the model's own traffic, so that per-axis figures match the formulas exactly."""
+    all-reduce of B bytes (ring: reduce-scatter, then all-gather)   2(n-1)/n · B
+    all-gather into B bytes in all (each rank holds B/n)              (n-1)/n · B
+    reduce-scatter of B bytes in all (each rank keeps B/n)            (n-1)/n · B
+    broadcast of B bytes (pipelined ring; spread evenly over ranks)   (n-1)/n · B
+    send of B bytes                                                   B  (receiving: 0)
+
+Reductions made only to report numbers or to check (the logged loss, the gradient norm,
+fingerprints) are counted under "metrics", apart from the model's own traffic, so that
+per-axis figures match the formulas exactly. On an axis of size 1 a collective is a no-op
+and counts nothing."""
 
 from __future__ import annotations
 
@@ -16,6 +23,9 @@ import torch.distributed as dist
 from meshtrain.mesh import Mesh
 
 METRICS = "metrics"
+# torch 2.13 renamed the tensor forms of all-gather and reduce-scatter; 2.11 has only the old names.
+_all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 class _Done:
@@ -37,15 +47,62 @@ class Comm:
         """Bytes sent so far, by axis (a copy: subtract two of them for a step's traffic)."""
         return dict(self._sent)
 
+    def _run(self, axis: str, purpose: str | None, nbytes: float, async_op: bool, call):
+        """Count, then issue `call(group)`; a group of one does nothing."""
+        if self.mesh.size(axis) == 1:
+            return _Done() if async_op else None
+        self._count(purpose or axis, nbytes)
+        work = call(self.mesh.group(axis))
+        return work if async_op else None
+
     def all_reduce(self, tensor: torch.Tensor, axis: str, *, op=dist.ReduceOp.SUM, async_op: bool = False,
                    purpose: str | None = None):
         """Sum (or `op`) `tensor` in place over the ranks of `axis`."""
         n = self.mesh.size(axis)
+        return self._run(axis, purpose, 2 * (n - 1) / n * _nbytes(tensor), async_op,
+                         lambda g: dist.all_reduce(tensor, op=op, group=g, async_op=async_op))
+
+    def all_gather(self, output: torch.Tensor, shard: torch.Tensor, axis: str, *, async_op: bool = False,
+                   purpose: str | None = None):
+        """`output` (n × the shard's size, along dim 0) receives every rank's `shard` in rank order."""
+        n = self.mesh.size(axis)
         if n == 1:
-            return _Done() if async_op else None
-        self._count(purpose or axis, 2 * (n - 1) / n * tensor.numel() * tensor.element_size())
-        work = dist.all_reduce(tensor, op=op, group=self.mesh.group(axis), async_op=async_op)
-        return work if async_op else None
+            output.copy_(shard)
+        return self._run(axis, purpose, (n - 1) / n * _nbytes(output), async_op,
+                         lambda g: _all_gather_tensor(output, shard, group=g, async_op=async_op))
+
+    def reduce_scatter(self, output: torch.Tensor, tensor: torch.Tensor, axis: str, *, op=dist.ReduceOp.SUM,
+                       async_op: bool = False, purpose: str | None = None):
+        """`output` receives this rank's 1/n of `tensor` (dim 0) summed over the ranks of `axis`."""
+        n = self.mesh.size(axis)
+        if n == 1:
+            output.copy_(tensor)
+        return self._run(axis, purpose, (n - 1) / n * _nbytes(tensor), async_op,
+                         lambda g: _reduce_scatter_tensor(output, tensor, op=op, group=g, async_op=async_op))
+
+    def broadcast(self, tensor: torch.Tensor, axis: str, *, src_coord: int = 0, async_op: bool = False,
+                  purpose: str | None = None):
+        """Every rank of `axis` receives the tensor of the rank at coordinate `src_coord`."""
+        n = self.mesh.size(axis)
+        return self._run(axis, purpose, (n - 1) / n * _nbytes(tensor), async_op,
+                         lambda g: dist.broadcast(tensor, group=g, async_op=async_op,
+                                                  src=self.mesh.rank_at(axis, src_coord)))
+
+    def send(self, tensor: torch.Tensor, axis: str, offset: int, *, purpose: str | None = None):
+        """Send to the neighbour `offset` steps along `axis` (asynchronous: returns the handle)."""
+        peer = self._peer(axis, offset)
+        self._count(purpose or axis, _nbytes(tensor))
+        return dist.isend(tensor, peer)
+
+    def recv(self, tensor: torch.Tensor, axis: str, offset: int):
+        """Receive into `tensor` from the neighbour `offset` steps along `axis` (returns the handle)."""
+        return dist.irecv(tensor, self._peer(axis, offset))
+
+    def _peer(self, axis: str, offset: int) -> int:
+        peer = self.mesh.neighbour(axis, offset)
+        if peer is None:
+            raise ValueError(f"rank {self.mesh.rank} has no neighbour {offset:+d} along {axis}")
+        return peer
 
     def all_gather_object(self, obj) -> list:
         """Gather a small picklable object from every rank of the whole mesh (reporting only)."""
@@ -54,3 +111,7 @@ class Comm:
         out = [None] * self.mesh.world_size
         dist.all_gather_object(out, obj)
         return out
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()

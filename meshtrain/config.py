@@ -17,6 +17,7 @@ from meshtrain.models.presets import PRESETS, GPTSpec
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
 RECOMPUTE = ("none", "full", "selective")
 PRECISIONS = ("fp32", "bf16")
+DEVICES = ("auto", "cpu", "cuda")
 BUILTIN_DATA = ("shakespeare", "digits")
 
 
@@ -31,7 +32,9 @@ class ModelConfig:
 
 @dataclass
 class LayoutConfig:
-    dp: int = 2
+    # None: fill the world. Under a launcher world ÷ (tp·pp); from a shell 2 when tp = pp = 1
+    # (the default job), else 1. `validate` fills it in.
+    dp: int | None = None
     tp: int = 1
     pp: int = 1
     zero: int = 0
@@ -69,6 +72,7 @@ class TrainConfig:
     clip: float = 1.0  # global-norm clipping; 0 disables it
     weight_decay: float = 0.1
     seed: int = 0
+    device: str = "auto"  # auto: CUDA when present (one GPU per local rank), else CPU
     out: str = "runs/latest"
     resume: bool = False
     vocab_size: int = 2048  # BPE vocabulary trained on the corpus; 256 means the byte tokenizer
@@ -95,7 +99,7 @@ class Config:
 FLAGS = [
     ("--model", "model", "name", str, f"model preset: {', '.join(PRESETS)}"),
     ("--data", "train", "data", str, "'shakespeare' (bundled), 'digits' (for --model mlp), or a text file/folder"),
-    ("--dp", "layout", "dp", int, "data-parallel size"),
+    ("--dp", "layout", "dp", int, "data-parallel size (default: fill the world; 2 from a shell when tp=pp=1)"),
     ("--tp", "layout", "tp", int, "tensor-parallel size"),
     ("--pp", "layout", "pp", int, "pipeline-parallel size"),
     ("--zero", "layout", "zero", int, "ZeRO stage 0|1|2|3"),
@@ -113,6 +117,7 @@ FLAGS = [
     ("--warmup", "train", "warmup", int, "warm-up steps"),
     ("--clip", "train", "clip", float, "global gradient-norm clip (0: off)"),
     ("--seed", "train", "seed", int, "seed of weights and batches"),
+    ("--device", "train", "device", str, "|".join(DEVICES) + " (auto: CUDA when present, one GPU per local rank)"),
     ("--out", "train", "out", str, "output folder (metrics.jsonl, loss.png, model)"),
     ("--resume", "train", "resume", bool, "resume from OUT (not in this version yet)"),
     ("--vocab-size", "train", "vocab_size", int, "BPE vocabulary size (256: byte tokenizer)"),
@@ -143,6 +148,11 @@ def _coerce(value, typ, where: str):
     raise ConfigError(f"{where} must be {typ.__name__}, got {value!r}")
 
 
+def _field_type(annotation: str) -> type:
+    """The plain type of a dataclass field ('int | None' -> int): annotations are strings here."""
+    return {"int": int, "float": float, "bool": bool, "str": str}[annotation.replace(" | None", "")]
+
+
 def apply_sections(cfg: Config, d: dict, source: str) -> None:
     """Set fields from a {section: {field: value}} mapping, rejecting unknown names."""
     for section, values in d.items():
@@ -153,13 +163,16 @@ def apply_sections(cfg: Config, d: dict, source: str) -> None:
         for name, value in values.items():
             if name not in types:
                 raise ConfigError(f"{source}: unknown key '{name}' in [{section}]; known: {', '.join(types)}")
-            typ = {"int": int, "float": float, "bool": bool, "str": str}[types[name]]
-            setattr(target, name, _coerce(value, typ, f"{source}: [{section}] {name}"))
+            setattr(target, name, _coerce(value, _field_type(types[name]), f"{source}: [{section}] {name}"))
 
 
-def load(path: str | None, overrides: dict[tuple[str, str], object]) -> Config:
-    """Defaults, then the TOML file, then the command-line overrides."""
+def load(path: str | None, overrides: dict[tuple[str, str], object],
+         defaults: dict[tuple[str, str], object] | None = None) -> Config:
+    """The built-in defaults, then a command's own `defaults` (verify takes 10 steps), then the
+    TOML file, then the command-line overrides."""
     cfg = Config()
+    for (section, name), value in (defaults or {}).items():
+        setattr(getattr(cfg, section), name, value)
     if path:
         if not os.path.isfile(path):
             raise ConfigError(f"--config {path}: no such file")
@@ -168,21 +181,46 @@ def load(path: str | None, overrides: dict[tuple[str, str], object]) -> Config:
                 apply_sections(cfg, tomllib.load(f), source=path)
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"--config {path}: not valid TOML ({e})") from None
+        except UnicodeDecodeError:
+            raise ConfigError(f"--config {path}: not UTF-8 text; give a TOML file") from None
     for (section, name), value in overrides.items():
         setattr(getattr(cfg, section), name, value)
     return cfg
 
 
+def fill_dp(lay: LayoutConfig, world_size: int | None) -> None:
+    """An unset --dp fills the world: under a launcher world ÷ (tp·pp); from a shell 2 for the
+    default job (tp = pp = 1), else 1, so that `train --pp 2` starts 2 ranks, not 4."""
+    if lay.dp is not None:
+        return
+    rest = lay.tp * lay.pp
+    if world_size is None:
+        lay.dp = 2 if rest == 1 else 1
+    elif world_size % rest:
+        raise ConfigError(f"the launcher started {world_size} processes, not a multiple of tp×pp = "
+                          f"{lay.tp}×{lay.pp} = {rest}; change --tp/--pp or the number of processes")
+    else:
+        lay.dp = world_size // rest
+
+
 def validate(cfg: Config, world_size: int | None = None) -> None:
     """Reject a configuration that cannot work, with one line naming the flag to change.
-    `world_size` is the number of processes a launcher already started, if any."""
+    `world_size` is the number of processes a launcher already started, if any. An unset
+    --dp is filled in here (`fill_dp`)."""
     m, lay, tr = cfg.model, cfg.layout, cfg.train
-    for section, name in [("layout", "dp"), ("layout", "tp"), ("layout", "pp"), ("layout", "chunks"),
-                          ("layout", "microbatches"), ("train", "steps"), ("train", "batch_size"),
-                          ("train", "seq_len")]:
+    sizes = [("layout", "tp"), ("layout", "pp"), ("layout", "chunks"), ("layout", "microbatches"),
+             ("train", "steps"), ("train", "batch_size"), ("train", "seq_len")]
+    for section, name in [("layout", "dp")] + sizes:
         value = getattr(getattr(cfg, section), name)
+        if value is None and name == "dp":
+            continue
         if value < 1:
             raise ConfigError(f"{_flag_of(section, name)} {value}: must be a positive integer")
+    fill_dp(lay, world_size)
+    if tr.seed < 0:
+        raise ConfigError(f"--seed {tr.seed}: must not be negative")
+    if tr.device not in DEVICES:
+        raise ConfigError(f"unknown device '{tr.device}'; use --device {' | '.join(DEVICES)}")
     if not tr.lr > 0:
         raise ConfigError(f"--lr {tr.lr}: must be positive")
     if not lay.bucket_mb > 0:
@@ -221,6 +259,15 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         if not 256 <= tr.vocab_size <= 65535:
             raise ConfigError(f"--vocab-size {tr.vocab_size}: use 256 (bytes) up to 65535")
     _reject_unbuilt(lay, tr)
+
+
+def warnings(cfg: Config) -> list[str]:
+    """Settings that work but are probably not what was meant: one line each, the run goes on."""
+    tr = cfg.train
+    found = []
+    if tr.warmup >= tr.steps:
+        found.append(f"--warmup {tr.warmup} >= --steps {tr.steps}: the learning rate never reaches --lr {tr.lr:g}")
+    return found
 
 
 def _validate_data(cfg: Config) -> None:

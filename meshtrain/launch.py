@@ -18,6 +18,13 @@ from datetime import timedelta
 
 # A collective that waits longer than this ends the job with an error instead of hanging.
 COLLECTIVE_TIMEOUT = timedelta(minutes=5)
+# A rank leaves with this code when a collective failed because another rank died: the parent
+# then names the rank that really failed, not this one.
+PEER_LOST_EXIT = 86
+
+
+class LaunchError(ValueError):
+    """Processes or devices that cannot work as asked; the message is one line naming the fix."""
 
 
 @dataclass(frozen=True)
@@ -44,7 +51,8 @@ def first_host(nodelist: str) -> str:
 def detect(env=os.environ) -> RankEnv | None:
     """The launcher this process runs under, or None when run from a plain shell.
     torchrun sets RANK/WORLD_SIZE/MASTER_*; srun and mpirun set their own variables, from
-    which rank, world size and the rendezvous address are derived."""
+    which rank, world size and the rendezvous address are derived. Raises LaunchError for
+    a multi-node mpirun with no MASTER_ADDR (every rank would wait for itself)."""
     def num(name, default=None):
         return int(env[name]) if name in env else default
 
@@ -52,7 +60,9 @@ def detect(env=os.environ) -> RankEnv | None:
         ws = num("WORLD_SIZE")
         return RankEnv("torchrun", num("RANK"), ws, num("LOCAL_RANK", 0), num("LOCAL_WORLD_SIZE", ws),
                        env["MASTER_ADDR"], num("MASTER_PORT", 29500))
-    if "SLURM_PROCID" in env and "SLURM_STEP_NUM_TASKS" in env:  # inside an srun step
+    # Inside an srun step of several tasks. A step of one task is an interactive shell
+    # (`srun --pty bash`): there meshtrain starts its own ranks, as from any shell.
+    if "SLURM_PROCID" in env and num("SLURM_STEP_NUM_TASKS", 1) > 1:
         ws = num("SLURM_STEP_NUM_TASKS")
         nodes = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or "127.0.0.1"
         per_node = ws // max(1, num("SLURM_STEP_NUM_NODES", 1))
@@ -64,8 +74,12 @@ def detect(env=os.environ) -> RankEnv | None:
              "OMPI_COMM_WORLD_LOCAL_SIZE"),
             ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS")]:
         if rank_var in env and size_var in env:  # mpirun: one node unless MASTER_ADDR says otherwise
-            ws = num(size_var)
-            return RankEnv("mpirun", num(rank_var), ws, num(local_var, 0), num(local_size_var, ws),
+            ws, local_ws = num(size_var), num(local_size_var, num(size_var))
+            if local_ws < ws and "MASTER_ADDR" not in env:
+                raise LaunchError(f"mpirun started {ws} ranks on several nodes ({local_ws} on this one) but "
+                                  f"MASTER_ADDR is not set; export MASTER_ADDR=<first node> and pass it "
+                                  f"on (mpirun -x MASTER_ADDR)")
+            return RankEnv("mpirun", num(rank_var), ws, num(local_var, 0), local_ws,
                            env.get("MASTER_ADDR", "127.0.0.1"), num("MASTER_PORT", 29500))
     return None
 
@@ -90,10 +104,10 @@ def spawn(nproc: int, argv: list[str]) -> int:
     try:
         elastic_launch(config, sys.executable)("-m", "meshtrain", *argv)
     except ChildFailedError as e:
-        rank, failure = min(e.failures.items())
-        code = failure.exitcode if failure.exitcode and failure.exitcode > 0 else 1
-        how = f"exit code {failure.exitcode}" if failure.exitcode > 0 else f"signal {-failure.exitcode}"
-        print(f"meshtrain: rank {rank} failed ({how}); the other ranks were stopped", file=sys.stderr)
+        rank, failure = culprit(e.failures)
+        code = failure.exitcode if failure.exitcode > 0 else 1
+        print(f"meshtrain: rank {rank} failed ({describe_exit(failure.exitcode)}); the other ranks were stopped",
+              file=sys.stderr)
         return code
     except SignalException as e:  # Ctrl-C or a scheduler's SIGTERM: the engine stopped the ranks
         print(f"meshtrain: stopped by {e.sigval.name}; all ranks were stopped", file=sys.stderr)
@@ -101,30 +115,77 @@ def spawn(nproc: int, argv: list[str]) -> int:
     return 0
 
 
-def init_distributed(renv: RankEnv):
-    """Join the process group (gloo on CPU, NCCL when CUDA is present); returns the device."""
+def culprit(failures: dict):
+    """The (rank, failure) that ended the job. When one rank dies, the engine stops the others
+    with SIGTERM and a survivor whose collective broke leaves with PEER_LOST_EXIT; their
+    timestamps (one-second resolution) can equal the culprit's. So a failure of neither kind
+    comes first; among equals the earliest, then the lowest rank (the first the poll saw)."""
+    import signal
+
+    def caused_by_another(f) -> bool:
+        return f.exitcode in (-signal.SIGTERM, PEER_LOST_EXIT)
+
+    return min(failures.items(), key=lambda kv: (caused_by_another(kv[1]), kv[1].timestamp, kv[0]))
+
+
+def describe_exit(exitcode: int) -> str:
+    import signal
+    if exitcode == PEER_LOST_EXIT:
+        return "a collective failed: another rank died or stopped answering"
+    if exitcode >= 0:
+        return f"exit code {exitcode}"
+    try:
+        return f"signal {-exitcode}, {signal.Signals(-exitcode).name}"
+    except ValueError:
+        return f"signal {-exitcode}"
+
+
+def is_peer_failure(exc: BaseException) -> bool:
+    """A collective that failed because another rank died or hung (its own report says why)."""
+    import torch.distributed as dist
+    text = str(exc)
+    return isinstance(exc, getattr(dist, "DistBackendError", ())) or (
+        isinstance(exc, RuntimeError) and any(s in text for s in (
+            "Connection closed by peer", "Connection reset by peer", "Broken pipe", "timed out", "Timed out")))
+
+
+def choose_device(request: str, local_rank: int, local_world_size: int):
+    """The device of a rank: `cpu`, or a GPU of its own. `auto` means CUDA when present.
+    With a GPU per local rank, rank i takes cuda:i; a scheduler that narrows
+    CUDA_VISIBLE_DEVICES to one GPU per task (srun --gpus-per-task=1) leaves cuda:0."""
+    import torch
+
+    if request == "cpu" or (request == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise LaunchError("--device cuda: no CUDA device is visible here; use --device cpu or auto")
+    visible = torch.cuda.device_count()
+    if visible >= local_world_size:
+        return torch.device("cuda", local_rank)
+    narrowed = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+    if visible == 1 and narrowed and "," not in narrowed:
+        return torch.device("cuda", 0)
+    raise LaunchError(f"{local_world_size} local ranks but {visible} visible GPU(s); start at most {visible} "
+                      f"ranks per node, give each task its own GPU (srun --gpus-per-task=1), or use --device cpu")
+
+
+def init_distributed(renv: RankEnv, device):
+    """Join the process group on `device` (gloo on CPU, NCCL on CUDA)."""
     import torch
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR=renv.master_addr, MASTER_PORT=str(renv.master_port),
                       RANK=str(renv.rank), WORLD_SIZE=str(renv.world_size))
-    if torch.cuda.is_available():
-        device = torch.device("cuda", renv.local_rank)
+    options = {}
+    if device.type == "cuda":
         torch.cuda.set_device(device)
-        backend = "nccl"
+        backend, options["device_id"] = "nccl", device
     else:
-        device = torch.device("cpu")
         torch.set_num_threads(threads_per_rank(renv.local_world_size))
         backend = "gloo"
     dist.init_process_group(backend, init_method="env://", rank=renv.rank, world_size=renv.world_size,
-                            timeout=COLLECTIVE_TIMEOUT)
+                            timeout=COLLECTIVE_TIMEOUT, **options)
     return device
-
-
-def local_device():
-    """The device of a one-process run that needs no process group."""
-    import torch
-    return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
 
 
 def shutdown_distributed() -> None:

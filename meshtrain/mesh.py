@@ -16,6 +16,8 @@ class Mesh:
         self.rank = device_mesh.get_rank() if device_mesh is not None else 0
         coord = device_mesh.get_coordinate() if device_mesh is not None else (0,) * len(AXES)
         self._coord = dict(zip(AXES, coord))
+        # Global rank at every coordinate, read once (for point-to-point peers).
+        self._ranks = device_mesh.mesh.tolist() if device_mesh is not None else [[[0]]]
 
     @classmethod
     def build(cls, pp: int, dp: int, tp: int, device) -> "Mesh":
@@ -46,6 +48,21 @@ class Mesh:
 
     def coords(self) -> dict[str, int]:
         return {axis: self.coord(axis) for axis in AXES}
+
+    def rank_at(self, axis: str, coord: int) -> int:
+        """The global rank that shares this rank's other coordinates and sits at `coord` on `axis`."""
+        if not 0 <= coord < self.size(axis):
+            raise ValueError(f"coordinate {coord} is outside the {axis} axis of size {self.size(axis)}")
+        at = dict(self._coord, **{axis: coord})
+        return self._ranks[at["pp"]][at["dp"]][at["tp"]]
+
+    def neighbour(self, axis: str, offset: int, *, wrap: bool = False) -> int | None:
+        """The global rank `offset` steps along `axis` (the next pipeline stage is
+        `neighbour("pp", +1)`); None past either end unless `wrap`."""
+        coord = self.coord(axis) + offset
+        if wrap:
+            coord %= self.size(axis)
+        return self.rank_at(axis, coord) if 0 <= coord < self.size(axis) else None
 
     def group(self, axis: str):
         """The process group of this rank along `axis` (None on the one-process mesh)."""

@@ -1,15 +1,17 @@
 """What every rank measures: its model-state bytes (parameters, gradients, optimizer
-states), the activation bytes autograd saves for backward, and its peak RSS; and what rank 0
-writes: one JSON line per step and the loss curve."""
+states), the peak of its live activation bytes, and its peak RSS; and what rank 0 writes:
+one JSON line per step and the loss curve."""
 
 from __future__ import annotations
 
 import json
 import resource
+import weakref
 from pathlib import Path
 
 import torch
 import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
 def _storage_bytes(tensors) -> int:
@@ -31,31 +33,44 @@ def model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dic
     return {"total": sum(parts.values()), **parts}
 
 
-class ActivationMeter:
-    """Counts the bytes autograd saves for backward during a forward pass (parameters that
-    are saved are not activations and are left out). Use as a context manager."""
+class ActivationMeter(TorchDispatchMode):
+    """The peak of live activation bytes while it is entered (around a step's forward and
+    backward passes): every storage an operator freshly allocates counts from its
+    allocation until it is freed (a weakref finalizer on the storage). Parameters, gradient
+    buffers and inputs exist before and are never fresh allocations; views and in-place
+    results share a storage and are not counted again.
 
-    def __init__(self, model: nn.Module):
-        self._param_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    Unlike `saved_tensors_hooks`, this sees inside activation checkpointing, counts the
+    temporaries of backward, and sees storages die, so several micro-batches in flight (a
+    pipeline) give their true peak. It costs Python time per operator: enter it on a
+    measured step, not on every step."""
+
+    def __init__(self):
+        super().__init__()
         self.peak = 0
-        self._seen: dict[int, int] = {}
-        self._hooks = None
+        self._live = 0
 
-    def _pack(self, t: torch.Tensor):
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in self._param_storages:
-            self._seen[ptr] = t.untyped_storage().nbytes()
-        return t
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        values = out if isinstance(out, tuple) else (out,)
+        for ret, value in zip(func._schema.returns, values):
+            if ret.alias_info is None:  # a fresh result, not a view or an in-place one
+                for t in value if isinstance(value, (list, tuple)) else (value,):
+                    if isinstance(t, torch.Tensor):
+                        self._track(t)
+        return out
 
-    def __enter__(self):
-        self._seen = {}
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
-        self._hooks.__enter__()
-        return self
+    def _track(self, t: torch.Tensor) -> None:
+        storage = t.untyped_storage()
+        nbytes = storage.nbytes()
+        if nbytes == 0:
+            return
+        self._live += nbytes
+        self.peak = max(self.peak, self._live)
+        weakref.finalize(storage, self._free, nbytes)
 
-    def __exit__(self, *exc):
-        self._hooks.__exit__(*exc)
-        self.peak = max(self.peak, sum(self._seen.values()))
+    def _free(self, nbytes: int) -> None:
+        self._live -= nbytes
 
 
 def peak_rss_mib() -> float:

@@ -2,8 +2,7 @@
 
 Clipping uses the global gradient norm. Parameters that a strategy shards carry the mesh
 axes they are split over in `SHARDED_OVER`; their partial squared norms are summed over those
-axes, so the norm is the full model's whatever the layout (with pure data parallelism every
-gradient is replicated and no communication is needed)."""
+axes, so the norm is the full model's whatever the layout."""
 
 from __future__ import annotations
 
@@ -12,17 +11,22 @@ import math
 import torch
 import torch.nn as nn
 
-from meshtrain.comm import Comm
+from meshtrain.comm import METRICS, Comm
 from meshtrain.config import TrainConfig
+from meshtrain.mesh import AXES
 
 SHARDED_OVER = "meshtrain_sharded_over"
+# The axes over which a parameter is a replica unless it says it is sharded over them.
+REPLICATED_AXES = ("dp", "tp")
 
 
-def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
-    """AdamW; matrices decay, biases and norms do not (as in GPT-2 and nanoGPT)."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
-              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+def build_optimizer(named_params: list[tuple[str, nn.Parameter]], decay: set[str],
+                    cfg: TrainConfig) -> torch.optim.Optimizer:
+    """AdamW; the parameters named in `decay` (matrices, as in GPT-2 and nanoGPT: decided on
+    the full parameters, since a shard's shape says nothing) decay, biases and norms do not."""
+    params = [(n, p) for n, p in named_params if p.requires_grad]
+    groups = [{"params": [p for n, p in params if n in decay], "weight_decay": cfg.weight_decay},
+              {"params": [p for n, p in params if n not in decay], "weight_decay": 0.0}]
     return torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
 
 
@@ -32,21 +36,27 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
 
 
 def clip_grad_norm_(params, max_norm: float, comm: Comm) -> float:
-    """Scale gradients so that their global norm is at most `max_norm`; returns the norm."""
-    partial: dict[tuple[str, ...], torch.Tensor] = {}
+    """Scale gradients so that their global norm is at most `max_norm`; returns the norm.
+
+    Every rank issues the same collectives whatever gradients it holds (a pipeline stage owns
+    some parameters, a shard may be empty): one all-reduce of one number per mesh axis,
+    counted under `metrics`. Each tensor's squared norm counts once: a replicated gradient
+    only on the ranks at coordinate 0 of the axes it is replicated over; a sharded one
+    (`SHARDED_OVER`) on every rank of those axes; pipeline stages hold different parameters,
+    so every stage counts. A norm that is not finite is returned as it is, with nothing
+    scaled: the caller skips the step."""
+    mesh = comm.mesh
+    total = torch.zeros((), dtype=torch.float32, device=mesh.device)
     for p in params:
         if p.grad is None:
             continue
-        axes = tuple(getattr(p, SHARDED_OVER, ()))
-        sq = p.grad.detach().float().pow(2).sum()
-        partial[axes] = partial[axes] + sq if axes in partial else sq
-    total = 0.0
-    for axes, sq in sorted(partial.items()):
-        for axis in axes:
-            comm.all_reduce(sq, axis)
-        total += sq.item()
-    norm = math.sqrt(total)
-    if max_norm > 0 and norm > max_norm:
+        sharded = set(getattr(p, SHARDED_OVER, ()))
+        if all(mesh.coord(axis) == 0 for axis in REPLICATED_AXES if axis not in sharded):
+            total += p.grad.detach().float().pow(2).sum()
+    for axis in AXES:
+        comm.all_reduce(total, axis, purpose=METRICS)
+    norm = math.sqrt(total.item())
+    if max_norm > 0 and math.isfinite(norm) and norm > max_norm:
         scale = max_norm / (norm + 1e-6)
         for p in params:
             if p.grad is not None:

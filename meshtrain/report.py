@@ -1,5 +1,8 @@
-"""What `meshtrain train` leaves behind: per-rank figures gathered to rank 0, the loss
-curve, the trained model, a text sample, a summary, and the JSON line of the contract."""
+"""What `meshtrain train` leaves behind, in two parts. `gather` is collective: every rank
+hands rank 0 its figures and the full state. `write` runs on rank 0 alone after the process
+group is gone, so slow disk writes and the text sample never hold other ranks in a
+collective (and never meet its timeout): the loss curve, the trained model, a text sample,
+a summary, and the JSON line of the contract."""
 
 from __future__ import annotations
 
@@ -8,24 +11,45 @@ import statistics
 import sys
 from pathlib import Path
 
+import torch
+
 from meshtrain.checkpoint import save_model
 from meshtrain.comm import Comm
 from meshtrain.config import Config, tokens_per_sample
 from meshtrain.generate import sample
 from meshtrain.metrics import peak_rss_mib, plot_losses
-from meshtrain.parallel import full_state_dict
+from meshtrain.models import build_model
+from meshtrain.models.presets import PRESETS, GPTSpec
+from meshtrain.plan.cost import gpt_flops_per_step, mlp_flops_per_step, peak_flops
 from meshtrain.train import RunResult
 
 
-def rank_figures(result: RunResult, comm: Comm) -> list[dict]:
-    """Each rank's model-state bytes, saved-activation bytes and peak RSS, in rank order."""
+def device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def gather(result: RunResult, comm: Comm) -> dict | None:
+    """Collective: each rank's model-state bytes, activation peak and peak RSS (rank order),
+    and the full weights; rank 0 gets them, the others None."""
     mine = {"model_state": result.model_state, "activation_bytes": result.activation_bytes,
             "peak_rss_mib": round(peak_rss_mib(), 1)}
-    return comm.all_gather_object(mine)
+    per_rank = comm.all_gather_object(mine)
+    state = result.parallel.full_state_dict()["model"]
+    return {"per_rank": per_rank, "state": state} if comm.mesh.is_main else None
 
 
-def summary_json(cfg: Config, result: RunResult, per_rank: list[dict]) -> dict:
+def flops_per_step(cfg: Config, data) -> float:
+    """Model FLOPs of one step on the global batch (the formula the planner uses)."""
+    spec = PRESETS[cfg.model.name]
+    if isinstance(spec, GPTSpec):
+        return gpt_flops_per_step(spec, data.vocab_size, cfg.train.batch_size, cfg.train.seq_len)
+    return mlp_flops_per_step(spec, data.n_inputs, data.n_classes, cfg.train.batch_size)
+
+
+def summary_json(cfg: Config, result: RunResult, per_rank: list[dict], device: torch.device) -> dict:
     median = statistics.median(result.step_times)
+    flops = flops_per_step(cfg, result.data)
+    peak = peak_flops(device_name(device), cfg.layout.precision)
     return {
         "steps": len(result.losses),
         "losses": result.losses,
@@ -38,27 +62,33 @@ def summary_json(cfg: Config, result: RunResult, per_rank: list[dict]) -> dict:
         "activation_bytes_per_rank": [r["activation_bytes"] for r in per_rank],
         "peak_rss_mib_per_rank": [r["peak_rss_mib"] for r in per_rank],
         "comm_bytes_per_step": result.comm_per_step,
+        "skipped_steps": result.skipped_steps,
+        "device": device_name(device),
+        "model_flops_per_step": flops,
+        # Model FLOPs per second over the devices' dense peak; None where the peak is unknown (CPUs).
+        "mfu": flops / median / (peak * cfg.layout.world_size) if peak else None,
     }
 
 
-def finish_training(cfg: Config, comm: Comm, result: RunResult, json_mode: bool) -> None:
-    per_rank = rank_figures(result, comm)
-    if not comm.mesh.is_main:
-        return
+def write(cfg: Config, result: RunResult, gathered: dict, device: torch.device, json_mode: bool) -> int:
+    """Rank 0, after the process group is gone: files, summary, sample, JSON line."""
     out = Path(cfg.train.out)
     human = sys.stderr if json_mode else sys.stdout
-    summary = summary_json(cfg, result, per_rank)
+    summary = summary_json(cfg, result, gathered["per_rank"], device)
     plot_losses(result.losses, out / "loss.png", f"{cfg.model.name}, {cfg.layout.short()}")
-    state = full_state_dict(result.model)
-    save_model(out, state, cfg, result.data)
+    save_model(out, gathered["state"], cfg, result.data)
+    mfu = f", MFU {summary['mfu']:.1%}" if summary["mfu"] is not None else ""
     print(f"loss {result.losses[0]:.3f} -> {result.losses[-1]:.3f} in {len(result.losses)} steps; "
-          f"median step {summary['step_time_median_s']:.3f} s, {summary['tokens_per_s']:,.0f} tokens/s; "
+          f"median step {summary['step_time_median_s']:.3f} s, {summary['tokens_per_s']:,.0f} tokens/s{mfu}; "
           f"{result.n_params:,} parameters", file=human)
     print(f"wrote {out}/metrics.jsonl, {out}/loss.png and the model ({out}/model.safetensors)", file=human)
     if hasattr(result.data, "decode"):
+        model = build_model(cfg.model.name, cfg.train.seed, vocab_size=result.data.vocab_size)
+        model.load_state_dict(gathered["state"])
         prompt = result.data.encode("\n")
-        text = result.data.decode(sample(result.model, list(prompt), cfg.train.sample_tokens,
+        text = result.data.decode(sample(model.to(device), list(prompt), cfg.train.sample_tokens,
                                          cfg.train.seq_len, seed=cfg.train.seed))
         print("sample:\n" + text.strip(), file=human)
     if json_mode:
         print(json.dumps(summary), flush=True)
+    return 0

@@ -2,28 +2,28 @@
 the steps. The same function runs every layout and the one-process reference (`verify`).
 
 Each step: every data-parallel rank takes its contiguous slice of the global batch, splits
-it into micro-batches, and accumulates their gradients (communication only on the last);
-the loss is a sum over tokens divided by the global token count, so any layout produces the
-full-batch gradient; then gradient sync, global-norm clipping, AdamW, zeroed gradients."""
+it into micro-batches, and the step runner accumulates their gradients (communication only
+on the last); the loss is a sum over tokens divided by the global token count, so any layout
+produces the full-batch gradient; then gradient sync, global-norm clipping, AdamW, zeroed
+gradients. A step whose gradient norm is not finite is skipped, with a warning."""
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
 
 from meshtrain.comm import METRICS, Comm
 from meshtrain.config import Config, lr_at, tokens_per_sample
 from meshtrain.data.datasets import open_dataset
 from meshtrain.metrics import ActivationMeter, StepLog, model_state_bytes
 from meshtrain.models import build_model, count_params
-from meshtrain.optim import build_optimizer, clip_grad_norm_, set_lr
-from meshtrain.parallel import full_state_dict, parallelize
+from meshtrain.optim import clip_grad_norm_, set_lr
+from meshtrain.parallel import Parallelized, parallelize
 
 
 @dataclass
@@ -34,9 +34,21 @@ class RunResult:
     model_state: dict
     activation_bytes: int
     comm_per_step: dict[str, int]
-    model: nn.Module
+    parallel: Parallelized
     data: object
-    snapshots: dict[int, dict] = field(default_factory=dict)  # step -> full state (rank 0)
+    skipped_steps: list[int] = field(default_factory=list)
+
+
+class StepObserver:
+    """Hooks into the loop at fixed points of a step (1-based `step`); every rank calls them,
+    so an observer may run collectives (verify gathers the full state there)."""
+
+    def before_step(self, p: Parallelized, step: int) -> None: ...
+
+    def grads_ready(self, p: Parallelized, step: int) -> None:
+        """Gradients are synchronised; not yet clipped."""
+
+    def after_step(self, p: Parallelized, step: int, loss: float) -> None: ...
 
 
 def build(cfg: Config, device):
@@ -50,82 +62,84 @@ def build(cfg: Config, device):
     return data, model
 
 
-def loss_sum(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Summed cross-entropy over every prediction (tokens, or images for the MLP)."""
-    logits = model(inputs)
-    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), reduction="sum")
-
-
-@dataclass
-class Setup:
-    """What one training step needs. `model` is what forward is called on; `grad_sync` is
-    the data-parallel synchroniser (or None); gradients are scaled by `loss_scale` (a peer
-    that averages over ranks, like torch DDP, needs dp)."""
-    model: nn.Module
-    grad_sync: object | None
-    optimizer: torch.optim.Optimizer
-    meter: ActivationMeter
-    loss_scale: float = 1.0
-
-    @property
-    def params(self) -> list[nn.Parameter]:
-        return [p for g in self.optimizer.param_groups for p in g["params"]]
-
-
-def setup(cfg: Config, comm: Comm, **dp_options):
-    """Data, model with the layout's strategies applied, optimizer."""
+def setup(cfg: Config, comm: Comm, **dp_options) -> tuple[object, Parallelized]:
+    """Data, and the model with the layout's strategies applied and its optimizer."""
     data, model = build(cfg, comm.mesh.device)
-    grad_sync = parallelize(model, comm, cfg.layout, **dp_options)
-    return data, Setup(model, grad_sync, build_optimizer(model, cfg.train), ActivationMeter(model))
+    return data, parallelize(model, comm, cfg.layout, cfg.train, **dp_options)
 
 
-def train_step(s: Setup, data, step: int, cfg: Config, comm: Comm) -> float:
-    """One optimizer step on the global batch of `step`; returns the global mean loss."""
-    mesh, tr, lay = comm.mesh, cfg.train, cfg.layout
-    set_lr(s.optimizer, lr_at(step, tr))
-    local = tr.batch_size // mesh.size("dp")
-    micro = local // lay.microbatches
-    global_count = tr.batch_size * tokens_per_sample(cfg)
-    total = torch.zeros((), device=mesh.device)
-    for i in range(lay.microbatches):
-        start = mesh.coord("dp") * local + i * micro
-        inputs, targets = (t.to(mesh.device) for t in data.batch(step, tr.batch_size, slice(start, start + micro)))
-        last = i == lay.microbatches - 1
-        with (s.grad_sync.no_sync() if s.grad_sync and not last else nullcontext()):
-            with s.meter:
-                loss = loss_sum(s.model, inputs, targets) / global_count
-            (loss * s.loss_scale if s.loss_scale != 1 else loss).backward()
-        total += loss.detach()
-    if s.grad_sync:
-        s.grad_sync.finish_grad_sync()
-    clip_grad_norm_(s.params, tr.clip, comm)
-    s.optimizer.step()
-    s.model.zero_grad(set_to_none=False)  # keep gradient buffers (DP buckets) in place
+def loss_terms_per_step(cfg: Config) -> int:
+    """What every rank divides its summed loss by: the number of loss terms (tokens, or
+    images) in the global batch, so the gradients of all ranks and micro-batches sum to the
+    full-batch mean's gradient."""
+    return cfg.train.batch_size * tokens_per_sample(cfg)
+
+
+def micro_batch_rows(cfg: Config, dp_coord: int, dp_size: int, i: int) -> slice:
+    """Rows of the global batch in micro-batch `i` of the data-parallel rank `dp_coord`:
+    each rank takes a contiguous slice, split into equal micro-batches."""
+    local = cfg.train.batch_size // dp_size
+    micro = local // cfg.layout.microbatches
+    start = dp_coord * local + i * micro
+    return slice(start, start + micro)
+
+
+def train_step(p: Parallelized, data, step: int, cfg: Config, *, observer: StepObserver | None = None,
+               meter: ActivationMeter | None = None) -> tuple[float, bool]:
+    """One optimizer step on the global batch of `step` (0-based); returns the global mean
+    loss and whether the optimizer stepped (not when the gradient norm is not finite)."""
+    comm, tr = p.comm, cfg.train
+    mesh = comm.mesh
+    set_lr(p.optimizer, lr_at(step, tr))
+
+    def micro_batch(i: int):
+        rows = micro_batch_rows(cfg, mesh.coord("dp"), mesh.size("dp"), i)
+        return tuple(t.to(mesh.device) for t in data.batch(step, tr.batch_size, rows))
+
+    with meter if meter is not None else nullcontext():
+        total = p.runner.run(p, micro_batch, cfg.layout.microbatches, loss_terms_per_step(cfg))
+    p.grad_sync.finish_grad_sync()
+    if observer:
+        observer.grads_ready(p, step + 1)
+    norm = clip_grad_norm_(p.params, tr.clip, comm)
+    stepped = math.isfinite(norm)
+    if stepped:
+        p.optimizer.step()
+    p.module.zero_grad(set_to_none=False)  # keep gradient buffers (DP buckets) in place
     comm.all_reduce(total, "dp", purpose=METRICS)
-    return total.item()
+    return total.item(), stepped
 
 
-def train(cfg: Config, comm: Comm, *, snapshot_steps=(), progress: str | None = None,
+def train(cfg: Config, comm: Comm, *, observer: StepObserver | None = None, progress: str | None = None,
           step_log: StepLog | None = None, **dp_options) -> RunResult:
     mesh, tr = comm.mesh, cfg.train
-    data, s = setup(cfg, comm, **dp_options)
+    data, p = setup(cfg, comm, **dp_options)
     tokens_per_step = tr.batch_size * tokens_per_sample(cfg)
     bar = None
     if progress and mesh.is_main:
         from tqdm import tqdm
         bar = tqdm(total=tr.steps, desc=progress, file=sys.stderr, unit="step", dynamic_ncols=True)
 
-    losses, times, comm_per_step, snapshots = [], [], {}, {}
+    meter = ActivationMeter()
+    losses, times, comm_per_step, skipped = [], [], {}, []
     for step in range(tr.steps):
+        if observer:
+            observer.before_step(p, step + 1)
         sent_before = comm.totals()
         t0 = time.perf_counter()
-        loss = train_step(s, data, step, cfg, comm)
+        # The activation peak is measured on the first step (the meter costs Python time per op).
+        loss, stepped = train_step(p, data, step, cfg, observer=observer, meter=meter if step == 0 else None)
         dt = time.perf_counter() - t0
         comm_per_step = {k: round(v - sent_before.get(k, 0.0)) for k, v in comm.totals().items()}
         losses.append(loss)
         times.append(dt)
-        if step + 1 in snapshot_steps:
-            snapshots[step + 1] = full_state_dict(s.model) if mesh.is_main else None
+        if not stepped:
+            skipped.append(step + 1)
+            if mesh.is_main:
+                print(f"meshtrain: warning: step {step + 1}: the gradient norm is not finite; step skipped",
+                      file=sys.stderr)
+        if observer:
+            observer.after_step(p, step + 1, loss)
         if bar is not None:
             bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_step / dt:,.0f}")
             bar.update()
@@ -136,6 +150,6 @@ def train(cfg: Config, comm: Comm, *, snapshot_steps=(), progress: str | None = 
         bar.close()
     for axis in ("dp", "tp", "pp"):
         comm_per_step.setdefault(axis, 0)
-    return RunResult(losses=losses, step_times=times, n_params=count_params(s.model),
-                     model_state=model_state_bytes(s.model, s.optimizer), activation_bytes=s.meter.peak,
-                     comm_per_step=comm_per_step, model=s.model, data=data, snapshots=snapshots)
+    return RunResult(losses=losses, step_times=times, n_params=count_params(p.module),
+                     model_state=model_state_bytes(p.module, p.optimizer), activation_bytes=meter.peak,
+                     comm_per_step=comm_per_step, parallel=p, data=data, skipped_steps=skipped)

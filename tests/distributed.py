@@ -31,7 +31,7 @@ def _rank_main(fn, rank, world, port, sizes, out_dir, args):
         from meshtrain.mesh import Mesh
 
         env = RankEnv("test", rank, world, rank, world, "127.0.0.1", port)
-        device = init_distributed(env)
+        device = init_distributed(env, torch.device("cpu"))  # tests force the CPU and gloo
         torch.set_num_threads(1)
         mesh = Mesh.build(sizes["pp"], sizes["dp"], sizes["tp"], device)
         result = fn(mesh, *args)

@@ -6,61 +6,60 @@ import pytest
 import torch
 from distributed import run_ranks
 
+from meshtrain import verify
 from meshtrain.comm import Comm
 from meshtrain.config import Config
-from meshtrain.launch import local_device
-from meshtrain.mesh import Mesh
 from meshtrain.models import build_model
 from meshtrain.parallel.data import DataParallel
 from meshtrain.train import train
-from meshtrain.verify import compare, reference_config
 
 
-def tiny_config(dp=1, microbatches=1, steps=3, batch_size=8, model="gpt-tiny", bucket_mb=25.0) -> Config:
+def tiny_config(dp=1, microbatches=1, steps=3, batch_size=8, model="gpt-test", bucket_mb=25.0) -> Config:
     c = Config()
     c.model.name = model
     c.layout.dp, c.layout.microbatches, c.layout.bucket_mb = dp, microbatches, bucket_mb
     c.train.steps, c.train.batch_size, c.train.seq_len, c.train.vocab_size = steps, batch_size, 32, 256
+    c.train.device = "cpu"
     if model == "mlp":
         c.train.data = "digits"
     return c
 
 
-def _train_and_record(mesh, cfg):
-    result = train(cfg, Comm(mesh), snapshot_steps={1, cfg.train.steps})
-    return {"losses": result.losses, "snapshots": result.snapshots, "comm": result.comm_per_step,
-            "n_params": result.n_params, "model_state": result.model_state,
-            "params": torch.cat([p.detach().flatten() for p in result.model.parameters()])}
+def _verify_records(mesh, cfgs):
+    """verify's layout record of each config, run one after another in the same ranks."""
+    return [verify.record(cfg, Comm(mesh), "layout") for cfg in cfgs]
 
 
-def _reference(cfg):
-    return _train_and_record(Mesh.single(local_device()), reference_config(cfg))
+@pytest.mark.parametrize("world, cfgs", [
+    (2, [tiny_config(dp=2, microbatches=4, batch_size=16, bucket_mb=0.02)]),
+    (4, [tiny_config(dp=4, batch_size=16, bucket_mb=0.02),
+         tiny_config(dp=4, microbatches=2, batch_size=32, model="mlp", bucket_mb=0.02)]),
+], ids=["dp2-mb4", "dp4-and-mlp-dp4-mb2"])
+def test_dp_with_microbatches_equals_one_process_with_the_full_batch(world, cfgs):
+    records = run_ranks(_verify_records, world, cfgs)[0]
+    for cfg, rec in zip(cfgs, records):
+        result = verify.compare(rec, verify.run_reference(cfg, rec))
+        assert result["passed"], result["failures"]
+        assert not rec["problems"]  # every rank's replica bit-identical to rank 0's
+        # fp32 with only the order of sums changed: differences at the level of rounding
+        assert result["max_grad_rel_diff"] < 1e-6 and result["max_step_loss_rel_diff"] < 1e-6, result
+        assert set(rec["steps"]) == {1, 2, 3}  # first, middle and last of 3 steps
 
 
-@pytest.mark.parametrize("dp, microbatches, model", [(2, 4, "gpt-tiny"), (4, 1, "gpt-tiny"), (4, 2, "mlp")])
-def test_dp_with_microbatches_equals_one_process_with_the_full_batch(dp, microbatches, model):
-    cfg = tiny_config(dp=dp, microbatches=microbatches, batch_size=16 if model == "gpt-tiny" else 32,
-                      model=model, bucket_mb=0.02)  # several buckets
-    ranks = run_ranks(_train_and_record, dp, cfg)
-    # replicas stay bit-identical: every rank receives the same reduced gradient
-    assert all(torch.equal(r["params"], ranks[0]["params"]) for r in ranks)
-    layout = ranks[0]
-    result = compare(layout, _reference(cfg))
-    # fp32 with only the order of sums changed: differences at the level of rounding
-    assert result["max_loss_rel_diff"] < 1e-5, result
-    assert result["max_param_rel_diff"] < 1e-5, result
-    # every tensor was compared, after the first step and after the last
-    assert set(layout["snapshots"]) == {1, cfg.train.steps}
+def _train_and_measure(mesh, cfg):
+    result = train(cfg, Comm(mesh))
+    return {"comm": result.comm_per_step, "n_params": result.n_params, "model_state": result.model_state}
 
 
 @pytest.mark.parametrize("dp", [2, 4])
 def test_dp_traffic_is_the_ring_all_reduce_volume(dp):
     cfg = tiny_config(dp=dp, steps=2, bucket_mb=0.05)
-    for rank in run_ranks(_train_and_record, dp, cfg):
+    for rank in run_ranks(_train_and_measure, dp, cfg):
         grad_bytes = rank["n_params"] * 4
         assert rank["comm"]["dp"] == round(2 * (dp - 1) / dp * grad_bytes)
         assert rank["comm"]["tp"] == rank["comm"]["pp"] == 0
-        assert rank["comm"]["metrics"] == round(2 * (dp - 1) / dp * 4)  # the logged loss, apart
+        # apart from the model's traffic: the logged loss and the squared gradient norm, 4 bytes each
+        assert rank["comm"]["metrics"] == round(2 * 2 * (dp - 1) / dp * 4)
         # parameters, gradients and Adam's two moments, fp32: 16 bytes per parameter
         assert rank["model_state"]["total"] == 16 * rank["n_params"]
 
@@ -93,12 +92,13 @@ def _no_sync_then_sync(mesh):
     model = build_model("mlp", 0, n_inputs=4, n_classes=3)
     comm = Comm(mesh)
     dp = DataParallel(model, comm, bucket_mb=0.001)
+    sent = comm.totals()  # after the construction-time check of replicas
     xs = torch.randn(3, 5, 4, generator=torch.Generator().manual_seed(mesh.rank))
     for i, x in enumerate(xs):
         with dp.no_sync() if i < 2 else nullcontext():
             model(x).sum().backward()
         if i < 2:
-            assert comm.totals() == {}, "no communication while accumulating"
+            assert comm.totals() == sent, "no communication while accumulating"
     dp.finish_grad_sync()
     return [p.grad.clone() for p in model.parameters()]
 

@@ -4,12 +4,18 @@ import pytest
 import torch
 from distributed import run_ranks
 
+import torch.utils.checkpoint
+
 from meshtrain.comm import Comm
-from meshtrain.config import TrainConfig
+from meshtrain.config import LayoutConfig, TrainConfig
+from meshtrain.loss import cross_entropy_sum
 from meshtrain.mesh import Mesh
 from meshtrain.metrics import ActivationMeter, model_state_bytes
 from meshtrain.models import build_model
-from meshtrain.optim import SHARDED_OVER, build_optimizer, clip_grad_norm_
+from meshtrain.models.presets import PRESETS
+from meshtrain.optim import SHARDED_OVER, clip_grad_norm_
+from meshtrain.parallel import parallelize
+from meshtrain.plan.cost import gpt_flops_per_step
 
 
 def _full_grads():
@@ -47,21 +53,65 @@ def test_clipping_leaves_small_gradients_alone():
     assert torch.equal(p.grad, torch.tensor([0.1, 0.2, 0.2]))
 
 
-def test_activation_bytes_scale_with_the_micro_batch():
-    model = build_model("gpt-tiny", 0, vocab_size=256)
-    sizes = []
-    for batch in (2, 4):
-        meter = ActivationMeter(model)
-        with meter:
-            model(torch.randint(0, 256, (batch, 32))).sum().backward()
-        sizes.append(meter.peak)
+def _peak(fn) -> int:
+    with ActivationMeter() as meter:
+        fn()
+    return meter.peak
+
+
+def _model_with_gradient_buffers(name: str):
+    """As in training, gradients live in buffers made before the step, not counted."""
+    model = build_model(name, 0, vocab_size=256)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    return model
+
+
+def test_activation_peak_scales_with_the_micro_batch():
+    model = _model_with_gradient_buffers("gpt-tiny")
+    sizes = [_peak(lambda: model(torch.randint(0, 256, (b, 32))).sum().backward()) for b in (2, 4)]
     assert sizes[0] > 0 and sizes[1] == pytest.approx(2 * sizes[0], rel=0.05)
+
+
+def test_activation_meter_sees_inside_checkpointing_and_micro_batches_in_flight():
+    """What saved_tensors_hooks could not: recomputed blocks keep less alive, and two
+    micro-batches whose forwards both ran before either backward hold twice one's peak."""
+    model = _model_with_gradient_buffers("gpt-test")
+    x = torch.randint(0, 256, (2, 32))
+
+    def checkpointed():
+        h = model.embed(x)
+        for block in model.blocks:
+            h = torch.utils.checkpoint.checkpoint(block, h, use_reentrant=False)
+        model.head(model.norm(h)).sum().backward()
+
+    def two_in_flight():
+        a, b = model(x).sum(), model(x).sum()
+        a.backward()
+        b.backward()
+    plain = _peak(lambda: model(x).sum().backward())
+    assert _peak(checkpointed) < plain / 2
+    assert _peak(two_in_flight) == pytest.approx(2 * plain, rel=0.1)
+
+
+def test_gpt_flops_formula_matches_a_count_of_every_matmul():
+    """72·B·s·l·h²·(1 + s/6h + V/12lh) against torch's FLOP counter on a real step (the math
+    attention path, whose matmuls the counter sees)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model = build_model("gpt-test", 0, vocab_size=256)
+    x, y = torch.randint(0, 256, (2, 32)), torch.randint(0, 256, (2, 32))
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        cross_entropy_sum(model(x), y).backward()
+    assert counter.get_total_flops() == gpt_flops_per_step(PRESETS["gpt-test"], 256, batch=2, seq_len=32)
 
 
 def test_model_state_is_16_bytes_per_parameter_in_fp32_adam():
     model = build_model("gpt-tiny", 0, vocab_size=256)
-    opt = build_optimizer(model, TrainConfig())
-    model(torch.randint(0, 256, (1, 8))).sum().backward()
-    opt.step()
-    n = sum(p.numel() for p in model.parameters())
-    assert model_state_bytes(model, opt) == {"total": 16 * n, "params": 4 * n, "grads": 4 * n, "optimizer": 8 * n}
+    p = parallelize(model, Comm(Mesh.single(torch.device("cpu"))), LayoutConfig(dp=1), TrainConfig())
+    p.loss_fn(model(torch.randint(0, 256, (1, 8))), torch.randint(0, 256, (1, 8))).backward()
+    p.optimizer.step()
+    n = sum(q.numel() for q in model.parameters())
+    assert model_state_bytes(model, p.optimizer) == {"total": 16 * n, "params": 4 * n, "grads": 4 * n,
+                                                     "optimizer": 8 * n}

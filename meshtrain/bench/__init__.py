@@ -20,7 +20,8 @@ PEERS = {"ddp": ddp_setup}
 WARMUP_STEPS = 2
 
 
-def run_bench(cfg: Config, comm: Comm, peer: str, json_mode: bool) -> int:
+def run_bench(cfg: Config, comm: Comm, peer: str) -> dict | None:
+    """Collective: both setups in the same ranks, steps alternated; rank 0 gets the result."""
     data, ours = setup(cfg, comm)
     theirs = PEERS[peer](cfg, comm)
     times = {"ours": [], "peer": []}
@@ -32,7 +33,7 @@ def run_bench(cfg: Config, comm: Comm, peer: str, json_mode: bool) -> int:
     for step in range(WARMUP_STEPS + cfg.train.steps):
         for name, s in (runs if step % 2 == 0 else runs[::-1]):
             t0 = time.perf_counter()
-            train_step(s, data, step, cfg, comm)
+            train_step(s, data, step, cfg)
             if step >= WARMUP_STEPS:
                 times[name].append(time.perf_counter() - t0)
         if bar is not None and step >= WARMUP_STEPS:
@@ -40,10 +41,9 @@ def run_bench(cfg: Config, comm: Comm, peer: str, json_mode: bool) -> int:
     if bar is not None:
         bar.close()
     if not comm.mesh.is_main:
-        return 0
+        return None
     ours_median, peer_median = statistics.median(times["ours"]), statistics.median(times["peer"])
-    pair_ratios = [a / b for a, b in zip(times["ours"], times["peer"])]
-    result = {
+    return {
         "peer": peer,
         "layout": cfg.layout.summary(),
         "model": cfg.model.name,
@@ -51,16 +51,20 @@ def run_bench(cfg: Config, comm: Comm, peer: str, json_mode: bool) -> int:
         "ours_step_time_median_s": ours_median,
         "peer_step_time_median_s": peer_median,
         "ratio": ours_median / peer_median,
-        "pairwise_ratio_median": statistics.median(pair_ratios),
-        "ours_model_state_bytes": model_state_bytes(ours.model, ours.optimizer),
-        "peer_model_state_bytes": model_state_bytes(theirs.model.module, theirs.optimizer),
+        "pairwise_ratio_median": statistics.median(a / b for a, b in zip(times["ours"], times["peer"])),
+        "ours_model_state_bytes": model_state_bytes(ours.module, ours.optimizer),
+        "peer_model_state_bytes": model_state_bytes(theirs.module.module, theirs.optimizer),
     }
+
+
+def report(cfg: Config, result: dict, json_mode: bool) -> int:
     out = sys.stderr if json_mode else sys.stdout
+    peer = result["peer"]
     print(f"{cfg.model.name}, {cfg.layout.world_size} ranks, {cfg.train.steps} interleaved steps: "
-          f"ours {ours_median * 1e3:.1f} ms, {peer} {peer_median * 1e3:.1f} ms, ratio {result['ratio']:.3f} "
-          f"(pairwise median {result['pairwise_ratio_median']:.3f}); model-state bytes/rank ours "
-          f"{result['ours_model_state_bytes']['total']:,}, {peer} {result['peer_model_state_bytes']['total']:,}",
-          file=out)
+          f"ours {result['ours_step_time_median_s'] * 1e3:.1f} ms, {peer} {result['peer_step_time_median_s'] * 1e3:.1f} ms, "
+          f"ratio {result['ratio']:.3f} (pairwise median {result['pairwise_ratio_median']:.3f}); model-state "
+          f"bytes/rank ours {result['ours_model_state_bytes']['total']:,}, {peer} "
+          f"{result['peer_model_state_bytes']['total']:,}", file=out)
     if json_mode:
         print(json.dumps(result), flush=True)
     return 0

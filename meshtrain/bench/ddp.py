@@ -1,5 +1,5 @@
 """The peer of our data parallelism: torch's DistributedDataParallel on the same model,
-optimizer, process group and bucket size."""
+optimizer, process group and bucket size, driven by the same step function as ours."""
 
 from __future__ import annotations
 
@@ -7,28 +7,38 @@ from torch.nn.parallel import DistributedDataParallel
 
 from meshtrain.comm import Comm
 from meshtrain.config import Config
-from meshtrain.metrics import ActivationMeter
+from meshtrain.loss import cross_entropy_sum
 from meshtrain.optim import build_optimizer
-from meshtrain.train import Setup, build
+from meshtrain.parallel import Parallelized
+from meshtrain.parallel.runner import PlainRunner
+from meshtrain.train import build
 
 
 class _DDPSync:
-    """DDP syncs inside backward; only its no_sync is needed by the training step."""
+    """DDP syncs inside backward; the step needs only its no_sync."""
 
     def __init__(self, ddp: DistributedDataParallel):
-        self.no_sync = ddp.no_sync
+        self._ddp = ddp
+
+    def no_sync(self):
+        return self._ddp.no_sync()
 
     def finish_grad_sync(self) -> None:
         pass
 
+    def reset(self) -> None:
+        pass
 
-def ddp_setup(cfg: Config, comm: Comm) -> Setup:
+
+def ddp_setup(cfg: Config, comm: Comm) -> Parallelized:
     mesh = comm.mesh
     _, model = build(cfg, mesh.device)
+    decay = {n for n, p in model.named_parameters() if p.dim() >= 2}
     ddp = DistributedDataParallel(model, process_group=mesh.group("dp"), bucket_cap_mb=cfg.layout.bucket_mb,
                                   gradient_as_bucket_view=True,
                                   device_ids=[mesh.device.index] if mesh.device.type == "cuda" else None)
+    optimizer = build_optimizer(list(model.named_parameters()), decay, cfg.train)
     # DDP averages gradients over ranks; our loss is already divided by the global token
     # count, so scale it by dp to get the same gradient.
-    return Setup(ddp, _DDPSync(ddp), build_optimizer(model, cfg.train), ActivationMeter(model),
-                 loss_scale=mesh.size("dp"))
+    return Parallelized(ddp, cross_entropy_sum, _DDPSync(ddp), optimizer, PlainRunner(), comm,
+                        loss_scale=mesh.size("dp"))

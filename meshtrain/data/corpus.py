@@ -41,4 +41,11 @@ def text_files(source: str) -> list[Path]:
 
 
 def read_text(files: list[Path]) -> str:
-    return "\n\n".join(p.read_text(encoding="utf-8", errors="replace") for p in files)
+    """The files' text, joined; a file that is not UTF-8 text is refused by name."""
+    texts = []
+    for p in files:
+        try:
+            texts.append(p.read_text(encoding="utf-8"))
+        except UnicodeDecodeError as e:
+            raise DataError(f"--data: {p} is not UTF-8 text (byte {e.start}); give text files") from None
+    return "\n\n".join(texts)

@@ -3,6 +3,7 @@ exactly the same samples, and each data-parallel rank takes its contiguous slice
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -18,6 +19,7 @@ from meshtrain.data.tokenizer import TOKENIZER_FILE, BPETokenizer, ByteTokenizer
 
 TOKENS_FILE = "tokens.bin"
 META_FILE = "meta.json"
+LOCK_FILE = ".lock"
 
 
 def _batch_rng(seed: int, step: int) -> np.random.Generator:
@@ -105,6 +107,16 @@ def prepare_text(source: str, vocab_size: int, log=_to_stderr) -> Path:
     if (folder / META_FILE).exists():
         return folder
     folder.mkdir(parents=True, exist_ok=True)
+    # Ranks under a launcher all get here: one builds the cache, the others wait on the lock
+    # (no collective, so no timeout however long the text takes), then find it built.
+    with open(folder / LOCK_FILE, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (folder / META_FILE).exists():
+            _build_text_cache(folder, files, source, vocab_size, log)
+    return folder
+
+
+def _build_text_cache(folder: Path, files: list[Path], source: str, vocab_size: int, log) -> None:
     text = read_text(files)
     if vocab_size == ByteTokenizer.vocab_size:
         tokenizer = ByteTokenizer()
@@ -117,7 +129,6 @@ def prepare_text(source: str, vocab_size: int, log=_to_stderr) -> Path:
     meta = {"source": source, "files": len(files), "n_tokens": int(len(ids)), "vocab_size": tokenizer.vocab_size}
     atomic_write(folder / META_FILE, lambda p: p.write_text(json.dumps(meta)))
     log(f"tokenized {len(files)} file(s) into {len(ids):,} tokens (cached in {folder})")
-    return folder
 
 
 def prepare(data: str, model: str, vocab_size: int, seq_len: int, log=_to_stderr) -> Path | None:

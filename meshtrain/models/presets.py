@@ -23,8 +23,14 @@ class MLPSpec:
 PRESETS: dict[str, GPTSpec | MLPSpec] = {
     # ~0.1M parameters with the byte tokenizer: for tests and quick checks.
     "gpt-tiny": GPTSpec(n_layers=2, n_heads=4, d_model=64, max_seq_len=256),
+    # The strategies' test preset: 8 blocks to cut into pipeline stages, 4 heads to split, tiny
+    # widths (~0.1M parameters with the byte tokenizer), so a multi-rank test runs in seconds.
+    "gpt-test": GPTSpec(n_layers=8, n_heads=4, d_model=32, max_seq_len=64),
     # ~6.8M parameters with the default 2048-token BPE vocabulary: the default model.
     "gpt-small": GPTSpec(n_layers=8, n_heads=8, d_model=256, max_seq_len=512),
+    # GPT-2 small's shape, sized for a GPU: 124M parameters at GPT-2's 50257-token vocabulary
+    # (with an untied head, 163M); 89M at the default 2048-token BPE vocabulary.
+    "gpt2": GPTSpec(n_layers=12, n_heads=12, d_model=768, max_seq_len=1024),
     # The classic data-parallel example: Linear+ReLU layers on 8x8 digits.
     "mlp": MLPSpec(hidden=(128, 128, 128)),
 }

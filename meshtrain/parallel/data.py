@@ -2,24 +2,30 @@
 
 Gradients live in contiguous buckets (each parameter's `.grad` is a view into its bucket),
 filled in reverse order of registration, which is the order backward produces them. A
-post-accumulate-grad hook counts the gradients of each bucket; the moment a bucket is
-complete its all-reduce is launched asynchronously, so communication overlaps the rest of
-the backward pass. Buckets are launched in index order (the same order on every rank), and
-all are waited on before the optimizer step.
+post-accumulate-grad hook marks each gradient ready; the moment a bucket is complete its
+all-reduce is launched asynchronously, so communication overlaps the rest of the backward
+pass. Buckets are launched in index order (the same order on every rank), and all are
+waited on before the optimizer step.
 
 Gradients are summed, not averaged: the training loop divides the loss by the global
 number of tokens, so the sum over ranks (and over accumulated micro-batches) is exactly the
-full-batch gradient. Inside `no_sync()` gradients only accumulate locally."""
+full-batch gradient. Inside `no_sync()` gradients only accumulate locally. With one
+data-parallel rank nothing is sent: the buckets are only where gradients live.
+
+Misuse cannot leave corrupt state behind: a second backward before `finish_grad_sync()`
+(outside `no_sync`) resets the gradients and raises, and `reset()` (called by the step
+runner when a step fails half-way) waits for collectives in flight and starts clean."""
 
 from __future__ import annotations
 
+import hashlib
 from contextlib import contextmanager
 from typing import Callable
 
 import torch
 import torch.nn as nn
 
-from meshtrain.comm import Comm
+from meshtrain.comm import METRICS, Comm
 
 
 class Bucket:
@@ -32,8 +38,12 @@ class Bucket:
         for p in params:
             self.views[p] = self.buffer[offset:offset + p.numel()].view_as(p)
             offset += p.numel()
-        self.pending = len(params)
-        self.work = None
+        self.ready: set[nn.Parameter] = set()  # gradients complete for this sync
+        self.work = None  # the all-reduce in flight
+
+    @property
+    def complete(self) -> bool:
+        return len(self.ready) == len(self.params)
 
 
 class DataParallel:
@@ -43,15 +53,37 @@ class DataParallel:
     def __init__(self, model: nn.Module, comm: Comm, *, axis: str = "dp", bucket_mb: float = 25.0,
                  on_launch: Callable[[int], None] | None = None):
         self.comm, self.axis, self.on_launch = comm, axis, on_launch
-        params = [p for p in model.parameters() if p.requires_grad]
-        self.buckets = _make_buckets(list(reversed(params)), int(bucket_mb * 2**20))
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.buckets = _make_buckets([p for _, p in reversed(named)], int(bucket_mb * 2**20))
         self._bucket_of = {p: b for b in self.buckets for p in b.params}
+        self._check_replicas_agree(named)
         for b in self.buckets:
             for p in b.params:
                 p.grad = b.views[p]
                 p.register_post_accumulate_grad_hook(self._on_grad_ready)
         self._sync = True
         self._next_launch = 0
+
+    def _check_replicas_agree(self, named) -> None:
+        """One small all-gather: every rank must hold the same bucket layout (or their
+        collectives would not match) and the same initial weights (or they train different models)."""
+        if self.comm.mesh.size(self.axis) == 1:
+            return
+        name_of = {p: n for n, p in named}
+        layout = hashlib.blake2b(repr([[(name_of[p], tuple(p.shape), str(p.dtype)) for p in b.params]
+                                       for b in self.buckets]).encode(), digest_size=7)
+        weights = hashlib.blake2b(digest_size=7)
+        for _, p in named:
+            weights.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        mine = torch.tensor([int.from_bytes(layout.digest(), "little"), int.from_bytes(weights.digest(), "little")],
+                            dtype=torch.int64, device=self.comm.mesh.device)
+        every = torch.empty(self.comm.mesh.size(self.axis) * 2, dtype=torch.int64, device=mine.device)
+        self.comm.all_gather(every, mine, self.axis, purpose=METRICS)
+        every = every.view(-1, 2).tolist()
+        for what, column in (("bucket layouts (parameter names, shapes or bucket size)", 0),
+                             ("initial weights (build the model from the same seed on every rank)", 1)):
+            if len({row[column] for row in every}) > 1:
+                raise RuntimeError(f"data-parallel ranks disagree on their {what}")
 
     def _on_grad_ready(self, p: nn.Parameter) -> None:
         bucket = self._bucket_of[p]
@@ -61,29 +93,51 @@ class DataParallel:
             p.grad = view
         if not self._sync:
             return
-        bucket.pending -= 1
-        if bucket.pending == 0:
+        if p in bucket.ready:
+            self.reset()
+            raise RuntimeError("a second backward before finish_grad_sync(): gradients would be summed into a "
+                               "bucket already being reduced. Run all but the last micro-batch under no_sync(); "
+                               "the gradients were reset")
+        bucket.ready.add(p)
+        if bucket.complete:
             self._launch_ready()
 
     def _launch_ready(self) -> None:
         """Launch complete buckets in index order, so every rank issues the same sequence."""
-        while self._next_launch < len(self.buckets) and self.buckets[self._next_launch].pending == 0:
+        while self._next_launch < len(self.buckets) and self.buckets[self._next_launch].complete:
             bucket = self.buckets[self._next_launch]
-            bucket.work = self.comm.all_reduce(bucket.buffer, self.axis, async_op=True)
+            bucket.work = self._launch(bucket)
             if self.on_launch is not None:
                 self.on_launch(bucket.index)
             self._next_launch += 1
 
+    def _launch(self, bucket: Bucket):
+        return self.comm.all_reduce(bucket.buffer, self.axis, async_op=True)
+
     def finish_grad_sync(self) -> None:
         """Wait for every bucket's all-reduce; a bucket with unused parameters is sent now."""
         for bucket in self.buckets[self._next_launch:]:
-            bucket.pending = 0
+            bucket.ready.update(bucket.params)
         self._launch_ready()
         for bucket in self.buckets:
             bucket.work.wait()
+        self._clear()
+
+    def _clear(self) -> None:
+        for bucket in self.buckets:
             bucket.work = None
-            bucket.pending = len(bucket.params)
+            bucket.ready.clear()
         self._next_launch = 0
+
+    def reset(self) -> None:
+        """Start clean after a step that failed half-way: wait for the all-reduces already
+        launched (so nothing writes into a buffer behind our back), zero every gradient."""
+        for bucket in self.buckets:
+            if bucket.work is not None:
+                bucket.work.wait()
+            bucket.buffer.zero_()
+        self._clear()
+        self._sync = True
 
     @contextmanager
     def no_sync(self):

@@ -1,0 +1,166 @@
+"""A verifier is only as good as the bugs it catches. Each mutant below is a deliberately
+broken variant of the real code, introduced by the test itself inside the spawned ranks
+(patched there, never switched on in the library). `verify` must FAIL on every one, naming
+the first bad step and tensor, and PASS on the real code.
+
+Later strategies add their own mutants to MUTANTS."""
+
+import re
+from contextlib import ExitStack, contextmanager
+from unittest import mock
+
+import pytest
+import torch
+from distributed import run_ranks
+
+from meshtrain import verify
+from meshtrain.comm import Comm
+from meshtrain.config import Config
+
+STEPS = 5
+MIDDLE = verify.lockstep_steps(STEPS)[1]  # a step in the middle that verify samples
+
+
+def mutant_config(**layout) -> Config:
+    c = Config()
+    c.model.name = "gpt-test"
+    c.layout.dp, c.layout.microbatches, c.layout.bucket_mb = 2, 2, 0.02  # several buckets
+    for k, v in layout.items():
+        setattr(c.layout, k, v)
+    c.train.steps, c.train.batch_size, c.train.seq_len, c.train.vocab_size = STEPS, 8, 32, 256
+    c.train.warmup, c.train.device = 1, "cpu"
+    return c
+
+
+# ---- the mutants: each returns the patches that break one thing ---------------------------
+
+def local_loss_normalizer():
+    """The loss divided by the local instead of the global token count."""
+    import meshtrain.train as T
+    real = T.loss_terms_per_step
+    return [mock.patch.object(T, "loss_terms_per_step", lambda cfg: real(cfg) // cfg.layout.dp)]
+
+
+def averaged_on_top_of_the_sum():
+    """Gradients averaged over ranks although the loss is already divided globally."""
+    from meshtrain.parallel.data import DataParallel
+    real = DataParallel.finish_grad_sync
+
+    def finish(self):
+        real(self)
+        for bucket in self.buckets:
+            bucket.buffer.div_(self.comm.mesh.size(self.axis))
+    return [mock.patch.object(DataParallel, "finish_grad_sync", finish)]
+
+
+def bucket_skipped_on_a_middle_step():
+    """One bucket's all-reduce skipped on a middle step."""
+    from meshtrain.comm import _Done
+    from meshtrain.parallel.data import DataParallel
+    real_launch, real_finish = DataParallel._launch, DataParallel.finish_grad_sync
+    syncs = {"done": 0}
+
+    def launch(self, bucket):
+        if syncs["done"] + 1 == MIDDLE and bucket.index == 1:
+            return _Done()
+        return real_launch(self, bucket)
+
+    def finish(self):
+        real_finish(self)
+        syncs["done"] += 1
+    return [mock.patch.object(DataParallel, "_launch", launch),
+            mock.patch.object(DataParallel, "finish_grad_sync", finish)]
+
+
+def data_slice_shifted():
+    """Data-parallel rank 1 reads its slice of the global batch one sample early."""
+    import meshtrain.train as T
+    real = T.micro_batch_rows
+
+    def rows(cfg, dp_coord, dp_size, i):
+        r = real(cfg, dp_coord, dp_size, i)
+        return slice(r.start - 1, r.stop - 1) if dp_coord == 1 else r
+    return [mock.patch.object(T, "micro_batch_rows", rows)]
+
+
+def one_gradient_unsynchronised():
+    """One parameter left out of the gradient buckets: its gradient stays local."""
+    import meshtrain.parallel.data as D
+    real = D._make_buckets
+    return [mock.patch.object(D, "_make_buckets", lambda params, cap: real(params[:5] + params[6:], cap))]
+
+
+def microbatches_not_accumulated():
+    """Only the last micro-batch's gradients kept: the earlier ones are dropped."""
+    from meshtrain.parallel.data import DataParallel
+    real = DataParallel.no_sync
+
+    @contextmanager
+    def no_sync(self):
+        with real(self):
+            yield
+        for bucket in self.buckets:
+            bucket.buffer.zero_()
+    return [mock.patch.object(DataParallel, "no_sync", no_sync)]
+
+
+MUTANTS = {f.__name__: f for f in (local_loss_normalizer, averaged_on_top_of_the_sum,
+                                   bucket_skipped_on_a_middle_step, data_slice_shifted,
+                                   one_gradient_unsynchronised, microbatches_not_accumulated)}
+# The step at which each mutant first does harm.
+FIRST_BAD_STEP = {name: MIDDLE if name == "bucket_skipped_on_a_middle_step" else 1 for name in MUTANTS}
+
+
+def _records_of_every_mutant(mesh, cfg):
+    """In the spawned ranks: the real code's verify record, then each mutant's."""
+    records = {"real": verify.record(cfg, Comm(mesh), "real")}
+    for name, mutant in MUTANTS.items():
+        with ExitStack() as stack:
+            for patch in mutant():
+                stack.enter_context(patch)
+            records[name] = verify.record(cfg, Comm(mesh), name)
+    return records
+
+
+@pytest.fixture(scope="module")
+def verdicts():
+    cfg = mutant_config()
+    records = run_ranks(_records_of_every_mutant, 2, cfg)[0]
+    return {name: verify.compare(rec, verify.run_reference(cfg, rec)) for name, rec in records.items()}
+
+
+def test_real_code_passes(verdicts):
+    real = verdicts["real"]
+    assert real["passed"], real["failures"]
+    assert real["max_grad_rel_diff"] <= verify.GRAD_TOLERANCE / 10  # a margin, not a scrape
+
+
+@pytest.mark.parametrize("name", MUTANTS)
+def test_verify_fails_on_the_mutant_naming_step_and_tensor(verdicts, name):
+    v = verdicts[name]
+    assert not v["passed"], f"{name} slipped through verify"
+    first = v["first_failure"]
+    assert first.startswith(f"step {FIRST_BAD_STEP[name]}:"), first
+    # a tensor is named: a parameter's gradient or update, or a rank's copy of one
+    assert re.search(r"(gradient|update|weights)", first) and re.search(r"\.(weight|bias)\b", first), first
+
+
+def test_unsynchronised_gradient_is_caught_on_the_rank_that_holds_it(verdicts):
+    """Replicas that should be bit-identical are checked on every rank, not only rank 0."""
+    assert any("rank 1's" in f for f in verdicts["one_gradient_unsynchronised"]["failures"])
+
+
+def _long_run(mesh, cfg):
+    return verify.record(cfg, Comm(mesh), "layout")
+
+
+def test_long_run_does_not_cry_wolf():
+    """100 steps, warm-up of 1: each sampled step is checked from the layout's own state, so
+    rounding has nothing to accumulate over and a correct layout still passes."""
+    cfg = mutant_config(microbatches=1)
+    cfg.train.steps = 100
+    rec = run_ranks(_long_run, 2, cfg)[0]
+    result = verify.compare(rec, verify.run_reference(cfg, rec))
+    assert result["passed"], result["failures"]
+    assert result["lockstep_steps"] == [1, 50, 100]
+    assert torch.isfinite(torch.tensor(result["max_param_rel_diff"]))
