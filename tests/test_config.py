@@ -1,4 +1,5 @@
 import time
+from pathlib import Path
 
 import pytest
 from helpers import run_cli
@@ -29,6 +30,9 @@ def cfg(**sections):
     ({"train": {"seq_len": 4096}}, None, "--seq-len 4096"),
     ({"layout": {"tp": 3, "dp": 1}}, None, "use --tp 1, 2, 4, 8"),
     ({"layout": {"tp": 2, "dp": 1}}, None, "not in this version"),
+    ({"train": {"seed": -1}}, None, "--seed -1"),
+    ({"train": {"device": "tpu"}}, None, "--device auto | cpu | cuda"),
+    ({"layout": {"tp": 2}}, 3, "not a multiple of tp×pp"),
 ])
 def test_validation_names_the_flag(sections, world, fix):
     with pytest.raises(C.ConfigError) as e:
@@ -40,6 +44,38 @@ def test_validation_names_the_flag(sections, world, fix):
 def test_defaults_are_valid():
     C.validate(C.Config())
     C.validate(C.Config(), world_size=2)
+
+
+@pytest.mark.parametrize("layout, world, dp", [({}, None, 2), ({"pp": 2}, None, 1), ({"tp": 4}, None, 1),
+                                               ({}, 8, 8), ({"tp": 2, "pp": 2}, 8, 2), ({"dp": 3}, None, 3)])
+def test_unset_dp_fills_the_world(layout, world, dp):
+    """Under a launcher world ÷ (tp·pp); from a shell 2 for the default job, else 1."""
+    lay = C.LayoutConfig(**layout)
+    C.fill_dp(lay, world)
+    assert lay.dp == dp
+
+
+def _cli_config(*argv):
+    from meshtrain.cli import _config_from, build_parser
+    return _config_from(build_parser().parse_args([str(a) for a in argv]))
+
+
+def test_flags_switch_off_what_the_toml_switched_on(tmp_path):
+    f = tmp_path / "on.toml"
+    f.write_text("[layout]\nsp = true\n[train]\nresume = true\n")
+    on = _cli_config("train", "--config", f)
+    off = _cli_config("train", "--config", f, "--no-sp", "--no-resume")
+    assert (on.layout.sp, on.train.resume) == (True, True)
+    assert (off.layout.sp, off.train.resume) == (False, False)
+
+
+def test_verify_and_bench_take_steps_from_toml_unless_the_flag_is_given(tmp_path):
+    f = tmp_path / "steps.toml"
+    f.write_text("[train]\nsteps = 7\n")
+    assert _cli_config("verify").train.steps == 10  # the command's own default
+    assert _cli_config("verify", "--config", f).train.steps == 7
+    assert _cli_config("bench", "--vs", "ddp", "--config", f).train.steps == 7
+    assert _cli_config("verify", "--config", f, "--steps", "3").train.steps == 3
 
 
 def test_toml_then_flags(tmp_path):
@@ -68,23 +104,41 @@ def test_lr_schedule_warms_up_then_decays():
     assert lrs[-1] == pytest.approx(0.1, abs=1e-3)
 
 
-@pytest.mark.parametrize("args, fix", [
-    (["train", "--dp", "0"], "--dp 0"),
-    (["train", "--model", "gpt-huge"], "unknown model"),
-    (["train", "--schedule", "zigzag"], "unknown schedule"),
-    (["train", "--data", "/no/such/path"], "no such file"),
-    (["verify", "--dp", "3", "--batch-size", "8"], "not divisible"),
-    (["bench", "--vs", "horovod"], "unknown peer"),
-])
-def test_cli_rejects_bad_input_in_one_line(args, fix):
-    t0 = time.perf_counter()
-    r = run_cli(*args, timeout=60)
-    assert r.returncode == 2
-    assert "Traceback" not in r.stderr
-    lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("meshtrain: error:") and fix in lines[0], r.stderr
-    assert "starting" not in r.stderr  # rejected before any rank starts
-    assert time.perf_counter() - t0 < 30
+def _bad_inputs(tmp: Path) -> list[tuple[list, str]]:
+    (tmp / "binary.txt").write_bytes(bytes(range(256)) * 64)
+    (tmp / "binary.toml").write_bytes(b"\xff\xfe[layout]\x00\x81")
+    (tmp / "a-file").write_text("not a folder")
+    cases = [
+        (["train", "--dp", "0"], "--dp 0"),
+        (["train", "--model", "gpt-huge"], "unknown model"),
+        (["train", "--schedule", "zigzag"], "unknown schedule"),
+        (["train", "--data", "/no/such/path"], "no such file"),
+        (["verify", "--dp", "3", "--batch-size", "8"], "not divisible"),
+        (["bench", "--vs", "horovod"], "unknown peer"),
+        (["train", "--seed", "-1"], "--seed -1"),
+        (["train", "--device", "tpu"], "unknown device 'tpu'"),
+        (["train", "--model", "gpt-tiny", "--vocab-size", "256", "--data", tmp / "binary.txt"], "not UTF-8 text"),
+        (["train", "--config", tmp / "binary.toml"], "--config"),
+        (["train", "--model", "gpt-tiny", "--out", tmp / "a-file" / "run"], "--out"),
+        (["generate", "--ckpt", tmp, "--top-k", "-1"], "--top-k -1"),
+        (["generate", "--ckpt", tmp, "--device", "tpu"], "unknown device"),
+    ]
+    import torch
+    if not torch.cuda.is_available():
+        cases.append((["train", "--device", "cuda"], "no CUDA device"))
+    return cases
+
+
+def test_cli_rejects_bad_input_in_one_line(tmp_path):
+    for args, fix in _bad_inputs(tmp_path):
+        t0 = time.perf_counter()
+        r = run_cli(*args, timeout=60)
+        assert r.returncode == 2, (args, r.stderr)
+        assert "Traceback" not in r.stderr, (args, r.stderr)
+        lines = r.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("meshtrain: error:") and fix in lines[0], (args, r.stderr)
+        assert "starting" not in r.stderr  # rejected before any rank starts
+        assert time.perf_counter() - t0 < 30
 
 
 def test_world_size_mismatch_under_torchrun():

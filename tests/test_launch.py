@@ -1,6 +1,10 @@
+import signal
+from dataclasses import dataclass
+
 import pytest
 
-from meshtrain.launch import detect, first_host, threads_per_rank
+from meshtrain.launch import (PEER_LOST_EXIT, LaunchError, choose_device, culprit, describe_exit, detect, first_host,
+                              threads_per_rank)
 
 
 def test_plain_shell_is_not_a_launcher():
@@ -43,3 +47,71 @@ def test_first_host(nodes, first):
 def test_threads_per_rank_never_zero():
     assert threads_per_rank(10_000) == 1
     assert threads_per_rank(1) >= 1
+
+
+def test_an_interactive_srun_shell_is_a_shell():
+    """`srun --pty bash` gives one task: meshtrain started there starts its own ranks."""
+    env = {"SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "1", "SLURM_LOCALID": "0", "SLURM_STEP_NUM_NODES": "1",
+           "SLURM_STEP_NODELIST": "gpu03", "SLURM_JOB_ID": "7"}
+    assert detect(env) is None
+
+
+def test_multi_node_mpirun_without_master_addr_is_refused():
+    env = {"OMPI_COMM_WORLD_RANK": "5", "OMPI_COMM_WORLD_SIZE": "8", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+           "OMPI_COMM_WORLD_LOCAL_SIZE": "4"}
+    with pytest.raises(LaunchError, match="MASTER_ADDR"):
+        detect(env)
+    assert detect({**env, "MASTER_ADDR": "node0"}).master_addr == "node0"
+
+
+@dataclass
+class _Failure:
+    exitcode: int
+    timestamp: int
+
+
+@pytest.mark.parametrize("failures, culprit_rank", [
+    # rank 1 killed; the engine stopped rank 0 in the same second
+    ({0: _Failure(-signal.SIGTERM, 100), 1: _Failure(-signal.SIGKILL, 100)}, 1),
+    # rank 1 raised; rank 0's collective broke because of it
+    ({0: _Failure(PEER_LOST_EXIT, 100), 1: _Failure(1, 100)}, 1),
+    # only consequences seen: the first by the clock, then by rank
+    ({2: _Failure(-signal.SIGTERM, 101), 3: _Failure(PEER_LOST_EXIT, 100)}, 3),
+    ({0: _Failure(1, 100), 1: _Failure(1, 100)}, 0),
+])
+def test_the_culprit_is_not_a_rank_the_engine_or_a_peer_stopped(failures, culprit_rank):
+    assert culprit(failures)[0] == culprit_rank
+
+
+def test_exit_descriptions():
+    assert describe_exit(-9) == "signal 9, SIGKILL"
+    assert describe_exit(2) == "exit code 2"
+    assert "another rank" in describe_exit(PEER_LOST_EXIT)
+
+
+def test_device_choice_on_this_machine():
+    import torch
+    assert choose_device("cpu", 3, 4) == torch.device("cpu")
+    if not torch.cuda.is_available():
+        assert choose_device("auto", 0, 2) == torch.device("cpu")
+        with pytest.raises(LaunchError, match="no CUDA device"):
+            choose_device("cuda", 0, 1)
+
+
+@pytest.mark.parametrize("visible, narrowed, local_rank, local_world, expected", [
+    (4, "", 2, 4, "cuda:2"),      # one GPU per local rank
+    (1, "3", 2, 4, "cuda:0"),     # srun --gpus-per-task=1: each task sees its own, as cuda:0
+    (2, "", 1, 4, None),          # more local ranks than GPUs: refused
+    (1, "", 1, 2, None),          # one GPU shared by two ranks, nothing narrowed: refused
+])
+def test_local_rank_to_gpu(monkeypatch, visible, narrowed, local_rank, local_world, expected):
+    """The mapping alone, with the GPU count set by hand (this machine may have none)."""
+    import torch
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: visible)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", narrowed)
+    if expected is None:
+        with pytest.raises(LaunchError, match="visible GPU"):
+            choose_device("cuda", local_rank, local_world)
+    else:
+        assert choose_device("auto", local_rank, local_world) == torch.device(expected)

@@ -1,3 +1,4 @@
+import pytest
 import torch
 from distributed import run_ranks
 
@@ -13,9 +14,20 @@ def _mesh_facts(mesh):
         comm.all_reduce(t, axis)
         sums[axis] = t.item()
     return {"rank": mesh.rank, "coords": mesh.coords(), "sums": sums,
-            "sizes": {a: mesh.size(a) for a in AXES}, "comm": comm.totals()}
+            "sizes": {a: mesh.size(a) for a in AXES}, "comm": comm.totals(),
+            "next": {a: mesh.neighbour(a, +1) for a in AXES}, "prev": {a: mesh.neighbour(a, -1) for a in AXES}}
 
 
+def test_mesh_dp2_tp2_groups_and_neighbours():
+    for f in run_ranks(_mesh_facts, 4, tp=2):
+        r = f["rank"]
+        assert f["coords"] == {"pp": 0, "dp": r // 2, "tp": r % 2}
+        assert f["sums"] == {"pp": r, "dp": (r % 2) * 2 + 2, "tp": (r // 2) * 4 + 1}
+        assert f["next"] == {"pp": None, "dp": r + 2 if r < 2 else None, "tp": r + 1 if r % 2 == 0 else None}
+        assert f["prev"] == {"pp": None, "dp": r - 2 if r >= 2 else None, "tp": r - 1 if r % 2 == 1 else None}
+
+
+@pytest.mark.slow
 def test_mesh_2x2x2_tp_innermost_pp_outermost():
     facts = run_ranks(_mesh_facts, 8, pp=2, tp=2)
     for f in facts:
@@ -29,6 +41,8 @@ def test_mesh_2x2x2_tp_innermost_pp_outermost():
         assert f["sums"]["pp"] == r % 4 + r % 4 + 4
         # 4 bytes all-reduced over 2 ranks: 2(n-1)/n * 4 = 4 bytes sent on each axis
         assert f["comm"] == {"pp": 4.0, "dp": 4.0, "tp": 4.0}
+        # the next pipeline stage is the rank with the same dp and tp coordinates on the next stage
+        assert f["next"]["pp"] == (r + 4 if r < 4 else None) and f["prev"]["pp"] == (r - 4 if r >= 4 else None)
 
 
 def test_single_process_mesh_needs_no_group():

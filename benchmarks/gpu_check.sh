@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# What a lent GPU machine can check in a few minutes. That machine has torch (2.11), no
+# network and no venv, so this runs on the system python3 with PYTHONPATH=. and no pip, on a
+# text file in the repository (the bundled corpus is a pip package it does not have):
+#   1. one-GPU `train` of the GPT-2-shaped preset (fp32 until mixed precision lands): tokens/s, MFU;
+#   2. `verify` of a CUDA run against the one-process CPU reference;
+#   3. with two or more GPUs, `verify --dp N` over NCCL.
+# The JSON line of each lands in $OUT (the device tool's output folder) or ./gpu-check.
+# DEVICE=cpu MODEL=gpt-test SEQ_LEN=32 rehearses the script on a machine without a GPU.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+DATA=${DATA:-benchmarks/data/hamlet.txt}
+RESULTS=${OUT:-gpu-check}
+DEVICE=${DEVICE:-cuda}
+MODEL=${MODEL:-gpt2}
+SEQ_LEN=${SEQ_LEN:-1024}
+STEPS=${STEPS:-30}
+export PYTHONPATH=. PYTHONUNBUFFERED=1 XDG_CACHE_HOME=${XDG_CACHE_HOME:-/tmp/meshtrain-cache}
+mkdir -p "$RESULTS"
+
+$PY -c "import torch; print('torch', torch.__version__, '| CUDA', torch.cuda.is_available(), '| GPUs',
+torch.cuda.device_count(), '|', torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no GPU')" \
+  | tee "$RESULTS/machine.txt"
+NGPU=$($PY -c "import torch; print(torch.cuda.device_count())")
+
+echo "== 1. train $MODEL on one $DEVICE device" >&2
+$PY -m meshtrain train --model "$MODEL" --data "$DATA" --device "$DEVICE" --dp 1 --steps "$STEPS" --warmup 5 \
+  --batch-size 8 --seq-len "$SEQ_LEN" --out "$RESULTS/run" --json | tail -n 1 > "$RESULTS/train.json"
+$PY -c "import json; j = json.load(open('$RESULTS/train.json')); print('tokens/s', round(j['tokens_per_s']),
+'| median step', round(j['step_time_median_s'], 4), 's | MFU', j['mfu'], '|', j['device'])"
+
+echo "== 2. verify a $DEVICE run against the CPU reference" >&2
+$PY -m meshtrain verify --model gpt-small --data "$DATA" --device "$DEVICE" --dp 1 --steps 6 --json \
+  | tail -n 1 > "$RESULTS/verify.json"
+
+if [ "$NGPU" -ge 2 ] && [ "$DEVICE" = cuda ]; then
+  echo "== 3. verify --dp $NGPU over NCCL" >&2
+  $PY -m meshtrain verify --model gpt-small --data "$DATA" --device cuda --dp "$NGPU" --batch-size $((4 * NGPU)) \
+    --steps 6 --json | tail -n 1 > "$RESULTS/verify-nccl.json"
+fi
+for f in "$RESULTS"/verify*.json; do
+  $PY -c "import json; j = json.load(open('$f')); print('$f', 'PASS' if j['passed'] else 'FAIL', 'grad',
+'%.1e' % j['max_grad_rel_diff'], 'update', '%.1e' % j['max_update_rel_diff'], j['first_failure'] or '')"
+done
