@@ -146,3 +146,12 @@ def test_warmup_longer_than_the_run_is_a_warning_not_an_error(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "meshtrain: warning: --warmup 5 >= --steps 2" in r.stderr
     assert last_json(r.stdout)["steps"] == 2
+
+
+@pytest.mark.slow
+def test_long_gpt_small_verify_passes():
+    """The acceptance run: gpt-small, dp=2, warm-up 1, 100 steps (about 2 minutes here)."""
+    r = run_cli("verify", "--dp", "2", "--warmup", "1", "--steps", "100", "--device", "cpu", "--json", timeout=1200)
+    assert r.returncode == 0, r.stderr[-3000:]
+    j = last_json(r.stdout)
+    assert j["passed"] and j["lockstep_steps"] == [1, 50, 100]

@@ -1,3 +1,6 @@
+import multiprocessing
+from pathlib import Path
+
 import torch
 
 from meshtrain.data.corpus import shakespeare_files, text_files
@@ -47,3 +50,31 @@ def test_any_text_folder(tmp_path):
     data = open_dataset(str(tmp_path), "gpt-tiny", 256, seq_len=8, seed=0)
     x, _ = data.batch(0, 2, slice(0, 2))
     assert all(data.decode(row.tolist()) in "hello world\n" * 100 for row in x)
+
+
+def _prepare_and_log(source: str, log_path: str, out_path: str) -> None:
+    from meshtrain.data.datasets import prepare_text
+
+    def log(msg):
+        with open(log_path, "a") as f:
+            f.write(msg + "\n")
+    Path(out_path).write_text(str(prepare_text(source, 256, log)))
+
+
+def test_ranks_preparing_the_same_text_at_once_build_it_once(tmp_path):
+    """Under a launcher every rank prepares the data before joining the group (so no
+    collective timeout can cut a long tokenization short): a file lock lets one build the
+    cache while the others wait, then all read the same folder."""
+    (tmp_path / "t.txt").write_text("Now is the winter of our discontent\n" * 3000)
+    ctx = multiprocessing.get_context("spawn")
+    log = tmp_path / "log.txt"
+    procs = [ctx.Process(target=_prepare_and_log, args=(str(tmp_path / "t.txt"), str(log), str(tmp_path / f"out{i}")))
+             for i in range(3)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+    assert [p.exitcode for p in procs] == [0, 0, 0]
+    folders = {(tmp_path / f"out{i}").read_text() for i in range(3)}
+    assert len(folders) == 1
+    assert log.read_text().count("tokenized") == 1
