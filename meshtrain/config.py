@@ -208,13 +208,11 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     `world_size` is the number of processes a launcher already started, if any. An unset
     --dp is filled in here (`fill_dp`)."""
     m, lay, tr = cfg.model, cfg.layout, cfg.train
-    sizes = [("layout", "tp"), ("layout", "pp"), ("layout", "chunks"), ("layout", "microbatches"),
-             ("train", "steps"), ("train", "batch_size"), ("train", "seq_len")]
-    for section, name in [("layout", "dp")] + sizes:
+    for section, name in [("layout", "dp"), ("layout", "tp"), ("layout", "pp"), ("layout", "chunks"),
+                          ("layout", "microbatches"), ("train", "steps"), ("train", "batch_size"),
+                          ("train", "seq_len")]:
         value = getattr(getattr(cfg, section), name)
-        if value is None and name == "dp":
-            continue
-        if value < 1:
+        if value is not None and value < 1:  # only dp may be unset (None) here
             raise ConfigError(f"{_flag_of(section, name)} {value}: must be a positive integer")
     fill_dp(lay, world_size)
     if tr.seed < 0:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import signal
 import sys
 import uuid
 from dataclasses import dataclass
@@ -120,8 +121,6 @@ def culprit(failures: dict):
     with SIGTERM and a survivor whose collective broke leaves with PEER_LOST_EXIT; their
     timestamps (one-second resolution) can equal the culprit's. So a failure of neither kind
     comes first; among equals the earliest, then the lowest rank (the first the poll saw)."""
-    import signal
-
     def caused_by_another(f) -> bool:
         return f.exitcode in (-signal.SIGTERM, PEER_LOST_EXIT)
 
@@ -129,7 +128,6 @@ def culprit(failures: dict):
 
 
 def describe_exit(exitcode: int) -> str:
-    import signal
     if exitcode == PEER_LOST_EXIT:
         return "a collective failed: another rank died or stopped answering"
     if exitcode >= 0:

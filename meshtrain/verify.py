@@ -65,25 +65,29 @@ def reference_config(cfg: Config) -> Config:
 
 class _LayoutRecorder(StepObserver):
     """At each sampled step: the full state before, the synchronised gradients, the weights
-    after (kept on rank 0), and every rank's pieces checked against them."""
+    after (kept on rank 0 only), and every rank's pieces checked against them."""
 
-    def __init__(self, steps: list[int]):
-        self.steps, self.records, self.problems = set(steps), {}, []
+    def __init__(self, steps: list[int], is_main: bool):
+        self.steps, self.is_main, self.records, self.problems = set(steps), is_main, {}, []
+
+    def _keep(self, step: int, **parts) -> None:
+        if self.is_main:
+            self.records.setdefault(step, {}).update(parts)
 
     def before_step(self, p, step):
         if step in self.steps:
-            self.records[step] = {"pre": p.full_state_dict()}
+            self._keep(step, pre=p.full_state_dict())
 
     def grads_ready(self, p, step):
         if step in self.steps:
             grads = p.full_grads()
-            self.records[step]["grads"] = grads
+            self._keep(step, grads=grads)
             self.problems += _check_pieces(p, grads, "gradient", step, use_grad=True)
 
     def after_step(self, p, step, loss):
         if step in self.steps:
             post = p.full_state_dict()["model"]
-            self.records[step].update(post=post, loss=loss)
+            self._keep(step, post=post, loss=loss)
             self.problems += _check_pieces(p, post, "weights", step, use_grad=False)
 
 
@@ -117,7 +121,7 @@ def _check_pieces(p, full: dict[str, torch.Tensor], what: str, step: int,
 def record(cfg: Config, comm: Comm, label: str) -> dict | None:
     """Run the layout (every rank calls this); rank 0 returns its losses and, per sampled
     step, the full state before, the gradients, the weights after, and the problems found."""
-    recorder = _LayoutRecorder(lockstep_steps(cfg.train.steps))
+    recorder = _LayoutRecorder(lockstep_steps(cfg.train.steps), comm.mesh.is_main)
     result = train(cfg, comm, observer=recorder, progress=label)
     if not comm.mesh.is_main:
         return None
