@@ -117,7 +117,8 @@ def _bad_inputs(tmp: Path) -> list[tuple[list, str]]:
         (["bench", "--vs", "horovod"], "unknown peer"),
         (["train", "--seed", "-1"], "--seed -1"),
         (["train", "--device", "tpu"], "unknown device 'tpu'"),
-        (["train", "--model", "gpt-tiny", "--vocab-size", "256", "--data", tmp / "binary.txt"], "not UTF-8 text"),
+        (["train", "--model", "gpt-tiny", "--vocab-size", "256", "--device", "cpu", "--data", tmp / "binary.txt"],
+         "not UTF-8 text"),
         (["train", "--config", tmp / "binary.toml"], "--config"),
         (["train", "--model", "gpt-tiny", "--out", tmp / "a-file" / "run"], "--out"),
         (["generate", "--ckpt", tmp, "--top-k", "-1"], "--top-k -1"),
@@ -150,6 +151,7 @@ def test_world_size_mismatch_under_torchrun():
 
 def test_cli_rejects_text_too_short_for_the_sequence(tmp_path):
     (tmp_path / "short.txt").write_text("too short")
-    r = run_cli("train", "--data", tmp_path / "short.txt", "--model", "gpt-tiny", "--vocab-size", "256", timeout=60)
+    r = run_cli("train", "--data", tmp_path / "short.txt", "--model", "gpt-tiny", "--vocab-size", "256", "--device", "cpu",
+                timeout=60)
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert r.stderr.strip().splitlines()[-1].startswith("meshtrain: error: the text has 9 tokens")
