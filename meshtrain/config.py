@@ -103,7 +103,7 @@ FLAGS = [
     ("--tp", "layout", "tp", int, "tensor-parallel size"),
     ("--pp", "layout", "pp", int, "pipeline-parallel size"),
     ("--zero", "layout", "zero", int, "ZeRO stage 0|1|2|3"),
-    ("--sp", "layout", "sp", bool, "sequence parallelism inside the TP group"),
+    ("--sp", "layout", "sp", bool, "sequence parallelism inside the TP group (needs --tp 2 or more)"),
     ("--schedule", "layout", "schedule", str, "pipeline schedule: " + "|".join(SCHEDULES)),
     ("--chunks", "layout", "chunks", int, "model chunks per pipeline stage (interleaved)"),
     ("--microbatches", "layout", "microbatches", int, "micro-batches per step and DP rank (accumulated)"),
@@ -244,11 +244,8 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
                           f"{lay.microbatches} = {per_step}; use a multiple of {per_step}")
     _validate_data(cfg)
     spec = PRESETS[m.name]
+    _validate_tensor_parallel(cfg, spec)
     if isinstance(spec, GPTSpec):
-        if spec.n_heads % lay.tp:
-            ok = [d for d in range(1, spec.n_heads + 1) if spec.n_heads % d == 0]
-            raise ConfigError(f"--tp {lay.tp} does not divide the {spec.n_heads} heads of {m.name}; "
-                              f"use --tp {', '.join(map(str, ok))}")
         if spec.n_layers % (lay.pp * lay.chunks):
             raise ConfigError(f"pp×chunks = {lay.pp}×{lay.chunks} does not divide the {spec.n_layers} layers "
                               f"of {m.name}; change --pp or --chunks")
@@ -278,12 +275,35 @@ def _validate_data(cfg: Config) -> None:
         raise ConfigError(f"--data {data}: no such file or folder; use --data shakespeare or a text path")
 
 
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
+def _validate_tensor_parallel(cfg: Config, spec) -> None:
+    """Every dimension tensor parallelism splits must divide by tp; SP also splits the sequence."""
+    lay, tr, name = cfg.layout, cfg.train, cfg.model.name
+    if isinstance(spec, GPTSpec):
+        splits = [(spec.n_heads, "heads"), (spec.d_model, "hidden size"), (4 * spec.d_model, "MLP width"),
+                  (tr.vocab_size, "vocabulary (--vocab-size)")]
+    else:
+        splits = [(width, "hidden width") for width in spec.hidden]
+    for size, what in splits:
+        if size % lay.tp:
+            raise ConfigError(f"--tp {lay.tp} does not divide the {size} {what} of {name}; use --tp {_divisors(size)}")
+    if lay.sp:
+        if lay.tp == 1:
+            raise ConfigError("--sp shards the sequence inside the tensor-parallel group; use --tp 2 or more with --sp")
+        if not isinstance(spec, GPTSpec):
+            raise ConfigError(f"--sp needs a model with a sequence; {name} has none: drop --sp")
+        if tr.seq_len % lay.tp:
+            raise ConfigError(f"--sp splits the sequence over tp: --seq-len {tr.seq_len} is not divisible by "
+                              f"--tp {lay.tp}; use a multiple of {lay.tp}")
+
+
 def _reject_unbuilt(lay: LayoutConfig, tr: TrainConfig) -> None:
     """Strategies that later issues add. Refuse them plainly rather than run something else."""
-    unbuilt = [(lay.tp != 1, "--tp", "tensor parallelism", "--tp 1"),
-               (lay.pp != 1, "--pp", "pipeline parallelism", "--pp 1"),
+    unbuilt = [(lay.pp != 1, "--pp", "pipeline parallelism", "--pp 1"),
                (lay.zero != 0, "--zero", "ZeRO", "--zero 0"),
-               (lay.sp, "--sp", "sequence parallelism", "no --sp"),
                (lay.chunks != 1, "--chunks", "interleaved pipelines", "--chunks 1"),
                (lay.recompute != "none", "--recompute", "activation checkpointing", "--recompute none"),
                (lay.precision != "fp32", "--precision", "mixed precision", "--precision fp32"),

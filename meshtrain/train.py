@@ -21,9 +21,10 @@ from meshtrain.comm import METRICS, Comm
 from meshtrain.config import Config, lr_at, tokens_per_sample
 from meshtrain.data.datasets import open_dataset
 from meshtrain.metrics import ActivationMeter, StepLog, model_state_bytes
-from meshtrain.models import build_model, count_params
+from meshtrain.models import build_model
 from meshtrain.optim import clip_grad_norm_, set_lr
 from meshtrain.parallel import Parallelized, parallelize
+from meshtrain.parallel.tensor import plan_for
 
 
 @dataclass
@@ -65,7 +66,7 @@ def build(cfg: Config, device):
 def setup(cfg: Config, comm: Comm, **dp_options) -> tuple[object, Parallelized]:
     """Data, and the model with the layout's strategies applied and its optimizer."""
     data, model = build(cfg, comm.mesh.device)
-    return data, parallelize(model, comm, cfg.layout, cfg.train, **dp_options)
+    return data, parallelize(model, comm, cfg.layout, cfg.train, plan=plan_for(cfg.model.name), **dp_options)
 
 
 def loss_terms_per_step(cfg: Config) -> int:
@@ -150,6 +151,6 @@ def train(cfg: Config, comm: Comm, *, observer: StepObserver | None = None, prog
         bar.close()
     for axis in ("dp", "tp", "pp"):
         comm_per_step.setdefault(axis, 0)
-    return RunResult(losses=losses, step_times=times, n_params=count_params(p.module),
+    return RunResult(losses=losses, step_times=times, n_params=p.n_params,
                      model_state=model_state_bytes(p.module, p.optimizer), activation_bytes=meter.peak,
                      comm_per_step=comm_per_step, parallel=p, data=data, skipped_steps=skipped)

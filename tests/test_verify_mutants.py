@@ -32,6 +32,11 @@ def mutant_config(**layout) -> Config:
     return c
 
 
+# The layouts the mutants run in: data parallelism, then tensor parallelism with and without SP.
+LAYOUTS = {"dp": mutant_config(), "tp": mutant_config(dp=1, tp=2, microbatches=1),
+           "tp-sp": mutant_config(dp=1, tp=2, sp=True, microbatches=1)}
+
+
 # ---- the mutants: each returns the patches that break one thing ---------------------------
 
 def local_loss_normalizer():
@@ -104,33 +109,71 @@ def microbatches_not_accumulated():
     return [mock.patch.object(DataParallel, "no_sync", no_sync)]
 
 
-MUTANTS = {f.__name__: f for f in (local_loss_normalizer, averaged_on_top_of_the_sum,
-                                   bucket_skipped_on_a_middle_step, data_slice_shifted,
-                                   one_gradient_unsynchronised, microbatches_not_accumulated)}
+def column_input_gradient_not_reduced():
+    """Tensor parallelism: the backward all-reduce where activations enter a region (the
+    gradient of the column-parallel layers' input) is missing."""
+    from meshtrain.parallel.tensor import _CopyToRegion
+    return [mock.patch.object(_CopyToRegion, "backward", staticmethod(lambda ctx, grad: (grad, None)))]
+
+
+def layernorm_gradients_not_reduced_under_sp():
+    """Sequence parallelism: LayerNorm gradients, computed on sequence shards, not summed over tp."""
+    import meshtrain.parallel as P
+    real = P.apply_plan
+
+    def apply_plan(model, plan, comm, sp):
+        whole = real(model, plan, comm, sp)
+        norms = {id(p) for n, p in model.named_parameters() if ".ln" in n or n.startswith("norm.")}
+        return [p for p in whole if id(p) not in norms]
+    return [mock.patch.object(P, "apply_plan", apply_plan)]
+
+
+def cross_entropy_without_the_max_all_reduce():
+    """Vocabulary-parallel cross-entropy: each rank shifts by its own maximum."""
+    import torch.distributed as dist
+
+    from meshtrain.comm import Comm
+    real = Comm.all_reduce
+
+    def all_reduce(self, tensor, axis, *, op=dist.ReduceOp.SUM, **kw):
+        return None if op == dist.ReduceOp.MAX else real(self, tensor, axis, op=op, **kw)
+    return [mock.patch.object(Comm, "all_reduce", all_reduce)]
+
+
+# name -> (the mutant, the layout it runs in)
+MUTANTS = {f.__name__: (f, layout) for f, layout in (
+    (local_loss_normalizer, "dp"), (averaged_on_top_of_the_sum, "dp"), (bucket_skipped_on_a_middle_step, "dp"),
+    (data_slice_shifted, "dp"), (one_gradient_unsynchronised, "dp"), (microbatches_not_accumulated, "dp"),
+    (column_input_gradient_not_reduced, "tp"), (layernorm_gradients_not_reduced_under_sp, "tp-sp"),
+    (cross_entropy_without_the_max_all_reduce, "tp"))}
 # The step at which each mutant first does harm.
 FIRST_BAD_STEP = {name: MIDDLE if name == "bucket_skipped_on_a_middle_step" else 1 for name in MUTANTS}
 
 
-def _records_of_every_mutant(mesh, cfg):
-    """In the spawned ranks: the real code's verify record, then each mutant's."""
-    records = {"real": verify.record(cfg, Comm(mesh), "real")}
-    for name, mutant in MUTANTS.items():
-        with ExitStack() as stack:
-            for patch in mutant():
-                stack.enter_context(patch)
-            records[name] = verify.record(cfg, Comm(mesh), name)
+def _records_of_every_mutant(mesh, layouts):
+    """In the spawned ranks: the real code's verify record in each layout, then each mutant's;
+    {name: (layout, record)}."""
+    records = {f"real {layout}": (layout, verify.record(LAYOUTS[layout], Comm(mesh), "real")) for layout in layouts}
+    for name, (mutant, layout) in MUTANTS.items():
+        if layout in layouts:
+            with ExitStack() as stack:
+                for patch in mutant():
+                    stack.enter_context(patch)
+                records[name] = (layout, verify.record(LAYOUTS[layout], Comm(mesh), name))
     return records
 
 
 @pytest.fixture(scope="module")
 def verdicts():
-    cfg = mutant_config()
-    records = run_ranks(_records_of_every_mutant, 2, cfg)[0]
-    return {name: verify.compare(rec, verify.run_reference(cfg, rec)) for name, rec in records.items()}
+    records = run_ranks(_records_of_every_mutant, 2, ["dp"])[0]
+    records.update(run_ranks(_records_of_every_mutant, 2, ["tp", "tp-sp"], tp=2)[0])
+    return {name: verify.compare(rec, verify.run_reference(LAYOUTS[layout], rec))
+            for name, (layout, rec) in records.items()}
 
 
-def test_real_code_passes(verdicts):
-    real = verdicts["real"]
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_real_code_passes(verdicts, layout):
+    real = verdicts[f"real {layout}"]
     assert real["passed"], real["failures"]
     assert real["max_grad_rel_diff"] <= verify.GRAD_TOLERANCE / 10  # a margin, not a scrape
 

@@ -41,4 +41,4 @@ def ddp_setup(cfg: Config, comm: Comm) -> Parallelized:
     # DDP averages gradients over ranks; our loss is already divided by the global token
     # count, so scale it by dp to get the same gradient.
     return Parallelized(ddp, cross_entropy_sum, _DDPSync(ddp), optimizer, PlainRunner(), comm,
-                        loss_scale=mesh.size("dp"))
+                        n_params=sum(p.numel() for p in model.parameters()), loss_scale=mesh.size("dp"))

@@ -37,9 +37,8 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
-        # Heads are counted from the weights: a tensor-parallel plan that keeps some heads just works.
-        heads = self.q.out_features // self.head_dim
-        q, k, v = (lin(x).view(B, T, heads, self.head_dim).transpose(1, 2) for lin in (self.q, self.k, self.v))
+        # However many heads the projections give (a tensor-parallel plan keeps some of them).
+        q, k, v = (lin(x).view(B, T, -1, self.head_dim).transpose(1, 2) for lin in (self.q, self.k, self.v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                            dropout_p=self.dropout if self.training else 0.0)
         return self.proj(y.transpose(1, 2).reshape(B, T, -1))

@@ -1,7 +1,8 @@
 """Strategies, applied from outside the model in one fixed order, written once here:
 cut pipeline stages -> tensor-parallel plan -> activation checkpointing -> ZeRO/FSDP or
 data-parallel gradient sync -> the optimizer, built on what comes out.
-This version has data parallelism; the other steps slot in here as they are built.
+This version has tensor (and sequence) parallelism and data parallelism; the other steps
+slot in here as they are built.
 
 `parallelize` is the one path from a plain `nn.Module`, a mesh (through its `Comm`) and a
 layout to what a training loop drives, the `Parallelized` object: the CLI's loop and a
@@ -9,6 +10,7 @@ user's own loop go through it alike."""
 
 from __future__ import annotations
 
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Callable
 
@@ -21,7 +23,32 @@ from meshtrain.loss import cross_entropy_sum
 from meshtrain.optim import build_optimizer
 from meshtrain.parallel.data import DataParallel
 from meshtrain.parallel.runner import PlainRunner
-from meshtrain.parallel.state import cpu_copy, load_optimizer_state, optimizer_state
+from meshtrain.parallel.state import (SHARD, gather_full, load_optimizer_state, optimizer_state,
+                                      shard_index)
+from meshtrain.parallel.tensor import TensorParallelSync, TensorPlan, apply_plan, vocab_parallel_cross_entropy_sum
+
+
+class GradSyncs:
+    """Several gradient synchronisers driven as one (data-parallel buckets over dp, then the
+    sum over tp of what sequence parallelism leaves whole)."""
+
+    def __init__(self, *syncs):
+        self.syncs = syncs
+
+    @contextmanager
+    def no_sync(self):
+        with ExitStack() as stack:
+            for s in self.syncs:
+                stack.enter_context(s.no_sync())
+            yield
+
+    def finish_grad_sync(self) -> None:
+        for s in self.syncs:
+            s.finish_grad_sync()
+
+    def reset(self) -> None:
+        for s in self.syncs:
+            s.reset()
 
 
 @dataclass
@@ -29,17 +56,19 @@ class Parallelized:
     """What the training loop drives. `module` is called for forward; `loss_fn(output,
     targets)` gives the summed loss; `grad_sync` makes gradients whole (`no_sync`,
     `finish_grad_sync`, `reset`); `optimizer` was built after sharding; `runner` runs one
-    rank's micro-batches. Gradients are scaled by `loss_scale` (a peer that averages over
-    ranks, like torch DDP, needs dp).
+    rank's micro-batches; `n_params` counts the full model. Gradients are scaled by
+    `loss_scale` (a peer that averages over ranks, like torch DDP, needs dp).
 
-    The `full_*` methods are collective: every rank calls them (sharding strategies gather
-    there), and each returns the full-shape tensors as one process would hold them."""
+    The `full_*` methods are collective: every rank calls them, and each returns the
+    full-shape tensors (gathered over the axes they are split on) as one process would hold
+    them, as CPU copies."""
     module: nn.Module
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     grad_sync: object
     optimizer: torch.optim.Optimizer
     runner: PlainRunner
     comm: Comm
+    n_params: int
     loss_scale: float = 1.0
 
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
@@ -51,36 +80,56 @@ class Parallelized:
         return [p for _, p in self.named_parameters()]
 
     def full_state_dict(self) -> dict:
-        """{"model": weights by name, "optim": each parameter's optimizer state by name}, CPU copies.
-        Data parallelism replicates everything, so the local state is the full state."""
+        """{"model": weights by name, "optim": each parameter's optimizer state by name}."""
         names = {p: n for n, p in self.named_parameters()}
-        return {"model": {k: cpu_copy(v) for k, v in self.module.state_dict().items()},
-                "optim": optimizer_state(self.optimizer, names)}
+        model = {n: gather_full(p, getattr(p, SHARD, None), self.comm) for n, p in self.named_parameters()}
+        model.update({n: b.detach().to("cpu", copy=True) for n, b in self.module.named_buffers()})
+        return {"model": model, "optim": optimizer_state(self.optimizer, names, self.comm)}
 
     def load_full_state_dict(self, state: dict) -> None:
         """Take weights and optimizer state from a full state (each rank keeps its part)."""
+        params = dict(self.named_parameters())
         with torch.no_grad():
-            self.module.load_state_dict(state["model"])
-        load_optimizer_state(self.optimizer, dict(self.named_parameters()), state.get("optim", {}))
+            for name, p in params.items():
+                index = shard_index(p, self.comm)
+                full = state["model"][name]
+                p.copy_(full[index] if index is not None else full)
+            for name, b in self.module.named_buffers():
+                b.copy_(state["model"][name])
+        load_optimizer_state(self.optimizer, params, state.get("optim", {}), self.comm)
 
     def full_grads(self) -> dict[str, torch.Tensor]:
-        """Every parameter's gradient at full shape (CPU copies), as synchronised."""
-        return {n: cpu_copy(p.grad) for n, p in self.named_parameters() if p.grad is not None}
+        """Every parameter's gradient at full shape, as synchronised."""
+        return {n: gather_full(p.grad, getattr(p, SHARD, None), self.comm)
+                for n, p in self.named_parameters() if p.grad is not None}
 
     def local_pieces(self) -> dict[str, tuple[nn.Parameter, tuple | None]]:
         """What this rank holds of each tensor: (its local parameter, the index of that piece
         in the full tensor, None for all of it). Every rank's piece must equal that part of
         the full state: replicas bit-identical, shards where they live (checked by verify)."""
-        return {n: (p, None) for n, p in self.named_parameters()}
+        return {n: (p, shard_index(p, self.comm)) for n, p in self.named_parameters()}
 
 
 def parallelize(model: nn.Module, comm: Comm, layout: LayoutConfig, train: TrainConfig, *,
-                loss_fn=cross_entropy_sum, **dp_options) -> Parallelized:
+                plan: TensorPlan | None = None, loss_fn=cross_entropy_sum, **dp_options) -> Parallelized:
     """Apply the layout's strategies to `model` (in place; it must hold the full weights, the
-    same on every rank) and build the optimizer on the result."""
+    same on every rank) and build the optimizer on the result. Tensor parallelism needs the
+    model's `plan` (module names to styles)."""
+    n_params = sum(p.numel() for p in model.parameters())
     # Decided on the full parameters, before any strategy reshapes them: matrices decay.
     decay = {n for n, p in model.named_parameters() if p.dim() >= 2}
-    # (pipeline stages, the tensor-parallel plan and activation checkpointing go here)
-    grad_sync = DataParallel(model, comm, axis="dp", bucket_mb=layout.bucket_mb, **dp_options)
+    # (pipeline stages go here)
+    syncs = []
+    if comm.mesh.size("tp") > 1:
+        if plan is None:
+            raise ValueError("tensor parallelism needs a plan for this model (module names to styles)")
+        whole = apply_plan(model, plan, comm, sp=layout.sp)
+        if plan.vocab_parallel_loss:
+            loss_fn = vocab_parallel_cross_entropy_sum(comm)
+        if whole:
+            syncs.append(TensorParallelSync(whole, comm))
+    # (activation checkpointing goes here)
+    syncs.insert(0, DataParallel(model, comm, axis="dp", bucket_mb=layout.bucket_mb, **dp_options))
+    grad_sync = syncs[0] if len(syncs) == 1 else GradSyncs(*syncs)
     optimizer = build_optimizer(list(model.named_parameters()), decay, train)
-    return Parallelized(model, loss_fn, grad_sync, optimizer, PlainRunner(), comm)
+    return Parallelized(model, loss_fn, grad_sync, optimizer, PlainRunner(), comm, n_params)

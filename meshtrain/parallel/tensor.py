@@ -1,0 +1,370 @@
+"""Tensor parallelism (Megatron-LM) and sequence parallelism (Korthikanti et al.), applied
+to a plain model from outside by a plan.
+
+A plan maps module names to styles. `apply_plan` replaces each named module by its parallel
+twin, sharding the *full, seeded* weights, so every layout starts from the same model:
+
+    COLUMN  nn.Linear split by output features: input whole, output sharded, no communication
+    ROW     nn.Linear split by input features: input sharded, output summed over tp
+            (all-reduce; under SP a reduce-scatter along the sequence), bias added after
+    VOCAB   nn.Embedding split by vocabulary rows: masked lookup, then summed like ROW
+    REGION  where activations enter a tensor-parallel region (attention, MLP, the head): the
+            input is copied (identity forward, all-reduce of its gradient backward) — once
+            per region, so q, k and v share it; under SP it is all-gathered along the
+            sequence instead, and the column layers' saved input is kept as the local shard
+            and gathered again in backward
+    SEQUENCE under SP only: the module's output is cut to this rank's chunk of the sequence
+            (the position embedding), so it matches the sharded residual stream
+
+Under SP every parameter the plan leaves whole (LayerNorms, row biases, positions) sees only
+this rank's part of the sequence, so its gradient is summed over tp (`TensorParallelSync`).
+Names stay those of the full model: a replaced module keeps its `weight` and `bias`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from fnmatch import fnmatch
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from meshtrain.comm import Comm
+from meshtrain.parallel.state import SHARD, set_shard
+
+COLUMN, ROW, VOCAB, REGION, SEQUENCE = "column", "row", "vocab", "region", "sequence"
+TP = "tp"
+SEQ_DIM = 1  # activations are [batch, sequence, features]
+
+
+@dataclass(frozen=True)
+class TensorPlan:
+    """Module-name patterns (fnmatch, '*' for a block index) to a style or a tuple of styles;
+    `vocab_parallel_loss`: the output is sharded over the vocabulary, so the loss is the
+    vocabulary-parallel cross-entropy."""
+    styles: dict[str, str | tuple[str, ...]] = field(default_factory=dict)
+    vocab_parallel_loss: bool = False
+
+    def styles_of(self, name: str) -> tuple[str, ...]:
+        found = []
+        for pattern, styles in self.styles.items():
+            if fnmatch(name, pattern):
+                found += [styles] if isinstance(styles, str) else list(styles)
+        return tuple(found)
+
+
+# meshtrain's GPT: attention split by heads (q, k, v by columns, proj by rows), the MLP's fc
+# by columns and proj by rows, the token embedding and the head by vocabulary.
+GPT_PLAN = TensorPlan({
+    "embed.tok": VOCAB,
+    "embed.pos": SEQUENCE,
+    "blocks.*.attn": REGION,
+    "blocks.*.attn.[qkv]": COLUMN,
+    "blocks.*.attn.proj": ROW,
+    "blocks.*.mlp": REGION,
+    "blocks.*.mlp.fc": COLUMN,
+    "blocks.*.mlp.proj": ROW,
+    "head": (REGION, COLUMN),
+}, vocab_parallel_loss=True)
+
+# A plan for a model that is not a transformer: the MLP preset (blocks of Linear+ReLU, then
+# a head), written as a user would for their own module names. Linears alternate column and
+# row, so the ReLU between them runs on sharded features and one all-reduce ends each pair.
+MLP_PLAN = TensorPlan({
+    "blocks.0": REGION, "blocks.0.0": COLUMN, "blocks.1.0": ROW,
+    "blocks.2": REGION, "blocks.2.0": COLUMN, "head": ROW,
+})
+
+
+def plan_for(model_name: str) -> TensorPlan:
+    """The plan of a preset: meshtrain's own models are reached only through their plans."""
+    return MLP_PLAN if model_name == "mlp" else GPT_PLAN
+
+
+# ---- the conjugate operators ---------------------------------------------------------------
+
+class _CopyToRegion(torch.autograd.Function):
+    """Identity forward; all-reduce of the gradient over tp backward (Megatron's f)."""
+
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        ctx.comm.all_reduce(grad, TP)
+        return grad, None
+
+
+class _ReduceFromRegion(torch.autograd.Function):
+    """All-reduce over tp forward; identity backward (Megatron's g)."""
+
+    @staticmethod
+    def forward(ctx, x, comm):
+        x = x.contiguous()
+        comm.all_reduce(x, TP)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def _gather_seq(x: torch.Tensor, comm: Comm) -> torch.Tensor:
+    """All-gather along the sequence: [b, s/t, h] on each rank -> [b, s, h]."""
+    shard = x.movedim(SEQ_DIM, 0).contiguous()
+    full = shard.new_empty((shard.shape[0] * comm.mesh.size(TP), *shard.shape[1:]))
+    comm.all_gather(full, shard, TP)
+    return full.movedim(0, SEQ_DIM).contiguous()
+
+
+def _reduce_scatter_seq(x: torch.Tensor, comm: Comm) -> torch.Tensor:
+    """Sum over tp and keep this rank's chunk of the sequence: [b, s, h] -> [b, s/t, h]."""
+    full = x.movedim(SEQ_DIM, 0).contiguous()
+    shard = full.new_empty((full.shape[0] // comm.mesh.size(TP), *full.shape[1:]))
+    comm.reduce_scatter(shard, full, TP)
+    return shard.movedim(0, SEQ_DIM).contiguous()
+
+
+class _GatherSeq(torch.autograd.Function):
+    """All-gather along the sequence forward; reduce-scatter of the gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        return _gather_seq(x, comm)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter_seq(grad, ctx.comm), None
+
+
+class _ReduceScatterSeq(torch.autograd.Function):
+    """Reduce-scatter along the sequence forward; all-gather of the gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        return _reduce_scatter_seq(x, comm)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_seq(grad, ctx.comm), None
+
+
+def _reduce_output(x: torch.Tensor, comm: Comm, sp: bool) -> torch.Tensor:
+    """The end of a region: partial sums over tp made whole (or whole and sequence-sharded)."""
+    return _ReduceScatterSeq.apply(x, comm) if sp else _ReduceFromRegion.apply(x, comm)
+
+
+class _RegatherSaved:
+    """Saved-tensor hooks for one SP region: a tensor saved for backward that is the gathered
+    input (the column layers keep it for their weight gradients) is stored as the local
+    shard, and gathered once more in backward, shared by every layer that saved it."""
+
+    def __init__(self, full: torch.Tensor, shard: torch.Tensor, comm: Comm):
+        self._storage = full.untyped_storage().data_ptr()
+        self.shard, self.comm = shard, comm
+        self._pending, self._gathered = 0, None
+
+    def pack(self, t: torch.Tensor):
+        if t.untyped_storage().data_ptr() != self._storage:
+            return t
+        self._pending += 1
+        return (self, t.shape, t.stride(), t.storage_offset())
+
+    def unpack(self, packed):
+        if not isinstance(packed, tuple):
+            return packed
+        _, shape, stride, offset = packed
+        if self._gathered is None:
+            self._gathered = _gather_seq(self.shard.detach(), self.comm)
+        full = self._gathered
+        self._pending -= 1
+        if self._pending == 0:
+            self._gathered = None
+        return full.as_strided(shape, stride, offset)
+
+
+# ---- the parallel layers ---------------------------------------------------------------------
+
+def _chunk(full: torch.Tensor, dim: int, comm: Comm) -> torch.Tensor:
+    """This rank's contiguous 1/tp of `full` along `dim`, as a new parameter tensor."""
+    n = full.shape[dim] // comm.mesh.size(TP)
+    return full.detach().narrow(dim, comm.mesh.coord(TP) * n, n).clone()
+
+
+class ColumnParallelLinear(nn.Module):
+    """y_i = x A_iᵀ + b_i: rows of the weight (output features) and the bias split over tp."""
+
+    def __init__(self, full: nn.Linear, comm: Comm):
+        super().__init__()
+        self.in_features, self.out_features = full.in_features, full.out_features // comm.mesh.size(TP)
+        self.weight = nn.Parameter(_chunk(full.weight, 0, comm))
+        set_shard(self.weight, TP, 0)
+        self.bias = None
+        if full.bias is not None:
+            self.bias = nn.Parameter(_chunk(full.bias, 0, comm))
+            set_shard(self.bias, TP, 0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """y = Σ_i x_i B_iᵀ + b: columns of the weight (input features) split over tp; the
+    partial products summed over tp (reduce-scattered along the sequence under SP); the
+    bias, whole on every rank, added once after the sum."""
+
+    def __init__(self, full: nn.Linear, comm: Comm, sp: bool):
+        super().__init__()
+        self.comm, self.sp = comm, sp
+        self.in_features, self.out_features = full.in_features // comm.mesh.size(TP), full.out_features
+        self.weight = nn.Parameter(_chunk(full.weight, 1, comm))
+        set_shard(self.weight, TP, 1)
+        self.bias = nn.Parameter(full.bias.detach().clone()) if full.bias is not None else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = _reduce_output(F.linear(x, self.weight), self.comm, self.sp)
+        return y + self.bias if self.bias is not None else y
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Each rank holds 1/tp of the vocabulary's rows; ids outside its range look up zeros,
+    and the sum over tp gives every id its row (reduce-scattered along the sequence under SP)."""
+
+    def __init__(self, full: nn.Embedding, comm: Comm, sp: bool):
+        super().__init__()
+        self.comm, self.sp = comm, sp
+        self.num_embeddings = full.num_embeddings // comm.mesh.size(TP)
+        self.start = comm.mesh.coord(TP) * self.num_embeddings
+        self.weight = nn.Parameter(_chunk(full.weight, 0, comm))
+        set_shard(self.weight, TP, 0)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.num_embeddings)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        return _reduce_output(out, self.comm, self.sp)
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Σ over tokens of −log softmax(z)[target], with the logits z sharded over the
+    vocabulary: three all-reduces of one number per token (the max, the target's logit, the
+    sum of exponentials); no rank ever holds a [tokens × vocabulary] tensor."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, comm):
+        vocab_local = logits.shape[-1]
+        start = comm.mesh.coord(TP) * vocab_local
+        logits = logits.float()
+        top = logits.max(dim=-1).values
+        comm.all_reduce(top, TP, op=dist.ReduceOp.MAX)
+        shifted = logits - top.unsqueeze(-1)
+        local = targets - start
+        inside = (local >= 0) & (local < vocab_local)
+        local = local.masked_fill(~inside, 0)
+        target_logit = shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(~inside, 0.0)
+        comm.all_reduce(target_logit, TP)
+        exp = shifted.exp()
+        sum_exp = exp.sum(dim=-1)
+        comm.all_reduce(sum_exp, TP)
+        probs = exp.div_(sum_exp.unsqueeze(-1))
+        ctx.save_for_backward(probs, local, inside)
+        return (sum_exp.log() - target_logit).sum()
+
+    @staticmethod
+    def backward(ctx, grad):
+        probs, local, inside = ctx.saved_tensors
+        g = probs.clone()
+        g.scatter_add_(-1, local.unsqueeze(-1), -inside.to(g.dtype).unsqueeze(-1))
+        return g.mul_(grad), None, None
+
+
+def vocab_parallel_cross_entropy_sum(comm: Comm):
+    """The loss function for logits sharded over the vocabulary (the plan's head)."""
+    def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return _VocabParallelCrossEntropy.apply(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), comm)
+    return loss
+
+
+# ---- applying a plan --------------------------------------------------------------------------
+
+def _enter_region(module: nn.Module, comm: Comm, sp: bool) -> None:
+    """Make `module`'s input enter a tensor-parallel region (its forward is wrapped in place,
+    so the module, its names and its parameters stay as they were)."""
+    inner = module.forward
+
+    def forward(x, *args, **kwargs):
+        if not sp:
+            return inner(_CopyToRegion.apply(x, comm), *args, **kwargs)
+        full = _GatherSeq.apply(x, comm)
+        saved = _RegatherSaved(full, x, comm)
+        with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
+            return inner(full, *args, **kwargs)
+    module.forward = forward
+
+
+def _keep_sequence_chunk(module: nn.Module, comm: Comm) -> None:
+    """Under SP: cut `module`'s output to this rank's chunk of the sequence (dimension −2)."""
+    inner = module.forward
+
+    def forward(*args, **kwargs):
+        out = inner(*args, **kwargs)
+        n = out.shape[-2] // comm.mesh.size(TP)
+        return out.narrow(-2, comm.mesh.coord(TP) * n, n)
+    module.forward = forward
+
+
+def _swap(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, new)
+
+
+def apply_plan(model: nn.Module, plan: TensorPlan, comm: Comm, sp: bool) -> list[nn.Parameter]:
+    """Shard `model` in place by `plan` over the mesh's tp axis. Returns the parameters left
+    whole whose gradients must be summed over tp (under SP: all of them; without SP none, as
+    every rank computes them from the same whole activations)."""
+    builders = {COLUMN: lambda m: ColumnParallelLinear(m, comm), ROW: lambda m: RowParallelLinear(m, comm, sp),
+                VOCAB: lambda m: VocabParallelEmbedding(m, comm, sp)}
+    for name, module in list(model.named_modules()):
+        styles = plan.styles_of(name)
+        for style in styles:
+            if style in builders:
+                module = builders[style](module)
+                _swap(model, name, module)
+        if REGION in styles:
+            _enter_region(module, comm, sp)
+        if SEQUENCE in styles and sp:
+            _keep_sequence_chunk(module, comm)
+    whole = [p for p in model.parameters() if not hasattr(p, SHARD)]
+    return whole if sp else []
+
+
+class TensorParallelSync:
+    """Sums over tp the gradients of the parameters that SP leaves whole (each rank computed
+    them from its part of the sequence): one all-reduce of one flat buffer per step."""
+
+    def __init__(self, params: list[nn.Parameter], comm: Comm):
+        self.params, self.comm = params, comm
+
+    def no_sync(self):
+        from contextlib import nullcontext
+        return nullcontext()  # a sum: reducing once, after the last micro-batch, is enough
+
+    def finish_grad_sync(self) -> None:
+        grads = [p.grad for p in self.params if p.grad is not None]
+        if not grads:
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        self.comm.all_reduce(flat, TP)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+    def reset(self) -> None:
+        pass

@@ -1,0 +1,181 @@
+"""Tensor and sequence parallelism on real gloo processes: every parallel layer against its
+unsharded twin (forward and every gradient), the vocabulary-parallel cross-entropy, the
+traffic formula, the memory split, and whole layouts through verify."""
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from distributed import run_ranks
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from meshtrain import verify
+from meshtrain.comm import Comm
+from meshtrain.config import Config
+from meshtrain.models import build_model
+from meshtrain.parallel.state import gather_full
+from meshtrain.parallel.tensor import (COLUMN, REGION, ROW, SEQUENCE, VOCAB, TensorPlan, apply_plan,
+                                       vocab_parallel_cross_entropy_sum)
+from meshtrain.train import train
+
+
+def _seeded(*shape, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+class _Twin(nn.Module):
+    """A small region — embedding, a column/row pair, a head — to shard by a plan."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.tok = nn.Embedding(16, 8)
+        self.pos = nn.Embedding(6, 8)
+        self.norm = nn.LayerNorm(8)
+        self.region = nn.Sequential(nn.Linear(8, 12), nn.GELU(), nn.Linear(12, 8))
+        self.head = nn.Linear(8, 16, bias=False)
+
+    def forward(self, ids):
+        x = self.tok(ids) + self.pos(torch.arange(ids.shape[1]))
+        x = x + self.region(self.norm(x))
+        return self.head(x)
+
+
+TWIN_PLAN = TensorPlan({"tok": VOCAB, "pos": SEQUENCE, "region": REGION, "region.0": COLUMN, "region.2": ROW,
+                        "head": (REGION, COLUMN)}, vocab_parallel_loss=True)
+
+
+def _twin_step(mesh, sp):
+    """Loss and every full gradient of the sharded twin (vocab-parallel loss included)."""
+    comm = Comm(mesh)
+    model = _Twin()
+    whole = apply_plan(model, TWIN_PLAN, comm, sp)
+    ids, targets = torch.randint(0, 16, (3, 6), generator=torch.Generator().manual_seed(1)), _seeded(3, 6).abs()
+    targets = (targets * 5).long() % 16
+    loss = vocab_parallel_cross_entropy_sum(comm)(model(ids), targets)
+    loss.backward()
+    for p in whole:  # what TensorParallelSync does under SP
+        comm.all_reduce(p.grad, "tp")
+    grads = {n: gather_full(p.grad, getattr(p, "meshtrain_shard", None), comm) for n, p in model.named_parameters()}
+    return {"loss": loss.item(), "grads": grads, "whole": sorted(n for n, p in model.named_parameters()
+                                                                   if any(p is q for q in whole))}
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
+def test_parallel_layers_equal_their_unsharded_twin(sp):
+    ref = _Twin()
+    ids = torch.randint(0, 16, (3, 6), generator=torch.Generator().manual_seed(1))
+    targets = ((_seeded(3, 6).abs() * 5).long()) % 16
+    loss = F.cross_entropy(ref(ids).reshape(-1, 16), targets.reshape(-1), reduction="sum")
+    loss.backward()
+    for rank in run_ranks(_twin_step, 2, sp, tp=2):
+        assert rank["loss"] == pytest.approx(loss.item(), rel=1e-6)
+        for name, p in ref.named_parameters():
+            torch.testing.assert_close(rank["grads"][name], p.grad, rtol=1e-5, atol=1e-6, msg=name)
+        # under SP the whole parameters (norm, row bias, positions) are the ones summed over tp
+        assert rank["whole"] == (["norm.bias", "norm.weight", "pos.weight", "region.2.bias"] if sp else [])
+
+
+class _LargestLastDim(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and t.dim() >= 2:
+                self.largest = max(self.largest, t.shape[-1])
+        return out
+
+
+def _cross_entropy_of_shards(mesh):
+    comm = Comm(mesh)
+    full = _seeded(10, 64, seed=3)
+    targets = torch.arange(10) * 7 % 64
+    local = full.chunk(2, dim=-1)[mesh.rank].clone().requires_grad_()
+    with _LargestLastDim() as seen:
+        loss = vocab_parallel_cross_entropy_sum(comm)(local, targets)
+        loss.backward()
+    return {"loss": loss.item(), "grad": local.grad, "largest_last_dim": seen.largest}
+
+
+def test_vocab_parallel_cross_entropy_equals_the_full_softmax_without_holding_it():
+    full = _seeded(10, 64, seed=3).requires_grad_()
+    targets = torch.arange(10) * 7 % 64
+    loss = F.cross_entropy(full, targets, reduction="sum")
+    loss.backward()
+    ranks = run_ranks(_cross_entropy_of_shards, 2, tp=2)
+    for rank, r in enumerate(ranks):
+        assert r["loss"] == pytest.approx(loss.item(), rel=1e-6)
+        torch.testing.assert_close(r["grad"], full.grad.chunk(2, dim=-1)[rank])
+        assert r["largest_last_dim"] == 32  # no [tokens × 64] tensor on any rank
+
+
+def tp_config(tp, dp=1, sp=False, microbatches=1, steps=3, model="gpt-test", **train) -> Config:
+    c = Config()
+    c.model.name = model
+    c.layout.dp, c.layout.tp, c.layout.sp, c.layout.microbatches, c.layout.bucket_mb = dp, tp, sp, microbatches, 0.02
+    c.train.steps, c.train.batch_size, c.train.seq_len, c.train.vocab_size, c.train.device = steps, 8, 32, 256, "cpu"
+    if model == "mlp":
+        c.train.data, c.train.batch_size = "digits", 32
+    for k, v in train.items():
+        setattr(c.train, k, v)
+    return c
+
+
+def _records(mesh, cfgs):
+    return [verify.record(cfg, Comm(mesh), "layout") for cfg in cfgs]
+
+
+@pytest.mark.parametrize("world, tp, cfgs", [
+    (2, 2, [tp_config(2), tp_config(2, sp=True), tp_config(2, model="mlp")]),
+    (4, 4, [tp_config(4), tp_config(4, sp=True)]),
+    (4, 2, [tp_config(2, dp=2), tp_config(2, dp=2, sp=True, microbatches=2)]),
+], ids=["tp2,tp2-sp,mlp-tp2", "tp4,tp4-sp", "dp2-tp2,dp2-tp2-sp-mb2"])
+def test_tensor_parallel_layouts_pass_verify(world, tp, cfgs):
+    for cfg, rec in zip(cfgs, run_ranks(_records, world, cfgs, tp=tp)[0]):
+        result = verify.compare(rec, verify.run_reference(cfg, rec))
+        assert result["passed"], (cfg.layout.short(), cfg.layout.sp, result["failures"])
+
+
+def _measure(mesh, cfg):
+    r = train(cfg, Comm(mesh))
+    sharded = sum(p.numel() for p in r.parallel.params if hasattr(p, "meshtrain_shard"))
+    return {"comm": r.comm_per_step, "n_params": r.n_params, "model_state": r.model_state, "sharded": sharded,
+            "local": sum(p.numel() for p in r.parallel.params)}
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
+def test_tp_traffic_matches_the_formula(sp):
+    """Per step and rank, bytes sent on the tp axis (fp32, t = 2, one micro-batch):
+    TP  — per block 2 all-reduces of b·s·h forward and 2 backward, the embedding's forward
+          all-reduce and the head input's backward all-reduce, the cross-entropy's three
+          all-reduces of b·s: ring 2(t−1)/t each.
+    SP  — each all-reduce becomes an all-gather or a reduce-scatter ((t−1)/t each), twice as
+          many; plus one backward re-gather of each region's input (attention, MLP, head),
+          and the all-reduce of the gradients SP leaves whole (norms, row biases, positions)."""
+    t, cfg = 2, tp_config(2, sp=sp, steps=2)
+    b, s, h, layers = cfg.train.batch_size, cfg.train.seq_len, 32, 8
+    ring, half = 2 * (t - 1) / t, (t - 1) / t
+    act = b * s * h * 4
+    ce = 3 * ring * b * s * 4
+    if not sp:
+        expected = ring * act * (4 * layers + 2) + ce
+    else:
+        whole = (layers * (2 * 2 * h + 2 * h) + 2 * h + 64 * h) * 4  # ln1, ln2, row biases; norm; positions
+        regions = 2 * layers + 1
+        expected = half * act * (2 * 2 * layers + 2 + 3 * regions) + ce + ring * whole
+    for rank in run_ranks(_measure, 2, cfg, tp=2):
+        assert rank["comm"]["tp"] == round(expected)
+        assert rank["comm"]["dp"] == 0
+
+
+def test_tp_model_state_is_the_replicated_part_plus_a_tp_th_of_the_sharded_one():
+    cfg = tp_config(2, steps=1)
+    for rank in run_ranks(_measure, 2, cfg, tp=2):
+        replicated = rank["local"] - rank["sharded"]
+        sharded_full = rank["n_params"] - replicated
+        assert rank["sharded"] == sharded_full // 2
+        # parameters, gradients and Adam's two moments, 16 bytes each, of what this rank holds
+        assert rank["model_state"]["total"] == 16 * (replicated + sharded_full // 2)
