@@ -47,6 +47,7 @@ def load_model(ckpt: Path, device="cpu"):
     cfg = Config.from_dict(meta["config"])
     if cfg.model.name == "mlp":
         raise ValueError("--ckpt holds the digits MLP, which does not generate text")
-    model = build_model(cfg.model.name, cfg.train.seed, vocab_size=meta["vocab_size"])
+    model = build_model(cfg.model.name, cfg.train.seed, vocab_size=meta["vocab_size"], dropout=cfg.model.dropout,
+                        attention=cfg.model.attention)
     model.load_state_dict(load_file(str(ckpt / WEIGHTS_FILE)))
     return model.to(device).eval(), load_tokenizer(ckpt, meta["vocab_size"]), cfg

@@ -17,6 +17,7 @@ from meshtrain.models.presets import PRESETS, GPTSpec
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
 RECOMPUTE = ("none", "full", "selective")
 PRECISIONS = ("fp32", "bf16")
+ATTENTIONS = ("sdpa", "math")
 DEVICES = ("auto", "cpu", "cuda")
 BUILTIN_DATA = ("shakespeare", "digits")
 
@@ -28,6 +29,8 @@ class ConfigError(ValueError):
 @dataclass
 class ModelConfig:
     name: str = "gpt-small"
+    dropout: float = 0.0  # on the embedding, attention output, MLP output (and attention probabilities on `math`)
+    attention: str = "sdpa"
 
 
 @dataclass
@@ -52,7 +55,8 @@ class LayoutConfig:
 
     def short(self) -> str:
         """One-line description for titles and logs."""
-        return f"dp={self.dp} tp={self.tp} pp={self.pp} microbatches={self.microbatches} {self.precision}"
+        sp = " sp" if self.sp else ""
+        return f"dp={self.dp} tp={self.tp}{sp} pp={self.pp} microbatches={self.microbatches} {self.precision}"
 
     def summary(self) -> dict:
         """The `layout` object of the JSON contract."""
@@ -98,6 +102,10 @@ class Config:
 # (flag, section, field, type, help) — the command-line contract of DESIGN.md.
 FLAGS = [
     ("--model", "model", "name", str, f"model preset: {', '.join(PRESETS)}"),
+    ("--dropout", "model", "dropout", float, "dropout probability of the GPT, in [0, 1); masks drawn per sample "
+     "from the seed, the same in every layout"),
+    ("--attention", "model", "attention", str, "sdpa (fused kernel) | math (the score matrix materialised; "
+     "the only path with attention-probability dropout)"),
     ("--data", "train", "data", str, "'shakespeare' (bundled), 'digits' (for --model mlp), or a text file/folder"),
     ("--dp", "layout", "dp", int, "data-parallel size (default: fill the world; 2 from a shell when tp=pp=1)"),
     ("--tp", "layout", "tp", int, "tensor-parallel size"),
@@ -227,6 +235,12 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         raise ConfigError(f"--warmup and --clip must not be negative (got {tr.warmup}, {tr.clip})")
     if m.name not in PRESETS:
         raise ConfigError(f"unknown model '{m.name}'; use --model {' | '.join(PRESETS)}")
+    if not 0 <= m.dropout < 1:
+        raise ConfigError(f"--dropout {m.dropout}: use a probability in [0, 1)")
+    if m.attention not in ATTENTIONS:
+        raise ConfigError(f"unknown attention '{m.attention}'; use --attention {' | '.join(ATTENTIONS)}")
+    if m.dropout and not isinstance(PRESETS[m.name], GPTSpec):
+        raise ConfigError(f"--dropout applies to the GPT models, not {m.name}; drop it")
     if lay.schedule not in SCHEDULES:
         raise ConfigError(f"unknown schedule '{lay.schedule}'; use --schedule {' | '.join(SCHEDULES)}")
     if lay.recompute not in RECOMPUTE:

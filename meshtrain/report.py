@@ -83,7 +83,8 @@ def write(cfg: Config, result: RunResult, gathered: dict, device: torch.device, 
           f"{result.n_params:,} parameters", file=human)
     print(f"wrote {out}/metrics.jsonl, {out}/loss.png and the model ({out}/model.safetensors)", file=human)
     if hasattr(result.data, "decode"):
-        model = build_model(cfg.model.name, cfg.train.seed, vocab_size=result.data.vocab_size)
+        model = build_model(cfg.model.name, cfg.train.seed, vocab_size=result.data.vocab_size,
+                            dropout=cfg.model.dropout, attention=cfg.model.attention)
         model.load_state_dict(gathered["state"])
         prompt = result.data.encode("\n")
         text = result.data.decode(sample(model.to(device), list(prompt), cfg.train.sample_tokens,

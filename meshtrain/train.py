@@ -59,7 +59,8 @@ def build(cfg: Config, device):
     if cfg.model.name == "mlp":
         model = build_model("mlp", tr.seed, n_inputs=data.n_inputs, n_classes=data.n_classes, device=device)
     else:
-        model = build_model(cfg.model.name, tr.seed, vocab_size=data.vocab_size, device=device)
+        model = build_model(cfg.model.name, tr.seed, vocab_size=data.vocab_size, dropout=cfg.model.dropout,
+                            attention=cfg.model.attention, device=device)
     return data, model
 
 
@@ -95,6 +96,8 @@ def train_step(p: Parallelized, data, step: int, cfg: Config, *, observer: StepO
 
     def micro_batch(i: int):
         rows = micro_batch_rows(cfg, mesh.coord("dp"), mesh.size("dp"), i)
+        if p.dropout_keys is not None:
+            p.dropout_keys.use(step, rows)
         return tuple(t.to(mesh.device) for t in data.batch(step, tr.batch_size, rows))
 
     with meter if meter is not None else nullcontext():

@@ -13,6 +13,7 @@ from meshtrain import verify
 from meshtrain.comm import Comm
 from meshtrain.config import Config
 from meshtrain.models import build_model
+from meshtrain.parallel.dropout import DropoutKeys, SeededDropout
 from meshtrain.parallel.state import gather_full
 from meshtrain.parallel.tensor import (COLUMN, REGION, ROW, SEQUENCE, VOCAB, TensorPlan, apply_plan,
                                        vocab_parallel_cross_entropy_sum)
@@ -112,9 +113,10 @@ def test_vocab_parallel_cross_entropy_equals_the_full_softmax_without_holding_it
         assert r["largest_last_dim"] == 32  # no [tokens × 64] tensor on any rank
 
 
-def tp_config(tp, dp=1, sp=False, microbatches=1, steps=3, model="gpt-test", **train) -> Config:
+def tp_config(tp, dp=1, sp=False, microbatches=1, steps=3, model="gpt-test", dropout=0.0, attention="sdpa",
+              **train) -> Config:
     c = Config()
-    c.model.name = model
+    c.model.name, c.model.dropout, c.model.attention = model, dropout, attention
     c.layout.dp, c.layout.tp, c.layout.sp, c.layout.microbatches, c.layout.bucket_mb = dp, tp, sp, microbatches, 0.02
     c.train.steps, c.train.batch_size, c.train.seq_len, c.train.vocab_size, c.train.device = steps, 8, 32, 256, "cpu"
     if model == "mlp":
@@ -129,10 +131,11 @@ def _records(mesh, cfgs):
 
 
 @pytest.mark.parametrize("world, tp, cfgs", [
-    (2, 2, [tp_config(2), tp_config(2, sp=True), tp_config(2, model="mlp")]),
+    (2, 2, [tp_config(2), tp_config(2, sp=True), tp_config(2, sp=True, dropout=0.1), tp_config(2, model="mlp")]),
     (4, 4, [tp_config(4), tp_config(4, sp=True)]),
-    (4, 2, [tp_config(2, dp=2), tp_config(2, dp=2, sp=True, microbatches=2)]),
-], ids=["tp2,tp2-sp,mlp-tp2", "tp4,tp4-sp", "dp2-tp2,dp2-tp2-sp-mb2"])
+    (4, 2, [tp_config(2, dp=2), tp_config(2, dp=2, sp=True, microbatches=2),
+            tp_config(2, dp=2, sp=True, microbatches=2, dropout=0.1, attention="math")]),
+], ids=["tp2,tp2-sp,tp2-sp-dropout,mlp-tp2", "tp4,tp4-sp", "dp2-tp2,dp2-tp2-sp-mb2,+dropout-math"])
 def test_tensor_parallel_layouts_pass_verify(world, tp, cfgs):
     for cfg, rec in zip(cfgs, run_ranks(_records, world, cfgs, tp=tp)[0]):
         result = verify.compare(rec, verify.run_reference(cfg, rec))
@@ -179,3 +182,26 @@ def test_tp_model_state_is_the_replicated_part_plus_a_tp_th_of_the_sharded_one()
         assert rank["sharded"] == sharded_full // 2
         # parameters, gradients and Adam's two moments, 16 bytes each, of what this rank holds
         assert rank["model_state"]["total"] == 16 * (replicated + sharded_full // 2)
+
+
+def _masks_of_shards(mesh):
+    """Each tp rank's SeededDropout, its input sharded along dim 1, applied to ones."""
+    keys = DropoutKeys(seed=5)
+    keys.use(step=3, rows=slice(2, 4))
+    drop = SeededDropout(0.5, keys, "blocks.0.attn.attn_drop")
+    drop.shard = (1, Comm(mesh))
+    return drop(torch.ones(2, 2, 6, 6))
+
+
+def test_dropout_masks_are_the_full_masks_cut_to_each_shard():
+    keys = DropoutKeys(seed=5)
+    keys.use(step=3, rows=slice(2, 4))
+    full = SeededDropout(0.5, keys, "blocks.0.attn.attn_drop")(torch.ones(2, 4, 6, 6))
+    shards = run_ranks(_masks_of_shards, 2, tp=2)
+    assert torch.equal(torch.cat(shards, dim=1), full)
+    assert 0.3 < (full == 0).float().mean() < 0.7 and set(full.unique().tolist()) == {0.0, 2.0}
+    # another step, another site, or other samples: other masks
+    for step, rows, site in [(4, slice(2, 4), "blocks.0.attn.attn_drop"), (3, slice(0, 2), "blocks.0.attn.attn_drop"),
+                             (3, slice(2, 4), "blocks.1.attn.attn_drop")]:
+        keys.use(step, rows)
+        assert not torch.equal(SeededDropout(0.5, keys, site)(torch.ones(2, 4, 6, 6)), full)

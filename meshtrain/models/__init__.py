@@ -1,19 +1,21 @@
 """Plain PyTorch models. Weights come from the seed, identically on every rank: the full
 model is built on the CPU from the seed and only then moved (and, by strategies, sharded)."""
 
+import dataclasses
+
 import torch
 
 from meshtrain.models.presets import PRESETS, GPTSpec, MLPSpec
 
 
 def build_model(name: str, seed: int, *, vocab_size: int = 256, n_inputs: int = 64, n_classes: int = 10,
-                device: torch.device | str = "cpu") -> torch.nn.Module:
+                dropout: float = 0.0, attention: str = "sdpa", device: torch.device | str = "cpu") -> torch.nn.Module:
     spec = PRESETS[name]
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         if isinstance(spec, GPTSpec):
             from meshtrain.models.gpt import GPT
-            model = GPT(spec, vocab_size)
+            model = GPT(dataclasses.replace(spec, dropout=dropout, attention=attention), vocab_size)
         elif isinstance(spec, MLPSpec):
             from meshtrain.models.mlp import MLP
             model = MLP(spec, n_inputs, n_classes)

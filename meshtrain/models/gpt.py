@@ -25,23 +25,36 @@ class Embedding(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, d_model: int, n_heads: int, dropout: float):
+    """Causal self-attention. `math` computes the score matrix, its softmax and dropout in
+    plain operations (what the papers' activation counts assume); `sdpa` calls the fused
+    `scaled_dot_product_attention`, which keeps only a log-sum-exp for backward. The fused
+    kernel's own dropout draws from the global generator, which no layout can reproduce, so
+    attention-probability dropout is applied on the `math` path only; the dropout of the
+    attention's output (`drop`) applies on both."""
+
+    def __init__(self, d_model: int, n_heads: int, dropout: float, attention: str = "sdpa"):
         super().__init__()
-        self.head_dim, self.dropout = d_model // n_heads, dropout
+        self.head_dim, self.attention = d_model // n_heads, attention
         self.q = nn.Linear(d_model, d_model)
         # No key bias: it adds the same amount to every score of a query, which softmax
         # ignores, so its gradient is zero up to rounding and Adam would amplify the rounding.
         self.k = nn.Linear(d_model, d_model, bias=False)
         self.v = nn.Linear(d_model, d_model)
         self.proj = nn.Linear(d_model, d_model)
+        self.attn_drop = nn.Dropout(dropout)
+        self.drop = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
         # However many heads the projections give (a tensor-parallel plan keeps some of them).
         q, k, v = (lin(x).view(B, T, -1, self.head_dim).transpose(1, 2) for lin in (self.q, self.k, self.v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                           dropout_p=self.dropout if self.training else 0.0)
-        return self.proj(y.transpose(1, 2).reshape(B, T, -1))
+        if self.attention == "math":
+            scores = (q @ k.transpose(-2, -1)) / math.sqrt(self.head_dim)
+            causal = torch.ones(T, T, dtype=torch.bool, device=x.device).triu(1)
+            y = self.attn_drop(scores.masked_fill(causal, float("-inf")).softmax(dim=-1)) @ v
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.drop(self.proj(y.transpose(1, 2).reshape(B, T, -1)))
 
 
 class MLP(nn.Module):
@@ -59,7 +72,7 @@ class Block(nn.Module):
     def __init__(self, spec: GPTSpec):
         super().__init__()
         self.ln1 = nn.LayerNorm(spec.d_model)
-        self.attn = Attention(spec.d_model, spec.n_heads, spec.dropout)
+        self.attn = Attention(spec.d_model, spec.n_heads, spec.dropout, spec.attention)
         self.ln2 = nn.LayerNorm(spec.d_model)
         self.mlp = MLP(spec.d_model, spec.dropout)
 

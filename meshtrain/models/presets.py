@@ -11,6 +11,7 @@ class GPTSpec:
     d_model: int
     max_seq_len: int
     dropout: float = 0.0
+    attention: str = "sdpa"  # or "math": the score matrix materialised, as in the papers
     kind: str = "gpt"
 
 

@@ -22,6 +22,7 @@ from meshtrain.config import LayoutConfig, TrainConfig
 from meshtrain.loss import cross_entropy_sum
 from meshtrain.optim import build_optimizer
 from meshtrain.parallel.data import DataParallel
+from meshtrain.parallel.dropout import DropoutKeys, seed_dropout
 from meshtrain.parallel.runner import PlainRunner
 from meshtrain.parallel.state import (SHARD, gather_full, load_optimizer_state, optimizer_state,
                                       shard_index)
@@ -70,6 +71,7 @@ class Parallelized:
     comm: Comm
     n_params: int
     loss_scale: float = 1.0
+    dropout_keys: DropoutKeys | None = None  # set before each micro-batch when dropout is on
 
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
         """This rank's parameters under the full model's names (wrappers add no prefix)."""
@@ -118,6 +120,11 @@ def parallelize(model: nn.Module, comm: Comm, layout: LayoutConfig, train: Train
     n_params = sum(p.numel() for p in model.parameters())
     # Decided on the full parameters, before any strategy reshapes them: matrices decay.
     decay = {n for n, p in model.named_parameters() if p.dim() >= 2}
+    # Dropout masks from (seed, step, sample, site), so that every layout drops the same elements.
+    keys = None
+    if any(isinstance(m, nn.Dropout) and m.p > 0 for m in model.modules()):
+        keys = DropoutKeys(train.seed)
+        seed_dropout(model, keys)
     # (pipeline stages go here)
     syncs = []
     if comm.mesh.size("tp") > 1:
@@ -132,4 +139,4 @@ def parallelize(model: nn.Module, comm: Comm, layout: LayoutConfig, train: Train
     syncs.insert(0, DataParallel(model, comm, axis="dp", bucket_mb=layout.bucket_mb, **dp_options))
     grad_sync = syncs[0] if len(syncs) == 1 else GradSyncs(*syncs)
     optimizer = build_optimizer(list(model.named_parameters()), decay, train)
-    return Parallelized(model, loss_fn, grad_sync, optimizer, PlainRunner(), comm, n_params)
+    return Parallelized(model, loss_fn, grad_sync, optimizer, PlainRunner(), comm, n_params, dropout_keys=keys)

@@ -15,6 +15,8 @@ twin, sharding the *full, seeded* weights, so every layout starts from the same 
             and gathered again in backward
     SEQUENCE under SP only: the module's output is cut to this rank's chunk of the sequence
             (the position embedding), so it matches the sharded residual stream
+    SEQUENCE_SHARDED, HEAD_SHARDED   a dropout site whose input is this rank's chunk of the
+            sequence (under SP) or its heads (under TP): it keeps that chunk of the full mask
 
 Under SP every parameter the plan leaves whole (LayerNorms, row biases, positions) sees only
 this rank's part of the sequence, so its gradient is summed over tp (`TensorParallelSync`).
@@ -31,9 +33,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from meshtrain.comm import Comm
+from meshtrain.parallel.dropout import SeededDropout
 from meshtrain.parallel.state import SHARD, set_shard
 
 COLUMN, ROW, VOCAB, REGION, SEQUENCE = "column", "row", "vocab", "region", "sequence"
+SEQUENCE_SHARDED, HEAD_SHARDED = "sequence-sharded", "head-sharded"
 TP = "tp"
 SEQ_DIM = 1  # activations are [batch, sequence, features]
 
@@ -62,9 +66,11 @@ GPT_PLAN = TensorPlan({
     "blocks.*.attn": REGION,
     "blocks.*.attn.[qkv]": COLUMN,
     "blocks.*.attn.proj": ROW,
+    "blocks.*.attn.attn_drop": HEAD_SHARDED,
     "blocks.*.mlp": REGION,
     "blocks.*.mlp.fc": COLUMN,
     "blocks.*.mlp.proj": ROW,
+    "embed.drop": SEQUENCE_SHARDED, "blocks.*.attn.drop": SEQUENCE_SHARDED, "blocks.*.mlp.drop": SEQUENCE_SHARDED,
     "head": (REGION, COLUMN),
 }, vocab_parallel_loss=True)
 
@@ -340,6 +346,8 @@ def apply_plan(model: nn.Module, plan: TensorPlan, comm: Comm, sp: bool) -> list
             _enter_region(module, comm, sp)
         if SEQUENCE in styles and sp:
             _keep_sequence_chunk(module, comm)
+        if isinstance(module, SeededDropout) and (HEAD_SHARDED in styles or (SEQUENCE_SHARDED in styles and sp)):
+            module.shard = (SEQ_DIM if SEQUENCE_SHARDED in styles else 1, comm)
     whole = [p for p in model.parameters() if not hasattr(p, SHARD)]
     return whole if sp else []
 
