@@ -20,7 +20,7 @@ from pathlib import Path
 from meshtrain import config as C
 from meshtrain import launch
 
-BENCH_PEERS = ("ddp",)  # meshtrain.bench.PEERS, named here so that a bad --vs fails without torch
+BENCH_PEERS = ("ddp", "dtensor-tp")  # meshtrain.bench.PEERS, named here so a bad --vs fails without torch
 COMMAND_STEPS = {"verify": 10, "bench": 20}  # their default --steps, unless TOML or a flag says
 LAYOUT_DUMP = "layout.pt"
 
@@ -62,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
                            description="Run this project and PyTorch's native peer step by step in the same "
                            "ranks; report median step times and their ratio. " + launched)
     _add_run_flags(bench, steps=steps)
-    bench.add_argument("--vs", required=True, metavar="PEER", help="the peer: ddp")
+    bench.add_argument("--vs", required=True, metavar="PEER", help="the peer: " + " | ".join(BENCH_PEERS))
     gen = sub.add_parser("generate", help="sample text from a model trained by `meshtrain train`")
     gen.add_argument("--ckpt", required=True, metavar="DIR", help="the --out folder of a training run")
     gen.add_argument("--prompt", default="\n", help="text to continue")
@@ -89,8 +89,12 @@ def _check_command(cfg: C.Config, args) -> None:
     if args.command == "bench":
         if args.vs not in BENCH_PEERS:
             raise C.ConfigError(f"unknown peer '{args.vs}'; use --vs {' | '.join(BENCH_PEERS)}")
-        if cfg.layout.dp < 2:
-            raise C.ConfigError("bench --vs ddp compares data parallelism; use --dp 2 or more")
+        lay = cfg.layout
+        if args.vs == "ddp" and (lay.dp < 2 or lay.tp > 1):
+            raise C.ConfigError("bench --vs ddp compares data parallelism alone; use --dp 2 or more and --tp 1")
+        if args.vs == "dtensor-tp" and (lay.tp < 2 or lay.dp > 1 or cfg.model.name == "mlp" or cfg.model.dropout):
+            raise C.ConfigError("bench --vs dtensor-tp compares tensor parallelism of a GPT alone, without dropout; "
+                                "use --tp 2 or more, --dp 1 and --dropout 0")
 
 
 def _check_out_writable(out: str) -> None:

@@ -64,6 +64,12 @@ class Mesh:
             coord %= self.size(axis)
         return self.rank_at(axis, coord) if 0 <= coord < self.size(axis) else None
 
+    def device_mesh(self, axis: str):
+        """torch's one-dimensional DeviceMesh along `axis` (for PyTorch-native peers: DTensor)."""
+        if self._dm is None:
+            raise ValueError("the one-process mesh has no DeviceMesh")
+        return self._dm[axis]
+
     def group(self, axis: str):
         """The process group of this rank along `axis` (None on the one-process mesh)."""
         return self._dm.get_group(axis) if self._dm is not None else None

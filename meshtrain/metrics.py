@@ -13,23 +13,27 @@ import torch
 import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from meshtrain.optim import local_tensor
 
-def _storage_bytes(tensors) -> int:
-    """Bytes of the distinct storages behind `tensors` (views of one buffer count once)."""
+
+def _tensor_bytes(tensors) -> int:
+    """Bytes of the distinct tensors in `tensors` on this rank: a tensor listed twice counts
+    once, views into one buffer (gradient buckets) count their own extent, a DTensor its
+    local shard (whatever larger storage that shard may be a view of)."""
     seen = {}
     for t in tensors:
         if t is not None:
-            s = t.untyped_storage()
-            seen[s.data_ptr()] = s.nbytes()
+            t = local_tensor(t)
+            seen[(t.data_ptr(), t.numel())] = t.numel() * t.element_size()
     return sum(seen.values())
 
 
-def model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-    params = list(model.parameters())
+def model_state_bytes(params: list[nn.Parameter], optimizer: torch.optim.Optimizer) -> dict:
+    """Parameters, gradients and optimizer states this rank holds, in bytes."""
     states = [v for st in optimizer.state.values() for v in st.values()
               if torch.is_tensor(v) and v.dim() > 0]  # skip Adam's scalar step counters
-    parts = {"params": _storage_bytes(params), "grads": _storage_bytes(p.grad for p in params),
-             "optimizer": _storage_bytes(states)}
+    parts = {"params": _tensor_bytes(params), "grads": _tensor_bytes(p.grad for p in params),
+             "optimizer": _tensor_bytes(states)}
     return {"total": sum(parts.values()), **parts}
 
 

@@ -20,6 +20,12 @@ SHARDED_OVER = "meshtrain_sharded_over"
 REPLICATED_AXES = ("dp", "tp")
 
 
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of `t`: a DTensor's local shard (PyTorch-native peers hold those), else `t`."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if to_local is not None else t
+
+
 def build_optimizer(named_params: list[tuple[str, nn.Parameter]], decay: set[str],
                     cfg: TrainConfig) -> torch.optim.Optimizer:
     """AdamW; the parameters named in `decay` (matrices, as in GPT-2 and nanoGPT: decided on
@@ -52,7 +58,7 @@ def clip_grad_norm_(params, max_norm: float, comm: Comm) -> float:
             continue
         sharded = set(getattr(p, SHARDED_OVER, ()))
         if all(mesh.coord(axis) == 0 for axis in REPLICATED_AXES if axis not in sharded):
-            total += p.grad.detach().float().pow(2).sum()
+            total += local_tensor(p.grad).detach().float().pow(2).sum()
     for axis in AXES:
         comm.all_reduce(total, axis, purpose=METRICS)
     norm = math.sqrt(total.item())

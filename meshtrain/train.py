@@ -155,5 +155,5 @@ def train(cfg: Config, comm: Comm, *, observer: StepObserver | None = None, prog
     for axis in ("dp", "tp", "pp"):
         comm_per_step.setdefault(axis, 0)
     return RunResult(losses=losses, step_times=times, n_params=p.n_params,
-                     model_state=model_state_bytes(p.module, p.optimizer), activation_bytes=meter.peak,
+                     model_state=model_state_bytes(p.params, p.optimizer), activation_bytes=meter.peak,
                      comm_per_step=comm_per_step, parallel=p, data=data, skipped_steps=skipped)

@@ -113,5 +113,5 @@ def test_model_state_is_16_bytes_per_parameter_in_fp32_adam():
     p.loss_fn(model(torch.randint(0, 256, (1, 8))), torch.randint(0, 256, (1, 8))).backward()
     p.optimizer.step()
     n = sum(q.numel() for q in model.parameters())
-    assert model_state_bytes(model, p.optimizer) == {"total": 16 * n, "params": 4 * n, "grads": 4 * n,
+    assert model_state_bytes(p.params, p.optimizer) == {"total": 16 * n, "params": 4 * n, "grads": 4 * n,
                                                      "optimizer": 8 * n}

@@ -11,12 +11,13 @@ import sys
 import time
 
 from meshtrain.bench.ddp import ddp_setup
+from meshtrain.bench.dtensor_tp import dtensor_tp_setup
 from meshtrain.comm import Comm
 from meshtrain.config import Config
 from meshtrain.metrics import model_state_bytes
 from meshtrain.train import setup, train_step
 
-PEERS = {"ddp": ddp_setup}
+PEERS = {"ddp": ddp_setup, "dtensor-tp": dtensor_tp_setup}
 WARMUP_STEPS = 2
 
 
@@ -52,8 +53,8 @@ def run_bench(cfg: Config, comm: Comm, peer: str) -> dict | None:
         "peer_step_time_median_s": peer_median,
         "ratio": ours_median / peer_median,
         "pairwise_ratio_median": statistics.median(a / b for a, b in zip(times["ours"], times["peer"])),
-        "ours_model_state_bytes": model_state_bytes(ours.module, ours.optimizer),
-        "peer_model_state_bytes": model_state_bytes(theirs.module.module, theirs.optimizer),
+        "ours_model_state_bytes": model_state_bytes(ours.params, ours.optimizer),
+        "peer_model_state_bytes": model_state_bytes(theirs.params, theirs.optimizer),
     }
 
 
