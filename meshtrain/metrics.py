@@ -53,6 +53,7 @@ class ActivationMeter(TorchDispatchMode):
         super().__init__()
         self.peak = 0
         self._live = 0
+        self._tracked: set[int] = set()  # ids of the storages counted and alive
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -65,16 +66,50 @@ class ActivationMeter(TorchDispatchMode):
         return out
 
     def _track(self, t: torch.Tensor) -> None:
+        # Some operators declare a fresh result that is a view (`_unsafe_view`): a storage
+        # already counted is not counted again. (PyTorch keeps a storage's Python object alive
+        # as long as the storage, so its id names it until the finalizer runs.)
         storage = t.untyped_storage()
         nbytes = storage.nbytes()
-        if nbytes == 0:
+        if nbytes == 0 or id(storage) in self._tracked:
             return
+        self._tracked.add(id(storage))
         self._live += nbytes
         self.peak = max(self.peak, self._live)
-        weakref.finalize(storage, self._free, nbytes)
+        weakref.finalize(storage, self._free, id(storage), nbytes)
 
-    def _free(self, nbytes: int) -> None:
+    def _free(self, key: int, nbytes: int) -> None:
+        self._tracked.discard(key)
         self._live -= nbytes
+
+    @property
+    def live(self) -> int:
+        """Bytes of the storages allocated inside the meter that are alive now."""
+        return self._live
+
+
+class LayerProbe:
+    """What one block's forward leaves alive (its saved activations and its output, which is
+    the next block's input): the per-layer figure of the activation-memory formulas. Reads
+    the meter at the block's first forward (the first micro-batch) under the meter."""
+
+    def __init__(self, module: nn.Module, meter: ActivationMeter):
+        blocks = getattr(module, "blocks", None)
+        self.bytes, self._marks, self._hooks = None, {}, []
+        def mark(name: str):
+            def hook(*_):
+                self._marks.setdefault(name, meter.live)  # a hook that returned a value would replace the data
+            return hook
+        if blocks is not None and len(blocks):
+            self._hooks = [blocks[0].register_forward_pre_hook(mark("in")),
+                           blocks[0].register_forward_hook(mark("out"))]
+
+    def close(self) -> int | None:
+        for h in self._hooks:
+            h.remove()
+        if "out" in self._marks:
+            self.bytes = self._marks["out"] - self._marks["in"]
+        return self.bytes
 
 
 def peak_rss_mib() -> float:

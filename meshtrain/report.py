@@ -32,7 +32,7 @@ def gather(result: RunResult, comm: Comm) -> dict | None:
     """Collective: each rank's model-state bytes, activation peak and peak RSS (rank order),
     and the full weights; rank 0 gets them, the others None."""
     mine = {"model_state": result.model_state, "activation_bytes": result.activation_bytes,
-            "peak_rss_mib": round(peak_rss_mib(), 1)}
+            "activation_bytes_per_layer": result.activation_bytes_per_layer, "peak_rss_mib": round(peak_rss_mib(), 1)}
     per_rank = comm.all_gather_object(mine)
     state = result.parallel.full_state_dict()["model"]
     return {"per_rank": per_rank, "state": state} if comm.mesh.is_main else None
@@ -60,6 +60,8 @@ def summary_json(cfg: Config, result: RunResult, per_rank: list[dict], device: t
         "layout": cfg.layout.summary(),
         "model_state_bytes_per_rank": [r["model_state"] for r in per_rank],
         "activation_bytes_per_rank": [r["activation_bytes"] for r in per_rank],
+        # what one block's forward leaves alive (block 0, first micro-batch): the formulas' per-layer figure
+        "activation_bytes_per_layer_per_rank": [r["activation_bytes_per_layer"] for r in per_rank],
         "peak_rss_mib_per_rank": [r["peak_rss_mib"] for r in per_rank],
         "comm_bytes_per_step": result.comm_per_step,
         "skipped_steps": result.skipped_steps,

@@ -20,7 +20,7 @@ import torch
 from meshtrain.comm import METRICS, Comm
 from meshtrain.config import Config, lr_at, tokens_per_sample
 from meshtrain.data.datasets import open_dataset
-from meshtrain.metrics import ActivationMeter, StepLog, model_state_bytes
+from meshtrain.metrics import ActivationMeter, LayerProbe, StepLog, model_state_bytes
 from meshtrain.models import build_model
 from meshtrain.optim import clip_grad_norm_, set_lr
 from meshtrain.parallel import Parallelized, parallelize
@@ -34,6 +34,7 @@ class RunResult:
     n_params: int
     model_state: dict
     activation_bytes: int
+    activation_bytes_per_layer: int | None
     comm_per_step: dict[str, int]
     parallel: Parallelized
     data: object
@@ -125,6 +126,7 @@ def train(cfg: Config, comm: Comm, *, observer: StepObserver | None = None, prog
         bar = tqdm(total=tr.steps, desc=progress, file=sys.stderr, unit="step", dynamic_ncols=True)
 
     meter = ActivationMeter()
+    probe = LayerProbe(p.module, meter)
     losses, times, comm_per_step, skipped = [], [], {}, []
     for step in range(tr.steps):
         if observer:
@@ -133,6 +135,8 @@ def train(cfg: Config, comm: Comm, *, observer: StepObserver | None = None, prog
         t0 = time.perf_counter()
         # The activation peak is measured on the first step (the meter costs Python time per op).
         loss, stepped = train_step(p, data, step, cfg, observer=observer, meter=meter if step == 0 else None)
+        if step == 0:
+            probe.close()
         dt = time.perf_counter() - t0
         comm_per_step = {k: round(v - sent_before.get(k, 0.0)) for k, v in comm.totals().items()}
         losses.append(loss)
@@ -156,4 +160,5 @@ def train(cfg: Config, comm: Comm, *, observer: StepObserver | None = None, prog
         comm_per_step.setdefault(axis, 0)
     return RunResult(losses=losses, step_times=times, n_params=p.n_params,
                      model_state=model_state_bytes(p.params, p.optimizer), activation_bytes=meter.peak,
+                     activation_bytes_per_layer=probe.bytes,
                      comm_per_step=comm_per_step, parallel=p, data=data, skipped_steps=skipped)

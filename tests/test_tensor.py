@@ -205,3 +205,28 @@ def test_dropout_masks_are_the_full_masks_cut_to_each_shard():
                              (3, slice(2, 4), "blocks.1.attn.attn_drop")]:
         keys.use(step, rows)
         assert not torch.equal(SeededDropout(0.5, keys, site)(torch.ones(2, 4, 6, 6)), full)
+
+
+def _layer_bytes(mesh, cfg):
+    return train(cfg, Comm(mesh)).activation_bytes_per_layer
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
+def test_activation_bytes_per_layer_are_korthikantis_formula_in_fp32(sp):
+    """What one block leaves alive for backward (--attention math, dropout on), against
+    Korthikanti et al.'s per-layer bytes, sbh(10 + 24/t + 5as/(ht)) for TP and
+    sbh/t·(34 + 5as/h) with SP, converted from fp16 (2-byte activations, 1-byte masks) to
+    fp32 (4 and 1): sbh(18 + 48/t + 9as/(ht)) and sbh/t·(66 + 9as/h). The only extras are
+    what the paper leaves out: LayerNorm's mean and 1/std (4 bytes per token each, for two
+    norms, sharded with the sequence under SP) and the causal mask (s² bytes)."""
+    t, cfg = 2, tp_config(2, sp=sp, steps=1, dropout=0.1, attention="math")
+    b, s, h, a = cfg.train.batch_size, cfg.train.seq_len, 32, 4
+    sbh = s * b * h
+    if sp:
+        formula = sbh / t * (66 + 9 * a * s / h)
+        extras = 2 * 2 * b * s * 4 / t + s * s
+    else:
+        formula = sbh * (18 + 48 / t + 9 * a * s / (h * t))
+        extras = 2 * 2 * b * s * 4 + s * s
+    for measured in run_ranks(_layer_bytes, 2, cfg, tp=2):
+        assert measured == formula + extras
