@@ -4,6 +4,7 @@ one JSON line per step and the loss curve."""
 
 from __future__ import annotations
 
+import gc
 import json
 import resource
 import weakref
@@ -98,7 +99,12 @@ class LayerProbe:
         self.bytes, self._marks, self._hooks = None, {}, []
         def mark(name: str):
             def hook(*_):
-                self._marks.setdefault(name, meter.live)  # a hook that returned a value would replace the data
+                if name not in self._marks:
+                    # Dispatching collectives under a Python mode leaves reference cycles that can
+                    # hold a dead activation until the cyclic collector runs: collect first.
+                    gc.collect()
+                    self._marks[name] = meter.live
+                # (returns None: a hook that returned a value would replace the module's data)
             return hook
         if blocks is not None and len(blocks):
             self._hooks = [blocks[0].register_forward_pre_hook(mark("in")),
