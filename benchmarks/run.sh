@@ -17,3 +17,6 @@ run() {  # name, then bench flags
 # Data parallelism vs torch DDP (same model, data, world size, 25 MB buckets).
 run ddp-gpt-small-dp2 --vs ddp --model gpt-small --dp 2 --steps 40
 run ddp-mlp-dp4 --vs ddp --model mlp --data digits --dp 4 --batch-size 256 --steps 40
+# Tensor (and sequence) parallelism vs DTensor's parallelize_module (same GPT, tp group, data).
+run dtensor-tp-gpt-small-tp2 --vs dtensor-tp --model gpt-small --dp 1 --tp 2 --steps 20
+run dtensor-tp-gpt-small-tp2-sp --vs dtensor-tp --model gpt-small --dp 1 --tp 2 --sp --steps 20

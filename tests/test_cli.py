@@ -93,6 +93,16 @@ def test_bench_vs_ddp_smoke():
     assert j["ours_model_state_bytes"]["total"] == j["peer_model_state_bytes"]["total"]
 
 
+@pytest.mark.parametrize("sp", ["--no-sp", "--sp"])
+def test_bench_vs_dtensor_tp_smoke(sp):
+    r = run_cli("bench", "--vs", "dtensor-tp", *TINY, "--dp", "1", "--tp", "2", sp, "--steps", "2", "--json")
+    assert r.returncode == 0, r.stderr
+    j = last_json(r.stdout)
+    assert j["peer"] == "dtensor-tp" and j["ratio"] > 0 and j["layout"]["sp"] == (sp == "--sp")
+    assert j["max_loss_rel_diff"] < 1e-5  # the peer trains the same model
+    assert j["ours_model_state_bytes"]["params"] == j["peer_model_state_bytes"]["params"]
+
+
 def test_two_rank_runs_exit_cleanly_every_time(tmp_path):
     """The gloo exit-time crash of this torch build must never surface: ten runs, ten clean exits."""
     for attempt in range(10):

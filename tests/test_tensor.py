@@ -230,3 +230,12 @@ def test_activation_bytes_per_layer_are_korthikantis_formula_in_fp32(sp):
         extras = 2 * 2 * b * s * 4 + s * s
     for measured in run_ranks(_layer_bytes, 2, cfg, tp=2):
         assert measured == formula + extras
+
+
+@pytest.mark.slow
+def test_gpt_small_tp2_model_state_is_the_replicated_part_plus_half_the_sharded_one():
+    cfg = tp_config(2, steps=1, model="gpt-small", vocab_size=2048, seq_len=128)
+    for rank in run_ranks(_measure, 2, cfg, tp=2):
+        replicated = rank["local"] - rank["sharded"]
+        assert rank["sharded"] * 2 + replicated == rank["n_params"]
+        assert rank["model_state"]["total"] == 16 * (replicated + (rank["n_params"] - replicated) // 2)

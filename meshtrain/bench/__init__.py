@@ -25,7 +25,7 @@ def run_bench(cfg: Config, comm: Comm, peer: str) -> dict | None:
     """Collective: both setups in the same ranks, steps alternated; rank 0 gets the result."""
     data, ours = setup(cfg, comm)
     theirs = PEERS[peer](cfg, comm)
-    times = {"ours": [], "peer": []}
+    times, losses = {"ours": [], "peer": []}, {"ours": [], "peer": []}
     runs = [("ours", ours), ("peer", theirs)]
     bar = None
     if comm.mesh.is_main:
@@ -34,9 +34,10 @@ def run_bench(cfg: Config, comm: Comm, peer: str) -> dict | None:
     for step in range(WARMUP_STEPS + cfg.train.steps):
         for name, s in (runs if step % 2 == 0 else runs[::-1]):
             t0 = time.perf_counter()
-            train_step(s, data, step, cfg)
+            loss, _ = train_step(s, data, step, cfg)
             if step >= WARMUP_STEPS:
                 times[name].append(time.perf_counter() - t0)
+            losses[name].append(loss)
         if bar is not None and step >= WARMUP_STEPS:
             bar.update()
     if bar is not None:
@@ -53,6 +54,8 @@ def run_bench(cfg: Config, comm: Comm, peer: str) -> dict | None:
         "peer_step_time_median_s": peer_median,
         "ratio": ours_median / peer_median,
         "pairwise_ratio_median": statistics.median(a / b for a, b in zip(times["ours"], times["peer"])),
+        # both train the same model on the same batches: their losses agree to rounding
+        "max_loss_rel_diff": max(abs(a - b) / abs(b) for a, b in zip(losses["ours"], losses["peer"])),
         "ours_model_state_bytes": model_state_bytes(ours.params, ours.optimizer),
         "peer_model_state_bytes": model_state_bytes(theirs.params, theirs.optimizer),
     }
