@@ -13,6 +13,7 @@ from meshtrain import verify
 from meshtrain.comm import Comm
 from meshtrain.config import Config
 from meshtrain.models import build_model
+from meshtrain.optim import clip_grad_norm_
 from meshtrain.parallel.dropout import DropoutKeys, SeededDropout
 from meshtrain.parallel.state import gather_full
 from meshtrain.parallel.tensor import (COLUMN, REGION, ROW, SEQUENCE, VOCAB, TensorPlan, apply_plan,
@@ -58,8 +59,9 @@ def _twin_step(mesh, sp):
     for p in whole:  # what TensorParallelSync does under SP
         comm.all_reduce(p.grad, "tp")
     grads = {n: gather_full(p.grad, getattr(p, "meshtrain_shard", None), comm) for n, p in model.named_parameters()}
-    return {"loss": loss.item(), "grads": grads, "whole": sorted(n for n, p in model.named_parameters()
-                                                                   if any(p is q for q in whole))}
+    norm = clip_grad_norm_(list(model.parameters()), 0.0, comm)  # 0: measure only
+    return {"loss": loss.item(), "grads": grads, "norm": norm,
+            "whole": sorted(n for n, p in model.named_parameters() if any(p is q for q in whole))}
 
 
 @pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
@@ -69,8 +71,11 @@ def test_parallel_layers_equal_their_unsharded_twin(sp):
     targets = ((_seeded(3, 6).abs() * 5).long()) % 16
     loss = F.cross_entropy(ref(ids).reshape(-1, 16), targets.reshape(-1), reduction="sum")
     loss.backward()
+    norm = torch.cat([p.grad.flatten() for p in ref.parameters()]).norm().item()
     for rank in run_ranks(_twin_step, 2, sp, tp=2):
         assert rank["loss"] == pytest.approx(loss.item(), rel=1e-6)
+        # the clipping norm counts each shard once and each whole parameter once, not tp times
+        assert rank["norm"] == pytest.approx(norm, rel=1e-6)
         for name, p in ref.named_parameters():
             torch.testing.assert_close(rank["grads"][name], p.grad, rtol=1e-5, atol=1e-6, msg=name)
         # under SP the whole parameters (norm, row bias, positions) are the ones summed over tp
