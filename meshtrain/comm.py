@@ -80,6 +80,20 @@ class Comm:
         return self._run(axis, purpose, (n - 1) / n * _nbytes(tensor), async_op,
                          lambda g: _reduce_scatter_tensor(output, tensor, op=op, group=g, async_op=async_op))
 
+    def gather_along(self, x: torch.Tensor, axis: str, dim: int, *, purpose: str | None = None) -> torch.Tensor:
+        """Every rank's `x` concatenated along `dim` in coordinate order (a new tensor)."""
+        chunk = x.movedim(dim, 0).contiguous()
+        full = chunk.new_empty((chunk.shape[0] * self.mesh.size(axis), *chunk.shape[1:]))
+        self.all_gather(full, chunk, axis, purpose=purpose)
+        return full.movedim(0, dim).contiguous()
+
+    def reduce_scatter_along(self, x: torch.Tensor, axis: str, dim: int) -> torch.Tensor:
+        """The sum of `x` over the ranks of `axis`, of which this rank keeps its chunk along `dim`."""
+        full = x.movedim(dim, 0).contiguous()
+        chunk = full.new_empty((full.shape[0] // self.mesh.size(axis), *full.shape[1:]))
+        self.reduce_scatter(chunk, full, axis)
+        return chunk.movedim(0, dim).contiguous()
+
     def broadcast(self, tensor: torch.Tensor, axis: str, *, src_coord: int = 0, async_op: bool = False,
                   purpose: str | None = None):
         """Every rank of `axis` receives the tensor of the rank at coordinate `src_coord`."""

@@ -16,6 +16,8 @@ parameters it replicates by itself."""
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import Replicate, Shard
@@ -93,7 +95,6 @@ class _NoSync:
     """DTensor reduces replicated parameters' gradients inside backward; nothing to add."""
 
     def no_sync(self):
-        from contextlib import nullcontext
         return nullcontext()
 
     def finish_grad_sync(self) -> None:

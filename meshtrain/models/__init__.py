@@ -24,5 +24,11 @@ def build_model(name: str, seed: int, *, vocab_size: int = 256, n_inputs: int = 
     return model.to(device)
 
 
+def replace_submodule(model: torch.nn.Module, name: str, new: torch.nn.Module) -> None:
+    """Put `new` where the submodule called `name` is (strategies swap in parallel twins)."""
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, new)
+
+
 def count_params(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())

@@ -21,6 +21,7 @@ import torch
 import torch.nn as nn
 
 from meshtrain.comm import Comm
+from meshtrain.models import replace_submodule
 
 
 class DropoutKeys:
@@ -76,5 +77,4 @@ def seed_dropout(model: nn.Module, keys: DropoutKeys) -> None:
     """Replace every active nn.Dropout of `model` by a SeededDropout named after its site."""
     for name, module in list(model.named_modules()):
         if isinstance(module, nn.Dropout) and module.p > 0:
-            parent, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent) if parent else model, child, SeededDropout(module.p, keys, name))
+            replace_submodule(model, name, SeededDropout(module.p, keys, name))

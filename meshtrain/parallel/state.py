@@ -40,10 +40,8 @@ def gather_full(local: torch.Tensor, spec: tuple[str, int] | None, comm: Comm) -
     if spec is None or comm.mesh.size(spec[0]) == 1:
         return cpu_copy(local)
     axis, dim = spec
-    chunk = local.detach().movedim(dim, 0).contiguous()
-    full = chunk.new_empty((chunk.shape[0] * comm.mesh.size(axis), *chunk.shape[1:]))
-    comm.all_gather(full, chunk, axis, purpose=METRICS)  # reading state is not the model's traffic
-    return full.movedim(0, dim).to("cpu", copy=True).contiguous()
+    # reading state is not the model's traffic: counted under metrics
+    return comm.gather_along(local.detach(), axis, dim, purpose=METRICS).to("cpu")
 
 
 def cpu_copy(t: torch.Tensor) -> torch.Tensor:

@@ -24,6 +24,7 @@ Names stay those of the full model: a replaced module keeps its `weight` and `bi
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from fnmatch import fnmatch
 
@@ -33,6 +34,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from meshtrain.comm import Comm
+from meshtrain.models import replace_submodule
 from meshtrain.parallel.dropout import SeededDropout
 from meshtrain.parallel.state import SHARD, set_shard
 
@@ -121,18 +123,12 @@ class _ReduceFromRegion(torch.autograd.Function):
 
 def _gather_seq(x: torch.Tensor, comm: Comm) -> torch.Tensor:
     """All-gather along the sequence: [b, s/t, h] on each rank -> [b, s, h]."""
-    shard = x.movedim(SEQ_DIM, 0).contiguous()
-    full = shard.new_empty((shard.shape[0] * comm.mesh.size(TP), *shard.shape[1:]))
-    comm.all_gather(full, shard, TP)
-    return full.movedim(0, SEQ_DIM).contiguous()
+    return comm.gather_along(x, TP, SEQ_DIM)
 
 
 def _reduce_scatter_seq(x: torch.Tensor, comm: Comm) -> torch.Tensor:
     """Sum over tp and keep this rank's chunk of the sequence: [b, s, h] -> [b, s/t, h]."""
-    full = x.movedim(SEQ_DIM, 0).contiguous()
-    shard = full.new_empty((full.shape[0] // comm.mesh.size(TP), *full.shape[1:]))
-    comm.reduce_scatter(shard, full, TP)
-    return shard.movedim(0, SEQ_DIM).contiguous()
+    return comm.reduce_scatter_along(x, TP, SEQ_DIM)
 
 
 class _GatherSeq(torch.autograd.Function):
@@ -325,11 +321,6 @@ def _keep_sequence_chunk(module: nn.Module, comm: Comm) -> None:
     module.forward = forward
 
 
-def _swap(model: nn.Module, name: str, new: nn.Module) -> None:
-    parent, _, child = name.rpartition(".")
-    setattr(model.get_submodule(parent) if parent else model, child, new)
-
-
 def apply_plan(model: nn.Module, plan: TensorPlan, comm: Comm, sp: bool) -> list[nn.Parameter]:
     """Shard `model` in place by `plan` over the mesh's tp axis. Returns the parameters left
     whole whose gradients must be summed over tp (under SP: all of them; without SP none, as
@@ -341,13 +332,13 @@ def apply_plan(model: nn.Module, plan: TensorPlan, comm: Comm, sp: bool) -> list
         for style in styles:
             if style in builders:
                 module = builders[style](module)
-                _swap(model, name, module)
+                replace_submodule(model, name, module)
         if REGION in styles:
             _enter_region(module, comm, sp)
         if SEQUENCE in styles and sp:
             _keep_sequence_chunk(module, comm)
         if isinstance(module, SeededDropout) and (HEAD_SHARDED in styles or (SEQUENCE_SHARDED in styles and sp)):
-            module.shard = (SEQ_DIM if SEQUENCE_SHARDED in styles else 1, comm)
+            module.shard = (1, comm)  # the sequence of [b, s, h] and the heads of [b, heads, s, s]
     whole = [p for p in model.parameters() if not hasattr(p, SHARD)]
     return whole if sp else []
 
@@ -360,7 +351,6 @@ class TensorParallelSync:
         self.params, self.comm = params, comm
 
     def no_sync(self):
-        from contextlib import nullcontext
         return nullcontext()  # a sum: reducing once, after the last micro-batch, is enough
 
     def finish_grad_sync(self) -> None:
