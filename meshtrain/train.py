@@ -15,8 +15,6 @@ import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 
-import torch
-
 from meshtrain.comm import METRICS, Comm
 from meshtrain.config import Config, lr_at, tokens_per_sample
 from meshtrain.data.datasets import open_dataset

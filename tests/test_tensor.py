@@ -12,7 +12,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from meshtrain import verify
 from meshtrain.comm import Comm
 from meshtrain.config import Config
-from meshtrain.models import build_model
 from meshtrain.optim import clip_grad_norm_
 from meshtrain.parallel.dropout import DropoutKeys, SeededDropout
 from meshtrain.parallel.state import gather_full
