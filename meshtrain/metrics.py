@@ -4,9 +4,9 @@ one JSON line per step and the loss curve."""
 
 from __future__ import annotations
 
-import gc
 import json
 import resource
+import time
 import weakref
 from pathlib import Path
 
@@ -54,7 +54,8 @@ class ActivationMeter(TorchDispatchMode):
         super().__init__()
         self.peak = 0
         self._live = 0
-        self._tracked: set[int] = set()  # ids of the storages counted and alive
+        self._count = 0  # storages counted so far: a storage's number orders its allocation
+        self._tracked: dict[int, tuple[int, int]] = {}  # id of a live counted storage -> (number, bytes)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -74,13 +75,14 @@ class ActivationMeter(TorchDispatchMode):
         nbytes = storage.nbytes()
         if nbytes == 0 or id(storage) in self._tracked:
             return
-        self._tracked.add(id(storage))
+        self._tracked[id(storage)] = (self._count, nbytes)
+        self._count += 1
         self._live += nbytes
         self.peak = max(self.peak, self._live)
-        weakref.finalize(storage, self._free, id(storage), nbytes)
+        weakref.finalize(storage, self._free, id(storage))
 
-    def _free(self, key: int, nbytes: int) -> None:
-        self._tracked.discard(key)
+    def _free(self, key: int) -> None:
+        _, nbytes = self._tracked.pop(key)
         self._live -= nbytes
 
     @property
@@ -88,33 +90,56 @@ class ActivationMeter(TorchDispatchMode):
         """Bytes of the storages allocated inside the meter that are alive now."""
         return self._live
 
+    @property
+    def count(self) -> int:
+        """How many storages have been counted: a mark for `live_since`."""
+        return self._count
+
+    def live_since(self, mark: int) -> int:
+        """Bytes alive now of the storages counted after `mark` (= `count` at some moment)."""
+        return sum(nbytes for number, nbytes in self._tracked.values() if number >= mark)
+
 
 class LayerProbe:
     """What one block's forward leaves alive (its saved activations and its output, which is
-    the next block's input): the per-layer figure of the activation-memory formulas. Reads
-    the meter at the block's first forward (the first micro-batch) under the meter."""
+    the next block's input): the per-layer figure of the activation-memory formulas, read
+    under the meter at block 0's first forward (the first micro-batch).
+
+    Only storages allocated inside the block count: one allocated before and freed during it
+    (the embedding's partial sum, which gloo's worker thread may still hold at the block's
+    start) changes nothing. At the block's end the reading is repeated until it stops
+    changing: a tensor the block already let go of may still be held for a moment by the
+    thread that finished its collective."""
+
+    SETTLE_S, PATIENCE_S = 0.002, 0.2
 
     def __init__(self, module: nn.Module, meter: ActivationMeter):
         blocks = getattr(module, "blocks", None)
-        self.bytes, self._marks, self._hooks = None, {}, []
-        def mark(name: str):
-            def hook(*_):
-                if name not in self._marks:
-                    # Dispatching collectives under a Python mode leaves reference cycles that can
-                    # hold a dead activation until the cyclic collector runs: collect first.
-                    gc.collect()
-                    self._marks[name] = meter.live
-                # (returns None: a hook that returned a value would replace the module's data)
-            return hook
+        self.bytes, self._mark, self._hooks, self._meter = None, None, [], meter
         if blocks is not None and len(blocks):
-            self._hooks = [blocks[0].register_forward_pre_hook(mark("in")),
-                           blocks[0].register_forward_hook(mark("out"))]
+            self._hooks = [blocks[0].register_forward_pre_hook(self._enter),
+                           blocks[0].register_forward_hook(self._leave)]
+
+    def _enter(self, *_) -> None:  # hooks return None: a value would replace the module's data
+        if self._mark is None:
+            self._mark = self._meter.count
+
+    def _leave(self, *_) -> None:
+        if self.bytes is not None or self._mark is None:
+            return
+        reading, waited = self._meter.live_since(self._mark), 0.0
+        while waited < self.PATIENCE_S:
+            time.sleep(self.SETTLE_S)
+            waited += self.SETTLE_S
+            again = self._meter.live_since(self._mark)
+            if again == reading:
+                break
+            reading = again
+        self.bytes = reading
 
     def close(self) -> int | None:
         for h in self._hooks:
             h.remove()
-        if "out" in self._marks:
-            self.bytes = self._marks["out"] - self._marks["in"]
         return self.bytes
 
 
