@@ -111,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     if args.command == "generate":
+        signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `generate ... | head` ends quietly, as Unix tools do
         return _generate(args)
     from meshtrain.data.corpus import DataError
 
