@@ -63,6 +63,18 @@ def build_parser() -> argparse.ArgumentParser:
                            "ranks; report median step times and their ratio. " + launched)
     _add_run_flags(bench, steps=steps)
     bench.add_argument("--vs", required=True, metavar="PEER", help="the peer: " + " | ".join(BENCH_PEERS))
+    sched = sub.add_parser("schedule", help="a pipeline schedule's timeline, bubble and memory, simulated",
+                           description="Simulate a pipeline schedule (forward 1, backward 2, or 1 + 1 when split; "
+                           "transfers free) and show its timeline per stage, bubble fraction and peak of "
+                           "micro-batches in flight. Starts no processes.")
+    sched.add_argument("--pp", type=int, required=True, metavar="P", help="pipeline stages")
+    sched.add_argument("--microbatches", type=int, required=True, metavar="M", help="micro-batches per step")
+    sched.add_argument("--schedule", default="1f1b", metavar="NAME", help="gpipe | 1f1b | interleaved | zb "
+                       "(default 1f1b)")
+    sched.add_argument("--chunks", type=int, default=1, metavar="V", help="model chunks per stage (interleaved; "
+                       "default 1)")
+    sched.add_argument("--png", metavar="FILE", help="also draw the timeline into FILE")
+    sched.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     gen = sub.add_parser("generate", help="sample text from a model trained by `meshtrain train`")
     gen.add_argument("--ckpt", required=True, metavar="DIR", help="the --out folder of a training run")
     gen.add_argument("--prompt", default="\n", help="text to continue")
@@ -113,6 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "generate":
         signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `generate ... | head` ends quietly, as Unix tools do
         return _generate(args)
+    if args.command == "schedule":
+        return _schedule(args)
     from meshtrain.data.corpus import DataError
 
     renv = None
@@ -244,6 +258,41 @@ def _bench(cfg, comm, args):
 
 
 _COMMANDS = {"train": _train, "verify": _verify, "bench": _bench}
+
+
+def _schedule(args) -> int:
+    """`meshtrain schedule`: no processes, no data; the simulator and what draws it."""
+    import json
+
+    from meshtrain.parallel.pipeline.draw import draw_png, summary, text_timeline
+    from meshtrain.parallel.pipeline.schedules import schedule
+    from meshtrain.parallel.pipeline.simulate import simulate
+
+    p, m, v = args.pp, args.microbatches, args.chunks
+    try:
+        for flag, value in (("--pp", p), ("--microbatches", m), ("--chunks", v)):
+            if value < 1:
+                raise ValueError(f"{flag} {value}: must be a positive integer")
+        lists = schedule(args.schedule, p, m, v)
+    except ValueError as e:
+        print(f"meshtrain: error: {e}", file=sys.stderr)
+        return 2
+    out = sys.stderr if args.json else sys.stdout
+    if m < p:
+        print(f"meshtrain: warning: {m} micro-batches for {p} stages: some stages idle through most of the step; "
+              f"use --microbatches {p} or more", file=sys.stderr)
+    sim = simulate(lists, v, microbatches=m)
+    title = f"{args.schedule}, p={p}, m={m}" + (f", v={v}" if v > 1 else "")
+    print(f"{title}: F forward, B backward, W weight gradient; micro-batch" + (" / chunk" if v > 1 else ""), file=out)
+    print(text_timeline(sim), file=out)
+    print(f"makespan {float(sim.makespan):g}, bubble_fraction {float(sim.bubble_fraction):.4f}, "
+          f"peak_inflight {sim.peak_inflight}", file=out)
+    if args.png:
+        draw_png(sim, args.png, title)
+        print(f"wrote {args.png}", file=out)
+    if args.json:
+        print(json.dumps(summary(args.schedule, m, sim)), flush=True)
+    return 0
 
 
 def _generate(args) -> int:

@@ -1,0 +1,164 @@
+"""Pipeline schedules as data. A schedule is a pure function
+`(stages, microbatches, chunks) -> one list of instructions per stage`; the simulator runs
+those lists with costs (timeline, bubble, memory, deadlock check), the executor runs the
+same lists with real point-to-point transfers, and the visualiser draws the simulator's
+timeline. Nothing about a schedule is written twice.
+
+Stage s holds model chunks 0..v-1; chunk c of stage s is virtual stage c·p + s, so with
+interleaving a micro-batch goes round the stages v times. Generators only order the
+compute; `with_communication` adds the transfers every order implies: a forward receives
+its input from the previous virtual stage and sends its output to the next; a backward
+receives its output's gradient from the next and sends its input's gradient back. Sends do
+not wait; receives do."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
+
+
+@dataclass(frozen=True)
+class Instruction:
+    mb: int = 0
+    chunk: int = 0
+
+
+class Forward(Instruction):
+    """Forward of micro-batch `mb` through this stage's chunk `chunk`."""
+
+
+class Backward(Instruction):
+    """Backward: the gradients of the chunk's input and of its weights."""
+
+
+class BackwardInput(Instruction):
+    """Zero-bubble: only the input's gradient (what the previous stage waits for)."""
+
+
+class BackwardWeight(Instruction):
+    """Zero-bubble: only the weights' gradients, deferred to fill the bubble."""
+
+
+class SendActivation(Instruction):
+    pass
+
+
+class RecvActivation(Instruction):
+    pass
+
+
+class SendGrad(Instruction):
+    pass
+
+
+class RecvGrad(Instruction):
+    pass
+
+
+class SyncGrads(Instruction):
+    """All micro-batches done: synchronise gradients (data parallelism) before the step."""
+
+
+class OptimizerStep(Instruction):
+    pass
+
+
+COMPUTE = (Forward, Backward, BackwardInput, BackwardWeight)
+INPUT_GRADIENT = (Backward, BackwardInput)  # what sends a gradient back
+
+
+def virtual_stage(stage: int, chunk: int, stages: int) -> int:
+    return chunk * stages + stage
+
+
+def with_communication(stage: int, order: list[Instruction], stages: int, chunks: int) -> list[Instruction]:
+    """The compute `order` of one stage with the transfers it implies, then sync and step."""
+    last = stages * chunks - 1
+    out = []
+    for op in order:
+        vs = virtual_stage(stage, op.chunk, stages)
+        if isinstance(op, Forward):
+            out += ([RecvActivation(op.mb, op.chunk)] if vs > 0 else []) + [op]
+            out += [SendActivation(op.mb, op.chunk)] if vs < last else []
+        elif isinstance(op, INPUT_GRADIENT):
+            out += ([RecvGrad(op.mb, op.chunk)] if vs < last else []) + [op]
+            out += [SendGrad(op.mb, op.chunk)] if vs > 0 else []
+        else:
+            out.append(op)
+    return out + [SyncGrads(), OptimizerStep()]
+
+
+def gpipe_order(stage: int, stages: int, microbatches: int) -> list[Instruction]:
+    """GPipe: every forward, then every backward (in reverse, as activations were stacked)."""
+    return [Forward(mb) for mb in range(microbatches)] + [Backward(mb) for mb in reversed(range(microbatches))]
+
+
+def one_f_one_b_order(stage: int, stages: int, microbatches: int, split: bool = False) -> list[Instruction]:
+    """PipeDream-flush (1F1B): a warm-up of p−s−1 forwards, then one forward and one backward
+    in turn, then the remaining backwards. At most min(p−s, m) micro-batches in flight."""
+    warmup = min(stages - stage - 1, microbatches)
+    order: list[Instruction] = [Forward(mb) for mb in range(warmup)]
+    back = BackwardInput if split else Backward
+    for k in range(microbatches - warmup):
+        order += [Forward(warmup + k), back(k)]
+    order += [back(mb) for mb in range(microbatches - warmup, microbatches)]
+    return order
+
+
+def zero_bubble_order(stage: int, stages: int, microbatches: int) -> list[Instruction]:
+    """ZB-H1 (Qi et al., 2023): 1F1B with each backward split in two. The input-gradient half
+    keeps 1F1B's place — it is what the previous stage waits for, so the backward chain
+    through the pipeline gets shorter — and stage s defers each weight-gradient half by s
+    micro-batches, so its last s of them fill the cool-down where 1F1B's stage would wait.
+    With forward, input and weight gradient each costing 1, the bubble is (p−1)·(F + B − W)
+    instead of 1F1B's (p−1)·(F + B + W), and each stage holds at most p micro-batches (until
+    their weight gradient): 1F1B's peak, reached on every stage."""
+    order = one_f_one_b_order(stage, stages, microbatches, split=True)
+    out: list[Instruction] = []
+    done = 0  # weight gradients placed
+    for op in order:
+        out.append(op)
+        if isinstance(op, BackwardInput) and op.mb - done >= stage:
+            out.append(BackwardWeight(done))
+            done += 1
+    return out + [BackwardWeight(mb) for mb in range(done, microbatches)]
+
+
+def interleaved_order(stage: int, stages: int, microbatches: int, chunks: int) -> list[Instruction]:
+    """Megatron's interleaved 1F1B: each stage holds `chunks` model chunks; micro-batches go
+    through them in groups of p. Forward k of this stage is micro-batch (k // pv)·p + k % p in
+    chunk (k // p) % v; backwards take the chunks in reverse. A warm-up of
+    (p − s − 1)·2 + (v − 1)·p forwards, then one forward and one backward in turn."""
+    p, v, m = stages, chunks, microbatches
+    total = m * v
+
+    def forward(k: int) -> Forward:
+        return Forward((k // (p * v)) * p + k % p, (k // p) % v)
+
+    def backward(k: int) -> Backward:
+        return Backward((k // (p * v)) * p + k % p, v - 1 - (k // p) % v)
+
+    warmup = min((p - stage - 1) * 2 + (v - 1) * p, total)
+    order: list[Instruction] = [forward(k) for k in range(warmup)]
+    for k in range(total - warmup):
+        order += [forward(warmup + k), backward(k)]
+    order += [backward(k) for k in range(total - warmup, total)]
+    return order
+
+
+def schedule(name: str, stages: int, microbatches: int, chunks: int = 1) -> list[list[Instruction]]:
+    """Every stage's instruction list for schedule `name`."""
+    if name not in SCHEDULES:
+        raise ValueError(f"unknown schedule '{name}'; use {' | '.join(SCHEDULES)}")
+    if name == "interleaved":
+        if microbatches % stages:
+            raise ValueError(f"interleaved needs micro-batches in groups of the {stages} stages; "
+                             f"use --microbatches a multiple of {stages}")
+        orders = [interleaved_order(s, stages, microbatches, chunks) for s in range(stages)]
+    else:
+        if chunks != 1:
+            raise ValueError(f"{name} runs one model chunk per stage; use --chunks 1 (or --schedule interleaved)")
+        build = {"gpipe": gpipe_order, "1f1b": one_f_one_b_order, "zb": zero_bubble_order}[name]
+        orders = [build(s, stages, microbatches) for s in range(stages)]
+    return [with_communication(s, order, stages, chunks) for s, order in enumerate(orders)]
