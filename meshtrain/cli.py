@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         speaks = renv.rank == 0 if renv else cfg.layout.world_size == 1  # rank 0 reports, once
         if args.command == "train" and (renv is None or renv.rank == 0):
             _check_out_writable(cfg.train.out)
-        for warning in C.warnings(cfg) if speaks and args.command == "train" else []:
+        for warning in C.warnings(cfg, args.command) if speaks else []:
             print(f"meshtrain: warning: {warning}", file=sys.stderr)
         # From a shell the local ranks are all ours: check the GPUs before starting them.
         local_rank, local_world = (renv.local_rank, renv.local_world_size) if renv else (0, cfg.layout.world_size)

@@ -102,15 +102,15 @@ class Comm:
                          lambda g: dist.broadcast(tensor, group=g, async_op=async_op,
                                                   src=self.mesh.rank_at(axis, src_coord)))
 
-    def send(self, tensor: torch.Tensor, axis: str, offset: int, *, purpose: str | None = None):
+    def send(self, tensor: torch.Tensor, axis: str, offset: int, *, tag: int = 0, purpose: str | None = None):
         """Send to the neighbour `offset` steps along `axis` (asynchronous: returns the handle)."""
         peer = self._peer(axis, offset)
         self._count(purpose or axis, _nbytes(tensor))
-        return dist.isend(tensor, peer)
+        return dist.isend(tensor.contiguous(), peer, tag=tag)
 
-    def recv(self, tensor: torch.Tensor, axis: str, offset: int):
+    def recv(self, tensor: torch.Tensor, axis: str, offset: int, *, tag: int = 0):
         """Receive into `tensor` from the neighbour `offset` steps along `axis` (returns the handle)."""
-        return dist.irecv(tensor, self._peer(axis, offset))
+        return dist.irecv(tensor, self._peer(axis, offset), tag=tag)
 
     def _peer(self, axis: str, offset: int) -> int:
         peer = self.mesh.neighbour(axis, offset)
@@ -118,12 +118,14 @@ class Comm:
             raise ValueError(f"rank {self.mesh.rank} has no neighbour {offset:+d} along {axis}")
         return peer
 
-    def all_gather_object(self, obj) -> list:
-        """Gather a small picklable object from every rank of the whole mesh (reporting only)."""
-        if self.mesh.world_size == 1:
+    def all_gather_object(self, obj, axis: str | None = None) -> list:
+        """A picklable object from every rank of the whole mesh, or of `axis` (reporting and
+        reading state only: not counted)."""
+        n = self.mesh.world_size if axis is None else self.mesh.size(axis)
+        if n == 1:
             return [obj]
-        out = [None] * self.mesh.world_size
-        dist.all_gather_object(out, obj)
+        out = [None] * n
+        dist.all_gather_object(out, obj, group=None if axis is None else self.mesh.group(axis))
         return out
 
 

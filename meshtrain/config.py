@@ -259,10 +259,9 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     _validate_data(cfg)
     spec = PRESETS[m.name]
     _validate_tensor_parallel(cfg, spec)
+    _validate_pipeline(cfg, spec)
     if isinstance(spec, GPTSpec):
-        if spec.n_layers % (lay.pp * lay.chunks):
-            raise ConfigError(f"pp×chunks = {lay.pp}×{lay.chunks} does not divide the {spec.n_layers} layers "
-                              f"of {m.name}; change --pp or --chunks")
+
         if tr.seq_len > spec.max_seq_len:
             raise ConfigError(f"--seq-len {tr.seq_len} exceeds the {spec.max_seq_len} positions of {m.name}")
         if not 256 <= tr.vocab_size <= 65535:
@@ -270,12 +269,17 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     _reject_unbuilt(lay, tr)
 
 
-def warnings(cfg: Config) -> list[str]:
-    """Settings that work but are probably not what was meant: one line each, the run goes on."""
+def warnings(cfg: Config, command: str = "train") -> list[str]:
+    """Settings that work but are probably not what was meant: one line each, the run goes on.
+    (A short verify or bench run inside the warm-up is normal: that one is for `train` only.)"""
     tr = cfg.train
     found = []
-    if tr.warmup >= tr.steps:
+    if tr.warmup >= tr.steps and command == "train":
         found.append(f"--warmup {tr.warmup} >= --steps {tr.steps}: the learning rate never reaches --lr {tr.lr:g}")
+    lay = cfg.layout
+    if lay.pp > 1 and lay.microbatches < lay.pp:
+        found.append(f"--microbatches {lay.microbatches} < --pp {lay.pp}: most stages idle through most of the step "
+                     f"(the bubble); use --microbatches {lay.pp} or more")
     return found
 
 
@@ -314,11 +318,23 @@ def _validate_tensor_parallel(cfg: Config, spec) -> None:
                               f"--tp {lay.tp}; use a multiple of {lay.tp}")
 
 
+def _validate_pipeline(cfg: Config, spec) -> None:
+    """Blocks are split over pp·chunks virtual stages as evenly as possible; each needs one."""
+    lay, name = cfg.layout, cfg.model.name
+    blocks = spec.n_layers if isinstance(spec, GPTSpec) else len(spec.hidden)
+    if blocks < lay.pp * lay.chunks:
+        raise ConfigError(f"{name} has {blocks} blocks, fewer than pp×chunks = {lay.pp}×{lay.chunks}; "
+                          f"use fewer stages or chunks")
+    if lay.chunks > 1 and lay.schedule != "interleaved":
+        raise ConfigError(f"--chunks {lay.chunks} needs --schedule interleaved ({lay.schedule} runs one chunk per stage)")
+    if lay.schedule == "interleaved" and lay.pp > 1 and lay.microbatches % lay.pp:
+        raise ConfigError(f"--schedule interleaved takes micro-batches in groups of the {lay.pp} stages; "
+                          f"use --microbatches a multiple of {lay.pp}")
+
+
 def _reject_unbuilt(lay: LayoutConfig, tr: TrainConfig) -> None:
     """Strategies that later issues add. Refuse them plainly rather than run something else."""
-    unbuilt = [(lay.pp != 1, "--pp", "pipeline parallelism", "--pp 1"),
-               (lay.zero != 0, "--zero", "ZeRO", "--zero 0"),
-               (lay.chunks != 1, "--chunks", "interleaved pipelines", "--chunks 1"),
+    unbuilt = [(lay.zero != 0, "--zero", "ZeRO", "--zero 0"),
                (lay.recompute != "none", "--recompute", "activation checkpointing", "--recompute none"),
                (lay.precision != "fp32", "--precision", "mixed precision", "--precision fp32"),
                (tr.resume, "--resume", "resuming from a checkpoint", "no --resume")]

@@ -116,9 +116,9 @@ class LayerProbe:
     def __init__(self, module: nn.Module, meter: ActivationMeter):
         blocks = getattr(module, "blocks", None)
         self.bytes, self._mark, self._hooks, self._meter = None, None, [], meter
-        if blocks is not None and len(blocks):
-            self._hooks = [blocks[0].register_forward_pre_hook(self._enter),
-                           blocks[0].register_forward_hook(self._leave)]
+        first = next(iter(blocks), None) if blocks is not None else None  # a pipeline stage's first block
+        if first is not None:
+            self._hooks = [first.register_forward_pre_hook(self._enter), first.register_forward_hook(self._leave)]
 
     def _enter(self, *_) -> None:  # hooks return None: a value would replace the module's data
         if self._mark is None:

@@ -22,6 +22,7 @@ from meshtrain.metrics import ActivationMeter, LayerProbe, StepLog, model_state_
 from meshtrain.models import build_model
 from meshtrain.optim import clip_grad_norm_, set_lr
 from meshtrain.parallel import Parallelized, parallelize
+from meshtrain.parallel.pipeline import stages
 from meshtrain.parallel.tensor import plan_for
 
 
@@ -66,7 +67,8 @@ def build(cfg: Config, device):
 def setup(cfg: Config, comm: Comm, **dp_options) -> tuple[object, Parallelized]:
     """Data, and the model with the layout's strategies applied and its optimizer."""
     data, model = build(cfg, comm.mesh.device)
-    return data, parallelize(model, comm, cfg.layout, cfg.train, plan=plan_for(cfg.model.name), **dp_options)
+    return data, parallelize(model, comm, cfg.layout, cfg.train, plan=plan_for(cfg.model.name),
+                             pipeline=stages.plan_for(cfg.model.name), **dp_options)
 
 
 def loss_terms_per_step(cfg: Config) -> int:
@@ -109,7 +111,8 @@ def train_step(p: Parallelized, data, step: int, cfg: Config, *, observer: StepO
     if stepped:
         p.optimizer.step()
     p.module.zero_grad(set_to_none=False)  # keep gradient buffers (DP buckets) in place
-    comm.all_reduce(total, "dp", purpose=METRICS)
+    for axis in ("pp", "dp"):  # the loss lives on the last pipeline stage of each data-parallel replica
+        comm.all_reduce(total, axis, purpose=METRICS)
     return total.item(), stepped
 
 

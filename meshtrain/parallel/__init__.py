@@ -23,6 +23,9 @@ from meshtrain.loss import cross_entropy_sum
 from meshtrain.optim import build_optimizer
 from meshtrain.parallel.data import DataParallel
 from meshtrain.parallel.dropout import DropoutKeys, seed_dropout
+from meshtrain.parallel.pipeline.engine import PipelineRunner
+from meshtrain.parallel.pipeline.schedules import schedule
+from meshtrain.parallel.pipeline.stages import PipelinePlan, Stage
 from meshtrain.parallel.runner import PlainRunner
 from meshtrain.parallel.state import (SHARD, gather_full, load_optimizer_state, optimizer_state,
                                       shard_index)
@@ -67,7 +70,7 @@ class Parallelized:
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     grad_sync: object
     optimizer: torch.optim.Optimizer
-    runner: PlainRunner
+    runner: PlainRunner | PipelineRunner
     comm: Comm
     n_params: int
     loss_scale: float = 1.0
@@ -86,11 +89,19 @@ class Parallelized:
         names = {p: n for n, p in self.named_parameters()}
         model = {n: gather_full(p, getattr(p, SHARD, None), self.comm) for n, p in self.named_parameters()}
         model.update({n: b.detach().to("cpu", copy=True) for n, b in self.module.named_buffers()})
-        return {"model": model, "optim": optimizer_state(self.optimizer, names, self.comm)}
+        return {"model": self._union_over_stages(model),
+                "optim": self._union_over_stages(optimizer_state(self.optimizer, names, self.comm))}
+
+    def _union_over_stages(self, part: dict) -> dict:
+        """Pipeline stages hold different parameters: every stage gets all of them."""
+        whole = {}
+        for stage_part in self.comm.all_gather_object(part, axis="pp"):
+            whole.update(stage_part)
+        return whole
 
     def load_full_state_dict(self, state: dict) -> None:
         """Take weights and optimizer state from a full state (each rank keeps its part)."""
-        params = dict(self.named_parameters())
+        params = dict(self.named_parameters())  # this stage's (the state holds every stage's)
         with torch.no_grad():
             for name, p in params.items():
                 index = shard_index(p, self.comm)
@@ -102,8 +113,8 @@ class Parallelized:
 
     def full_grads(self) -> dict[str, torch.Tensor]:
         """Every parameter's gradient at full shape, as synchronised."""
-        return {n: gather_full(p.grad, getattr(p, SHARD, None), self.comm)
-                for n, p in self.named_parameters() if p.grad is not None}
+        return self._union_over_stages({n: gather_full(p.grad, getattr(p, SHARD, None), self.comm)
+                                        for n, p in self.named_parameters() if p.grad is not None})
 
     def local_pieces(self) -> dict[str, tuple[nn.Parameter, tuple | None]]:
         """What this rank holds of each tensor: (its local parameter, the index of that piece
@@ -113,10 +124,12 @@ class Parallelized:
 
 
 def parallelize(model: nn.Module, comm: Comm, layout: LayoutConfig, train: TrainConfig, *,
-                plan: TensorPlan | None = None, loss_fn=cross_entropy_sum, **dp_options) -> Parallelized:
+                plan: TensorPlan | None = None, pipeline: PipelinePlan | None = None, loss_fn=cross_entropy_sum,
+                **dp_options) -> Parallelized:
     """Apply the layout's strategies to `model` (in place; it must hold the full weights, the
     same on every rank) and build the optimizer on the result. Tensor parallelism needs the
-    model's `plan` (module names to styles)."""
+    model's `plan` (module names to styles); pipeline parallelism its `pipeline` (the parts
+    before, the block list, the parts after)."""
     n_params = sum(p.numel() for p in model.parameters())
     # Decided on the full parameters, before any strategy reshapes them: matrices decay.
     decay = {n for n, p in model.named_parameters() if p.dim() >= 2}
@@ -125,7 +138,17 @@ def parallelize(model: nn.Module, comm: Comm, layout: LayoutConfig, train: Train
     if any(isinstance(m, nn.Dropout) and m.p > 0 for m in model.modules()):
         keys = DropoutKeys(train.seed)
         seed_dropout(model, keys)
-    # (pipeline stages go here)
+    runner = PlainRunner()
+    if comm.mesh.size("pp") > 1:
+        if pipeline is None:
+            raise ValueError("pipeline parallelism needs a pipeline plan for this model (before, blocks, after)")
+        stage = Stage(model, pipeline, comm.mesh.coord("pp"), comm.mesh.size("pp"), layout.chunks)
+        micro_rows = train.batch_size // layout.dp // layout.microbatches
+        seq = train.seq_len // comm.mesh.size("tp") if layout.sp else train.seq_len
+        lists = schedule(layout.schedule, comm.mesh.size("pp"), layout.microbatches, layout.chunks)
+        dtype = next(model.parameters()).dtype
+        runner = PipelineRunner(stage, lists[comm.mesh.coord("pp")], comm, pipeline.activation_shape(micro_rows, seq),
+                                dtype)
     syncs = []
     if comm.mesh.size("tp") > 1:
         if plan is None:
@@ -139,4 +162,4 @@ def parallelize(model: nn.Module, comm: Comm, layout: LayoutConfig, train: Train
     syncs.insert(0, DataParallel(model, comm, axis="dp", bucket_mb=layout.bucket_mb, **dp_options))
     grad_sync = syncs[0] if len(syncs) == 1 else GradSyncs(*syncs)
     optimizer = build_optimizer(list(model.named_parameters()), decay, train)
-    return Parallelized(model, loss_fn, grad_sync, optimizer, PlainRunner(), comm, n_params, dropout_keys=keys)
+    return Parallelized(model, loss_fn, grad_sync, optimizer, runner, comm, n_params, dropout_keys=keys)

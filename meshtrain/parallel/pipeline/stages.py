@@ -1,0 +1,102 @@
+"""Cutting a plain sequential model into pipeline stages, from outside.
+
+A `PipelinePlan` names the model's parts: what runs before the blocks (the embedding), the
+block list, what runs after (the final norm and the head), and the shape of the activation
+between blocks. The blocks are split over p·v virtual stages as evenly as possible (8 blocks
+over 3 stages: 3, 3, 2) or as `stage_layers` says; the first virtual stage also runs the
+parts before, the last the parts after. A stage keeps one model object holding only its own
+parts, under the full model's names: its blocks stay `blocks.5.*` (the block list keeps the
+original indices), so verify and checkpoints match by name."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn as nn
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    before: tuple[str, ...]
+    blocks: str
+    after: tuple[str, ...]
+    # (micro-batch size, sequence length) -> the shape of an activation between blocks
+    activation_shape: Callable[[int, int], tuple[int, ...]]
+
+
+def gpt_plan(d_model: int) -> PipelinePlan:
+    return PipelinePlan(("embed",), "blocks", ("norm", "head"), lambda b, s: (b, s, d_model))
+
+
+def mlp_plan(width: int) -> PipelinePlan:
+    return PipelinePlan((), "blocks", ("head",), lambda b, s: (b, width))
+
+
+def plan_for(model_name: str) -> PipelinePlan:
+    """How a preset is cut: meshtrain's own models are reached only through their plans."""
+    from meshtrain.models.presets import PRESETS, GPTSpec
+    spec = PRESETS[model_name]
+    return gpt_plan(spec.d_model) if isinstance(spec, GPTSpec) else mlp_plan(spec.hidden[-1])
+
+
+def split_layers(n_layers: int, parts: int, stage_layers: list[int] | None = None) -> list[range]:
+    """Block indices of each virtual stage: as even as possible, the larger parts first, or
+    the sizes given."""
+    sizes = stage_layers or [n_layers // parts + (1 if i < n_layers % parts else 0) for i in range(parts)]
+    if len(sizes) != parts or sum(sizes) != n_layers or min(sizes) < 1:
+        raise ValueError(f"stage layers {sizes} must be {parts} positive sizes summing to {n_layers}")
+    starts = [sum(sizes[:i]) for i in range(parts)]
+    return [range(start, start + size) for start, size in zip(starts, sizes)]
+
+
+class Stage:
+    """This rank's part of the model: chunk c runs virtual stage c·p + s."""
+
+    def __init__(self, model: nn.Module, plan: PipelinePlan, stage: int, stages: int, chunks: int,
+                 stage_layers: list[int] | None = None):
+        self.model, self.plan, self.stage, self.stages, self.chunks = model, plan, stage, stages, chunks
+        blocks = model.get_submodule(plan.blocks)
+        ranges = split_layers(len(blocks), stages * chunks, stage_layers)
+        self.last_virtual = stages * chunks - 1
+        self.block_ids = [list(ranges[c * stages + stage]) for c in range(chunks)]
+        keep = {i for ids in self.block_ids for i in ids}
+        for key in list(blocks._modules):  # keep the original indices: names stay those of the full model
+            if int(key) not in keep:
+                del blocks._modules[key]
+        self.blocks = blocks
+        for name in plan.before if not self.holds(0) else ():
+            _drop(model, name)
+        for name in plan.after if not self.holds(self.last_virtual) else ():
+            _drop(model, name)
+
+    def virtual(self, chunk: int) -> int:
+        return chunk * self.stages + self.stage
+
+    def holds(self, virtual_stage: int) -> bool:
+        return virtual_stage % self.stages == self.stage
+
+    def is_first(self, chunk: int) -> bool:
+        return self.virtual(chunk) == 0
+
+    def is_last(self, chunk: int) -> bool:
+        return self.virtual(chunk) == self.last_virtual
+
+    def forward(self, chunk: int, x: torch.Tensor) -> torch.Tensor:
+        """Chunk `chunk`'s part of the model: the parts before the blocks on the first virtual
+        stage, its blocks, the parts after on the last."""
+        if self.is_first(chunk):
+            for name in self.plan.before:
+                x = self.model.get_submodule(name)(x)
+        for i in self.block_ids[chunk]:
+            x = self.blocks._modules[str(i)](x)
+        if self.is_last(chunk):
+            for name in self.plan.after:
+                x = self.model.get_submodule(name)(x)
+        return x
+
+
+def _drop(model: nn.Module, name: str) -> None:
+    parent, _, child = name.rpartition(".")
+    delattr(model.get_submodule(parent) if parent else model, child)
