@@ -48,6 +48,10 @@ class LayoutConfig:
     recompute: str = "none"
     precision: str = "fp32"
     bucket_mb: float = 25.0
+    stage_layers: str = ""  # blocks per virtual stage, e.g. "3,3,2"; empty: as even as possible
+
+    def stage_layer_counts(self) -> list[int] | None:
+        return [int(n) for n in self.stage_layers.split(",")] if self.stage_layers else None
 
     @property
     def world_size(self) -> int:
@@ -56,7 +60,8 @@ class LayoutConfig:
     def short(self) -> str:
         """One-line description for titles and logs."""
         sp = " sp" if self.sp else ""
-        return f"dp={self.dp} tp={self.tp}{sp} pp={self.pp} microbatches={self.microbatches} {self.precision}"
+        pp = f" {self.schedule}" + (f" chunks={self.chunks}" if self.chunks > 1 else "") if self.pp > 1 else ""
+        return f"dp={self.dp} tp={self.tp}{sp} pp={self.pp}{pp} microbatches={self.microbatches} {self.precision}"
 
     def summary(self) -> dict:
         """The `layout` object of the JSON contract."""
@@ -118,6 +123,8 @@ FLAGS = [
     ("--recompute", "layout", "recompute", str, "activation checkpointing: " + "|".join(RECOMPUTE)),
     ("--precision", "layout", "precision", str, "|".join(PRECISIONS)),
     ("--bucket-mb", "layout", "bucket_mb", float, "DP gradient bucket size in MB"),
+    ("--stage-layers", "layout", "stage_layers", str, "blocks per pipeline (virtual) stage, e.g. 3,3,2 "
+     "(default: as even as possible)"),
     ("--steps", "train", "steps", int, "optimizer steps"),
     ("--batch-size", "train", "batch_size", int, "global batch in sequences, whatever the layout"),
     ("--seq-len", "train", "seq_len", int, "tokens per sequence"),
@@ -325,6 +332,14 @@ def _validate_pipeline(cfg: Config, spec) -> None:
     if blocks < lay.pp * lay.chunks:
         raise ConfigError(f"{name} has {blocks} blocks, fewer than pp×chunks = {lay.pp}×{lay.chunks}; "
                           f"use fewer stages or chunks")
+    if lay.stage_layers:
+        try:
+            counts = lay.stage_layer_counts()
+        except ValueError:
+            raise ConfigError(f"--stage-layers {lay.stage_layers}: give comma-separated block counts, e.g. 3,3,2") from None
+        if len(counts) != lay.pp * lay.chunks or sum(counts) != blocks or min(counts) < 1:
+            raise ConfigError(f"--stage-layers {lay.stage_layers}: give pp×chunks = {lay.pp * lay.chunks} positive "
+                              f"counts that sum to the {blocks} blocks of {name}")
     if lay.chunks > 1 and lay.schedule != "interleaved":
         raise ConfigError(f"--chunks {lay.chunks} needs --schedule interleaved ({lay.schedule} runs one chunk per stage)")
     if lay.schedule == "interleaved" and lay.pp > 1 and lay.microbatches % lay.pp:

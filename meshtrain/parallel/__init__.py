@@ -142,7 +142,8 @@ def parallelize(model: nn.Module, comm: Comm, layout: LayoutConfig, train: Train
     if comm.mesh.size("pp") > 1:
         if pipeline is None:
             raise ValueError("pipeline parallelism needs a pipeline plan for this model (before, blocks, after)")
-        stage = Stage(model, pipeline, comm.mesh.coord("pp"), comm.mesh.size("pp"), layout.chunks)
+        stage = Stage(model, pipeline, comm.mesh.coord("pp"), comm.mesh.size("pp"), layout.chunks,
+                      layout.stage_layer_counts())
         micro_rows = train.batch_size // layout.dp // layout.microbatches
         seq = train.seq_len // comm.mesh.size("tp") if layout.sp else train.seq_len
         lists = schedule(layout.schedule, comm.mesh.size("pp"), layout.microbatches, layout.chunks)

@@ -117,6 +117,7 @@ def simulate(lists: list[list[Instruction]], chunks: int = 1, costs: Costs = Cos
     if sent:
         raise ScheduleError(f"sent but never received: {sorted(sent)[:5]}")
     _check_work(lists, chunks, microbatches)
+    _check_fifo(lists)
     busy = [sum((sp.end - sp.start for sp in spans if sp.stage == s), 0) for s in range(p)]
     return Simulation(p, chunks, spans, max(clock) if clock else 0, busy, _peak_inflight(lists), lists)
 
@@ -135,6 +136,29 @@ def _check_work(lists: list[list[Instruction]], chunks: int, microbatches: int |
         for key, kinds in seen.items():
             if kinds not in (["Forward", "Backward"], ["Forward", "BackwardInput", "BackwardWeight"]):
                 raise ScheduleError(f"stage {s}, (micro-batch, chunk) {key}: {kinds}, not forward then backward once")
+
+
+def _check_fifo(lists: list[list[Instruction]]) -> None:
+    """Between two stages, in each direction, messages are received in the order they were
+    sent: a transport that matches by order alone (NCCL's p2p) pairs them right too."""
+    p = len(lists)
+    sent: dict[tuple, list] = {}
+    received: dict[tuple, list] = {}
+    for s, ops in enumerate(lists):
+        for op in ops:
+            if isinstance(op, (SendActivation, SendGrad, RecvActivation, RecvGrad)):
+                key = _message(s, op, p)
+                other = key[2] % p  # the receiving stage, for a send; for a receive, the sender:
+                if isinstance(op, RecvActivation):
+                    other = (key[2] - 1) % p
+                elif isinstance(op, RecvGrad):
+                    other = (key[2] + 1) % p
+                pair = (s, other, key[0]) if isinstance(op, (SendActivation, SendGrad)) else (other, s, key[0])
+                (sent if isinstance(op, (SendActivation, SendGrad)) else received).setdefault(pair, []).append(key)
+    for pair, keys in sent.items():
+        if received.get(pair) != keys:
+            raise ScheduleError(f"stage {pair[0]} sends {pair[2]}s to stage {pair[1]} in another order than "
+                                f"it receives them")
 
 
 def _peak_inflight(lists: list[list[Instruction]]) -> list[int]:
