@@ -20,7 +20,7 @@ from pathlib import Path
 from meshtrain import config as C
 from meshtrain import launch
 
-BENCH_PEERS = ("ddp", "dtensor-tp")  # meshtrain.bench.PEERS, named here so a bad --vs fails without torch
+BENCH_PEERS = ("ddp", "dtensor-tp", "torch-pp")  # meshtrain.bench.PEERS, named here so a bad --vs fails without torch
 COMMAND_STEPS = {"verify": 10, "bench": 20}  # their default --steps, unless TOML or a flag says
 LAYOUT_DUMP = "layout.pt"
 
@@ -49,6 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="train a model (default: gpt-small on Shakespeare, dp=2)",
                            description="Train a model. " + launched)
     _add_run_flags(train)
+    train.add_argument("--trace", metavar="FILE", help="pipeline: also write when each stage ran each forward and "
+                       "backward, every step, to FILE (JSON; compare with `meshtrain schedule --trace FILE`)")
     steps = COMMAND_STEPS["verify"]
     verify = sub.add_parser("verify", help=f"check a layout against one process (default {steps} steps)",
                             description="Run the layout and one-process training on the same seed and global "
@@ -67,12 +69,14 @@ def build_parser() -> argparse.ArgumentParser:
                            description="Simulate a pipeline schedule (forward 1, backward 2, or 1 + 1 when split; "
                            "transfers free) and show its timeline per stage, bubble fraction and peak of "
                            "micro-batches in flight. Starts no processes.")
-    sched.add_argument("--pp", type=int, required=True, metavar="P", help="pipeline stages")
-    sched.add_argument("--microbatches", type=int, required=True, metavar="M", help="micro-batches per step")
+    sched.add_argument("--pp", type=int, metavar="P", help="pipeline stages")
+    sched.add_argument("--microbatches", type=int, metavar="M", help="micro-batches per step")
     sched.add_argument("--schedule", default="1f1b", metavar="NAME", help="gpipe | 1f1b | interleaved | zb "
                        "(default 1f1b)")
     sched.add_argument("--chunks", type=int, default=1, metavar="V", help="model chunks per stage (interleaved; "
                        "default 1)")
+    sched.add_argument("--trace", metavar="FILE", help="instead: simulate a real run traced by `meshtrain train "
+                       "--trace FILE` with its measured costs and compare the two")
     sched.add_argument("--png", metavar="FILE", help="also draw the timeline into FILE")
     sched.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     gen = sub.add_parser("generate", help="sample text from a model trained by `meshtrain train`")
@@ -98,6 +102,8 @@ def _config_from(args) -> C.Config:
 
 
 def _check_command(cfg: C.Config, args) -> None:
+    if args.command == "train" and args.trace and cfg.layout.pp < 2:
+        raise C.ConfigError(f"--trace records a pipeline's timeline; use --pp 2 or more (this run has pp={cfg.layout.pp})")
     if args.command == "bench":
         if args.vs not in BENCH_PEERS:
             raise C.ConfigError(f"unknown peer '{args.vs}'; use --vs {' | '.join(BENCH_PEERS)}")
@@ -107,6 +113,9 @@ def _check_command(cfg: C.Config, args) -> None:
         if args.vs == "dtensor-tp" and (lay.tp < 2 or lay.dp > 1 or cfg.model.name == "mlp" or cfg.model.dropout):
             raise C.ConfigError("bench --vs dtensor-tp compares tensor parallelism of a GPT alone, without dropout; "
                                 "use --tp 2 or more, --dp 1 and --dropout 0")
+        if args.vs == "torch-pp" and (lay.pp < 2 or lay.dp > 1 or lay.tp > 1 or cfg.model.name == "mlp"):
+            raise C.ConfigError("bench --vs torch-pp compares pipeline parallelism of a GPT alone; use --pp 2 or more, "
+                                "--dp 1 and --tp 1")
 
 
 def _check_out_writable(out: str) -> None:
@@ -222,13 +231,20 @@ def _train(cfg, comm, args):
     from meshtrain.train import train
 
     log = StepLog(Path(cfg.train.out) / "metrics.jsonl") if comm.mesh.is_main else None
-    result = train(cfg, comm, progress="train", step_log=log)
+    result = train(cfg, comm, progress="train", step_log=log, trace=bool(args.trace))
     if log:
         log.close()
     gathered = report.gather(result, comm)
     if not comm.mesh.is_main:
         return lambda: 0
-    return lambda: report.write(cfg, result, gathered, comm.mesh.device, args.json)
+
+    def write() -> int:
+        if args.trace:
+            import json
+            Path(args.trace).write_text(json.dumps(result.trace))
+            _log(f"wrote the measured timeline to {args.trace}; compare: meshtrain schedule --trace {args.trace}")
+        return report.write(cfg, result, gathered, comm.mesh.device, args.json)
+    return write
 
 
 def _verify(cfg, comm, args):
@@ -268,8 +284,12 @@ def _schedule(args) -> int:
     from meshtrain.parallel.pipeline.schedules import schedule
     from meshtrain.parallel.pipeline.simulate import simulate
 
+    if args.trace:
+        return _schedule_against_trace(args)
     p, m, v = args.pp, args.microbatches, args.chunks
     try:
+        if p is None or m is None:
+            raise ValueError("give --pp and --microbatches (or --trace FILE from `meshtrain train --trace`)")
         for flag, value in (("--pp", p), ("--microbatches", m), ("--chunks", v)):
             if value < 1:
                 raise ValueError(f"{flag} {value}: must be a positive integer")
@@ -292,6 +312,42 @@ def _schedule(args) -> int:
         print(f"wrote {args.png}", file=out)
     if args.json:
         print(json.dumps(summary(args.schedule, m, sim)), flush=True)
+    return 0
+
+
+def _schedule_against_trace(args) -> int:
+    """`meshtrain schedule --trace FILE`: the simulator fed with a real run's measured costs,
+    against that run: makespans, order of operations, both timelines."""
+    import json
+
+    from meshtrain.parallel.pipeline.draw import draw_panels, text_timeline
+    from meshtrain.parallel.pipeline.trace import compare
+
+    try:
+        trace = json.loads(Path(args.trace).read_text())
+        result = compare(trace)
+    except (OSError, ValueError, KeyError) as e:
+        print(f"meshtrain: error: --trace {args.trace}: not a trace written by `meshtrain train --trace` ({e})",
+              file=sys.stderr)
+        return 2
+    out = sys.stderr if args.json else sys.stdout
+    predicted, measured = result.pop("predicted"), result.pop("measured")
+    forwards = [sp.end - sp.start for sp in measured.spans if sp.kind == "F"]
+    unit = min(forwards) if forwards else measured.makespan / 40
+    title = f"{trace['model']}, {trace['layout']}"
+    for name, sim in (("measured (median step)", measured), ("simulated from measured costs", predicted)):
+        print(f"{name}, one cell = {unit * 1e3:.1f} ms:", file=out)
+        print(text_timeline(sim, unit), file=out)
+    print(f"makespan: simulated {result['predicted_makespan_s'] * 1e3:.1f} ms, measured "
+          f"{result['measured_makespan_s'] * 1e3:.1f} ms (median of {len(trace['steps']) - 1 or 1} steps), "
+          f"ratio {result['predicted_over_measured']:.3f}; p2p {trace['p2p_s'] * 1e3:.2f} ms per transfer; "
+          f"same order of operations on every stage: {'yes' if result['same_order'] else 'NO'}", file=out)
+    if args.png:
+        draw_panels([(measured, f"measured: {title}"), (predicted, "simulated from the measured costs")], args.png,
+                    "seconds from the step's start")
+        print(f"wrote {args.png}", file=out)
+    if args.json:
+        print(json.dumps(result), flush=True)
     return 0
 
 

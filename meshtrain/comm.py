@@ -118,6 +118,11 @@ class Comm:
             raise ValueError(f"rank {self.mesh.rank} has no neighbour {offset:+d} along {axis}")
         return peer
 
+    def barrier(self, axis: str | None = None) -> None:
+        """Wait for every rank of the whole mesh, or of `axis` (timing only: moves nothing)."""
+        if (self.mesh.world_size if axis is None else self.mesh.size(axis)) > 1:
+            dist.barrier(group=None if axis is None else self.mesh.group(axis))
+
     def all_gather_object(self, obj, axis: str | None = None) -> list:
         """A picklable object from every rank of the whole mesh, or of `axis` (reporting and
         reading state only: not counted)."""

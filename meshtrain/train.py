@@ -23,6 +23,7 @@ from meshtrain.models import build_model
 from meshtrain.optim import clip_grad_norm_, set_lr
 from meshtrain.parallel import Parallelized, parallelize
 from meshtrain.parallel.pipeline import stages
+from meshtrain.parallel.pipeline import trace as pipeline_trace
 from meshtrain.parallel.tensor import plan_for
 
 
@@ -38,6 +39,7 @@ class RunResult:
     parallel: Parallelized
     data: object
     skipped_steps: list[int] = field(default_factory=list)
+    trace: dict | None = None  # `train --trace`: the pipeline's measured timeline (rank 0)
 
 
 class StepObserver:
@@ -117,9 +119,12 @@ def train_step(p: Parallelized, data, step: int, cfg: Config, *, observer: StepO
 
 
 def train(cfg: Config, comm: Comm, *, observer: StepObserver | None = None, progress: str | None = None,
-          step_log: StepLog | None = None, **dp_options) -> RunResult:
+          step_log: StepLog | None = None, trace: bool = False, **dp_options) -> RunResult:
     mesh, tr = comm.mesh, cfg.train
     data, p = setup(cfg, comm, **dp_options)
+    recorder = pipeline_trace.Recorder(mesh.device) if trace else None
+    if recorder:
+        p.runner.recorder = recorder
     tokens_per_step = tr.batch_size * tokens_per_sample(cfg)
     bar = None
     if progress and mesh.is_main:
@@ -159,7 +164,18 @@ def train(cfg: Config, comm: Comm, *, observer: StepObserver | None = None, prog
         bar.close()
     for axis in ("dp", "tp", "pp"):
         comm_per_step.setdefault(axis, 0)
+    traced = _gather_trace(cfg, comm, p.runner, recorder) if recorder else None
     return RunResult(losses=losses, step_times=times, n_params=p.n_params,
                      model_state=model_state_bytes(p.params, p.optimizer), activation_bytes=meter.peak,
                      activation_bytes_per_layer=probe.bytes,
-                     comm_per_step=comm_per_step, parallel=p, data=data, skipped_steps=skipped)
+                     comm_per_step=comm_per_step, parallel=p, data=data, skipped_steps=skipped, trace=traced)
+
+
+def _gather_trace(cfg: Config, comm: Comm, runner, recorder) -> dict:
+    """Collective over pp: every stage's timeline (and the p2p time) in one object."""
+    lay = cfg.layout
+    recorder.p2p_s = pipeline_trace.measure_p2p(comm, "pp", runner.activation_shape, runner.dtype)
+    stages_steps = comm.all_gather_object(recorder.steps, axis="pp")
+    return {"schedule": lay.schedule, "pp": lay.pp, "microbatches": lay.microbatches, "chunks": lay.chunks,
+            "model": cfg.model.name, "layout": lay.short(), "p2p_s": recorder.p2p_s,
+            "steps": [list(stage_spans) for stage_spans in zip(*stages_steps)]}

@@ -103,6 +103,17 @@ def test_bench_vs_dtensor_tp_smoke(sp):
     assert j["ours_model_state_bytes"]["params"] == j["peer_model_state_bytes"]["params"]
 
 
+@pytest.mark.parametrize("schedule", [["--schedule", "1f1b"], ["--schedule", "interleaved", "--chunks", "2"]])
+def test_bench_vs_torch_pp_smoke(schedule):
+    r = run_cli("bench", "--vs", "torch-pp", *TINY, "--dp", "1", "--pp", "2", "--microbatches", "4", *schedule,
+                "--steps", "2", "--json")
+    assert r.returncode == 0, r.stderr
+    j = last_json(r.stdout)
+    assert j["peer"] == "torch-pp" and j["ratio"] > 0 and j["layout"]["schedule"] == schedule[1]
+    assert j["max_loss_rel_diff"] < 1e-6  # the same stages, data and loss scaling: the same losses
+    assert j["ours_model_state_bytes"]["total"] == j["peer_model_state_bytes"]["total"]
+
+
 def test_two_rank_runs_exit_cleanly_every_time(tmp_path):
     """The gloo exit-time crash of this torch build must never surface: ten runs, ten clean exits."""
     for attempt in range(10):

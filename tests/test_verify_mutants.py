@@ -32,9 +32,13 @@ def mutant_config(**layout) -> Config:
     return c
 
 
-# The layouts the mutants run in: data parallelism, then tensor parallelism with and without SP.
+# The layouts the mutants run in: data parallelism; tensor parallelism with and without SP;
+# pipelines (1F1B, GPipe) and a pipeline with data parallelism.
 LAYOUTS = {"dp": mutant_config(), "tp": mutant_config(dp=1, tp=2, microbatches=1),
-           "tp-sp": mutant_config(dp=1, tp=2, sp=True, microbatches=1)}
+           "tp-sp": mutant_config(dp=1, tp=2, sp=True, microbatches=1),
+           "pp": mutant_config(dp=1, pp=2, microbatches=4), "pp-gpipe": mutant_config(dp=1, pp=2, microbatches=4,
+                                                                                       schedule="gpipe"),
+           "dp-pp": mutant_config(pp=2, microbatches=2)}
 
 
 # ---- the mutants: each returns the patches that break one thing ---------------------------
@@ -140,12 +144,50 @@ def cross_entropy_without_the_max_all_reduce():
     return [mock.patch.object(Comm, "all_reduce", all_reduce)]
 
 
+def microbatches_share_one_receive_buffer():
+    """Pipeline: every message of a kind is received into one buffer, which a later
+    micro-batch overwrites while an earlier one's backward still needs it."""
+    from meshtrain.parallel.pipeline.engine import PP, PipelineRunner
+
+    def receive(self, kind, op, step):
+        shared = self.__dict__.setdefault("mutant_buffers", {})
+        if kind not in shared:
+            shared[kind] = torch.empty(self.activation_shape, dtype=self.dtype)
+        offset, _ = self._peer_offset(op.chunk, step)
+        self.comm.recv(shared[kind], PP, offset, tag=self._tag(kind, op, op.chunk)).wait()
+        return shared[kind]
+    return [mock.patch.object(PipelineRunner, "_receive", receive)]
+
+
+def a_stage_skips_its_data_parallel_sync():
+    """Pipeline with data parallelism: the second stage never all-reduces its gradients."""
+    from meshtrain.comm import _Done
+    from meshtrain.parallel.data import DataParallel
+    real = DataParallel._launch
+    return [mock.patch.object(DataParallel, "_launch",
+                              lambda self, bucket: _Done() if self.comm.mesh.coord("pp") == 1 else real(self, bucket))]
+
+
+def first_microbatch_gradients_dropped():
+    """Pipeline: every stage throws away the weight gradients of micro-batch 0."""
+    from meshtrain.parallel.pipeline.engine import PipelineRunner
+    real = PipelineRunner._Backward
+
+    def backward(self, op):
+        real(self, op)
+        if op.mb == 0:
+            for q in self.stage.model.parameters():
+                q.grad.zero_()
+    return [mock.patch.object(PipelineRunner, "_Backward", backward)]
+
+
 # name -> (the mutant, the layout it runs in)
 MUTANTS = {f.__name__: (f, layout) for f, layout in (
     (local_loss_normalizer, "dp"), (averaged_on_top_of_the_sum, "dp"), (bucket_skipped_on_a_middle_step, "dp"),
     (data_slice_shifted, "dp"), (one_gradient_unsynchronised, "dp"), (microbatches_not_accumulated, "dp"),
     (column_input_gradient_not_reduced, "tp"), (layernorm_gradients_not_reduced_under_sp, "tp-sp"),
-    (cross_entropy_without_the_max_all_reduce, "tp"))}
+    (cross_entropy_without_the_max_all_reduce, "tp"), (microbatches_share_one_receive_buffer, "pp-gpipe"),
+    (a_stage_skips_its_data_parallel_sync, "dp-pp"), (first_microbatch_gradients_dropped, "pp"))}
 # The step at which each mutant first does harm.
 FIRST_BAD_STEP = {name: MIDDLE if name == "bucket_skipped_on_a_middle_step" else 1 for name in MUTANTS}
 
@@ -167,6 +209,8 @@ def _records_of_every_mutant(mesh, layouts):
 def verdicts():
     records = run_ranks(_records_of_every_mutant, 2, ["dp"])[0]
     records.update(run_ranks(_records_of_every_mutant, 2, ["tp", "tp-sp"], tp=2)[0])
+    records.update(run_ranks(_records_of_every_mutant, 2, ["pp", "pp-gpipe"], pp=2)[0])
+    records.update(run_ranks(_records_of_every_mutant, 4, ["dp-pp"], pp=2)[0])
     return {name: verify.compare(rec, verify.run_reference(LAYOUTS[layout], rec))
             for name, (layout, rec) in records.items()}
 

@@ -12,12 +12,13 @@ import time
 
 from meshtrain.bench.ddp import ddp_setup
 from meshtrain.bench.dtensor_tp import dtensor_tp_setup
+from meshtrain.bench.torch_pp import torch_pp_setup
 from meshtrain.comm import Comm
 from meshtrain.config import Config
 from meshtrain.metrics import model_state_bytes
 from meshtrain.train import setup, train_step
 
-PEERS = {"ddp": ddp_setup, "dtensor-tp": dtensor_tp_setup}
+PEERS = {"ddp": ddp_setup, "dtensor-tp": dtensor_tp_setup, "torch-pp": torch_pp_setup}
 WARMUP_STEPS = 2
 
 

@@ -12,11 +12,9 @@ peer is at its best:
   `loss_parallel` cross-entropy.
 
 It is driven by the same step function as ours; DTensor reduces the gradients of the
-parameters it replicates by itself."""
+parameters it replicates by itself (so its synchroniser is an empty `GradSyncs`)."""
 
 from __future__ import annotations
-
-from contextlib import nullcontext
 
 import torch
 import torch.nn.functional as F
@@ -28,7 +26,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
 from meshtrain.comm import Comm
 from meshtrain.config import Config
 from meshtrain.optim import SHARDED_OVER, build_optimizer
-from meshtrain.parallel import Parallelized
+from meshtrain.parallel import GradSyncs, Parallelized
 from meshtrain.parallel.runner import PlainRunner
 from meshtrain.train import build
 
@@ -87,18 +85,5 @@ def dtensor_tp_setup(cfg: Config, comm: Comm) -> Parallelized:
         if any(isinstance(pl, Shard) for pl in getattr(p, "placements", ())):
             setattr(p, SHARDED_OVER, ("tp",))
     optimizer = build_optimizer(list(model.named_parameters()), decay, cfg.train)
-    return Parallelized(model, _loss_parallel_cross_entropy_sum, _NoSync(), optimizer, _LossParallelRunner(), comm,
+    return Parallelized(model, _loss_parallel_cross_entropy_sum, GradSyncs(), optimizer, _LossParallelRunner(), comm,
                         n_params)
-
-
-class _NoSync:
-    """DTensor reduces replicated parameters' gradients inside backward; nothing to add."""
-
-    def no_sync(self):
-        return nullcontext()
-
-    def finish_grad_sync(self) -> None:
-        pass
-
-    def reset(self) -> None:
-        pass

@@ -30,6 +30,7 @@ class PipelineRunner:
                  dtype: torch.dtype):
         self.stage, self.instructions, self.comm = stage, instructions, comm
         self.activation_shape, self.dtype = activation_shape, dtype
+        self.recorder = None  # a trace.Recorder: `train --trace` times every compute instruction
         backwards = [i for i, op in enumerate(instructions) if isinstance(op, (S.Backward, S.BackwardWeight))]
         self._last_backward = backwards[-1] if backwards else -1
 
@@ -39,11 +40,14 @@ class PipelineRunner:
         self._p, self._micro_batch, self._normalizer = p, micro_batch, normalizer
         self._inputs, self._outputs, self._grads, self._sends = {}, {}, {}, []
         self._total = torch.zeros((), device=self.comm.mesh.device)
+        if self.recorder is not None:
+            self.comm.barrier(PP)
+            self.recorder.start_step()
         try:
             for index, op in enumerate(self.instructions):
                 self._free_sent_outputs()
                 sync = index == self._last_backward
-                with nullcontext() if sync else p.grad_sync.no_sync():
+                with nullcontext() if sync else p.grad_sync.no_sync(), self._timing(op):
                     getattr(self, "_" + type(op).__name__)(op)
             for work, _ in self._sends:
                 work.wait()
@@ -51,6 +55,9 @@ class PipelineRunner:
             p.grad_sync.reset()
             raise
         return self._total
+
+    def _timing(self, op):
+        return nullcontext() if self.recorder is None else self.recorder.timing(op)
 
     # ---- transfers ----------------------------------------------------------------------------
 

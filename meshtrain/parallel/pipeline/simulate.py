@@ -27,7 +27,7 @@ class Costs:
     backward_weight: Fraction = Fraction(1)
     transfer: Fraction = Fraction(0)
 
-    def of(self, op: Instruction, chunks: int):
+    def of(self, op: Instruction, chunks: int, stage: int = 0):
         if isinstance(op, Forward):
             t = self.forward
         elif isinstance(op, Backward):
@@ -82,9 +82,10 @@ def _message(stage: int, op: Instruction, stages: int) -> tuple:
     return ("gradient", op.mb, vs)
 
 
-def simulate(lists: list[list[Instruction]], chunks: int = 1, costs: Costs = Costs(),
+def simulate(lists: list[list[Instruction]], chunks: int = 1, costs=Costs(),
              microbatches: int | None = None) -> Simulation:
-    """Execute every stage's list in order; a receive waits for its send's arrival."""
+    """Execute every stage's list in order; a receive waits for its send's arrival. `costs`
+    is a `Costs` or anything with its `of(op, chunks, stage)` and `transfer` (measured ones)."""
     p = len(lists)
     clock = [0] * p
     at = [0] * p  # next instruction of each stage
@@ -106,7 +107,7 @@ def simulate(lists: list[list[Instruction]], chunks: int = 1, costs: Costs = Cos
                         break  # blocked until the send happens
                     clock[s] = max(clock[s], sent.pop(key))
                 elif isinstance(op, COMPUTE):
-                    cost = costs.of(op, chunks)
+                    cost = costs.of(op, chunks, s)
                     spans.append(Span(s, clock[s], clock[s] + cost, op))
                     clock[s] += cost
                 at[s] += 1
