@@ -2,17 +2,9 @@
 # Side-by-side benchmarks against PyTorch's native peers. Each run interleaves ours and the
 # peer step by step in one process tree and reports medians and the ratio (ours / peer).
 # Results land in benchmarks/results/ as the JSON line of `meshtrain bench --json`.
-set -euo pipefail
-cd "$(dirname "$0")/.."
-MESHTRAIN=${MESHTRAIN:-.venv/bin/meshtrain}
-mkdir -p benchmarks/results
+source "$(dirname "$0")/common.sh"
 
-run() {  # name, then bench flags
-  local name=$1; shift
-  echo "== $name: meshtrain bench $*" >&2
-  "$MESHTRAIN" bench "$@" --json | tail -n 1 > "benchmarks/results/$name.json"
-  cat "benchmarks/results/$name.json"
-}
+run() { local name=$1; shift; record "$name" bench "$@"; }  # name, then bench flags
 
 # Data parallelism vs torch DDP (same model, data, world size, 25 MB buckets).
 run ddp-gpt-small-dp2 --vs ddp --model gpt-small --dp 2 --steps 40
@@ -20,3 +12,6 @@ run ddp-mlp-dp4 --vs ddp --model mlp --data digits --dp 4 --batch-size 256 --ste
 # Tensor (and sequence) parallelism vs DTensor's parallelize_module (same GPT, tp group, data).
 run dtensor-tp-gpt-small-tp2 --vs dtensor-tp --model gpt-small --dp 1 --tp 2 --steps 20
 run dtensor-tp-gpt-small-tp2-sp --vs dtensor-tp --model gpt-small --dp 1 --tp 2 --sp --steps 20
+# Pipeline parallelism vs torch.distributed.pipelining (same stages, schedule, micro-batches).
+run torch-pp-gpt-small-pp2-1f1b --vs torch-pp --model gpt-small --dp 1 --pp 2 --microbatches 4 --steps 20
+run torch-pp-gpt-small-pp4-1f1b --vs torch-pp --model gpt-small --dp 1 --pp 4 --microbatches 8 --steps 20

@@ -2,16 +2,9 @@
 # The README's verify table for pipeline layouts on gpt-small (10 steps, batch 8×128): every
 # schedule at pp=2 (m=4) and pp=4 (m=8), and the 3D layouts with 1f1b and interleaved. Each
 # JSON line lands in benchmarks/results/verify-<name>.json.
-set -euo pipefail
-cd "$(dirname "$0")/.."
-MESHTRAIN=${MESHTRAIN:-.venv/bin/meshtrain}
-mkdir -p benchmarks/results
+source "$(dirname "$0")/common.sh"
 
-run() {  # name, then verify flags
-  local name=$1; shift
-  echo "== $name: meshtrain verify $*" >&2
-  "$MESHTRAIN" verify --model gpt-small "$@" --json | tail -n 1 > "benchmarks/results/verify-$name.json"
-}
+run() { local name=$1; shift; record "verify-$name" verify --model gpt-small "$@"; }  # name, then verify flags
 
 for pp_m in "2 4" "4 8"; do
   set -- $pp_m
