@@ -174,8 +174,8 @@ def train(cfg: Config, comm: Comm, *, observer: StepObserver | None = None, prog
 def _gather_trace(cfg: Config, comm: Comm, runner, recorder) -> dict:
     """Collective over pp: every stage's timeline (and the p2p time) in one object."""
     lay = cfg.layout
-    recorder.p2p_s = pipeline_trace.measure_p2p(comm, "pp", runner.activation_shape, runner.dtype)
+    p2p_s = pipeline_trace.measure_p2p(comm, "pp", runner.activation_shape, runner.dtype)
     stages_steps = comm.all_gather_object(recorder.steps, axis="pp")
     return {"schedule": lay.schedule, "pp": lay.pp, "microbatches": lay.microbatches, "chunks": lay.chunks,
-            "model": cfg.model.name, "layout": lay.short(), "p2p_s": recorder.p2p_s,
+            "model": cfg.model.name, "layout": lay.short(), "p2p_s": p2p_s,
             "steps": [list(stage_spans) for stage_spans in zip(*stages_steps)]}

@@ -30,7 +30,6 @@ class Recorder:
     def __init__(self, device: torch.device):
         self._sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
         self.steps: list[list[dict]] = []
-        self.p2p_s: float | None = None
 
     def start_step(self) -> None:
         self._sync()
