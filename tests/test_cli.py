@@ -40,8 +40,11 @@ def test_train_json_outputs_and_generate(tmp_path):
     assert g.stdout.startswith("ROMEO.") and len(g.stdout) > len("ROMEO.")
 
 
-@pytest.mark.parametrize("layout", [["--dp", "2"], ["--dp", "4"], ["--dp", "2", "--microbatches", "4"],
-                                    ["--model", "mlp", "--data", "digits", "--dp", "4", "--batch-size", "32"]])
+@pytest.mark.parametrize("layout", [
+    ["--dp", "2"], ["--dp", "2", "--microbatches", "4"],
+    # 4-rank runs through the command line; test_dp checks both layouts in-process in `make test`
+    pytest.param(["--dp", "4"], marks=pytest.mark.slow),
+    pytest.param(["--model", "mlp", "--data", "digits", "--dp", "4", "--batch-size", "32"], marks=pytest.mark.slow)])
 def test_verify_layouts(layout):
     base = TINY if "mlp" not in layout else ["--device", "cpu"]
     r = run_cli("verify", *base, *layout, "--steps", "5", "--json")
