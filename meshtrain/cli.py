@@ -326,8 +326,11 @@ def _schedule_against_trace(args) -> int:
     try:
         trace = json.loads(Path(args.trace).read_text())
         result = compare(trace)
-    except (OSError, ValueError, KeyError) as e:
-        print(f"meshtrain: error: --trace {args.trace}: not a trace written by `meshtrain train --trace` ({e})",
+    except OSError as e:
+        print(f"meshtrain: error: --trace {args.trace}: cannot read it ({e.strerror or e})", file=sys.stderr)
+        return 2
+    except (ValueError, KeyError, TypeError) as e:
+        print(f"meshtrain: error: --trace {args.trace}: not a trace written by `meshtrain train --trace` ({e!r})",
               file=sys.stderr)
         return 2
     out = sys.stderr if args.json else sys.stdout

@@ -143,6 +143,11 @@ def _bad_inputs(tmp: Path) -> list[tuple[list, str]]:
         (["train", "--model", "gpt-tiny", "--out", tmp / "a-file" / "run"], "--out"),
         (["generate", "--ckpt", tmp, "--top-k", "-1"], "--top-k -1"),
         (["generate", "--ckpt", tmp, "--device", "tpu"], "unknown device"),
+        (["train", "--trace", tmp / "t.json"], "use --pp 2 or more"),
+        (["bench", "--vs", "torch-pp", "--dp", "2"], "use --pp 2 or more, --dp 1 and --tp 1"),
+        (["schedule"], "give --pp and --microbatches"),
+        (["schedule", "--trace", tmp / "no-such.json"], "cannot read it"),
+        (["schedule", "--trace", tmp / "binary.toml"], "not a trace written by `meshtrain train --trace`"),
     ]
     import torch
     if not torch.cuda.is_available():
