@@ -92,33 +92,29 @@ def plan_for(model_name: str) -> TensorPlan:
 
 # ---- the conjugate operators ---------------------------------------------------------------
 
-class _CopyToRegion(torch.autograd.Function):
-    """Identity forward; all-reduce of the gradient over tp backward (Megatron's f)."""
+def _conjugate(name: str, doc: str, forward, backward) -> type:
+    """An autograd function running one tp collective forward and its conjugate on the
+    gradient backward: `forward(x, comm)`, `backward(grad, comm)`."""
 
-    @staticmethod
-    def forward(ctx, x, comm):
+    def run_forward(ctx, x, comm):
         ctx.comm = comm
-        return x.view_as(x)
+        return forward(x, comm)
 
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous()
-        ctx.comm.all_reduce(grad, TP)
-        return grad, None
+    def run_backward(ctx, grad):
+        return backward(grad, ctx.comm), None
+    return type(name, (torch.autograd.Function,),
+                {"__doc__": doc, "forward": staticmethod(run_forward), "backward": staticmethod(run_backward)})
 
 
-class _ReduceFromRegion(torch.autograd.Function):
-    """All-reduce over tp forward; identity backward (Megatron's g)."""
+def _identity(x: torch.Tensor, comm: Comm) -> torch.Tensor:
+    return x.view_as(x)
 
-    @staticmethod
-    def forward(ctx, x, comm):
-        x = x.contiguous()
-        comm.all_reduce(x, TP)
-        return x
 
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
+def _all_reduce(x: torch.Tensor, comm: Comm) -> torch.Tensor:
+    """Sum over tp (in place on a contiguous copy when `x` is not contiguous)."""
+    x = x.contiguous()
+    comm.all_reduce(x, TP)
+    return x
 
 
 def _gather_seq(x: torch.Tensor, comm: Comm) -> torch.Tensor:
@@ -131,30 +127,14 @@ def _reduce_scatter_seq(x: torch.Tensor, comm: Comm) -> torch.Tensor:
     return comm.reduce_scatter_along(x, TP, SEQ_DIM)
 
 
-class _GatherSeq(torch.autograd.Function):
-    """All-gather along the sequence forward; reduce-scatter of the gradient backward."""
-
-    @staticmethod
-    def forward(ctx, x, comm):
-        ctx.comm = comm
-        return _gather_seq(x, comm)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _reduce_scatter_seq(grad, ctx.comm), None
-
-
-class _ReduceScatterSeq(torch.autograd.Function):
-    """Reduce-scatter along the sequence forward; all-gather of the gradient backward."""
-
-    @staticmethod
-    def forward(ctx, x, comm):
-        ctx.comm = comm
-        return _reduce_scatter_seq(x, comm)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _gather_seq(grad, ctx.comm), None
+_CopyToRegion = _conjugate("_CopyToRegion", "Identity forward; all-reduce of the gradient over tp backward "
+                           "(Megatron's f).", _identity, _all_reduce)
+_ReduceFromRegion = _conjugate("_ReduceFromRegion", "All-reduce over tp forward; identity backward (Megatron's g).",
+                               _all_reduce, _identity)
+_GatherSeq = _conjugate("_GatherSeq", "All-gather along the sequence forward; reduce-scatter of the gradient "
+                        "backward.", _gather_seq, _reduce_scatter_seq)
+_ReduceScatterSeq = _conjugate("_ReduceScatterSeq", "Reduce-scatter along the sequence forward; all-gather of "
+                               "the gradient backward.", _reduce_scatter_seq, _gather_seq)
 
 
 def _reduce_output(x: torch.Tensor, comm: Comm, sp: bool) -> torch.Tensor:
