@@ -33,10 +33,7 @@ class _VirtualStage(nn.Module):
 
     def __init__(self, stage: Stage, chunk: int):
         super().__init__()
-        plan, model = stage.plan, stage.model
-        before = [model.get_submodule(n) for n in plan.before] if stage.is_first(chunk) else []
-        after = [model.get_submodule(n) for n in plan.after] if stage.is_last(chunk) else []
-        self.parts = nn.ModuleList(before + [stage.blocks._modules[str(i)] for i in stage.block_ids[chunk]] + after)
+        self.parts = nn.ModuleList(stage.parts(chunk))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for part in self.parts:

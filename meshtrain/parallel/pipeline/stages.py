@@ -83,17 +83,16 @@ class Stage:
     def is_last(self, chunk: int) -> bool:
         return self.virtual(chunk) == self.last_virtual
 
-    def forward(self, chunk: int, x: torch.Tensor) -> torch.Tensor:
-        """Chunk `chunk`'s part of the model: the parts before the blocks on the first virtual
+    def parts(self, chunk: int) -> list[nn.Module]:
+        """What chunk `chunk` runs, in order: the parts before the blocks on the first virtual
         stage, its blocks, the parts after on the last."""
-        if self.is_first(chunk):
-            for name in self.plan.before:
-                x = self.model.get_submodule(name)(x)
-        for i in self.block_ids[chunk]:
-            x = self.blocks._modules[str(i)](x)
-        if self.is_last(chunk):
-            for name in self.plan.after:
-                x = self.model.get_submodule(name)(x)
+        before = [self.model.get_submodule(n) for n in self.plan.before] if self.is_first(chunk) else []
+        after = [self.model.get_submodule(n) for n in self.plan.after] if self.is_last(chunk) else []
+        return before + [self.blocks._modules[str(i)] for i in self.block_ids[chunk]] + after
+
+    def forward(self, chunk: int, x: torch.Tensor) -> torch.Tensor:
+        for part in self.parts(chunk):
+            x = part(x)
         return x
 
 
