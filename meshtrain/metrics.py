@@ -1,6 +1,6 @@
-"""What every rank measures: its model-state bytes (parameters, gradients, optimizer
-states), the peak of its live activation bytes, and its peak RSS; and what rank 0 writes:
-one JSON line per step and the loss curve."""
+"""What every rank measures (its model-state bytes are counted by its holdings, in
+`parallel.state`): the peak of its live activation bytes and its peak RSS; and what rank 0
+writes: one JSON line per step and the loss curve."""
 
 from __future__ import annotations
 
@@ -13,29 +13,6 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
-
-from meshtrain.optim import local_tensor
-
-
-def _tensor_bytes(tensors) -> int:
-    """Bytes of the distinct tensors in `tensors` on this rank: a tensor listed twice counts
-    once, views into one buffer (gradient buckets) count their own extent, a DTensor its
-    local shard (whatever larger storage that shard may be a view of)."""
-    seen = {}
-    for t in tensors:
-        if t is not None:
-            t = local_tensor(t)
-            seen[(t.data_ptr(), t.numel())] = t.numel() * t.element_size()
-    return sum(seen.values())
-
-
-def model_state_bytes(params: list[nn.Parameter], optimizer: torch.optim.Optimizer) -> dict:
-    """Parameters, gradients and optimizer states this rank holds, in bytes."""
-    states = [v for st in optimizer.state.values() for v in st.values()
-              if torch.is_tensor(v) and v.dim() > 0]  # skip Adam's scalar step counters
-    parts = {"params": _tensor_bytes(params), "grads": _tensor_bytes(p.grad for p in params),
-             "optimizer": _tensor_bytes(states)}
-    return {"total": sum(parts.values()), **parts}
 
 
 class ActivationMeter(TorchDispatchMode):

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from meshtrain.comm import METRICS, Comm
 from meshtrain.config import Config, lr_at, tokens_per_sample
 from meshtrain.data.datasets import open_dataset
-from meshtrain.metrics import ActivationMeter, LayerProbe, StepLog, model_state_bytes
+from meshtrain.metrics import ActivationMeter, LayerProbe, StepLog
 from meshtrain.models import build_model
 from meshtrain.optim import clip_grad_norm_, set_lr
 from meshtrain.parallel import Parallelized, parallelize
@@ -108,11 +108,11 @@ def train_step(p: Parallelized, data, step: int, cfg: Config, *, observer: StepO
     p.grad_sync.finish_grad_sync()
     if observer:
         observer.grads_ready(p, step + 1)
-    norm = clip_grad_norm_(p.params, tr.clip, comm)
+    norm = clip_grad_norm_(p.trained, tr.clip, comm)
     stepped = math.isfinite(norm)
     if stepped:
         p.optimizer.step()
-    p.module.zero_grad(set_to_none=False)  # keep gradient buffers (DP buckets) in place
+    p.zero_grad()
     for axis in ("pp", "dp"):  # the loss lives on the last pipeline stage of each data-parallel replica
         comm.all_reduce(total, axis, purpose=METRICS)
     return total.item(), stepped
@@ -166,7 +166,7 @@ def train(cfg: Config, comm: Comm, *, observer: StepObserver | None = None, prog
         comm_per_step.setdefault(axis, 0)
     traced = _gather_trace(cfg, comm, p.runner, recorder) if recorder else None
     return RunResult(losses=losses, step_times=times, n_params=p.n_params,
-                     model_state=model_state_bytes(p.params, p.optimizer), activation_bytes=meter.peak,
+                     model_state=p.model_state_bytes(), activation_bytes=meter.peak,
                      activation_bytes_per_layer=probe.bytes,
                      comm_per_step=comm_per_step, parallel=p, data=data, skipped_steps=skipped, trace=traced)
 

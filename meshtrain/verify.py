@@ -107,23 +107,23 @@ def _check_pieces(p, full: dict[str, torch.Tensor], what: str, step: int,
                   use_grad: bool) -> list[tuple[int, str]]:
     """Collective. Every rank fingerprints its piece of each tensor; rank 0 compares each
     fingerprint with that part of the full tensor and returns what differs."""
-    mine = {}
-    for name, (param, index) in p.local_pieces().items():
-        local = param.grad if use_grad else param
+    mine = []
+    for piece in p.local_pieces():
+        local = piece.grad if use_grad else piece.value
         if local is not None:
-            mine[name] = (index, digest(local))
+            mine.append((piece.name, piece.where, digest(local)))
     every = p.comm.all_gather_object(mine)
     if not p.comm.mesh.is_main:
         return []
     problems, expected = [], {}
     for rank, pieces in enumerate(every):
-        for name, (index, d) in pieces.items():
+        for name, where, d in pieces:
             if name not in full:
                 problems.append((step, f"step {step}: rank {rank} holds {name} ({what}), which the full state lacks"))
                 continue
-            key = (name, repr(index))
+            key = (name, repr(where))
             if key not in expected:
-                expected[key] = digest(full[name] if index is None else full[name][index])
+                expected[key] = digest(where.take(full[name]))
             if d != expected[key]:
                 problems.append((step, f"step {step}: rank {rank}'s {name} ({what}) differs from the full "
                                        f"state (replicas must be bit-identical, shards equal where they live)"))

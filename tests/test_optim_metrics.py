@@ -10,7 +10,7 @@ from meshtrain.comm import Comm
 from meshtrain.config import LayoutConfig, TrainConfig
 from meshtrain.loss import cross_entropy_sum
 from meshtrain.mesh import Mesh
-from meshtrain.metrics import ActivationMeter, model_state_bytes
+from meshtrain.metrics import ActivationMeter
 from meshtrain.models import build_model
 from meshtrain.models.presets import PRESETS
 from meshtrain.optim import SHARDED_OVER, clip_grad_norm_
@@ -113,5 +113,5 @@ def test_model_state_is_16_bytes_per_parameter_in_fp32_adam():
     p.loss_fn(model(torch.randint(0, 256, (1, 8))), torch.randint(0, 256, (1, 8))).backward()
     p.optimizer.step()
     n = sum(q.numel() for q in model.parameters())
-    assert model_state_bytes(p.params, p.optimizer) == {"total": 16 * n, "params": 4 * n, "grads": 4 * n,
-                                                     "optimizer": 8 * n}
+    assert p.model_state_bytes() == {"total": 16 * n, "params": 4 * n, "grads": 4 * n, "master": 0,
+                                     "optimizer": 8 * n, "gathered": 0}

@@ -35,7 +35,7 @@ def test_parallelize_keeps_the_full_names_and_decides_decay_on_full_shapes():
     decayed = {id(q) for g in p.optimizer.param_groups if g["weight_decay"] > 0 for q in g["params"]}
     assert {n for n, q in p.named_parameters() if id(q) in decayed} == {n for n, q in model.named_parameters()
                                                                        if q.dim() >= 2}
-    assert all(q.grad is not None for q in p.params)  # gradients live in buckets from the start
+    assert all(q.grad is not None for q in p.trained)  # gradients live in buckets from the start
 
 
 def test_full_state_round_trip_continues_training_identically():
@@ -67,10 +67,10 @@ def _second_backward_then_a_clean_step(mesh):
         p.loss_fn(p.module(x), y).backward()  # a second backward without no_sync
     except RuntimeError as e:
         message = str(e)
-    grads_after_error = max(q.grad.abs().max().item() for q in p.params)
+    grads_after_error = max(q.grad.abs().max().item() for q in p.trained)
     loss, _ = train_step(p, data, 0, cfg)
     return {"message": message, "grads_after_error": grads_after_error, "loss": loss,
-            "params": torch.cat([q.detach().flatten() for q in p.params])}
+            "params": torch.cat([q.detach().flatten() for q in p.trained])}
 
 
 def test_a_second_backward_before_sync_raises_and_leaves_clean_state():

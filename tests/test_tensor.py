@@ -148,9 +148,9 @@ def test_tensor_parallel_layouts_pass_verify(world, tp, cfgs):
 
 def _measure(mesh, cfg):
     r = train(cfg, Comm(mesh))
-    sharded = sum(p.numel() for p in r.parallel.params if hasattr(p, "meshtrain_shard"))
+    sharded = sum(p.numel() for p in r.parallel.trained if hasattr(p, "meshtrain_shard"))
     return {"comm": r.comm_per_step, "n_params": r.n_params, "model_state": r.model_state, "sharded": sharded,
-            "local": sum(p.numel() for p in r.parallel.params)}
+            "local": sum(p.numel() for p in r.parallel.trained)}
 
 
 @pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])

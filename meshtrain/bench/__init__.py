@@ -15,7 +15,6 @@ from meshtrain.bench.dtensor_tp import dtensor_tp_setup
 from meshtrain.bench.torch_pp import torch_pp_setup
 from meshtrain.comm import Comm
 from meshtrain.config import Config
-from meshtrain.metrics import model_state_bytes
 from meshtrain.train import setup, train_step
 
 PEERS = {"ddp": ddp_setup, "dtensor-tp": dtensor_tp_setup, "torch-pp": torch_pp_setup}
@@ -57,8 +56,8 @@ def run_bench(cfg: Config, comm: Comm, peer: str) -> dict | None:
         "pairwise_ratio_median": statistics.median(a / b for a, b in zip(times["ours"], times["peer"])),
         # both train the same model on the same batches: their losses agree to rounding
         "max_loss_rel_diff": max(abs(a - b) / abs(b) for a, b in zip(losses["ours"], losses["peer"])),
-        "ours_model_state_bytes": model_state_bytes(ours.params, ours.optimizer),
-        "peer_model_state_bytes": model_state_bytes(theirs.params, theirs.optimizer),
+        "ours_model_state_bytes": ours.model_state_bytes(),
+        "peer_model_state_bytes": theirs.model_state_bytes(),
     }
 
 

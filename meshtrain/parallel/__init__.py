@@ -27,8 +27,7 @@ from meshtrain.parallel.pipeline.engine import PipelineRunner
 from meshtrain.parallel.pipeline.schedules import schedule
 from meshtrain.parallel.pipeline.stages import PipelinePlan, Stage
 from meshtrain.parallel.runner import PlainRunner
-from meshtrain.parallel.state import (SHARD, gather_full, load_optimizer_state, optimizer_state,
-                                      shard_index)
+from meshtrain.parallel.state import ParamHoldings, Piece
 from meshtrain.parallel.tensor import TensorParallelSync, TensorPlan, apply_plan, vocab_parallel_cross_entropy_sum
 
 
@@ -60,7 +59,8 @@ class Parallelized:
     """What the training loop drives. `module` is called for forward; `loss_fn(output,
     targets)` gives the summed loss; `grad_sync` makes gradients whole (`no_sync`,
     `finish_grad_sync`, `reset`); `optimizer` was built after sharding; `runner` runs one
-    rank's micro-batches; `n_params` counts the full model. Gradients are scaled by
+    rank's micro-batches; `n_params` counts the full model; `holdings` says what this rank
+    holds of each tensor (its parameters, or ZeRO's flat shards). Gradients are scaled by
     `loss_scale` (a peer that averages over ranks, like torch DDP, needs dp).
 
     The `full_*` methods are collective: every rank calls them, and each returns the
@@ -75,22 +75,34 @@ class Parallelized:
     n_params: int
     loss_scale: float = 1.0
     dropout_keys: DropoutKeys | None = None  # set before each micro-batch when dropout is on
+    holdings: object = None  # ParamHoldings unless a strategy (ZeRO) says otherwise
+
+    def __post_init__(self):
+        if self.holdings is None:
+            self.holdings = ParamHoldings(self.module, self.optimizer, self.comm)
 
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
-        """This rank's parameters under the full model's names (wrappers add no prefix)."""
+        """This rank's module parameters under the full model's names (wrappers add no prefix)."""
         return list(self.module.named_parameters())
 
     @property
-    def params(self) -> list[nn.Parameter]:
-        return [p for _, p in self.named_parameters()]
+    def trained(self) -> list[torch.Tensor]:
+        """The tensors the optimizer steps: the parameters, or ZeRO's pieces of them."""
+        return self.holdings.trained()
+
+    def zero_grad(self) -> None:
+        self.holdings.zero_grad()
+
+    def model_state_bytes(self) -> dict:
+        """Parameters, gradients, master weights, optimizer states (and gathered buffers) held here."""
+        return self.holdings.state_bytes()
 
     def full_state_dict(self) -> dict:
         """{"model": weights by name, "optim": each parameter's optimizer state by name}."""
-        names = {p: n for n, p in self.named_parameters()}
-        model = {n: gather_full(p, getattr(p, SHARD, None), self.comm) for n, p in self.named_parameters()}
+        model = self.holdings.full_model()
         model.update({n: b.detach().to("cpu", copy=True) for n, b in self.module.named_buffers()})
         return {"model": self._union_over_stages(model),
-                "optim": self._union_over_stages(optimizer_state(self.optimizer, names, self.comm))}
+                "optim": self._union_over_stages(self.holdings.full_optimizer())}
 
     def _union_over_stages(self, part: dict) -> dict:
         """Pipeline stages hold different parameters: every stage gets all of them."""
@@ -101,26 +113,19 @@ class Parallelized:
 
     def load_full_state_dict(self, state: dict) -> None:
         """Take weights and optimizer state from a full state (each rank keeps its part)."""
-        params = dict(self.named_parameters())  # this stage's (the state holds every stage's)
+        self.holdings.load(state["model"], state.get("optim", {}))
         with torch.no_grad():
-            for name, p in params.items():
-                index = shard_index(p, self.comm)
-                full = state["model"][name]
-                p.copy_(full[index] if index is not None else full)
             for name, b in self.module.named_buffers():
                 b.copy_(state["model"][name])
-        load_optimizer_state(self.optimizer, params, state.get("optim", {}), self.comm)
 
     def full_grads(self) -> dict[str, torch.Tensor]:
         """Every parameter's gradient at full shape, as synchronised."""
-        return self._union_over_stages({n: gather_full(p.grad, getattr(p, SHARD, None), self.comm)
-                                        for n, p in self.named_parameters() if p.grad is not None})
+        return self._union_over_stages(self.holdings.full_grads())
 
-    def local_pieces(self) -> dict[str, tuple[nn.Parameter, tuple | None]]:
-        """What this rank holds of each tensor: (its local parameter, the index of that piece
-        in the full tensor, None for all of it). Every rank's piece must equal that part of
+    def local_pieces(self) -> list[Piece]:
+        """What this rank holds of each tensor. Every rank's piece must equal that part of
         the full state: replicas bit-identical, shards where they live (checked by verify)."""
-        return {n: (p, shard_index(p, self.comm)) for n, p in self.named_parameters()}
+        return self.holdings.pieces()
 
 
 def parallelize(model: nn.Module, comm: Comm, layout: LayoutConfig, train: TrainConfig, *,

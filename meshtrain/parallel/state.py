@@ -9,12 +9,13 @@ else is whole on every rank. Gathering a full tensor is a collective over that a
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 
 from meshtrain.comm import METRICS, Comm
-from meshtrain.optim import SHARDED_OVER
+from meshtrain.optim import SHARDED_OVER, local_tensor
 
 SHARD = "meshtrain_shard"
 
@@ -89,3 +90,86 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, params: dict[str, nn.
             else:
                 loaded[k] = v.clone() if torch.is_tensor(v) else v
         optimizer.state[p] = loaded
+
+
+@dataclass(frozen=True)
+class Where:
+    """Where a rank's piece sits in the full tensor: `index` selects the part a strategy
+    splits along dims (tensor parallelism; None: all of it), `flat` a range of that part's
+    elements in row-major order (ZeRO's flat shards; None: all of them)."""
+    index: tuple | None = None
+    flat: tuple[int, int] | None = None
+
+    def take(self, full: torch.Tensor) -> torch.Tensor:
+        part = full if self.index is None else full[self.index]
+        return part if self.flat is None else part.reshape(-1)[self.flat[0]:self.flat[1]]
+
+
+@dataclass
+class Piece:
+    """What one rank holds of one named tensor: its values, its synchronised gradient (None:
+    this copy's gradient is not the synchronised one) and where it sits in the full tensor."""
+    name: str
+    value: torch.Tensor
+    grad: torch.Tensor | None
+    where: Where
+
+
+class ParamHoldings:
+    """Each rank holds its model's parameters, whole or split along one dim (`set_shard`), and
+    the optimizer steps them: plain and data parallelism, tensor parallelism, pipeline stages."""
+
+    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, comm: Comm):
+        self.module, self.optimizer, self.comm = module, optimizer, comm
+
+    def trained(self) -> list[nn.Parameter]:
+        """The tensors the optimizer steps (their `.grad` is what clipping scales)."""
+        return list(self.module.parameters())
+
+    def pieces(self) -> list[Piece]:
+        return [Piece(n, p, p.grad, Where(shard_index(p, self.comm))) for n, p in self.module.named_parameters()]
+
+    def full_model(self) -> dict[str, torch.Tensor]:
+        return {n: gather_full(p, getattr(p, SHARD, None), self.comm) for n, p in self.module.named_parameters()}
+
+    def full_grads(self) -> dict[str, torch.Tensor]:
+        return {n: gather_full(p.grad, getattr(p, SHARD, None), self.comm)
+                for n, p in self.module.named_parameters() if p.grad is not None}
+
+    def full_optimizer(self) -> dict[str, dict]:
+        return optimizer_state(self.optimizer, {p: n for n, p in self.module.named_parameters()}, self.comm)
+
+    def load(self, model: dict[str, torch.Tensor], optim: dict[str, dict]) -> None:
+        params = dict(self.module.named_parameters())  # this stage's (the state holds every stage's)
+        with torch.no_grad():
+            for name, p in params.items():
+                p.copy_(Where(shard_index(p, self.comm)).take(model[name]))
+        load_optimizer_state(self.optimizer, params, optim, self.comm)
+
+    def zero_grad(self) -> None:
+        self.module.zero_grad(set_to_none=False)  # keep gradient buffers (DP buckets) in place
+
+    def state_bytes(self) -> dict:
+        return model_state_bytes(list(self.module.parameters()), self.optimizer)
+
+
+def tensor_bytes(tensors) -> int:
+    """Bytes of the distinct tensors in `tensors` on this rank: a tensor listed twice counts
+    once, views into one buffer (gradient buckets) count their own extent, a DTensor its
+    local shard (whatever larger storage that shard may be a view of)."""
+    seen = {}
+    for t in tensors:
+        if t is not None:
+            t = local_tensor(t)
+            seen[(t.data_ptr(), t.numel())] = t.numel() * t.element_size()
+    return sum(seen.values())
+
+
+def model_state_bytes(params, optimizer: torch.optim.Optimizer, *, master: int = 0, gathered: int = 0) -> dict:
+    """Parameters, gradients, fp32 master weights and optimizer states this rank holds, in
+    bytes (and, under ZeRO-3, the peak of full parameters gathered for compute)."""
+    states = [v for st in optimizer.state.values() for v in st.values()
+              if torch.is_tensor(v) and v.dim() > 0]  # skip Adam's scalar step counters
+    parts = {"params": tensor_bytes(params), "grads": tensor_bytes(p.grad for p in params), "master": master,
+             "optimizer": tensor_bytes(states), "gathered": gathered}
+    return {"total": sum(parts.values()), **parts}
