@@ -48,6 +48,7 @@ class LayoutConfig:
     recompute: str = "none"
     precision: str = "fp32"
     bucket_mb: float = 25.0
+    keep_gathered: bool = False  # ZeRO-3: keep each block's parameters gathered from forward to backward
     stage_layers: str = ""  # blocks per virtual stage, e.g. "3,3,2"; empty: as even as possible
 
     def stage_layer_counts(self) -> list[int] | None:
@@ -61,7 +62,8 @@ class LayoutConfig:
         """One-line description for titles and logs."""
         sp = " sp" if self.sp else ""
         pp = f" {self.schedule}" + (f" chunks={self.chunks}" if self.chunks > 1 else "") if self.pp > 1 else ""
-        return f"dp={self.dp} tp={self.tp}{sp} pp={self.pp}{pp} microbatches={self.microbatches} {self.precision}"
+        zero = f" zero={self.zero}" if self.zero else ""
+        return f"dp={self.dp}{zero} tp={self.tp}{sp} pp={self.pp}{pp} microbatches={self.microbatches} {self.precision}"
 
     def summary(self) -> dict:
         """The `layout` object of the JSON contract."""
@@ -115,7 +117,10 @@ FLAGS = [
     ("--dp", "layout", "dp", int, "data-parallel size (default: fill the world; 2 from a shell when tp=pp=1)"),
     ("--tp", "layout", "tp", int, "tensor-parallel size"),
     ("--pp", "layout", "pp", int, "pipeline-parallel size"),
-    ("--zero", "layout", "zero", int, "ZeRO stage 0|1|2|3"),
+    ("--zero", "layout", "zero", int, "ZeRO stage inside the dp group: 0 (plain DP) | 1 (optimizer states "
+     "sharded) | 2 (and gradients) | 3 (and parameters: FSDP, gathered per block)"),
+    ("--keep-gathered", "layout", "keep_gathered", bool, "ZeRO-3: keep each block's parameters gathered from its "
+     "forward to its backward (one all-gather less per block, more memory)"),
     ("--sp", "layout", "sp", bool, "sequence parallelism inside the TP group (needs --tp 2 or more)"),
     ("--schedule", "layout", "schedule", str, "pipeline schedule: " + "|".join(SCHEDULES)),
     ("--chunks", "layout", "chunks", int, "model chunks per pipeline stage (interleaved)"),
@@ -256,6 +261,8 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         raise ConfigError(f"unknown precision '{lay.precision}'; use --precision {' | '.join(PRECISIONS)}")
     if lay.zero not in (0, 1, 2, 3):
         raise ConfigError(f"--zero {lay.zero}: use --zero 0, 1, 2 or 3")
+    if lay.keep_gathered and lay.zero != 3:
+        raise ConfigError("--keep-gathered applies to --zero 3 (the only stage that frees parameters); drop it")
     if world_size is not None and world_size != lay.world_size:
         raise ConfigError(f"the launcher started {world_size} processes but dp×tp×pp = {lay.dp}×{lay.tp}×{lay.pp} "
                           f"= {lay.world_size}; change --dp/--tp/--pp so that their product is {world_size}")
@@ -287,6 +294,8 @@ def warnings(cfg: Config, command: str = "train") -> list[str]:
     if lay.pp > 1 and lay.microbatches < lay.pp:
         found.append(f"--microbatches {lay.microbatches} < --pp {lay.pp}: most stages idle through most of the step "
                      f"(the bubble); use --microbatches {lay.pp} or more")
+    if lay.zero and lay.dp == 1:
+        found.append(f"--zero {lay.zero} with dp=1: there is no data-parallel group to shard over; it runs as --zero 0")
     return found
 
 
@@ -349,8 +358,7 @@ def _validate_pipeline(cfg: Config, spec) -> None:
 
 def _reject_unbuilt(lay: LayoutConfig, tr: TrainConfig) -> None:
     """Strategies that later issues add. Refuse them plainly rather than run something else."""
-    unbuilt = [(lay.zero != 0, "--zero", "ZeRO", "--zero 0"),
-               (lay.recompute != "none", "--recompute", "activation checkpointing", "--recompute none"),
+    unbuilt = [(lay.recompute != "none", "--recompute", "activation checkpointing", "--recompute none"),
                (lay.precision != "fp32", "--precision", "mixed precision", "--precision fp32"),
                (tr.resume, "--resume", "resuming from a checkpoint", "no --resume")]
     for bad, flag, what, fix in unbuilt:

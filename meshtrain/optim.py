@@ -29,8 +29,9 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
 def build_optimizer(named_params: list[tuple[str, nn.Parameter]], decay: set[str],
                     cfg: TrainConfig) -> torch.optim.Optimizer:
     """AdamW; the parameters named in `decay` (matrices, as in GPT-2 and nanoGPT: decided on
-    the full parameters, since a shard's shape says nothing) decay, biases and norms do not."""
-    params = [(n, p) for n, p in named_params if p.requires_grad]
+    the full parameters, since a shard's shape says nothing) decay, biases and norms do not.
+    The tensors are stepped as given: parameters, or ZeRO's pieces of them."""
+    params = named_params
     groups = [{"params": [p for n, p in params if n in decay], "weight_decay": cfg.weight_decay},
               {"params": [p for n, p in params if n not in decay], "weight_decay": 0.0}]
     return torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)

@@ -95,8 +95,8 @@ def data_slice_shifted():
 def one_gradient_unsynchronised():
     """One parameter left out of the gradient buckets: its gradient stays local."""
     import meshtrain.parallel.data as D
-    real = D._make_buckets
-    return [mock.patch.object(D, "_make_buckets", lambda params, cap: real(params[:5] + params[6:], cap))]
+    real = D.split_by_size
+    return [mock.patch.object(D, "split_by_size", lambda params, cap: real(params[:5] + params[6:], cap))]
 
 
 def microbatches_not_accumulated():

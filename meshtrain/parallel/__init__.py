@@ -1,8 +1,8 @@
 """Strategies, applied from outside the model in one fixed order, written once here:
 cut pipeline stages -> tensor-parallel plan -> activation checkpointing -> ZeRO/FSDP or
 data-parallel gradient sync -> the optimizer, built on what comes out.
-This version has tensor (and sequence) parallelism and data parallelism; the other steps
-slot in here as they are built.
+This version has pipeline, tensor (and sequence) and data parallelism, and ZeRO 1-3 in
+place of plain data parallelism; activation checkpointing slots in when it is built.
 
 `parallelize` is the one path from a plain `nn.Module`, a mesh (through its `Comm`) and a
 layout to what a training loop drives, the `Parallelized` object: the CLI's loop and a
@@ -29,6 +29,7 @@ from meshtrain.parallel.pipeline.stages import PipelinePlan, Stage
 from meshtrain.parallel.runner import PlainRunner
 from meshtrain.parallel.state import ParamHoldings, Piece
 from meshtrain.parallel.tensor import TensorParallelSync, TensorPlan, apply_plan, vocab_parallel_cross_entropy_sum
+from meshtrain.parallel.zero import Zero, ZeroHoldings
 
 
 class GradSyncs:
@@ -155,17 +156,27 @@ def parallelize(model: nn.Module, comm: Comm, layout: LayoutConfig, train: Train
         dtype = next(model.parameters()).dtype
         runner = PipelineRunner(stage, lists[comm.mesh.coord("pp")], comm, pipeline.activation_shape(micro_rows, seq),
                                 dtype)
-    syncs = []
+    whole = []  # parameters that sequence parallelism leaves whole: their gradients are summed over tp
     if comm.mesh.size("tp") > 1:
         if plan is None:
             raise ValueError("tensor parallelism needs a plan for this model (module names to styles)")
         whole = apply_plan(model, plan, comm, sp=layout.sp)
         if plan.vocab_parallel_loss:
             loss_fn = vocab_parallel_cross_entropy_sum(comm)
-        if whole:
-            syncs.append(TensorParallelSync(whole, comm))
     # (activation checkpointing goes here)
-    syncs.insert(0, DataParallel(model, comm, axis="dp", bucket_mb=layout.bucket_mb, **dp_options))
+    holdings = None
+    if layout.zero and comm.mesh.size("dp") > 1:  # ZeRO with one dp rank has nothing to shard: plain DP
+        zero = Zero(model, comm, layout.zero, bucket_mb=layout.bucket_mb, reshard_after_forward=not layout.keep_gathered,
+                    blocks=pipeline.blocks if pipeline is not None else None, **dp_options)
+        optimizer = build_optimizer([(name, value) for name, value, _, _ in zero.pieces], decay, train)
+        if layout.zero < 3:
+            optimizer.register_step_post_hook(lambda *_: zero.gather_params())
+        holdings = ZeroHoldings(model, optimizer, comm, zero)
+        syncs = [zero] + ([TensorParallelSync(zero.pieces_of(whole), comm)] if whole else [])
+    else:
+        optimizer = build_optimizer([(n, q) for n, q in model.named_parameters() if q.requires_grad], decay, train)
+        syncs = [DataParallel(model, comm, axis="dp", bucket_mb=layout.bucket_mb, **dp_options)]
+        syncs += [TensorParallelSync(whole, comm)] if whole else []
     grad_sync = syncs[0] if len(syncs) == 1 else GradSyncs(*syncs)
-    optimizer = build_optimizer(list(model.named_parameters()), decay, train)
-    return Parallelized(model, loss_fn, grad_sync, optimizer, runner, comm, n_params, dropout_keys=keys)
+    return Parallelized(model, loss_fn, grad_sync, optimizer, runner, comm, n_params, dropout_keys=keys,
+                        holdings=holdings)

@@ -54,36 +54,16 @@ class DataParallel:
                  on_launch: Callable[[int], None] | None = None):
         self.comm, self.axis, self.on_launch = comm, axis, on_launch
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        self.buckets = _make_buckets([p for _, p in reversed(named)], int(bucket_mb * 2**20))
+        self.buckets = [Bucket(i, group) for i, group in
+                        enumerate(split_by_size([p for _, p in reversed(named)], int(bucket_mb * 2**20)))]
         self._bucket_of = {p: b for b in self.buckets for p in b.params}
-        self._check_replicas_agree(named)
+        check_replicas_agree(comm, axis, named, [b.params for b in self.buckets])
         for b in self.buckets:
             for p in b.params:
                 p.grad = b.views[p]
                 p.register_post_accumulate_grad_hook(self._on_grad_ready)
         self._sync = True
         self._next_launch = 0
-
-    def _check_replicas_agree(self, named) -> None:
-        """One small all-gather: every rank must hold the same bucket layout (or their
-        collectives would not match) and the same initial weights (or they train different models)."""
-        if self.comm.mesh.size(self.axis) == 1:
-            return
-        name_of = {p: n for n, p in named}
-        layout = hashlib.blake2b(repr([[(name_of[p], tuple(p.shape), str(p.dtype)) for p in b.params]
-                                       for b in self.buckets]).encode(), digest_size=7)
-        weights = hashlib.blake2b(digest_size=7)
-        for _, p in named:
-            weights.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-        mine = torch.tensor([int.from_bytes(layout.digest(), "little"), int.from_bytes(weights.digest(), "little")],
-                            dtype=torch.int64, device=self.comm.mesh.device)
-        every = torch.empty(self.comm.mesh.size(self.axis) * 2, dtype=torch.int64, device=mine.device)
-        self.comm.all_gather(every, mine, self.axis, purpose=METRICS)
-        every = every.view(-1, 2).tolist()
-        for what, column in (("bucket layouts (parameter names, shapes or bucket size)", 0),
-                             ("initial weights (build the model from the same seed on every rank)", 1)):
-            if len({row[column] for row in every}) > 1:
-                raise RuntimeError(f"data-parallel ranks disagree on their {what}")
 
     def _on_grad_ready(self, p: nn.Parameter) -> None:
         bucket = self._bucket_of[p]
@@ -149,15 +129,39 @@ class DataParallel:
             self._sync = previous
 
 
-def _make_buckets(params: list[nn.Parameter], cap_bytes: int) -> list[Bucket]:
-    """Greedy split into buckets of about `cap_bytes`, one dtype and device per bucket."""
-    buckets, current, size = [], [], 0
+def check_replicas_agree(comm: Comm, axis: str, named: list[tuple[str, nn.Parameter]],
+                         groups: list[list[nn.Parameter]]) -> None:
+    """One small all-gather: every rank of `axis` must hold the same grouping of parameters
+    into buckets (or their collectives would not match) and the same initial weights (or
+    they train different models)."""
+    if comm.mesh.size(axis) == 1:
+        return
+    name_of = {p: n for n, p in named}
+    layout = hashlib.blake2b(repr([[(name_of[p], tuple(p.shape), str(p.dtype)) for p in g]
+                                   for g in groups]).encode(), digest_size=7)
+    weights = hashlib.blake2b(digest_size=7)
+    for _, p in named:
+        weights.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    mine = torch.tensor([int.from_bytes(layout.digest(), "little"), int.from_bytes(weights.digest(), "little")],
+                        dtype=torch.int64, device=comm.mesh.device)
+    every = torch.empty(comm.mesh.size(axis) * 2, dtype=torch.int64, device=mine.device)
+    comm.all_gather(every, mine, axis, purpose=METRICS)
+    every = every.view(-1, 2).tolist()
+    for what, column in (("bucket layouts (parameter names, shapes or bucket size)", 0),
+                         ("initial weights (build the model from the same seed on every rank)", 1)):
+        if len({row[column] for row in every}) > 1:
+            raise RuntimeError(f"data-parallel ranks disagree on their {what}")
+
+
+def split_by_size(params: list[nn.Parameter], cap_bytes: int) -> list[list[nn.Parameter]]:
+    """Greedy split, in order, into groups of about `cap_bytes`, one dtype and device per group."""
+    groups, current, size = [], [], 0
     for p in params:
         if current and (size >= cap_bytes or p.dtype != current[0].dtype or p.device != current[0].device):
-            buckets.append(Bucket(len(buckets), current))
+            groups.append(current)
             current, size = [], 0
         current.append(p)
         size += p.numel() * p.element_size()
     if current:
-        buckets.append(Bucket(len(buckets), current))
-    return buckets
+        groups.append(current)
+    return groups

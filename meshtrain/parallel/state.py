@@ -26,13 +26,14 @@ def set_shard(p: nn.Parameter, axis: str, dim: int) -> None:
     setattr(p, SHARDED_OVER, (axis,))
 
 
-def shard_index(p: torch.Tensor, comm: Comm) -> tuple | None:
-    """Where `p`'s piece sits in the full tensor (None: it is the whole tensor)."""
+def shard_index(p: torch.Tensor, comm: Comm, shape: torch.Size | None = None) -> tuple | None:
+    """Where `p`'s piece (of `shape`, by default its own) sits in the full tensor (None: it
+    is the whole tensor)."""
     spec = getattr(p, SHARD, None)
     if spec is None:
         return None
     axis, dim = spec
-    n = p.shape[dim]
+    n = (shape or p.shape)[dim]
     return (slice(None),) * dim + (slice(comm.mesh.coord(axis) * n, (comm.mesh.coord(axis) + 1) * n),)
 
 
@@ -165,11 +166,14 @@ def tensor_bytes(tensors) -> int:
     return sum(seen.values())
 
 
-def model_state_bytes(params, optimizer: torch.optim.Optimizer, *, master: int = 0, gathered: int = 0) -> dict:
-    """Parameters, gradients, fp32 master weights and optimizer states this rank holds, in
-    bytes (and, under ZeRO-3, the peak of full parameters gathered for compute)."""
+def model_state_bytes(params, optimizer: torch.optim.Optimizer, *, grads=None, master: int = 0,
+                      gathered: int = 0) -> dict:
+    """Parameters, gradients (by default the parameters' `.grad`), fp32 master weights and
+    optimizer states this rank holds, in bytes (and, under ZeRO-3, the peak of full
+    parameters gathered for compute)."""
     states = [v for st in optimizer.state.values() for v in st.values()
               if torch.is_tensor(v) and v.dim() > 0]  # skip Adam's scalar step counters
-    parts = {"params": tensor_bytes(params), "grads": tensor_bytes(p.grad for p in params), "master": master,
+    grads = [p.grad for p in params] if grads is None else grads
+    parts = {"params": tensor_bytes(params), "grads": tensor_bytes(grads), "master": master,
              "optimizer": tensor_bytes(states), "gathered": gathered}
     return {"total": sum(parts.values()), **parts}

@@ -1,0 +1,487 @@
+"""ZeRO stages 1, 2 and 3 over the data-parallel axis; stage 3 is FSDP's per-block gather
+and free with prefetch.
+
+Parameters are flattened into groups, each one buffer of N·S elements (zero-padded) of which
+dp rank r owns elements [r·S, (r+1)·S): its *shard*. The optimizer steps only the shard, as
+one 1-D piece per parameter it overlaps (AdamW is elementwise, so stepping pieces is
+stepping the whole; matrices and vectors keep their own weight decay). Per stage:
+
+- **1**: every rank keeps the full parameters and a full gradient buffer, as plain DP; the
+  buffer is reduce-scattered (after the last micro-batch) so that only the shard is summed;
+  after the step the shards are all-gathered back into the parameters. 2Ψ of traffic, as DP.
+- **2**: the same, but no full gradient buffer: each group's gradients are reduce-scattered
+  as soon as backward completes them (buckets launched from gradient hooks) and added into
+  the shard's gradient. Every micro-batch's backward does so (as DeepSpeed and FSDP do): m×
+  the reduce-scatter traffic, the memory of the formula.
+- **3**: each rank keeps only its shards. A group per block (units: the children of the
+  model's block list) and one for everything else. A unit's parameters are all-gathered just
+  before its forward (the next unit's gather launched, so it overlaps this one's compute)
+  and freed after it; autograd saves them as markers (`saved_tensors_hooks`), not tensors,
+  so freeing is real; a hook on the unit's output gathers them again before its backward
+  (prefetching the unit before it), and they are freed when their gradients are
+  reduce-scattered. 3Ψ of traffic: two all-gathers and one reduce-scatter.
+
+Gradients are sums (the loss is divided by the global token count), so a reduce-scatter with
+SUM gives each rank its shard of the full-batch gradient. Collectives are issued in the
+order backward completes groups, which is the same on every rank."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from functools import partial
+from typing import Callable, NamedTuple
+
+import torch
+import torch.nn as nn
+from torch.utils._python_dispatch import _disable_current_modes
+
+from meshtrain.comm import METRICS, Comm
+from meshtrain.optim import SHARDED_OVER
+from meshtrain.parallel.data import check_replicas_agree, split_by_size
+from meshtrain.parallel.state import SHARD, Piece, Where, gather_full, model_state_bytes, shard_index
+
+
+def _buffer(numel: int, like: torch.Tensor) -> torch.Tensor:
+    """A communication buffer: allocated outside any dispatch mode, so that the activation
+    meter does not count parameters and gradients in transit as activations."""
+    with _disable_current_modes():
+        return torch.zeros(numel, dtype=like.dtype, device=like.device)
+
+
+class FlatGroup:
+    """Parameters flattened into one buffer of n·S elements, of which this rank owns [lo, hi)."""
+
+    def __init__(self, index: int, label: str, named: list[tuple[str, nn.Parameter]], comm: Comm, axis: str,
+                 keep_full: bool):
+        self.index, self.label = index, label
+        self.names, self.params = [n for n, _ in named], [p for _, p in named]
+        self.shapes = [p.shape for p in self.params]
+        self.offsets, total = [], 0
+        for p in self.params:
+            self.offsets.append(total)
+            total += p.numel()
+        n = comm.mesh.size(axis)
+        self.shard_size = -(-total // n)
+        self.padded = n * self.shard_size
+        self.lo = comm.mesh.coord(axis) * self.shard_size
+        self.hi = self.lo + self.shard_size
+        full = _buffer(self.padded, self.params[0])
+        with torch.no_grad():
+            for p, off in zip(self.params, self.offsets):
+                full[off:off + p.numel()].copy_(p.detach().reshape(-1))
+        # Where each parameter's piece of the shard sits (its tensor-parallel part, then the
+        # flat range of it), decided while the parameters still have their shapes.
+        self.pieces: list[tuple[int, Where, slice]] = []  # (param number, where, range in the shard)
+        for i, (p, off) in enumerate(zip(self.params, self.offsets)):
+            a, b = max(off, self.lo), min(off + p.numel(), self.hi)
+            if a < b:
+                self.pieces.append((i, Where(shard_index(p, comm), (a - off, b - off)), slice(a - self.lo, b - self.lo)))
+        self.full: torch.Tensor | None = None
+        self.work = None  # an all-gather in flight into `full`
+        if keep_full:  # stages 1 and 2: the parameters are views of the full buffer
+            self.shard = full[self.lo:self.hi]
+            self.point_params_at(full)
+        else:
+            self.shard = full[self.lo:self.hi].clone()
+            self.release_params()
+        self.ready: set[nn.Parameter] = set()
+
+    def point_params_at(self, full: torch.Tensor) -> None:
+        self.full = full
+        for p, off, shape in zip(self.params, self.offsets, self.shapes):
+            p.data = full[off:off + shape.numel()].view(shape)
+
+    def release_params(self) -> None:
+        self.full = None
+        for p in self.params:
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+
+    def flat_from(self, tensors: list[torch.Tensor | None]) -> torch.Tensor:
+        """One padded flat buffer of per-parameter tensors (None: zeros)."""
+        flat = _buffer(self.padded, self.shard)
+        for t, off in zip(tensors, self.offsets):
+            if t is not None:
+                flat[off:off + t.numel()].copy_(t.reshape(-1))
+        return flat
+
+    def complete(self) -> bool:
+        return len(self.ready) == len(self.params)
+
+
+class _SavedParam(NamedTuple):
+    """What autograd keeps of a gathered parameter instead of the tensor (ZeRO-3)."""
+    group: FlatGroup
+    size: torch.Size
+    stride: tuple
+    offset: int
+
+
+class Zero:
+    """One ZeRO stage over `axis`: the gradient synchroniser (`no_sync`, `finish_grad_sync`,
+    `reset`), the parameter gathering, and `pieces`, the (name, tensor, where, parameter) the
+    optimizer steps. Stage 3 groups by the children of the block list named `blocks` (any
+    module's: the largest `nn.ModuleList` when None), plus one group for the rest.
+    `on_event(kind, group_index)` hears every "gather" launched and every "forward" done."""
+
+    def __init__(self, model: nn.Module, comm: Comm, stage: int, *, axis: str = "dp", bucket_mb: float = 25.0,
+                 blocks: str | None = None, reshard_after_forward: bool = True,
+                 on_event: Callable[[str, int], None] | None = None):
+        if stage not in (1, 2, 3):
+            raise ValueError(f"ZeRO stage {stage}: use 1, 2 or 3")
+        self.comm, self.stage, self.axis = comm, stage, axis
+        self.reshard_after_forward, self.on_event = reshard_after_forward, on_event
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        name_of = {p: n for n, p in named}
+        if stage < 3:  # groups are gradient buckets, in the order backward fills them
+            grouped = [(f"bucket {i}", g, []) for i, g in
+                       enumerate(split_by_size([p for _, p in reversed(named)], int(bucket_mb * 2**20)))]
+            self.n_units = 0
+        else:
+            grouped, self.n_units = _units(model, named, blocks)
+        check_replicas_agree(comm, axis, named, [g for _, g, _ in grouped])
+        self.groups = [FlatGroup(i, label, [(name_of[p], p) for p in params], comm, axis, keep_full=stage < 3)
+                       for i, (label, params, _) in enumerate(grouped)]
+        self._group_of = {p: g for g in self.groups for p in g.params}
+        self.pieces: list[tuple[str, torch.Tensor, Where, nn.Parameter]] = []
+        for g in self.groups:
+            if stage == 1:  # the full gradient buffer stays (stage 2 removes it)
+                g.grad_full = _buffer(g.padded, g.shard)
+                g.grad_views = {p: g.grad_full[off:off + p.numel()].view_as(p) for p, off in zip(g.params, g.offsets)}
+                for p in g.params:
+                    p.grad = g.grad_views[p]
+                g.grad_shard = g.grad_full[g.lo:g.hi]
+            else:
+                g.grad_shard = _buffer(g.shard_size, g.shard)
+            g.values = []
+            for i, where, span in g.pieces:
+                value = g.shard[span]
+                value.grad = g.grad_shard[span]
+                setattr(value, SHARDED_OVER, (axis, *getattr(g.params[i], SHARDED_OVER, ())))
+                g.values.append(value)
+                self.pieces.append((g.names[i], value, where, g.params[i]))
+            g.reduced = False
+        for p in self._group_of:
+            p.register_post_accumulate_grad_hook(self._on_grad_ready)
+        self._sync, self._pending, self._callback_queued = True, [], False
+        self._by_storage: dict[int, FlatGroup] = {}  # gathered groups, by their buffer's address
+        self._saving: list = []  # saved-tensor hooks entered by units running forward
+        self.live_gathered = self.peak_gathered = 0
+        if stage == 3:
+            for g, (_, _, owners) in zip(self.groups, grouped):
+                self._hook_forward(g, owners)
+
+    def pieces_of(self, params: list[nn.Parameter]) -> list[torch.Tensor]:
+        """The pieces (tensors with `.grad`) of some parameters, in order."""
+        wanted = {id(p) for p in params}
+        return [value for _, value, _, p in self.pieces if id(p) in wanted]
+
+    # ---- gradients ---------------------------------------------------------------------
+
+    def _on_grad_ready(self, p: nn.Parameter) -> None:
+        g = self._group_of[p]
+        if self.stage == 1:
+            view = g.grad_views[p]
+            if p.grad.data_ptr() != view.data_ptr():  # someone reset .grad (zero_grad(set_to_none=True))
+                view.copy_(p.grad)
+                p.grad = view
+            if not self._sync:
+                return
+            if p in g.ready or g.reduced:
+                self.reset()
+                raise RuntimeError("a second backward before finish_grad_sync(): gradients would be summed into a "
+                                   "buffer already being reduced. Run all but the last micro-batch under no_sync(); "
+                                   "the gradients were reset")
+        g.ready.add(p)
+        if g.complete():
+            self._reduce(g)
+            if self.stage > 1 and not self._callback_queued:  # wait for them at the end of this backward
+                self._callback_queued = True
+                torch.autograd.Variable._execution_engine.queue_callback(self._drain)
+
+    def _reduce(self, g: FlatGroup) -> None:
+        """Launch the reduce-scatter of a group's gradients into this rank's shard."""
+        g.ready.clear()
+        g.reduced = True
+        if self.stage == 1:
+            source = g.grad_full
+        else:
+            source = g.flat_from([p.grad for p in g.params])
+            for p in g.params:
+                p.grad = None
+        out = _buffer(g.shard_size, g.shard)
+        self._pending.append((g, self.comm.reduce_scatter(out, source, self.axis, async_op=True), out, source))
+        if self.stage == 3:
+            self._free(g)  # its gradients are out: the full parameters are no longer needed
+
+    def _drain(self) -> None:
+        """Wait for the reduce-scatters in flight and take their results into the shards."""
+        self._callback_queued = False
+        for g, work, out, _ in self._pending:
+            work.wait()
+            if self.stage == 1:
+                g.grad_shard.copy_(out)
+            else:
+                g.grad_shard.add_(out)  # accumulated over micro-batches
+            g.reduced = False
+        self._pending.clear()
+
+    def finish_grad_sync(self) -> None:
+        """Every shard's gradient summed: groups not reduced yet (stage 1, or parameters
+        that got no gradient) are reduced now, in index order; then all are waited for."""
+        for g in self.groups:
+            if (self.stage == 1 and not g.reduced) or (self.stage > 1 and g.ready):
+                self._reduce(g)  # gradients not produced count as zeros
+        self._drain()
+        for g in self.groups:
+            self._free(g)  # stage 3: nothing stays gathered between steps
+
+    def reset(self) -> None:
+        """Start clean after a step that failed half-way."""
+        for _, work, _, _ in self._pending:
+            work.wait()
+        self._pending.clear()
+        self._callback_queued, self._sync = False, True
+        for g in self.groups:
+            g.ready.clear()
+            g.reduced = False
+            (g.grad_full if self.stage == 1 else g.grad_shard).zero_()
+            if self.stage > 1:
+                for p in g.params:
+                    p.grad = None
+            self._free(g)
+        while self._saving:
+            self._saving.pop().__exit__(None, None, None)
+
+    @contextmanager
+    def no_sync(self):
+        """Stage 1 accumulates locally; stages 2 and 3 have no full gradient buffer to
+        accumulate in, so they reduce-scatter every micro-batch anyway."""
+        previous, self._sync = self._sync, self.stage > 1
+        try:
+            yield
+        finally:
+            self._sync = previous
+
+    def zero_grad(self) -> None:
+        for g in self.groups:
+            (g.grad_full if self.stage == 1 else g.grad_shard).zero_()
+
+    # ---- parameters ----------------------------------------------------------------------
+
+    def gather_params(self) -> None:
+        """Stages 1 and 2, after the optimizer step: every rank's updated shard into the full
+        parameters."""
+        launched = []
+        for g in self.groups:
+            shard = g.shard.clone()  # the output contains the input's place: gather from a copy
+            launched.append((self.comm.all_gather(g.full, shard, self.axis, async_op=True), shard))
+        for work, _ in launched:
+            work.wait()
+
+    def _launch_gather(self, g: FlatGroup) -> None:
+        if g.full is not None:
+            return  # gathered, or on its way
+        full = _buffer(g.padded, g.shard)
+        g.work = self.comm.all_gather(full, g.shard, self.axis, async_op=True)
+        g.point_params_at(full)
+        self._by_storage[full.untyped_storage().data_ptr()] = g
+        self.live_gathered += full.numel() * full.element_size()
+        self.peak_gathered = max(self.peak_gathered, self.live_gathered)
+        if self.on_event is not None:
+            self.on_event("gather", g.index)
+
+    def _gather(self, g: FlatGroup) -> None:
+        self._launch_gather(g)
+        if g.work is not None:
+            g.work.wait()
+            g.work = None
+
+    def _free(self, g: FlatGroup) -> None:
+        if g.full is None or self.stage < 3:
+            return
+        if g.work is not None:
+            g.work.wait()
+            g.work = None
+        self._by_storage.pop(g.full.untyped_storage().data_ptr(), None)
+        self.live_gathered -= g.full.numel() * g.full.element_size()
+        g.release_params()
+
+    def _hook_forward(self, g: FlatGroup, owners: list[nn.Module]) -> None:
+        g.owners, g.seen = len(owners), 0
+        for m in owners:
+            m.register_forward_pre_hook(partial(self._before_forward, g))
+            m.register_forward_hook(partial(self._after_forward, g))
+
+    def _is_unit(self, index: int) -> bool:
+        return 0 <= index < self.n_units
+
+    def _before_forward(self, g: FlatGroup, module, args) -> None:
+        self._gather(g)
+        if self._is_unit(g.index + 1):
+            self._launch_gather(self.groups[g.index + 1])  # prefetch: overlaps this unit's forward
+        if torch.is_grad_enabled():
+            hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+            hooks.__enter__()
+            self._saving.append(hooks)
+
+    def _after_forward(self, g: FlatGroup, module, args, output) -> None:
+        if torch.is_grad_enabled():
+            self._saving.pop().__exit__(None, None, None)
+            for t in _tensors(output):
+                if t.requires_grad:
+                    t.register_hook(partial(self._before_backward, g))
+        if self.on_event is not None:
+            self.on_event("forward", g.index)
+        g.seen += 1
+        if g.seen == g.owners:
+            g.seen = 0
+            if self.reshard_after_forward:
+                self._free(g)
+
+    def _before_backward(self, g: FlatGroup, grad) -> None:
+        """A unit's output has its gradient: its backward is next. Gather its parameters
+        again (and launch the gather of the unit before it)."""
+        self._gather_for_backward(g)
+        if self._is_unit(g.index) and self._is_unit(g.index - 1):
+            self._launch_gather(self.groups[g.index - 1])
+
+    def _gather_for_backward(self, g: FlatGroup) -> None:
+        self._gather(g)
+
+    def _pack(self, t: torch.Tensor):
+        try:
+            g = self._by_storage.get(t.untyped_storage().data_ptr())
+        except (RuntimeError, NotImplementedError):  # a tensor without a plain storage
+            return t
+        return t if g is None else _SavedParam(g, t.size(), t.stride(), t.storage_offset())
+
+    def _unpack(self, saved):
+        if not isinstance(saved, _SavedParam):
+            return saved
+        g = saved.group
+        if g.full is None:
+            raise RuntimeError(f"ZeRO-3: the parameters of {g.label} were freed before its backward gathered them; "
+                               "computing on freed memory would give garbage")
+        if g.work is not None:
+            g.work.wait()
+            g.work = None
+        return torch.as_strided(g.full, saved.size, saved.stride, saved.offset)
+
+
+def _tensors(output) -> list[torch.Tensor]:
+    if isinstance(output, torch.Tensor):
+        return [output]
+    if isinstance(output, (list, tuple)):
+        return [t for t in output if isinstance(t, torch.Tensor)]
+    return []
+
+
+def _units(model: nn.Module, named: list[tuple[str, nn.Parameter]], blocks: str | None):
+    """ZeRO-3's groups in forward order: (label, parameters, the modules whose forward uses
+    them): one per child of the block list (the units), then the rest, used by the modules
+    that own them; and the number of units."""
+    if blocks is not None:
+        block_list = model.get_submodule(blocks)
+    else:
+        lists = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.ModuleList)]
+        if not lists:
+            raise ValueError("ZeRO-3 groups parameters by the children of a block list: this model has no "
+                             "nn.ModuleList; name one with `blocks`")
+        blocks, block_list = max(lists, key=lambda nm: sum(p.numel() for p in nm[1].parameters()))
+    trainable = {p for _, p in named}
+    claimed, grouped = set(), []
+    for key, unit in block_list._modules.items():
+        params = [p for p in unit.parameters() if p in trainable and p not in claimed]
+        if params:
+            claimed.update(params)
+            grouped.append((f"{blocks}.{key}" if blocks else key, params, [unit]))
+    rest = [p for _, p in named if p not in claimed]
+    if rest:
+        rest_set = set(rest)
+        owners = [m for m in model.modules() if any(q in rest_set for q in m._parameters.values() if q is not None)]
+        grouped.append(("the parameters outside the blocks", rest, owners))
+    return grouped, len(grouped) - (1 if rest else 0)
+
+
+class ZeroHoldings:
+    """What a rank holds under ZeRO: the pieces of its shards (values, gradients, optimizer
+    states) and, under stages 1 and 2, the full parameters as replicas."""
+
+    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, comm: Comm, zero: Zero):
+        self.module, self.optimizer, self.comm, self.zero = module, optimizer, comm, zero
+
+    def trained(self) -> list[torch.Tensor]:
+        return [value for _, value, _, _ in self.zero.pieces]
+
+    def pieces(self) -> list[Piece]:
+        held = [Piece(name, value, value.grad, where) for name, value, where, _ in self.zero.pieces]
+        if self.zero.stage < 3:  # the full parameters: the same on every dp rank
+            held += [Piece(n, p, None, Where(shard_index(p, self.comm))) for n, p in self.module.named_parameters()]
+        return held
+
+    def _full(self, shard_of: Callable[[FlatGroup], torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Collective: each group's shards gathered over dp (reading state: counted under
+        metrics), cut into parameters, and those gathered over the axes they are split on."""
+        out = {}
+        for g in self.zero.groups:
+            flat = _buffer(g.padded, g.shard)
+            self.comm.all_gather(flat, shard_of(g).contiguous(), self.zero.axis, purpose=METRICS)
+            for name, p, off, shape in zip(g.names, g.params, g.offsets, g.shapes):
+                out[name] = gather_full(flat[off:off + shape.numel()].view(shape), getattr(p, SHARD, None), self.comm)
+        return out
+
+    def full_model(self) -> dict[str, torch.Tensor]:
+        return self._full(lambda g: g.shard)
+
+    def full_grads(self) -> dict[str, torch.Tensor]:
+        return self._full(lambda g: g.grad_shard)
+
+    def full_optimizer(self) -> dict[str, dict]:
+        states = self.optimizer.state
+        if not states:  # before the first step, on every rank alike
+            return {}
+        first = next(iter(states.values()))
+        keys = [k for k, v in first.items() if torch.is_tensor(v) and v.dim() > 0]
+        out = {name: {"step": first["step"].detach().to("cpu", copy=True)} for g in self.zero.groups for name in g.names}
+        for key in keys:
+            full = self._full(lambda g: _shard_of_state(g, states, key))
+            for name, t in full.items():
+                out[name][key] = t
+        return out
+
+    def load(self, model: dict[str, torch.Tensor], optim: dict[str, dict]) -> None:
+        with torch.no_grad():
+            for g in self.zero.groups:
+                local = [Where(shard_index(p, self.comm, shape)).take(model[name])
+                         for name, p, shape in zip(g.names, g.params, g.shapes)]
+                flat = g.flat_from(local)
+                if g.full is not None and self.zero.stage < 3:
+                    g.full.copy_(flat)
+                else:
+                    g.shard.copy_(flat[g.lo:g.hi])
+        for _, value, _, _ in self.zero.pieces:
+            self.optimizer.state.pop(value, None)
+        for name, value, where, _ in self.zero.pieces:
+            entry = optim.get(name)
+            if entry:
+                self.optimizer.state[value] = {
+                    k: (where.take(v).to(value.device, copy=True) if k != "step" and torch.is_tensor(v)
+                        else v.clone() if torch.is_tensor(v) else v) for k, v in entry.items()}
+
+    def zero_grad(self) -> None:
+        self.zero.zero_grad()
+
+    def state_bytes(self) -> dict:
+        z = self.zero
+        held = [g.full if z.stage < 3 else g.shard for g in z.groups]
+        grads = [g.grad_full if z.stage == 1 else g.grad_shard for g in z.groups]
+        return model_state_bytes(held, self.optimizer, grads=grads, gathered=z.peak_gathered)
+
+
+def _shard_of_state(g: FlatGroup, states: dict, key: str) -> torch.Tensor:
+    """One optimizer state (Adam's moment `key`) of a group's shard, from its pieces' states."""
+    shard = _buffer(g.shard_size, g.shard)
+    for (_, _, span), value in zip(g.pieces, g.values):
+        if value in states:
+            shard[span] = states[value][key]
+    return shard
