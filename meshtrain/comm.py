@@ -38,20 +38,27 @@ class _Done:
 class Comm:
     def __init__(self, mesh: Mesh):
         self.mesh = mesh
-        self._sent = defaultdict(float)
+        self._sent = defaultdict(float)  # (axis or purpose, collective) -> bytes
 
-    def _count(self, key: str, nbytes: float) -> None:
-        self._sent[key] += nbytes
+    def _count(self, key: str, kind: str, nbytes: float) -> None:
+        self._sent[key, kind] += nbytes
 
     def totals(self) -> dict[str, float]:
         """Bytes sent so far, by axis (a copy: subtract two of them for a step's traffic)."""
+        out = defaultdict(float)
+        for (key, _), nbytes in self._sent.items():
+            out[key] += nbytes
+        return dict(out)
+
+    def detailed_totals(self) -> dict[tuple[str, str], float]:
+        """Bytes sent so far, by (axis, collective)."""
         return dict(self._sent)
 
-    def _run(self, axis: str, purpose: str | None, nbytes: float, async_op: bool, call):
+    def _run(self, axis: str, kind: str, purpose: str | None, nbytes: float, async_op: bool, call):
         """Count, then issue `call(group)`; a group of one does nothing."""
         if self.mesh.size(axis) == 1:
             return _Done() if async_op else None
-        self._count(purpose or axis, nbytes)
+        self._count(purpose or axis, kind, nbytes)
         work = call(self.mesh.group(axis))
         return work if async_op else None
 
@@ -59,7 +66,7 @@ class Comm:
                    purpose: str | None = None):
         """Sum (or `op`) `tensor` in place over the ranks of `axis`."""
         n = self.mesh.size(axis)
-        return self._run(axis, purpose, 2 * (n - 1) / n * _nbytes(tensor), async_op,
+        return self._run(axis, "all_reduce", purpose, 2 * (n - 1) / n * _nbytes(tensor), async_op,
                          lambda g: dist.all_reduce(tensor, op=op, group=g, async_op=async_op))
 
     def all_gather(self, output: torch.Tensor, shard: torch.Tensor, axis: str, *, async_op: bool = False,
@@ -68,7 +75,7 @@ class Comm:
         n = self.mesh.size(axis)
         if n == 1:
             output.copy_(shard)
-        return self._run(axis, purpose, (n - 1) / n * _nbytes(output), async_op,
+        return self._run(axis, "all_gather", purpose, (n - 1) / n * _nbytes(output), async_op,
                          lambda g: _all_gather_tensor(output, shard, group=g, async_op=async_op))
 
     def reduce_scatter(self, output: torch.Tensor, tensor: torch.Tensor, axis: str, *, op=dist.ReduceOp.SUM,
@@ -77,7 +84,7 @@ class Comm:
         n = self.mesh.size(axis)
         if n == 1:
             output.copy_(tensor)
-        return self._run(axis, purpose, (n - 1) / n * _nbytes(tensor), async_op,
+        return self._run(axis, "reduce_scatter", purpose, (n - 1) / n * _nbytes(tensor), async_op,
                          lambda g: _reduce_scatter_tensor(output, tensor, op=op, group=g, async_op=async_op))
 
     def gather_along(self, x: torch.Tensor, axis: str, dim: int, *, purpose: str | None = None) -> torch.Tensor:
@@ -98,14 +105,14 @@ class Comm:
                   purpose: str | None = None):
         """Every rank of `axis` receives the tensor of the rank at coordinate `src_coord`."""
         n = self.mesh.size(axis)
-        return self._run(axis, purpose, (n - 1) / n * _nbytes(tensor), async_op,
+        return self._run(axis, "broadcast", purpose, (n - 1) / n * _nbytes(tensor), async_op,
                          lambda g: dist.broadcast(tensor, group=g, async_op=async_op,
                                                   src=self.mesh.rank_at(axis, src_coord)))
 
     def send(self, tensor: torch.Tensor, axis: str, offset: int, *, tag: int = 0, purpose: str | None = None):
         """Send to the neighbour `offset` steps along `axis` (asynchronous: returns the handle)."""
         peer = self._peer(axis, offset)
-        self._count(purpose or axis, _nbytes(tensor))
+        self._count(purpose or axis, "send", _nbytes(tensor))
         return dist.isend(tensor.contiguous(), peer, tag=tag)
 
     def recv(self, tensor: torch.Tensor, axis: str, offset: int, *, tag: int = 0):

@@ -64,6 +64,7 @@ def summary_json(cfg: Config, result: RunResult, per_rank: list[dict], device: t
         "activation_bytes_per_layer_per_rank": [r["activation_bytes_per_layer"] for r in per_rank],
         "peak_rss_mib_per_rank": [r["peak_rss_mib"] for r in per_rank],
         "comm_bytes_per_step": result.comm_per_step,
+        "comm_bytes_detail": result.comm_detail_per_step,  # each axis by collective
         "skipped_steps": result.skipped_steps,
         "device": device_name(device),
         "model_flops_per_step": flops,

@@ -40,6 +40,7 @@ class RunResult:
     data: object
     skipped_steps: list[int] = field(default_factory=list)
     trace: dict | None = None  # `train --trace`: the pipeline's measured timeline (rank 0)
+    comm_detail_per_step: dict[str, dict[str, int]] = field(default_factory=dict)  # axis -> collective -> bytes
 
 
 class StepObserver:
@@ -133,18 +134,19 @@ def train(cfg: Config, comm: Comm, *, observer: StepObserver | None = None, prog
 
     meter = ActivationMeter()
     probe = LayerProbe(p.module, meter)
-    losses, times, comm_per_step, skipped = [], [], {}, []
+    losses, times, comm_per_step, comm_detail, skipped = [], [], {}, {}, []
     for step in range(tr.steps):
         if observer:
             observer.before_step(p, step + 1)
-        sent_before = comm.totals()
+        sent_before = comm.detailed_totals()
         t0 = time.perf_counter()
         # The activation peak is measured on the first step (the meter costs Python time per op).
         loss, stepped = train_step(p, data, step, cfg, observer=observer, meter=meter if step == 0 else None)
         if step == 0:
             probe.close()
         dt = time.perf_counter() - t0
-        comm_per_step = {k: round(v - sent_before.get(k, 0.0)) for k, v in comm.totals().items()}
+        comm_detail = _per_axis({k: v - sent_before.get(k, 0.0) for k, v in comm.detailed_totals().items()})
+        comm_per_step = {axis: sum(kinds.values()) for axis, kinds in comm_detail.items()}
         losses.append(loss)
         times.append(dt)
         if not stepped:
@@ -164,11 +166,22 @@ def train(cfg: Config, comm: Comm, *, observer: StepObserver | None = None, prog
         bar.close()
     for axis in ("dp", "tp", "pp"):
         comm_per_step.setdefault(axis, 0)
+        comm_detail.setdefault(axis, {})
     traced = _gather_trace(cfg, comm, p.runner, recorder) if recorder else None
     return RunResult(losses=losses, step_times=times, n_params=p.n_params,
                      model_state=p.model_state_bytes(), activation_bytes=meter.peak,
                      activation_bytes_per_layer=probe.bytes,
-                     comm_per_step=comm_per_step, parallel=p, data=data, skipped_steps=skipped, trace=traced)
+                     comm_per_step=comm_per_step, parallel=p, data=data, skipped_steps=skipped, trace=traced,
+                     comm_detail_per_step=comm_detail)
+
+
+def _per_axis(sent: dict[tuple[str, str], float]) -> dict[str, dict[str, int]]:
+    """{(axis, collective): bytes} as {axis: {collective: bytes}}, rounded, zeros left out."""
+    out: dict[str, dict[str, int]] = {}
+    for (axis, kind), nbytes in sorted(sent.items()):
+        if round(nbytes):
+            out.setdefault(axis, {})[kind] = round(nbytes)
+    return out
 
 
 def _gather_trace(cfg: Config, comm: Comm, runner, recorder) -> dict:
