@@ -7,6 +7,7 @@ Later strategies add their own mutants to MUTANTS."""
 
 import re
 from contextlib import ExitStack, contextmanager
+from types import SimpleNamespace
 from unittest import mock
 
 import pytest
@@ -33,12 +34,13 @@ def mutant_config(**layout) -> Config:
 
 
 # The layouts the mutants run in: data parallelism; tensor parallelism with and without SP;
-# pipelines (1F1B, GPipe) and a pipeline with data parallelism.
+# pipelines (1F1B, GPipe) and a pipeline with data parallelism; ZeRO stages 1 and 3.
 LAYOUTS = {"dp": mutant_config(), "tp": mutant_config(dp=1, tp=2, microbatches=1),
            "tp-sp": mutant_config(dp=1, tp=2, sp=True, microbatches=1),
            "pp": mutant_config(dp=1, pp=2, microbatches=4), "pp-gpipe": mutant_config(dp=1, pp=2, microbatches=4,
                                                                                        schedule="gpipe"),
-           "dp-pp": mutant_config(pp=2, microbatches=2)}
+           "dp-pp": mutant_config(pp=2, microbatches=2), "zero1": mutant_config(zero=1),
+           "zero3": mutant_config(zero=3)}
 
 
 # ---- the mutants: each returns the patches that break one thing ---------------------------
@@ -181,13 +183,45 @@ def first_microbatch_gradients_dropped():
     return [mock.patch.object(PipelineRunner, "_Backward", backward)]
 
 
+def a_rank_updates_another_ranks_partition():
+    """ZeRO: every rank takes the next rank's partition for its own and steps it with the
+    gradients the reduce-scatter gave it (those of its own partition)."""
+    from meshtrain.parallel.zero import FlatGroup
+    real = FlatGroup.__init__
+
+    def init(self, index, label, named, comm, axis, keep_full):
+        mesh = comm.mesh
+
+        class Shifted:  # the mesh, every dp coordinate one further along
+            def __getattr__(_, name):
+                return getattr(mesh, name)
+
+            def coord(_, a):
+                return (mesh.coord(a) + 1) % mesh.size(a) if a == axis else mesh.coord(a)
+
+        real(self, index, label, named, SimpleNamespace(mesh=Shifted()), axis, keep_full)
+    return [mock.patch.object(FlatGroup, "__init__", init)]
+
+
+def reduce_scatter_without_the_sum():
+    """ZeRO: gradients scattered without the sum: each rank keeps its own part of its own
+    gradients, not the sum of every rank's."""
+    from meshtrain.comm import Comm, _Done
+
+    def scatter(self, output, tensor, axis, *, async_op=False, **_):
+        output.copy_(tensor.view(self.mesh.size(axis), -1)[self.mesh.coord(axis)])
+        return _Done() if async_op else None
+    return [mock.patch.object(Comm, "reduce_scatter", scatter)]
+
+
 # name -> (the mutant, the layout it runs in)
 MUTANTS = {f.__name__: (f, layout) for f, layout in (
     (local_loss_normalizer, "dp"), (averaged_on_top_of_the_sum, "dp"), (bucket_skipped_on_a_middle_step, "dp"),
     (data_slice_shifted, "dp"), (one_gradient_unsynchronised, "dp"), (microbatches_not_accumulated, "dp"),
     (column_input_gradient_not_reduced, "tp"), (layernorm_gradients_not_reduced_under_sp, "tp-sp"),
     (cross_entropy_without_the_max_all_reduce, "tp"), (microbatches_share_one_receive_buffer, "pp-gpipe"),
-    (a_stage_skips_its_data_parallel_sync, "dp-pp"), (first_microbatch_gradients_dropped, "pp"))}
+    (a_stage_skips_its_data_parallel_sync, "dp-pp"), (first_microbatch_gradients_dropped, "pp"),
+    (a_rank_updates_another_ranks_partition, "zero1"), (reduce_scatter_without_the_sum, "zero3"))}
 # The step at which each mutant first does harm.
 FIRST_BAD_STEP = {name: MIDDLE if name == "bucket_skipped_on_a_middle_step" else 1 for name in MUTANTS}
 
@@ -207,7 +241,7 @@ def _records_of_every_mutant(mesh, layouts):
 
 @pytest.fixture(scope="module")
 def verdicts():
-    records = run_ranks(_records_of_every_mutant, 2, ["dp"])[0]
+    records = run_ranks(_records_of_every_mutant, 2, ["dp", "zero1", "zero3"])[0]
     records.update(run_ranks(_records_of_every_mutant, 2, ["tp", "tp-sp"], tp=2)[0])
     records.update(run_ranks(_records_of_every_mutant, 2, ["pp", "pp-gpipe"], pp=2)[0])
     records.update(run_ranks(_records_of_every_mutant, 4, ["dp-pp"], pp=2)[0])
@@ -235,6 +269,24 @@ def test_verify_fails_on_the_mutant_naming_step_and_tensor(verdicts, name):
 def test_unsynchronised_gradient_is_caught_on_the_rank_that_holds_it(verdicts):
     """Replicas that should be bit-identical are checked on every rank, not only rank 0."""
     assert any("rank 1's" in f for f in verdicts["one_gradient_unsynchronised"]["failures"])
+
+
+def _stage_3_without_the_backward_gather(mesh):
+    from meshtrain.parallel.zero import Zero
+    with mock.patch.object(Zero, "_gather_for_backward", lambda self, group: None):
+        try:
+            verify.record(LAYOUTS["zero3"], Comm(mesh), "mutant")
+        except RuntimeError as e:
+            return str(e)
+    return None
+
+
+def test_a_block_freed_before_its_backward_gathers_it_stops_with_a_clear_error():
+    """ZeRO-3 with the gather before each block's backward left out: autograd's saved
+    parameters are markers of freed memory, and unpacking one raises rather than computing
+    on garbage."""
+    for message in run_ranks(_stage_3_without_the_backward_gather, 2):
+        assert message is not None and "were freed before its backward gathered them" in message, message
 
 
 def _long_run(mesh, cfg):
