@@ -15,3 +15,6 @@ run dtensor-tp-gpt-small-tp2-sp --vs dtensor-tp --model gpt-small --dp 1 --tp 2 
 # Pipeline parallelism vs torch.distributed.pipelining (same stages, schedule, micro-batches).
 run torch-pp-gpt-small-pp2-1f1b --vs torch-pp --model gpt-small --dp 1 --pp 2 --microbatches 4 --steps 20
 run torch-pp-gpt-small-pp4-1f1b --vs torch-pp --model gpt-small --dp 1 --pp 4 --microbatches 8 --steps 20
+# ZeRO-1 vs ZeroRedundancyOptimizer + DDP, ZeRO-3 vs FSDP2's fully_shard per block.
+run zero1-gpt-small-dp2 --vs zero1 --zero 1 --model gpt-small --dp 2 --steps 20
+run fsdp2-gpt-small-dp2 --vs fsdp2 --zero 3 --model gpt-small --dp 2 --steps 20

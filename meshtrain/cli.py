@@ -20,7 +20,7 @@ from pathlib import Path
 from meshtrain import config as C
 from meshtrain import launch
 
-BENCH_PEERS = ("ddp", "dtensor-tp", "torch-pp")  # meshtrain.bench.PEERS, named here so a bad --vs fails without torch
+BENCH_PEERS = ("ddp", "zero1", "fsdp2", "dtensor-tp", "torch-pp")  # meshtrain.bench.PEERS, named here so a bad --vs fails without torch
 COMMAND_STEPS = {"verify": 10, "bench": 20}  # their default --steps, unless TOML or a flag says
 LAYOUT_DUMP = "layout.pt"
 
@@ -108,8 +108,12 @@ def _check_command(cfg: C.Config, args) -> None:
         if args.vs not in BENCH_PEERS:
             raise C.ConfigError(f"unknown peer '{args.vs}'; use --vs {' | '.join(BENCH_PEERS)}")
         lay = cfg.layout
-        if args.vs == "ddp" and (lay.dp < 2 or lay.tp > 1):
-            raise C.ConfigError("bench --vs ddp compares data parallelism alone; use --dp 2 or more and --tp 1")
+        if args.vs == "ddp" and (lay.dp < 2 or lay.tp > 1 or lay.zero):
+            raise C.ConfigError("bench --vs ddp compares data parallelism alone; use --dp 2 or more, --tp 1 and --zero 0")
+        for peer, stage in (("zero1", 1), ("fsdp2", 3)):
+            if args.vs == peer and (lay.dp < 2 or lay.tp > 1 or lay.pp > 1 or lay.zero != stage):
+                raise C.ConfigError(f"bench --vs {peer} compares ZeRO-{stage} alone; use --zero {stage}, --dp 2 or more, "
+                                    "--tp 1 and --pp 1")
         if args.vs == "dtensor-tp" and (lay.tp < 2 or lay.dp > 1 or cfg.model.name == "mlp" or cfg.model.dropout):
             raise C.ConfigError("bench --vs dtensor-tp compares tensor parallelism of a GPT alone, without dropout; "
                                 "use --tp 2 or more, --dp 1 and --dropout 0")

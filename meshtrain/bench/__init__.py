@@ -12,12 +12,15 @@ import time
 
 from meshtrain.bench.ddp import ddp_setup
 from meshtrain.bench.dtensor_tp import dtensor_tp_setup
+from meshtrain.bench.fsdp2 import fsdp2_setup
 from meshtrain.bench.torch_pp import torch_pp_setup
+from meshtrain.bench.zero1 import zero1_setup
 from meshtrain.comm import Comm
 from meshtrain.config import Config
 from meshtrain.train import setup, train_step
 
-PEERS = {"ddp": ddp_setup, "dtensor-tp": dtensor_tp_setup, "torch-pp": torch_pp_setup}
+PEERS = {"ddp": ddp_setup, "zero1": zero1_setup, "fsdp2": fsdp2_setup, "dtensor-tp": dtensor_tp_setup,
+         "torch-pp": torch_pp_setup}
 WARMUP_STEPS = 2
 
 
@@ -42,6 +45,7 @@ def run_bench(cfg: Config, comm: Comm, peer: str) -> dict | None:
             bar.update()
     if bar is not None:
         bar.close()
+    ours_state, peer_state = ours.model_state_bytes(), theirs.model_state_bytes()
     if not comm.mesh.is_main:
         return None
     ours_median, peer_median = statistics.median(times["ours"]), statistics.median(times["peer"])
@@ -56,9 +60,16 @@ def run_bench(cfg: Config, comm: Comm, peer: str) -> dict | None:
         "pairwise_ratio_median": statistics.median(a / b for a, b in zip(times["ours"], times["peer"])),
         # both train the same model on the same batches: their losses agree to rounding
         "max_loss_rel_diff": max(abs(a - b) / abs(b) for a, b in zip(losses["ours"], losses["peer"])),
-        "ours_model_state_bytes": ours.model_state_bytes(),
-        "peer_model_state_bytes": theirs.model_state_bytes(),
+        "ours_model_state_bytes": ours_state,
+        "peer_model_state_bytes": peer_state,
+        # what each rank keeps between steps (ZeRO-3's gathered blocks, which FSDP2 also
+        # gathers and frees, are reported by ours but cannot be read from FSDP2 on a CPU)
+        "model_state_ratio": _kept(ours_state) / _kept(peer_state),
     }
+
+
+def _kept(state: dict) -> int:
+    return state["total"] - state.get("gathered", 0)
 
 
 def report(cfg: Config, result: dict, json_mode: bool) -> int:
@@ -67,8 +78,8 @@ def report(cfg: Config, result: dict, json_mode: bool) -> int:
     print(f"{cfg.model.name}, {cfg.layout.world_size} ranks, {cfg.train.steps} interleaved steps: "
           f"ours {result['ours_step_time_median_s'] * 1e3:.1f} ms, {peer} {result['peer_step_time_median_s'] * 1e3:.1f} ms, "
           f"ratio {result['ratio']:.3f} (pairwise median {result['pairwise_ratio_median']:.3f}); model-state "
-          f"bytes/rank ours {result['ours_model_state_bytes']['total']:,}, {peer} "
-          f"{result['peer_model_state_bytes']['total']:,}", file=out)
+          f"bytes/rank kept between steps ours {_kept(result['ours_model_state_bytes']):,}, {peer} "
+          f"{_kept(result['peer_model_state_bytes']):,} (ratio {result['model_state_ratio']:.3f})", file=out)
     if json_mode:
         print(json.dumps(result), flush=True)
     return 0

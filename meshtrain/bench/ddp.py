@@ -14,7 +14,7 @@ from meshtrain.parallel.runner import PlainRunner
 from meshtrain.train import build
 
 
-class _DDPSync:
+class DDPSync:
     """DDP syncs inside backward; the step needs only its no_sync."""
 
     def __init__(self, ddp: DistributedDataParallel):
@@ -40,5 +40,5 @@ def ddp_setup(cfg: Config, comm: Comm) -> Parallelized:
     optimizer = build_optimizer(list(model.named_parameters()), decay, cfg.train)
     # DDP averages gradients over ranks; our loss is already divided by the global token
     # count, so scale it by dp to get the same gradient.
-    return Parallelized(ddp, cross_entropy_sum, _DDPSync(ddp), optimizer, PlainRunner(), comm,
+    return Parallelized(ddp, cross_entropy_sum, DDPSync(ddp), optimizer, PlainRunner(), comm,
                         n_params=sum(p.numel() for p in model.parameters()), loss_scale=mesh.size("dp"))
