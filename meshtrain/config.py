@@ -359,7 +359,6 @@ def _validate_pipeline(cfg: Config, spec) -> None:
 def _reject_unbuilt(lay: LayoutConfig, tr: TrainConfig) -> None:
     """Strategies that later issues add. Refuse them plainly rather than run something else."""
     unbuilt = [(lay.recompute != "none", "--recompute", "activation checkpointing", "--recompute none"),
-               (lay.precision != "fp32", "--precision", "mixed precision", "--precision fp32"),
                (tr.resume, "--resume", "resuming from a checkpoint", "no --resume")]
     for bad, flag, what, fix in unbuilt:
         if bad:

@@ -102,7 +102,8 @@ def train_step(p: Parallelized, data, step: int, cfg: Config, *, observer: StepO
         rows = micro_batch_rows(cfg, mesh.coord("dp"), mesh.size("dp"), i)
         if p.dropout_keys is not None:
             p.dropout_keys.use(step, rows)
-        return tuple(t.to(mesh.device) for t in data.batch(step, tr.batch_size, rows))
+        return tuple(t.to(mesh.device, dtype=p.compute_dtype) if t.is_floating_point() else t.to(mesh.device)
+                     for t in data.batch(step, tr.batch_size, rows))
 
     with meter if meter is not None else nullcontext():
         total = p.runner.run(p, micro_batch, cfg.layout.microbatches, loss_terms_per_step(cfg))

@@ -57,6 +57,10 @@ GRAD_TOLERANCE = 1e-5
 GRAD_FLOOR = 1e-2
 UPDATE_TOLERANCE = 1e-3
 STEP_LOSS_TOLERANCE = 1e-5
+# Mixed precision (bf16 compute) cannot match fp32 in lockstep: its loss curve is compared
+# with the fp32 one-process run's, step by step, and must stay within this relative
+# difference (the issue's 2 %; README, "Mixed precision", has what layouts measure).
+CURVE_TOLERANCE = 0.02
 # Trajectory drift that is reported, not failed: two correct runs part by rounding under Adam
 # (gpt-small, dp=2, 100 steps: weights 0.25 apart in the worst tensor, losses 3e-3).
 DRIFT_TOLERANCE = 1e-3
@@ -65,6 +69,11 @@ DRIFT_TOLERANCE = 1e-3
 def lockstep_steps(steps: int) -> list[int]:
     """The sampled steps (1-based): the first, one in the middle, the last."""
     return sorted({1, (steps + 1) // 2, steps})
+
+
+def curve_only(cfg: Config) -> bool:
+    """Low-precision compute is judged by its loss curve, not in lockstep."""
+    return cfg.layout.precision != "fp32"
 
 
 def reference_config(cfg: Config) -> Config:
@@ -133,11 +142,12 @@ def _check_pieces(p, full: dict[str, torch.Tensor], what: str, step: int,
 def record(cfg: Config, comm: Comm, label: str) -> dict | None:
     """Run the layout (every rank calls this); rank 0 returns its losses and, per sampled
     step, the full state before, the gradients, the weights after, and the problems found."""
-    recorder = _LayoutRecorder(lockstep_steps(cfg.train.steps), comm.mesh.is_main)
+    recorder = _LayoutRecorder([] if curve_only(cfg) else lockstep_steps(cfg.train.steps), comm.mesh.is_main)
     result = train(cfg, comm, observer=recorder, progress=label)
     if not comm.mesh.is_main:
         return None
-    return {"losses": result.losses, "steps": recorder.records, "problems": recorder.problems}
+    return {"losses": result.losses, "steps": recorder.records, "problems": recorder.problems,
+            "curve_only": curve_only(cfg)}
 
 
 class _TrajectoryRecorder(StepObserver):
@@ -241,8 +251,12 @@ def compare(layout: dict, reference: dict) -> dict:
         for name, ref_t in reference["trajectory"].get(step, {}).items():
             if name in lay["post"] and lay["post"][name].shape == ref_t.shape:
                 note("param", _rel(lay["post"][name], ref_t), step, f"{name} after step {step}", None)
-    failures = [text for _, text in sorted(failures, key=lambda f: f[0])]  # by step; stable within one
     loss_diffs = [_rel_scalar(a, b) for a, b in zip(layout["losses"], reference["losses"])]
+    if layout.get("curve_only"):
+        failures += [(i + 1, f"step {i + 1}: loss {layout['losses'][i]:.6f} vs fp32 {reference['losses'][i]:.6f}: "
+                             f"relative difference {d:.2e} > {CURVE_TOLERANCE:g}")
+                     for i, d in enumerate(loss_diffs) if d > CURVE_TOLERANCE]
+    failures = [text for _, text in sorted(failures, key=lambda f: f[0])]  # by step; stable within one
     return {
         "lockstep_steps": sorted(reference["steps"]),
         "max_grad_rel_diff": worst["grad"][0], "worst_grad": worst["grad"][1],
@@ -252,7 +266,8 @@ def compare(layout: dict, reference: dict) -> dict:
         "max_loss_rel_diff": max(loss_diffs), "max_param_rel_diff": worst["param"][0], "worst_param": worst["param"][1],
         "drifted": max(loss_diffs) > DRIFT_TOLERANCE or worst["param"][0] > DRIFT_TOLERANCE,
         "tolerances": {"grad": GRAD_TOLERANCE, "grad_floor": GRAD_FLOOR, "update": UPDATE_TOLERANCE, "step_loss": STEP_LOSS_TOLERANCE,
-                       "drift": DRIFT_TOLERANCE},
+                       "drift": DRIFT_TOLERANCE, "curve": CURVE_TOLERANCE},
+        "curve_only": bool(layout.get("curve_only")),
         "losses": {"layout": layout["losses"], "reference": reference["losses"]}, "loss_rel_diffs": loss_diffs,
         "first_failure": failures[0] if failures else None, "failures": failures[:20],
         "passed": not failures,
@@ -268,11 +283,15 @@ def report(cfg: Config, result: dict, json_mode: bool) -> int:
     for i, (a, b, d) in enumerate(zip(losses["layout"], losses["reference"], result["loss_rel_diffs"])):
         print(f"{i + 1:>4}{'*' if i + 1 in lockstep else ' '}  {a:>12.8f}  {b:>12.8f}  {d:>9.2e}", file=out)
     tol = result["tolerances"]
-    print(f"lockstep at steps {sorted(lockstep)}: max_grad_rel_diff {result['max_grad_rel_diff']:.2e} "
-          f"(≤ {tol['grad']:g}; largest: {result['worst_grad']}; unfloored {result['max_grad_plain_rel_diff']:.2e}), "
-          f"max_update_rel_diff "
-          f"{result['max_update_rel_diff']:.2e} (≤ {tol['update']:g}; largest: {result['worst_update']}), "
-          f"step losses {result['max_step_loss_rel_diff']:.2e} (≤ {tol['step_loss']:g})", file=out)
+    if result["curve_only"]:
+        print(f"loss curve vs the fp32 one-process run (low precision: no lockstep): max_loss_rel_diff "
+              f"{result['max_loss_rel_diff']:.2e} (≤ {tol['curve']:g})", file=out)
+    else:
+        print(f"lockstep at steps {sorted(lockstep)}: max_grad_rel_diff {result['max_grad_rel_diff']:.2e} "
+              f"(≤ {tol['grad']:g}; largest: {result['worst_grad']}; unfloored "
+              f"{result['max_grad_plain_rel_diff']:.2e}), max_update_rel_diff {result['max_update_rel_diff']:.2e} "
+              f"(≤ {tol['update']:g}; largest: {result['worst_update']}), step losses "
+              f"{result['max_step_loss_rel_diff']:.2e} (≤ {tol['step_loss']:g})", file=out)
     drift = "drifted beyond" if result["drifted"] else "within"
     print(f"trajectories (information; correct runs drift apart by rounding under Adam): max_loss_rel_diff "
           f"{result['max_loss_rel_diff']:.2e}, max_param_rel_diff {result['max_param_rel_diff']:.2e} "
@@ -282,7 +301,7 @@ def report(cfg: Config, result: dict, json_mode: bool) -> int:
     verdict = "PASS" if result["passed"] else f"FAIL (first: {result['first_failure']})"
     print(f"{verdict}: {cfg.model.name} with {cfg.layout.short()} vs one process, {cfg.train.steps} steps", file=out)
     if json_mode:
-        keys = ("lockstep_steps", "max_grad_rel_diff", "worst_grad", "max_grad_plain_rel_diff", "worst_plain_grad",
+        keys = ("curve_only", "lockstep_steps", "max_grad_rel_diff", "worst_grad", "max_grad_plain_rel_diff", "worst_plain_grad",
                 "max_update_rel_diff", "worst_update",
                 "max_step_loss_rel_diff", "max_loss_rel_diff", "max_param_rel_diff", "worst_param", "drifted",
                 "tolerances", "first_failure", "failures", "passed", "losses")

@@ -18,11 +18,12 @@ from meshtrain.parallel.zero import Zero
 from meshtrain.train import train
 
 
-def zero_config(zero, dp, microbatches=1, tp=1, pp=1, steps=3, batch=8, model="gpt-test") -> Config:
+def zero_config(zero, dp, microbatches=1, tp=1, pp=1, steps=3, batch=8, model="gpt-test", precision="fp32") -> Config:
     c = Config()
     c.model.name = model
     lay = c.layout
     lay.dp, lay.tp, lay.pp, lay.zero, lay.microbatches, lay.bucket_mb = dp, tp, pp, zero, microbatches, 0.02
+    lay.precision = precision
     c.train.steps, c.train.batch_size, c.train.device = steps, batch, "cpu"
     if model == "mlp":
         c.train.data = "digits"
@@ -60,25 +61,33 @@ def _measure(mesh, cfgs):
 
 @pytest.fixture(scope="module")
 def dp4_figures():
-    """gpt-test on dp = 4, two steps: stages 0-3 with one micro-batch, 1-3 with two."""
-    cfgs = [zero_config(z, 4, steps=2) for z in (0, 1, 2, 3)] + [zero_config(z, 4, 2, steps=2) for z in (1, 2, 3)]
+    """gpt-test on dp = 4, two steps: stages 0-3 with one micro-batch, 1-3 with two, and
+    stages 0-3 in bf16."""
+    cfgs = ([zero_config(z, 4, steps=2) for z in (0, 1, 2, 3)] + [zero_config(z, 4, 2, steps=2) for z in (1, 2, 3)]
+            + [zero_config(z, 4, steps=2, precision="bf16") for z in (0, 1, 2, 3)])
     return run_ranks(_measure, 4, cfgs)
 
 
-def test_model_state_bytes_follow_the_zero_formulas(dp4_figures):
-    """fp32 with no master copy: 4 + 4 + 8, 4 + 4 + 8/N, 4 + 12/N and 16/N bytes per
-    parameter, within 2 % (shards are padded to a multiple of N), plus under stage 3 the
-    full parameters gathered at the peak: the group outside the blocks and two blocks."""
-    n = 4
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_model_state_bytes_follow_the_zero_formulas(dp4_figures, precision):
+    """Bytes per parameter, within 2 % (shards are padded to a multiple of N): in bf16 with
+    fp32 masters 2 + 2 + 12, 2 + 2 + 12/N, 2 + 14/N and 16/N (the ZeRO paper's); in fp32 with
+    no master copy 4 + 4 + 8, 4 + 4 + 8/N, 4 + 12/N and 16/N. Plus, under stage 3, the full
+    parameters gathered at the peak: the group outside the blocks and two blocks."""
+    n, runs, size = 4, slice(7, 11) if precision == "bf16" else slice(0, 4), 2 if precision == "bf16" else 4
     for rank in dp4_figures:
         psi = rank[0]["n_params"]
-        formulas = [16 * psi, (8 + 8 / n) * psi, (4 + 12 / n) * psi, 16 / n * psi]
-        for stage, (run, formula) in enumerate(zip(rank[:4], formulas)):
+        if precision == "bf16":
+            formulas = [16 * psi, (4 + 12 / n) * psi, (2 + 14 / n) * psi, 16 / n * psi]
+        else:
+            formulas = [16 * psi, (8 + 8 / n) * psi, (4 + 12 / n) * psi, 16 / n * psi]
+        for stage, (run, formula) in enumerate(zip(rank[runs], formulas)):
             state = run["state"]
             assert state["total"] - state["gathered"] == pytest.approx(formula, rel=0.02), (stage, state)
-        stage3 = rank[3]
+            assert (state["master"] > 0) == (precision == "bf16")
+        stage3 = rank[runs][3]
         rest, block = stage3["padded"][-1], max(stage3["padded"][:-1])
-        assert stage3["state"]["gathered"] == 4 * (rest + 2 * block)  # with prefetch: two blocks at once
+        assert stage3["state"]["gathered"] == size * (rest + 2 * block)  # with prefetch: two blocks at once
 
 
 def test_dp_traffic_is_dps_for_stages_1_and_2_and_one_and_a_half_times_for_stage_3(dp4_figures):
@@ -102,6 +111,24 @@ def test_dp_traffic_is_dps_for_stages_1_and_2_and_one_and_a_half_times_for_stage
         assert two[1]["detail"]["dp"]["reduce_scatter"] == 2 * one[1]["detail"]["dp"]["reduce_scatter"]
         assert two[1]["detail"]["dp"]["all_gather"] == one[1]["detail"]["dp"]["all_gather"]
         assert two[2]["comm"]["dp"] == 2 * one[2]["comm"]["dp"]
+
+
+def test_bf16_halves_the_traffic(dp4_figures):
+    for rank in dp4_figures:
+        for fp32, bf16 in zip(rank[0:4], rank[7:11]):
+            assert bf16["comm"]["dp"] == pytest.approx(fp32["comm"]["dp"] / 2, rel=1e-3)
+
+
+@pytest.mark.parametrize("world, sizes, cfgs", [
+    (2, {}, [zero_config(z, 2, steps=50, precision="bf16") for z in (0, 1, 2, 3)]),
+    pytest.param(8, {"pp": 2, "tp": 2}, [zero_config(z, 2, 2, tp=2, pp=2, steps=50, precision="bf16") for z in (1, 3)],
+                 marks=pytest.mark.slow),
+], ids=["dp2-every-stage", "dp2-tp2-pp2-zero1-and-zero3"])
+def test_bf16_loss_curves_stay_within_2_percent_of_fp32_one_process(world, sizes, cfgs):
+    for cfg, rec in zip(cfgs, run_ranks(_records, world, cfgs, **sizes)[0]):
+        result = verify.compare(rec, verify.run_reference(cfg, rec))
+        assert result["curve_only"] and result["passed"], (cfg.layout.short(), result["failures"])
+        assert result["max_loss_rel_diff"] > 0  # bf16 compute really differs from fp32
 
 
 def _gather_order(mesh, keep_gathered):

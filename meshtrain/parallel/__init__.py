@@ -1,8 +1,10 @@
 """Strategies, applied from outside the model in one fixed order, written once here:
 cut pipeline stages -> tensor-parallel plan -> activation checkpointing -> ZeRO/FSDP or
-data-parallel gradient sync -> the optimizer, built on what comes out.
-This version has pipeline, tensor (and sequence) and data parallelism, and ZeRO 1-3 in
-place of plain data parallelism; activation checkpointing slots in when it is built.
+data-parallel gradient sync -> the optimizer, built on what comes out (on fp32 masters under
+mixed precision, which casts the model to bf16 before everything else).
+This version has pipeline, tensor (and sequence) and data parallelism, ZeRO 1-3 in place of
+plain data parallelism, and bf16 mixed precision; activation checkpointing slots in when it
+is built.
 
 `parallelize` is the one path from a plain `nn.Module`, a mesh (through its `Comm`) and a
 layout to what a training loop drives, the `Parallelized` object: the CLI's loop and a
@@ -24,6 +26,7 @@ from meshtrain.optim import build_optimizer
 from meshtrain.parallel.data import DataParallel
 from meshtrain.parallel.dropout import DropoutKeys, seed_dropout
 from meshtrain.parallel.pipeline.engine import PipelineRunner
+from meshtrain.parallel.precision import COMPUTE_DTYPES, MasterWeights, fp32_loss
 from meshtrain.parallel.pipeline.schedules import schedule
 from meshtrain.parallel.pipeline.stages import PipelinePlan, Stage
 from meshtrain.parallel.runner import PlainRunner
@@ -77,6 +80,7 @@ class Parallelized:
     loss_scale: float = 1.0
     dropout_keys: DropoutKeys | None = None  # set before each micro-batch when dropout is on
     holdings: object = None  # ParamHoldings unless a strategy (ZeRO) says otherwise
+    compute_dtype: torch.dtype = torch.float32  # floating inputs are cast to it (bf16 under mixed precision)
 
     def __post_init__(self):
         if self.holdings is None:
@@ -139,6 +143,12 @@ def parallelize(model: nn.Module, comm: Comm, layout: LayoutConfig, train: Train
     n_params = sum(p.numel() for p in model.parameters())
     # Decided on the full parameters, before any strategy reshapes them: matrices decay.
     decay = {n for n, p in model.named_parameters() if p.dim() >= 2}
+    # Mixed precision first: every strategy below then holds, sends and shards bf16 tensors.
+    compute_dtype = COMPUTE_DTYPES[layout.precision]
+    new_optimizer = build_optimizer
+    if compute_dtype != torch.float32:
+        model.to(compute_dtype)
+        loss_fn, new_optimizer = fp32_loss(loss_fn), MasterWeights
     # Dropout masks from (seed, step, sample, site), so that every layout drops the same elements.
     keys = None
     if any(isinstance(m, nn.Dropout) and m.p > 0 for m in model.modules()):
@@ -168,15 +178,15 @@ def parallelize(model: nn.Module, comm: Comm, layout: LayoutConfig, train: Train
     if layout.zero and comm.mesh.size("dp") > 1:  # ZeRO with one dp rank has nothing to shard: plain DP
         zero = Zero(model, comm, layout.zero, bucket_mb=layout.bucket_mb, reshard_after_forward=not layout.keep_gathered,
                     blocks=pipeline.blocks if pipeline is not None else None, **dp_options)
-        optimizer = build_optimizer([(name, value) for name, value, _, _ in zero.pieces], decay, train)
+        optimizer = new_optimizer([(name, value) for name, value, _, _ in zero.pieces], decay, train)
         if layout.zero < 3:
             optimizer.register_step_post_hook(lambda *_: zero.gather_params())
         holdings = ZeroHoldings(model, optimizer, comm, zero)
         syncs = [zero] + ([TensorParallelSync(zero.pieces_of(whole), comm)] if whole else [])
     else:
-        optimizer = build_optimizer([(n, q) for n, q in model.named_parameters() if q.requires_grad], decay, train)
+        optimizer = new_optimizer([(n, q) for n, q in model.named_parameters() if q.requires_grad], decay, train)
         syncs = [DataParallel(model, comm, axis="dp", bucket_mb=layout.bucket_mb, **dp_options)]
         syncs += [TensorParallelSync(whole, comm)] if whole else []
     grad_sync = syncs[0] if len(syncs) == 1 else GradSyncs(*syncs)
     return Parallelized(model, loss_fn, grad_sync, optimizer, runner, comm, n_params, dropout_keys=keys,
-                        holdings=holdings)
+                        holdings=holdings, compute_dtype=compute_dtype)

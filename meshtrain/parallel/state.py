@@ -16,6 +16,7 @@ import torch.nn as nn
 
 from meshtrain.comm import METRICS, Comm
 from meshtrain.optim import SHARDED_OVER, local_tensor
+from meshtrain.parallel.precision import master_bytes, master_of
 
 SHARD = "meshtrain_shard"
 
@@ -131,27 +132,33 @@ class ParamHoldings:
         return [Piece(n, p, p.grad, Where(shard_index(p, self.comm))) for n, p in self.module.named_parameters()]
 
     def full_model(self) -> dict[str, torch.Tensor]:
-        return {n: gather_full(p, getattr(p, SHARD, None), self.comm) for n, p in self.module.named_parameters()}
+        """The weights (the fp32 masters under mixed precision)."""
+        return {n: gather_full(master_of(self.optimizer, p), getattr(p, SHARD, None), self.comm)
+                for n, p in self.module.named_parameters()}
 
     def full_grads(self) -> dict[str, torch.Tensor]:
         return {n: gather_full(p.grad, getattr(p, SHARD, None), self.comm)
                 for n, p in self.module.named_parameters() if p.grad is not None}
 
     def full_optimizer(self) -> dict[str, dict]:
-        return optimizer_state(self.optimizer, {p: n for n, p in self.module.named_parameters()}, self.comm)
+        names = {master_of(self.optimizer, p): n for n, p in self.module.named_parameters()}
+        return optimizer_state(self.optimizer, names, self.comm)
 
     def load(self, model: dict[str, torch.Tensor], optim: dict[str, dict]) -> None:
         params = dict(self.module.named_parameters())  # this stage's (the state holds every stage's)
         with torch.no_grad():
             for name, p in params.items():
-                p.copy_(Where(shard_index(p, self.comm)).take(model[name]))
-        load_optimizer_state(self.optimizer, params, optim, self.comm)
+                part = Where(shard_index(p, self.comm)).take(model[name])
+                p.copy_(part)
+                master_of(self.optimizer, p).copy_(part)  # the same tensor without mixed precision
+        load_optimizer_state(self.optimizer, {n: master_of(self.optimizer, p) for n, p in params.items()}, optim,
+                             self.comm)
 
     def zero_grad(self) -> None:
         self.module.zero_grad(set_to_none=False)  # keep gradient buffers (DP buckets) in place
 
     def state_bytes(self) -> dict:
-        return model_state_bytes(list(self.module.parameters()), self.optimizer)
+        return model_state_bytes(list(self.module.parameters()), self.optimizer, master=master_bytes(self.optimizer))
 
 
 def tensor_bytes(tensors) -> int:

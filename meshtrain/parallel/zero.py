@@ -38,14 +38,15 @@ from torch.utils._python_dispatch import _disable_current_modes
 from meshtrain.comm import METRICS, Comm
 from meshtrain.optim import SHARDED_OVER
 from meshtrain.parallel.data import check_replicas_agree, split_by_size
+from meshtrain.parallel.precision import master_bytes, master_of
 from meshtrain.parallel.state import SHARD, Piece, Where, gather_full, model_state_bytes, shard_index
 
 
-def _buffer(numel: int, like: torch.Tensor) -> torch.Tensor:
+def _buffer(numel: int, like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """A communication buffer: allocated outside any dispatch mode, so that the activation
     meter does not count parameters and gradients in transit as activations."""
     with _disable_current_modes():
-        return torch.zeros(numel, dtype=like.dtype, device=like.device)
+        return torch.zeros(numel, dtype=dtype or like.dtype, device=like.device)
 
 
 class FlatGroup:
@@ -424,14 +425,18 @@ class ZeroHoldings:
         metrics), cut into parameters, and those gathered over the axes they are split on."""
         out = {}
         for g in self.zero.groups:
-            flat = _buffer(g.padded, g.shard)
-            self.comm.all_gather(flat, shard_of(g).contiguous(), self.zero.axis, purpose=METRICS)
+            shard = shard_of(g)
+            flat = _buffer(g.padded, shard)
+            self.comm.all_gather(flat, shard.contiguous(), self.zero.axis, purpose=METRICS)
             for name, p, off, shape in zip(g.names, g.params, g.offsets, g.shapes):
                 out[name] = gather_full(flat[off:off + shape.numel()].view(shape), getattr(p, SHARD, None), self.comm)
         return out
 
     def full_model(self) -> dict[str, torch.Tensor]:
-        return self._full(lambda g: g.shard)
+        """The weights (the fp32 masters under mixed precision)."""
+        if getattr(self.optimizer, "masters", None) is None:
+            return self._full(lambda g: g.shard)
+        return self._full(lambda g: _assemble(g, lambda value: master_of(self.optimizer, value), torch.float32))
 
     def full_grads(self) -> dict[str, torch.Tensor]:
         return self._full(lambda g: g.grad_shard)
@@ -443,8 +448,11 @@ class ZeroHoldings:
         first = next(iter(states.values()))
         keys = [k for k, v in first.items() if torch.is_tensor(v) and v.dim() > 0]
         out = {name: {"step": first["step"].detach().to("cpu", copy=True)} for g in self.zero.groups for name in g.names}
+        def moment(g: FlatGroup, key: str) -> torch.Tensor:
+            return _assemble(g, lambda value: states.get(master_of(self.optimizer, value), {}).get(key),
+                             torch.float32)
         for key in keys:
-            full = self._full(lambda g: _shard_of_state(g, states, key))
+            full = self._full(lambda g: moment(g, key))
             for name, t in full.items():
                 out[name][key] = t
         return out
@@ -459,12 +467,14 @@ class ZeroHoldings:
                     g.full.copy_(flat)
                 else:
                     g.shard.copy_(flat[g.lo:g.hi])
+            for name, value, where, _ in self.zero.pieces:
+                master_of(self.optimizer, value).copy_(where.take(model[name]))  # itself in fp32
         for _, value, _, _ in self.zero.pieces:
-            self.optimizer.state.pop(value, None)
+            self.optimizer.state.pop(master_of(self.optimizer, value), None)
         for name, value, where, _ in self.zero.pieces:
             entry = optim.get(name)
             if entry:
-                self.optimizer.state[value] = {
+                self.optimizer.state[master_of(self.optimizer, value)] = {
                     k: (where.take(v).to(value.device, copy=True) if k != "step" and torch.is_tensor(v)
                         else v.clone() if torch.is_tensor(v) else v) for k, v in entry.items()}
 
@@ -475,13 +485,15 @@ class ZeroHoldings:
         z = self.zero
         held = [g.full if z.stage < 3 else g.shard for g in z.groups]
         grads = [g.grad_full if z.stage == 1 else g.grad_shard for g in z.groups]
-        return model_state_bytes(held, self.optimizer, grads=grads, gathered=z.peak_gathered)
+        return model_state_bytes(held, self.optimizer, grads=grads, master=master_bytes(self.optimizer),
+                                 gathered=z.peak_gathered)
 
 
-def _shard_of_state(g: FlatGroup, states: dict, key: str) -> torch.Tensor:
-    """One optimizer state (Adam's moment `key`) of a group's shard, from its pieces' states."""
-    shard = _buffer(g.shard_size, g.shard)
+def _assemble(g: FlatGroup, piece_of: Callable[[torch.Tensor], torch.Tensor | None], dtype: torch.dtype) -> torch.Tensor:
+    """A shard-shaped tensor from one tensor per piece (a master, an Adam moment; None: zeros)."""
+    shard = _buffer(g.shard_size, g.shard, dtype)
     for (_, _, span), value in zip(g.pieces, g.values):
-        if value in states:
-            shard[span] = states[value][key]
+        t = piece_of(value)
+        if t is not None:
+            shard[span] = t
     return shard

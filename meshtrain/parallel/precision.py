@@ -1,0 +1,86 @@
+"""Mixed precision (`--precision bf16`): parameters, activations and gradients in bf16 for
+compute and communication; fp32 master weights and fp32 AdamW moments for the update; the
+loss in fp32. That is the ZeRO paper's 16 bytes per parameter: 2 (bf16 weights) + 2 (bf16
+gradients) + 4 (fp32 master) + 4 + 4 (moments). The masters are made from the bf16 weights
+(the seeded fp32 initialisation rounded once), as DeepSpeed does.
+
+`MasterWeights` is the optimizer the loop drives: AdamW on fp32 copies of the tensors it is
+given — the parameters, or ZeRO's pieces of a shard, so the masters are sharded with them.
+Each step upcasts the (synchronised, clipped) bf16 gradients into the masters' `.grad` for
+the update only, steps, and rounds the masters back into the bf16 tensors."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from meshtrain.config import TrainConfig
+from meshtrain.optim import build_optimizer
+
+COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def fp32_loss(loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
+    """The loss computed in fp32 from low-precision logits (softmax over a vocabulary in bf16
+    would lose the small probabilities)."""
+    def loss(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return loss_fn(output.float(), targets)
+    return loss
+
+
+class MasterWeights:
+    """AdamW on fp32 masters of low-precision tensors; looks like a torch optimizer to the
+    loop (`param_groups`, `state`, `step`, `zero_grad`, `register_step_post_hook`)."""
+
+    def __init__(self, named: list[tuple[str, torch.Tensor]], decay: set[str], cfg: TrainConfig):
+        self.tensors = [t for _, t in named]
+        self.masters: dict[torch.Tensor, torch.Tensor] = {}
+        for _, t in named:
+            master = t.detach().to(torch.float32, copy=True)
+            for key, value in vars(t).items():  # shard specs travel with the master
+                if key.startswith("meshtrain_"):
+                    setattr(master, key, value)
+            self.masters[t] = master
+        self.inner = build_optimizer([(n, self.masters[t]) for n, t in named], decay, cfg)
+        self._post_hooks: list[Callable] = []
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.inner.param_groups
+
+    @property
+    def state(self) -> dict:
+        return self.inner.state
+
+    def step(self) -> None:
+        for t in self.tensors:
+            self.masters[t].grad = None if t.grad is None else t.grad.to(torch.float32)
+        self.inner.step()
+        with torch.no_grad():
+            for t in self.tensors:
+                master = self.masters[t]
+                t.copy_(master)
+                master.grad = None  # the fp32 gradient lives for the update only
+        for hook in self._post_hooks:
+            hook(self, (), {})
+
+    def zero_grad(self, set_to_none: bool = False) -> None:
+        for t in self.tensors:
+            if t.grad is not None:
+                t.grad.zero_()
+
+    def register_step_post_hook(self, hook: Callable) -> None:
+        self._post_hooks.append(hook)
+
+
+def master_of(optimizer, t: torch.Tensor) -> torch.Tensor:
+    """The tensor the optimizer keeps (and keys its state by) for `t`: its fp32 master under
+    mixed precision, else `t` itself."""
+    masters = getattr(optimizer, "masters", None)
+    return masters[t] if masters is not None else t
+
+
+def master_bytes(optimizer) -> int:
+    masters = getattr(optimizer, "masters", None)
+    return sum(m.numel() * m.element_size() for m in masters.values()) if masters else 0
