@@ -2,7 +2,7 @@
 # What a lent GPU machine can check in a few minutes. That machine has torch (2.11), no
 # network and no venv, so this runs on the system python3 with PYTHONPATH=. and no pip, on a
 # text file in the repository (the bundled corpus is a pip package it does not have):
-#   1. one-GPU `train` of the GPT-2-shaped preset (fp32 until mixed precision lands): tokens/s, MFU;
+#   1. one-GPU `train` of the GPT-2-shaped preset, fp32 and bf16 (fp32 masters): tokens/s, MFU;
 #   2. `verify` of a CUDA run against the one-process CPU reference;
 #   3. with two or more GPUs, `verify --dp N` over NCCL.
 # The JSON line of each lands in $OUT (the device tool's output folder) or ./gpu-check.
@@ -27,8 +27,13 @@ NGPU=$($PY -c "import torch; print(torch.cuda.device_count())")
 echo "== 1. train $MODEL on one $DEVICE device" >&2
 $PY -m meshtrain train --model "$MODEL" --data "$DATA" --device "$DEVICE" --dp 1 --steps "$STEPS" --warmup 5 \
   --batch-size 8 --seq-len "$SEQ_LEN" --out "$RESULTS/run" --json | tail -n 1 > "$RESULTS/train.json"
-$PY -c "import json; j = json.load(open('$RESULTS/train.json')); print('tokens/s', round(j['tokens_per_s']),
+$PY -m meshtrain train --model "$MODEL" --data "$DATA" --device "$DEVICE" --dp 1 --steps "$STEPS" --warmup 5 \
+  --batch-size 8 --seq-len "$SEQ_LEN" --precision bf16 --out "$RESULTS/run-bf16" --json | tail -n 1 \
+  > "$RESULTS/train-bf16.json"
+for f in "$RESULTS"/train*.json; do
+  $PY -c "import json; j = json.load(open('$f')); print('$f', 'tokens/s', round(j['tokens_per_s']),
 '| median step', round(j['step_time_median_s'], 4), 's | MFU', j['mfu'], '|', j['device'])"
+done
 
 echo "== 2. verify a $DEVICE run against the CPU reference" >&2
 $PY -m meshtrain verify --model gpt-small --data "$DATA" --device "$DEVICE" --dp 1 --steps 6 --json \

@@ -167,11 +167,15 @@ def test_a_killed_rank_ends_the_job_naming_that_rank_and_signal(tmp_path):
     assert "Traceback" not in text, text[-2000:]
 
 
-def test_warmup_longer_than_the_run_is_a_warning_not_an_error(tmp_path):
-    r = run_cli("train", *TINY, "--dp", "1", "--steps", "2", "--warmup", "5", "--out", tmp_path, "--json")
+def test_warmup_longer_than_the_run_and_zero_with_one_dp_rank_are_warnings_not_errors(tmp_path):
+    r = run_cli("train", *TINY, "--dp", "1", "--zero", "2", "--steps", "2", "--warmup", "5", "--out", tmp_path,
+                "--json")
     assert r.returncode == 0, r.stderr
     assert "meshtrain: warning: --warmup 5 >= --steps 2" in r.stderr
-    assert last_json(r.stdout)["steps"] == 2
+    assert "meshtrain: warning: --zero 2 with dp=1: there is no data-parallel group to shard over" in r.stderr
+    j = last_json(r.stdout)
+    assert j["steps"] == 2
+    assert j["model_state_bytes_per_rank"][0]["total"] == 16 * j["n_params"]  # nothing sharded: plain DP
 
 
 @pytest.mark.slow
