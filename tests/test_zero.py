@@ -197,3 +197,17 @@ def test_stage_3_takes_any_model_with_a_block_list_and_trains_it_as_the_plain_on
         runs[zero] = (losses, z.groups if zero else None)
     assert runs[3][0] == pytest.approx(runs[0][0], rel=1e-6)
     assert [g.label for g in runs[3][1]] == ["layers.0", "layers.1", "layers.2", "the parameters outside the blocks"]
+
+
+def _bench_both(mesh):
+    from meshtrain.bench import run_bench
+    return [run_bench(zero_config(stage, 2, steps=2), Comm(mesh), peer) for stage, peer in ((1, "zero1"), (3, "fsdp2"))]
+
+
+def test_bench_against_zero_redundancy_optimizer_and_fsdp2_trains_the_same_model():
+    """Only that both peers run beside ours on the same batches and hold what ours holds;
+    timing claims live in benchmarks/."""
+    for result in run_ranks(_bench_both, 2)[0]:
+        assert result["max_loss_rel_diff"] < 1e-5, result
+        assert result["model_state_ratio"] == pytest.approx(1.0, abs=0.01), result  # shards padded differently
+        assert result["ratio"] > 0

@@ -3,6 +3,9 @@ optimizer, process group and bucket size, driven by the same step function as ou
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
+from typing import Callable
+
 from torch.nn.parallel import DistributedDataParallel
 
 from meshtrain.comm import Comm
@@ -14,14 +17,15 @@ from meshtrain.parallel.runner import PlainRunner
 from meshtrain.train import build
 
 
-class DDPSync:
-    """DDP syncs inside backward; the step needs only its no_sync."""
+class PeerSync:
+    """A peer that syncs inside backward (DDP, FSDP2): the step needs only its `no_sync`,
+    a context manager of the peer's."""
 
-    def __init__(self, ddp: DistributedDataParallel):
-        self._ddp = ddp
+    def __init__(self, no_sync: Callable[[], AbstractContextManager]):
+        self._no_sync = no_sync
 
     def no_sync(self):
-        return self._ddp.no_sync()
+        return self._no_sync()
 
     def finish_grad_sync(self) -> None:
         pass
@@ -40,5 +44,5 @@ def ddp_setup(cfg: Config, comm: Comm) -> Parallelized:
     optimizer = build_optimizer(list(model.named_parameters()), decay, cfg.train)
     # DDP averages gradients over ranks; our loss is already divided by the global token
     # count, so scale it by dp to get the same gradient.
-    return Parallelized(ddp, cross_entropy_sum, DDPSync(ddp), optimizer, PlainRunner(), comm,
+    return Parallelized(ddp, cross_entropy_sum, PeerSync(ddp.no_sync), optimizer, PlainRunner(), comm,
                         n_params=sum(p.numel() for p in model.parameters()), loss_scale=mesh.size("dp"))

@@ -6,9 +6,11 @@ prefetched. Its parameters, gradients and AdamW states are DTensor shards."""
 from __future__ import annotations
 
 from contextlib import contextmanager
+from functools import partial
 
 from torch.distributed.fsdp import fully_shard
 
+from meshtrain.bench.ddp import PeerSync
 from meshtrain.comm import Comm
 from meshtrain.config import Config
 from meshtrain.loss import cross_entropy_sum
@@ -18,25 +20,14 @@ from meshtrain.parallel.runner import PlainRunner
 from meshtrain.train import build
 
 
-class _FSDPSync:
+@contextmanager
+def _no_gradient_sync(model):
     """FSDP2 reduce-scatters inside backward; accumulating micro-batches turns that off."""
-
-    def __init__(self, model):
-        self._model = model
-
-    @contextmanager
-    def no_sync(self):
-        self._model.set_requires_gradient_sync(False)
-        try:
-            yield
-        finally:
-            self._model.set_requires_gradient_sync(True)
-
-    def finish_grad_sync(self) -> None:
-        pass
-
-    def reset(self) -> None:
-        pass
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
 
 
 def fsdp2_setup(cfg: Config, comm: Comm) -> Parallelized:
@@ -52,5 +43,5 @@ def fsdp2_setup(cfg: Config, comm: Comm) -> Parallelized:
         setattr(p, SHARDED_OVER, ("dp",))
     optimizer = build_optimizer(list(model.named_parameters()), decay, cfg.train)
     # FSDP2 averages gradients over ranks; our loss is already divided by the global token count.
-    return Parallelized(model, cross_entropy_sum, _FSDPSync(model), optimizer, PlainRunner(), comm, n_params,
+    return Parallelized(model, cross_entropy_sum, PeerSync(partial(_no_gradient_sync, model)), optimizer, PlainRunner(), comm, n_params,
                         loss_scale=mesh.size("dp"))

@@ -9,7 +9,7 @@ import torch
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
-from meshtrain.bench.ddp import DDPSync
+from meshtrain.bench.ddp import PeerSync
 from meshtrain.comm import Comm
 from meshtrain.config import Config
 from meshtrain.loss import cross_entropy_sum
@@ -38,7 +38,7 @@ def zero1_setup(cfg: Config, comm: Comm) -> Parallelized:
     optimizer = ZeroRedundancyOptimizer(
         [{"params": decay, "weight_decay": tr.weight_decay}, {"params": rest, "weight_decay": 0.0}],
         optimizer_class=torch.optim.AdamW, process_group=mesh.group("dp"), lr=tr.lr, betas=(0.9, 0.95), eps=1e-8)
-    p = Parallelized(ddp, cross_entropy_sum, DDPSync(ddp), optimizer, PlainRunner(), comm, n_params,
+    p = Parallelized(ddp, cross_entropy_sum, PeerSync(ddp.no_sync), optimizer, PlainRunner(), comm, n_params,
                      loss_scale=mesh.size("dp"))  # DDP averages over ranks: see bench/ddp.py
     p.holdings = _PartitionedStates(ddp, optimizer, comm)
     return p

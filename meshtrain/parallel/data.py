@@ -67,10 +67,7 @@ class DataParallel:
 
     def _on_grad_ready(self, p: nn.Parameter) -> None:
         bucket = self._bucket_of[p]
-        view = bucket.views[p]
-        if p.grad.data_ptr() != view.data_ptr():  # someone reset .grad (zero_grad(set_to_none=True))
-            view.copy_(p.grad)
-            p.grad = view
+        keep_grad_in(p, bucket.views[p])
         if not self._sync:
             return
         if p in bucket.ready:
@@ -127,6 +124,14 @@ class DataParallel:
             yield
         finally:
             self._sync = previous
+
+
+def keep_grad_in(p: nn.Parameter, view: torch.Tensor) -> None:
+    """Make `p.grad` the view of its buffer again if someone replaced it
+    (`zero_grad(set_to_none=True)`), keeping the gradient."""
+    if p.grad.data_ptr() != view.data_ptr():
+        view.copy_(p.grad)
+        p.grad = view
 
 
 def check_replicas_agree(comm: Comm, axis: str, named: list[tuple[str, nn.Parameter]],

@@ -37,7 +37,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from meshtrain.comm import METRICS, Comm
 from meshtrain.optim import SHARDED_OVER
-from meshtrain.parallel.data import check_replicas_agree, split_by_size
+from meshtrain.parallel.data import check_replicas_agree, keep_grad_in, split_by_size
 from meshtrain.parallel.precision import master_bytes, master_of
 from meshtrain.parallel.state import SHARD, Piece, Where, gather_full, model_state_bytes, shard_index
 
@@ -85,7 +85,15 @@ class FlatGroup:
         else:
             self.shard = full[self.lo:self.hi].clone()
             self.release_params()
-        self.ready: set[nn.Parameter] = set()
+        # Set by `Zero`: the gradients (stage 1's full buffer and its views; the shard's), the
+        # tensors the optimizer steps (one per piece), and the bookkeeping of a sync.
+        self.grad_full: torch.Tensor | None = None
+        self.grad_views: dict[nn.Parameter, torch.Tensor] = {}
+        self.grad_shard: torch.Tensor | None = None
+        self.values: list[torch.Tensor] = []
+        self.ready: set[nn.Parameter] = set()  # gradients complete in this backward (stage 1: this sync)
+        self.reduced = False  # its reduce-scatter launched and not yet taken in
+        self.owners, self.seen = 0, 0  # stage 3: modules whose forward uses the group; how many ran
 
     def point_params_at(self, full: torch.Tensor) -> None:
         self.full = full
@@ -153,14 +161,12 @@ class Zero:
                 g.grad_shard = g.grad_full[g.lo:g.hi]
             else:
                 g.grad_shard = _buffer(g.shard_size, g.shard)
-            g.values = []
             for i, where, span in g.pieces:
                 value = g.shard[span]
                 value.grad = g.grad_shard[span]
                 setattr(value, SHARDED_OVER, (axis, *getattr(g.params[i], SHARDED_OVER, ())))
                 g.values.append(value)
                 self.pieces.append((g.names[i], value, where, g.params[i]))
-            g.reduced = False
         for p in self._group_of:
             p.register_post_accumulate_grad_hook(self._on_grad_ready)
         self._sync, self._pending, self._callback_queued = True, [], False
@@ -181,10 +187,7 @@ class Zero:
     def _on_grad_ready(self, p: nn.Parameter) -> None:
         g = self._group_of[p]
         if self.stage == 1:
-            view = g.grad_views[p]
-            if p.grad.data_ptr() != view.data_ptr():  # someone reset .grad (zero_grad(set_to_none=True))
-                view.copy_(p.grad)
-                p.grad = view
+            keep_grad_in(p, g.grad_views[p])
             if not self._sync:
                 return
             if p in g.ready or g.reduced:
