@@ -18,7 +18,7 @@ for zero in 1 3; do
 done
 # bf16 matmuls run ~15-30x slower than fp32 on a CPU without bf16 units (this one: AVX2
 # only), about 8 s a step of gpt-small: the two ends, plain DP and stage 3 (the test suite
-# runs every stage in bf16 on gpt-test, `make test-all` also dp2·tp2·pp2 with stages 1 and 3).
+# runs stages 0 and 3 in bf16 on gpt-test, `make test-all` also 1, 2 and dp2·tp2·pp2 with 1 and 3).
 for zero in 0 3; do
   record "verify-bf16-zero$zero-dp2" verify --model gpt-small --dp 2 --zero "$zero" --precision bf16 --steps 50
 done

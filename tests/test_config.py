@@ -149,8 +149,6 @@ def _bad_inputs(tmp: Path) -> list[tuple[list, str]]:
         (["train", "--trace", tmp / "t.json"], "use --pp 2 or more"),
         (["bench", "--vs", "torch-pp", "--dp", "2"], "use --pp 2 or more, --dp 1 and --tp 1"),
         (["bench", "--vs", "fsdp2", "--dp", "2"], "use --zero 3, --dp 2 or more"),
-        (["train", "--zero", "5"], "use --zero 0, 1, 2 or 3"),
-        (["train", "--precision", "fp8"], "use --precision fp32 | bf16"),
         (["schedule"], "give --pp and --microbatches"),
         (["schedule", "--trace", tmp / "no-such.json"], "cannot read it"),
         (["schedule", "--trace", tmp / "binary.toml"], "not a trace written by `meshtrain train --trace`"),

@@ -120,10 +120,11 @@ def test_bf16_halves_the_traffic(dp4_figures):
 
 
 @pytest.mark.parametrize("world, sizes, cfgs", [
-    (2, {}, [zero_config(z, 2, steps=50, precision="bf16") for z in (0, 1, 2, 3)]),
+    (2, {}, [zero_config(z, 2, steps=50, precision="bf16") for z in (0, 3)]),
+    pytest.param(2, {}, [zero_config(z, 2, steps=50, precision="bf16") for z in (1, 2)], marks=pytest.mark.slow),
     pytest.param(8, {"pp": 2, "tp": 2}, [zero_config(z, 2, 2, tp=2, pp=2, steps=50, precision="bf16") for z in (1, 3)],
                  marks=pytest.mark.slow),
-], ids=["dp2-every-stage", "dp2-tp2-pp2-zero1-and-zero3"])
+], ids=["dp2-zero0-and-zero3", "dp2-zero1-and-zero2", "dp2-tp2-pp2-zero1-and-zero3"])
 def test_bf16_loss_curves_stay_within_2_percent_of_fp32_one_process(world, sizes, cfgs):
     for cfg, rec in zip(cfgs, run_ranks(_records, world, cfgs, **sizes)[0]):
         result = verify.compare(rec, verify.run_reference(cfg, rec))
