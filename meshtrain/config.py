@@ -17,6 +17,7 @@ from meshtrain.models.presets import PRESETS, GPTSpec
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
 RECOMPUTE = ("none", "full", "selective")
 PRECISIONS = ("fp32", "bf16")
+GRAD_DTYPES = ("compute", "fp32")
 ATTENTIONS = ("sdpa", "math")
 DEVICES = ("auto", "cpu", "cuda")
 BUILTIN_DATA = ("shakespeare", "digits")
@@ -47,6 +48,7 @@ class LayoutConfig:
     microbatches: int = 1
     recompute: str = "none"
     precision: str = "fp32"
+    grad_dtype: str = "compute"  # "fp32": gradients accumulated (and reduced) in fp32 under bf16
     bucket_mb: float = 25.0
     keep_gathered: bool = False  # ZeRO-3: keep each block's parameters gathered from forward to backward
     stage_layers: str = ""  # blocks per virtual stage, e.g. "3,3,2"; empty: as even as possible
@@ -126,7 +128,9 @@ FLAGS = [
     ("--chunks", "layout", "chunks", int, "model chunks per pipeline stage (interleaved)"),
     ("--microbatches", "layout", "microbatches", int, "micro-batches per step and DP rank (accumulated)"),
     ("--recompute", "layout", "recompute", str, "activation checkpointing: " + "|".join(RECOMPUTE)),
-    ("--precision", "layout", "precision", str, "|".join(PRECISIONS)),
+    ("--precision", "layout", "precision", str, "|".join(PRECISIONS) + " (bf16: fp32 master weights and moments)"),
+    ("--grad-dtype", "layout", "grad_dtype", str, "compute (gradients in the compute precision) | fp32 "
+     "(accumulated and reduced in fp32 across micro-batches: 2 more bytes per parameter under bf16)"),
     ("--bucket-mb", "layout", "bucket_mb", float, "DP gradient bucket size in MB"),
     ("--stage-layers", "layout", "stage_layers", str, "blocks per pipeline (virtual) stage, e.g. 3,3,2 "
      "(default: as even as possible)"),
@@ -261,6 +265,8 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         raise ConfigError(f"unknown precision '{lay.precision}'; use --precision {' | '.join(PRECISIONS)}")
     if lay.zero not in (0, 1, 2, 3):
         raise ConfigError(f"--zero {lay.zero}: use --zero 0, 1, 2 or 3")
+    if lay.grad_dtype not in GRAD_DTYPES:
+        raise ConfigError(f"unknown gradient dtype '{lay.grad_dtype}'; use --grad-dtype {' | '.join(GRAD_DTYPES)}")
     if lay.keep_gathered and lay.zero != 3:
         raise ConfigError("--keep-gathered applies to --zero 3 (the only stage that frees parameters); drop it")
     if world_size is not None and world_size != lay.world_size:

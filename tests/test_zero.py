@@ -18,12 +18,13 @@ from meshtrain.parallel.zero import Zero
 from meshtrain.train import train
 
 
-def zero_config(zero, dp, microbatches=1, tp=1, pp=1, steps=3, batch=8, model="gpt-test", precision="fp32") -> Config:
+def zero_config(zero, dp, microbatches=1, tp=1, pp=1, steps=3, batch=8, model="gpt-test", precision="fp32",
+                grad_dtype="compute") -> Config:
     c = Config()
     c.model.name = model
     lay = c.layout
     lay.dp, lay.tp, lay.pp, lay.zero, lay.microbatches, lay.bucket_mb = dp, tp, pp, zero, microbatches, 0.02
-    lay.precision = precision
+    lay.precision, lay.grad_dtype = precision, grad_dtype
     c.train.steps, c.train.batch_size, c.train.device = steps, batch, "cpu"
     if model == "mlp":
         c.train.data = "digits"
@@ -62,29 +63,35 @@ def _measure(mesh, cfgs):
 @pytest.fixture(scope="module")
 def dp4_figures():
     """gpt-test on dp = 4, two steps: stages 0-3 with one micro-batch, 1-3 with two, and
-    stages 0-3 in bf16."""
+    stages 0-3 in bf16, with bf16 and with fp32 gradients."""
     cfgs = ([zero_config(z, 4, steps=2) for z in (0, 1, 2, 3)] + [zero_config(z, 4, 2, steps=2) for z in (1, 2, 3)]
-            + [zero_config(z, 4, steps=2, precision="bf16") for z in (0, 1, 2, 3)])
+            + [zero_config(z, 4, steps=2, precision="bf16") for z in (0, 1, 2, 3)]
+            + [zero_config(z, 4, steps=2, precision="bf16", grad_dtype="fp32") for z in (0, 1, 2, 3)])
     return run_ranks(_measure, 4, cfgs)
 
 
-@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+N = 4
+FORMULAS = {  # bytes per parameter at stages 0-3
+    "bf16": [16, 2 + 2 + 12 / N, 2 + 14 / N, 16 / N],  # the ZeRO paper's: fp32 masters and moments
+    "bf16, fp32 gradients": [18, 2 + 4 + 12 / N, 2 + 16 / N, 18 / N],  # 2 more per parameter, sharded with them
+    "fp32": [16, 4 + 4 + 8 / N, 4 + 12 / N, 16 / N],  # no master copy
+}
+RUNS = {"fp32": slice(0, 4), "bf16": slice(7, 11), "bf16, fp32 gradients": slice(11, 15)}
+
+
+@pytest.mark.parametrize("precision", list(FORMULAS))
 def test_model_state_bytes_follow_the_zero_formulas(dp4_figures, precision):
-    """Bytes per parameter, within 2 % (shards are padded to a multiple of N): in bf16 with
-    fp32 masters 2 + 2 + 12, 2 + 2 + 12/N, 2 + 14/N and 16/N (the ZeRO paper's); in fp32 with
-    no master copy 4 + 4 + 8, 4 + 4 + 8/N, 4 + 12/N and 16/N. Plus, under stage 3, the full
-    parameters gathered at the peak: the group outside the blocks and two blocks."""
-    n, runs, size = 4, slice(7, 11) if precision == "bf16" else slice(0, 4), 2 if precision == "bf16" else 4
+    """Bytes per parameter within 2 % (shards are padded to a multiple of N), plus, under
+    stage 3, the full parameters gathered at the peak: the group outside the blocks and two
+    blocks."""
+    runs, size = RUNS[precision], 4 if precision == "fp32" else 2
     for rank in dp4_figures:
         psi = rank[0]["n_params"]
-        if precision == "bf16":
-            formulas = [16 * psi, (4 + 12 / n) * psi, (2 + 14 / n) * psi, 16 / n * psi]
-        else:
-            formulas = [16 * psi, (8 + 8 / n) * psi, (4 + 12 / n) * psi, 16 / n * psi]
+        formulas = [f * psi for f in FORMULAS[precision]]
         for stage, (run, formula) in enumerate(zip(rank[runs], formulas)):
             state = run["state"]
             assert state["total"] - state["gathered"] == pytest.approx(formula, rel=0.02), (stage, state)
-            assert (state["master"] > 0) == (precision == "bf16")
+            assert (state["master"] > 0) == (precision != "fp32")
         stage3 = rank[runs][3]
         rest, block = stage3["padded"][-1], max(stage3["padded"][:-1])
         assert stage3["state"]["gathered"] == size * (rest + 2 * block)  # with prefetch: two blocks at once
@@ -113,18 +120,24 @@ def test_dp_traffic_is_dps_for_stages_1_and_2_and_one_and_a_half_times_for_stage
         assert two[2]["comm"]["dp"] == 2 * one[2]["comm"]["dp"]
 
 
-def test_bf16_halves_the_traffic(dp4_figures):
+def test_bf16_halves_the_traffic_and_fp32_gradients_reduce_in_fp32(dp4_figures):
     for rank in dp4_figures:
-        for fp32, bf16 in zip(rank[0:4], rank[7:11]):
+        for fp32, bf16, fp32_grads in zip(rank[RUNS["fp32"]], rank[RUNS["bf16"]], rank[RUNS["bf16, fp32 gradients"]]):
             assert bf16["comm"]["dp"] == pytest.approx(fp32["comm"]["dp"] / 2, rel=1e-3)
+            for kind in ("all_reduce", "reduce_scatter"):  # gradients move in fp32, parameters in bf16
+                assert fp32_grads["detail"]["dp"].get(kind) == fp32["detail"]["dp"].get(kind)
+            assert fp32_grads["detail"]["dp"].get("all_gather") == bf16["detail"]["dp"].get("all_gather")
 
 
 @pytest.mark.parametrize("world, sizes, cfgs", [
-    (2, {}, [zero_config(z, 2, steps=50, precision="bf16") for z in (0, 3)]),
-    pytest.param(2, {}, [zero_config(z, 2, steps=50, precision="bf16") for z in (1, 2)], marks=pytest.mark.slow),
+    (2, {}, [zero_config(z, 2, steps=50, precision="bf16") for z in (0, 3)]
+     + [zero_config(3, 2, 2, steps=50, precision="bf16", grad_dtype="fp32")]),
+    pytest.param(2, {}, [zero_config(z, 2, steps=50, precision="bf16") for z in (1, 2)]
+                 + [zero_config(z, 2, 2, steps=50, precision="bf16", grad_dtype="fp32") for z in (0, 1, 2)],
+                 marks=pytest.mark.slow),
     pytest.param(8, {"pp": 2, "tp": 2}, [zero_config(z, 2, 2, tp=2, pp=2, steps=50, precision="bf16") for z in (1, 3)],
                  marks=pytest.mark.slow),
-], ids=["dp2-zero0-and-zero3", "dp2-zero1-and-zero2", "dp2-tp2-pp2-zero1-and-zero3"])
+], ids=["dp2-zero0-zero3-and-fp32-grads", "dp2-the-other-stages", "dp2-tp2-pp2-zero1-and-zero3"])
 def test_bf16_loss_curves_stay_within_2_percent_of_fp32_one_process(world, sizes, cfgs):
     for cfg, rec in zip(cfgs, run_ranks(_records, world, cfgs, **sizes)[0]):
         result = verify.compare(rec, verify.run_reference(cfg, rec))

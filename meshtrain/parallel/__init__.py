@@ -26,7 +26,7 @@ from meshtrain.optim import build_optimizer
 from meshtrain.parallel.data import DataParallel
 from meshtrain.parallel.dropout import DropoutKeys, seed_dropout
 from meshtrain.parallel.pipeline.engine import PipelineRunner
-from meshtrain.parallel.precision import COMPUTE_DTYPES, MasterWeights, fp32_loss
+from meshtrain.parallel.precision import COMPUTE_DTYPES, MasterWeights, fp32_loss, grad_holder
 from meshtrain.parallel.pipeline.schedules import schedule
 from meshtrain.parallel.pipeline.stages import PipelinePlan, Stage
 from meshtrain.parallel.runner import PlainRunner
@@ -174,19 +174,32 @@ def parallelize(model: nn.Module, comm: Comm, layout: LayoutConfig, train: Train
         if plan.vocab_parallel_loss:
             loss_fn = vocab_parallel_cross_entropy_sum(comm)
     # (activation checkpointing goes here)
-    holdings = None
+    # Gradients in the compute dtype, or (--grad-dtype fp32) in fp32 buffers apart from the
+    # bf16 tensors, which the fp32 masters then hold as their `.grad`.
+    grad_dtype = torch.float32 if layout.grad_dtype == "fp32" else compute_dtype
+    zero = None
     if layout.zero and comm.mesh.size("dp") > 1:  # ZeRO with one dp rank has nothing to shard: plain DP
-        zero = Zero(model, comm, layout.zero, bucket_mb=layout.bucket_mb, reshard_after_forward=not layout.keep_gathered,
-                    blocks=pipeline.blocks if pipeline is not None else None, **dp_options)
-        optimizer = new_optimizer([(name, value) for name, value, _, _ in zero.pieces], decay, train)
+        sync = zero = Zero(model, comm, layout.zero, bucket_mb=layout.bucket_mb, grad_dtype=grad_dtype,
+                           reshard_after_forward=not layout.keep_gathered,
+                           blocks=pipeline.blocks if pipeline is not None else None, **dp_options)
+        trained, grads = [(name, value) for name, value, _, _ in zero.pieces], zero.piece_grads
+    else:
+        sync = DataParallel(model, comm, axis="dp", bucket_mb=layout.bucket_mb, grad_dtype=grad_dtype, **dp_options)
+        trained = [(n, q) for n, q in model.named_parameters() if q.requires_grad]
+        grads = {q: sync.grad_view(q) for _, q in trained}
+    if grad_dtype != compute_dtype:
+        optimizer = MasterWeights(trained, decay, train, grads={t: grads[t] for _, t in trained})
+    else:
+        optimizer = new_optimizer(trained, decay, train)
+    holdings = None
+    if zero is not None:
         if layout.zero < 3:
             optimizer.register_step_post_hook(lambda *_: zero.gather_params())
         holdings = ZeroHoldings(model, optimizer, comm, zero)
-        syncs = [zero] + ([TensorParallelSync(zero.pieces_of(whole), comm)] if whole else [])
-    else:
-        optimizer = new_optimizer([(n, q) for n, q in model.named_parameters() if q.requires_grad], decay, train)
-        syncs = [DataParallel(model, comm, axis="dp", bucket_mb=layout.bucket_mb, **dp_options)]
-        syncs += [TensorParallelSync(whole, comm)] if whole else []
+    syncs = [sync]
+    if whole:  # summed over tp wherever their gradients live
+        tensors = zero.pieces_of(whole) if zero is not None else whole
+        syncs.append(TensorParallelSync([grad_holder(optimizer, t) for t in tensors], comm))
     grad_sync = syncs[0] if len(syncs) == 1 else GradSyncs(*syncs)
     return Parallelized(model, loss_fn, grad_sync, optimizer, runner, comm, n_params, dropout_keys=keys,
                         holdings=holdings, compute_dtype=compute_dtype)

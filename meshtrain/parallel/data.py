@@ -29,9 +29,9 @@ from meshtrain.comm import METRICS, Comm
 
 
 class Bucket:
-    def __init__(self, index: int, params: list[nn.Parameter]):
+    def __init__(self, index: int, params: list[nn.Parameter], grad_dtype: torch.dtype | None = None):
         self.index, self.params = index, params
-        dtype, device = params[0].dtype, params[0].device
+        dtype, device = grad_dtype or params[0].dtype, params[0].device
         self.buffer = torch.zeros(sum(p.numel() for p in params), dtype=dtype, device=device)
         self.views: dict[nn.Parameter, torch.Tensor] = {}
         offset = 0
@@ -51,16 +51,17 @@ class DataParallel:
     The model is not wrapped: its forward, names and state dict stay as they were."""
 
     def __init__(self, model: nn.Module, comm: Comm, *, axis: str = "dp", bucket_mb: float = 25.0,
-                 on_launch: Callable[[int], None] | None = None):
+                 on_launch: Callable[[int], None] | None = None, grad_dtype: torch.dtype | None = None):
         self.comm, self.axis, self.on_launch = comm, axis, on_launch
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        self.buckets = [Bucket(i, group) for i, group in
+        self.buckets = [Bucket(i, group, grad_dtype) for i, group in
                         enumerate(split_by_size([p for _, p in reversed(named)], int(bucket_mb * 2**20)))]
         self._bucket_of = {p: b for b in self.buckets for p in b.params}
         check_replicas_agree(comm, axis, named, [b.params for b in self.buckets])
         for b in self.buckets:
             for p in b.params:
-                p.grad = b.views[p]
+                if b.buffer.dtype == p.dtype:  # else each backward's gradient is added in (grad_dtype)
+                    p.grad = b.views[p]
                 p.register_post_accumulate_grad_hook(self._on_grad_ready)
         self._sync = True
         self._next_launch = 0
@@ -78,6 +79,10 @@ class DataParallel:
         bucket.ready.add(p)
         if bucket.complete:
             self._launch_ready()
+
+    def grad_view(self, p: nn.Parameter) -> torch.Tensor:
+        """Where `p`'s gradient lives (its `.grad` too when the dtypes agree)."""
+        return self._bucket_of[p].views[p]
 
     def _launch_ready(self) -> None:
         """Launch complete buckets in index order, so every rank issues the same sequence."""
@@ -127,9 +132,13 @@ class DataParallel:
 
 
 def keep_grad_in(p: nn.Parameter, view: torch.Tensor) -> None:
-    """Make `p.grad` the view of its buffer again if someone replaced it
-    (`zero_grad(set_to_none=True)`), keeping the gradient."""
-    if p.grad.data_ptr() != view.data_ptr():
+    """After backward accumulated into `p.grad`: make it the view of its buffer again if
+    someone replaced it (`zero_grad(set_to_none=True)`), keeping the gradient; or, when the
+    buffer is of another dtype (fp32 gradients of bf16 parameters), add it in and free it."""
+    if view.dtype != p.dtype:
+        view.add_(p.grad)
+        p.grad = None
+    elif p.grad.data_ptr() != view.data_ptr():
         view.copy_(p.grad)
         p.grad = view
 

@@ -7,7 +7,9 @@ gradients) + 4 (fp32 master) + 4 + 4 (moments). The masters are made from the bf
 `MasterWeights` is the optimizer the loop drives: AdamW on fp32 copies of the tensors it is
 given — the parameters, or ZeRO's pieces of a shard, so the masters are sharded with them.
 Each step upcasts the (synchronised, clipped) bf16 gradients into the masters' `.grad` for
-the update only, steps, and rounds the masters back into the bf16 tensors."""
+the update only, steps, and rounds the masters back into the bf16 tensors. Under
+`--grad-dtype fp32` the gradients are accumulated in fp32 buffers instead (the bf16 gradient
+of each backward is added into them and freed), which are the masters' `.grad` for good."""
 
 from __future__ import annotations
 
@@ -33,8 +35,12 @@ class MasterWeights:
     """AdamW on fp32 masters of low-precision tensors; looks like a torch optimizer to the
     loop (`param_groups`, `state`, `step`, `zero_grad`, `register_step_post_hook`)."""
 
-    def __init__(self, named: list[tuple[str, torch.Tensor]], decay: set[str], cfg: TrainConfig):
+    def __init__(self, named: list[tuple[str, torch.Tensor]], decay: set[str], cfg: TrainConfig,
+                 grads: dict[torch.Tensor, torch.Tensor] | None = None):
+        """`grads`: where each tensor's gradient lives when it is kept apart from the tensor
+        (`--grad-dtype fp32`: fp32 buffers, which become the masters' `.grad` for good)."""
         self.tensors = [t for _, t in named]
+        self.persistent_grads = grads is not None
         self.masters: dict[torch.Tensor, torch.Tensor] = {}
         for _, t in named:
             master = t.detach().to(torch.float32, copy=True)
@@ -42,6 +48,9 @@ class MasterWeights:
                 if key.startswith("meshtrain_"):
                     setattr(master, key, value)
             self.masters[t] = master
+        if grads is not None:
+            for t in self.tensors:
+                self.masters[t].grad = grads[t]
         self.inner = build_optimizer([(n, self.masters[t]) for n, t in named], decay, cfg)
         self._post_hooks: list[Callable] = []
 
@@ -54,21 +63,24 @@ class MasterWeights:
         return self.inner.state
 
     def step(self) -> None:
-        for t in self.tensors:
-            self.masters[t].grad = None if t.grad is None else t.grad.to(torch.float32)
+        if not self.persistent_grads:
+            for t in self.tensors:
+                self.masters[t].grad = None if t.grad is None else t.grad.to(torch.float32)
         self.inner.step()
         with torch.no_grad():
             for t in self.tensors:
                 master = self.masters[t]
                 t.copy_(master)
-                master.grad = None  # the fp32 gradient lives for the update only
+                if not self.persistent_grads:
+                    master.grad = None  # the upcast gradient lives for the update only
         for hook in self._post_hooks:
             hook(self, (), {})
 
     def zero_grad(self, set_to_none: bool = False) -> None:
         for t in self.tensors:
-            if t.grad is not None:
-                t.grad.zero_()
+            grad = self.masters[t].grad if self.persistent_grads else t.grad
+            if grad is not None:
+                grad.zero_()
 
     def register_step_post_hook(self, hook: Callable) -> None:
         self._post_hooks.append(hook)
@@ -84,3 +96,13 @@ def master_of(optimizer, t: torch.Tensor) -> torch.Tensor:
 def master_bytes(optimizer) -> int:
     masters = getattr(optimizer, "masters", None)
     return sum(m.numel() * m.element_size() for m in masters.values()) if masters else 0
+
+
+def grad_holder(optimizer, t: torch.Tensor) -> torch.Tensor:
+    """The tensor whose `.grad` is `t`'s gradient: its master when gradients are kept apart
+    from the low-precision tensors (`--grad-dtype fp32`), else `t`."""
+    return optimizer.masters[t] if getattr(optimizer, "persistent_grads", False) else t
+
+
+def grad_of(optimizer, t: torch.Tensor) -> torch.Tensor | None:
+    return grad_holder(optimizer, t).grad

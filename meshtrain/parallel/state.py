@@ -16,7 +16,7 @@ import torch.nn as nn
 
 from meshtrain.comm import METRICS, Comm
 from meshtrain.optim import SHARDED_OVER, local_tensor
-from meshtrain.parallel.precision import master_bytes, master_of
+from meshtrain.parallel.precision import grad_holder, grad_of, master_bytes, master_of
 
 SHARD = "meshtrain_shard"
 
@@ -124,12 +124,14 @@ class ParamHoldings:
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, comm: Comm):
         self.module, self.optimizer, self.comm = module, optimizer, comm
 
-    def trained(self) -> list[nn.Parameter]:
-        """The tensors the optimizer steps (their `.grad` is what clipping scales)."""
-        return list(self.module.parameters())
+    def trained(self) -> list[torch.Tensor]:
+        """The tensors whose `.grad` are the gradients the optimizer uses (what clipping
+        scales): the parameters, or their masters when fp32 gradients live apart."""
+        return [grad_holder(self.optimizer, p) for p in self.module.parameters()]
 
     def pieces(self) -> list[Piece]:
-        return [Piece(n, p, p.grad, Where(shard_index(p, self.comm))) for n, p in self.module.named_parameters()]
+        return [Piece(n, p, grad_of(self.optimizer, p), Where(shard_index(p, self.comm)))
+                for n, p in self.module.named_parameters()]
 
     def full_model(self) -> dict[str, torch.Tensor]:
         """The weights (the fp32 masters under mixed precision)."""
@@ -137,8 +139,8 @@ class ParamHoldings:
                 for n, p in self.module.named_parameters()}
 
     def full_grads(self) -> dict[str, torch.Tensor]:
-        return {n: gather_full(p.grad, getattr(p, SHARD, None), self.comm)
-                for n, p in self.module.named_parameters() if p.grad is not None}
+        return {n: gather_full(grad_of(self.optimizer, p), getattr(p, SHARD, None), self.comm)
+                for n, p in self.module.named_parameters() if grad_of(self.optimizer, p) is not None}
 
     def full_optimizer(self) -> dict[str, dict]:
         names = {master_of(self.optimizer, p): n for n, p in self.module.named_parameters()}
@@ -156,9 +158,13 @@ class ParamHoldings:
 
     def zero_grad(self) -> None:
         self.module.zero_grad(set_to_none=False)  # keep gradient buffers (DP buckets) in place
+        if getattr(self.optimizer, "persistent_grads", False):
+            self.optimizer.zero_grad()  # the fp32 buffers the masters hold
 
     def state_bytes(self) -> dict:
-        return model_state_bytes(list(self.module.parameters()), self.optimizer, master=master_bytes(self.optimizer))
+        params = list(self.module.parameters())
+        return model_state_bytes(params, self.optimizer, grads=[grad_of(self.optimizer, p) for p in params],
+                                 master=master_bytes(self.optimizer))
 
 
 def tensor_bytes(tensors) -> int:

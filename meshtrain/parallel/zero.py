@@ -38,7 +38,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from meshtrain.comm import METRICS, Comm
 from meshtrain.optim import SHARDED_OVER
 from meshtrain.parallel.data import check_replicas_agree, keep_grad_in, split_by_size
-from meshtrain.parallel.precision import master_bytes, master_of
+from meshtrain.parallel.precision import grad_holder, grad_of, master_bytes, master_of
 from meshtrain.parallel.state import SHARD, Piece, Where, gather_full, model_state_bytes, shard_index
 
 
@@ -105,9 +105,9 @@ class FlatGroup:
         for p in self.params:
             p.data = torch.empty(0, dtype=p.dtype, device=p.device)
 
-    def flat_from(self, tensors: list[torch.Tensor | None]) -> torch.Tensor:
+    def flat_from(self, tensors: list[torch.Tensor | None], dtype: torch.dtype | None = None) -> torch.Tensor:
         """One padded flat buffer of per-parameter tensors (None: zeros)."""
-        flat = _buffer(self.padded, self.shard)
+        flat = _buffer(self.padded, self.shard, dtype)
         for t, off in zip(tensors, self.offsets):
             if t is not None:
                 flat[off:off + t.numel()].copy_(t.reshape(-1))
@@ -134,7 +134,7 @@ class Zero:
 
     def __init__(self, model: nn.Module, comm: Comm, stage: int, *, axis: str = "dp", bucket_mb: float = 25.0,
                  blocks: str | None = None, reshard_after_forward: bool = True,
-                 on_event: Callable[[str, int], None] | None = None):
+                 on_event: Callable[[str, int], None] | None = None, grad_dtype: torch.dtype | None = None):
         if stage not in (1, 2, 3):
             raise ValueError(f"ZeRO stage {stage}: use 1, 2 or 3")
         self.comm, self.stage, self.axis = comm, stage, axis
@@ -151,19 +151,24 @@ class Zero:
         self.groups = [FlatGroup(i, label, [(name_of[p], p) for p in params], comm, axis, keep_full=stage < 3)
                        for i, (label, params, _) in enumerate(grouped)]
         self._group_of = {p: g for g in self.groups for p in g.params}
+        self.grad_dtype = grad_dtype or self.groups[0].shard.dtype
         self.pieces: list[tuple[str, torch.Tensor, Where, nn.Parameter]] = []
+        self.piece_grads: dict[torch.Tensor, torch.Tensor] = {}  # each piece's gradient (its .grad if dtypes agree)
         for g in self.groups:
             if stage == 1:  # the full gradient buffer stays (stage 2 removes it)
-                g.grad_full = _buffer(g.padded, g.shard)
+                g.grad_full = _buffer(g.padded, g.shard, self.grad_dtype)
                 g.grad_views = {p: g.grad_full[off:off + p.numel()].view_as(p) for p, off in zip(g.params, g.offsets)}
                 for p in g.params:
-                    p.grad = g.grad_views[p]
+                    if p.dtype == self.grad_dtype:  # else each backward's gradient is added in
+                        p.grad = g.grad_views[p]
                 g.grad_shard = g.grad_full[g.lo:g.hi]
             else:
-                g.grad_shard = _buffer(g.shard_size, g.shard)
+                g.grad_shard = _buffer(g.shard_size, g.shard, self.grad_dtype)
             for i, where, span in g.pieces:
                 value = g.shard[span]
-                value.grad = g.grad_shard[span]
+                self.piece_grads[value] = g.grad_shard[span]
+                if value.dtype == self.grad_dtype:
+                    value.grad = g.grad_shard[span]
                 setattr(value, SHARDED_OVER, (axis, *getattr(g.params[i], SHARDED_OVER, ())))
                 g.values.append(value)
                 self.pieces.append((g.names[i], value, where, g.params[i]))
@@ -209,10 +214,10 @@ class Zero:
         if self.stage == 1:
             source = g.grad_full
         else:
-            source = g.flat_from([p.grad for p in g.params])
+            source = g.flat_from([p.grad for p in g.params], self.grad_dtype)
             for p in g.params:
                 p.grad = None
-        out = _buffer(g.shard_size, g.shard)
+        out = _buffer(g.shard_size, g.shard, self.grad_dtype)
         self._pending.append((g, self.comm.reduce_scatter(out, source, self.axis, async_op=True), out, source))
         if self.stage == 3:
             self._free(g)  # its gradients are out: the full parameters are no longer needed
@@ -415,10 +420,10 @@ class ZeroHoldings:
         self.module, self.optimizer, self.comm, self.zero = module, optimizer, comm, zero
 
     def trained(self) -> list[torch.Tensor]:
-        return [value for _, value, _, _ in self.zero.pieces]
+        return [grad_holder(self.optimizer, value) for _, value, _, _ in self.zero.pieces]
 
     def pieces(self) -> list[Piece]:
-        held = [Piece(name, value, value.grad, where) for name, value, where, _ in self.zero.pieces]
+        held = [Piece(name, value, grad_of(self.optimizer, value), where) for name, value, where, _ in self.zero.pieces]
         if self.zero.stage < 3:  # the full parameters: the same on every dp rank
             held += [Piece(n, p, None, Where(shard_index(p, self.comm))) for n, p in self.module.named_parameters()]
         return held
