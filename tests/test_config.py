@@ -32,6 +32,7 @@ def cfg(**sections):
     ({"layout": {"recompute": "full"}}, None, "not in this version"),
     ({"layout": {"zero": -1}}, None, "use --zero 0, 1, 2 or 3"),
     ({"layout": {"precision": "fp16"}}, None, "use --precision fp32 | bf16"),
+    ({"layout": {"grad_dtype": "fp16"}}, None, "use --grad-dtype compute | fp32"),
     ({"layout": {"zero": 2, "keep_gathered": True}}, None, "--keep-gathered applies to --zero 3"),
     ({"model": {"name": "gpt-tiny"}, "layout": {"pp": 4, "dp": 1, "microbatches": 4}}, None,
      "fewer than pp×chunks = 4×1"),
