@@ -182,13 +182,13 @@ def parallelize(model: nn.Module, comm: Comm, layout: LayoutConfig, train: Train
         sync = zero = Zero(model, comm, layout.zero, bucket_mb=layout.bucket_mb, grad_dtype=grad_dtype,
                            reshard_after_forward=not layout.keep_gathered,
                            blocks=pipeline.blocks if pipeline is not None else None, **dp_options)
-        trained, grads = [(name, value) for name, value, _, _ in zero.pieces], zero.piece_grads
+        trained = [(name, value) for name, value, _, _ in zero.pieces]
     else:
         sync = DataParallel(model, comm, axis="dp", bucket_mb=layout.bucket_mb, grad_dtype=grad_dtype, **dp_options)
         trained = [(n, q) for n, q in model.named_parameters() if q.requires_grad]
-        grads = {q: sync.grad_view(q) for _, q in trained}
     if grad_dtype != compute_dtype:
-        optimizer = MasterWeights(trained, decay, train, grads={t: grads[t] for _, t in trained})
+        grads = zero.piece_grads if zero is not None else {t: sync.grad_view(t) for _, t in trained}
+        optimizer = MasterWeights(trained, decay, train, grads=grads)
     else:
         optimizer = new_optimizer(trained, decay, train)
     holdings = None
