@@ -145,10 +145,9 @@ def parallelize(model: nn.Module, comm: Comm, layout: LayoutConfig, train: Train
     decay = {n for n, p in model.named_parameters() if p.dim() >= 2}
     # Mixed precision first: every strategy below then holds, sends and shards bf16 tensors.
     compute_dtype = COMPUTE_DTYPES[layout.precision]
-    new_optimizer = build_optimizer
     if compute_dtype != torch.float32:
         model.to(compute_dtype)
-        loss_fn, new_optimizer = fp32_loss(loss_fn), MasterWeights
+        loss_fn = fp32_loss(loss_fn)
     # Dropout masks from (seed, step, sample, site), so that every layout drops the same elements.
     keys = None
     if any(isinstance(m, nn.Dropout) and m.p > 0 for m in model.modules()):
@@ -186,11 +185,13 @@ def parallelize(model: nn.Module, comm: Comm, layout: LayoutConfig, train: Train
     else:
         sync = DataParallel(model, comm, axis="dp", bucket_mb=layout.bucket_mb, grad_dtype=grad_dtype, **dp_options)
         trained = [(n, q) for n, q in model.named_parameters() if q.requires_grad]
-    if grad_dtype != compute_dtype:
-        grads = zero.piece_grads if zero is not None else {t: sync.grad_view(t) for _, t in trained}
+    if compute_dtype == torch.float32:
+        optimizer = build_optimizer(trained, decay, train)
+    else:  # fp32 masters; they hold the gradients too when those live apart in fp32
+        grads = None
+        if grad_dtype != compute_dtype:
+            grads = zero.piece_grads if zero is not None else {t: sync.grad_view(t) for _, t in trained}
         optimizer = MasterWeights(trained, decay, train, grads=grads)
-    else:
-        optimizer = new_optimizer(trained, decay, train)
     holdings = None
     if zero is not None:
         if layout.zero < 3:

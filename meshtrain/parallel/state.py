@@ -152,7 +152,8 @@ class ParamHoldings:
             for name, p in params.items():
                 part = Where(shard_index(p, self.comm)).take(model[name])
                 p.copy_(part)
-                master_of(self.optimizer, p).copy_(part)  # the same tensor without mixed precision
+                if master_of(self.optimizer, p) is not p:  # mixed precision: the fp32 master too
+                    master_of(self.optimizer, p).copy_(part)
         load_optimizer_state(self.optimizer, {n: master_of(self.optimizer, p) for n, p in params.items()}, optim,
                              self.comm)
 

@@ -355,6 +355,7 @@ class Zero:
             self._launch_gather(self.groups[g.index - 1])
 
     def _gather_for_backward(self, g: FlatGroup) -> None:
+        """Its own seam: the mutant that frees a block before its backward leaves it out."""
         self._gather(g)
 
     def _pack(self, t: torch.Tensor):
@@ -476,7 +477,8 @@ class ZeroHoldings:
                 else:
                     g.shard.copy_(flat[g.lo:g.hi])
             for name, value, where, _ in self.zero.pieces:
-                master_of(self.optimizer, value).copy_(where.take(model[name]))  # itself in fp32
+                if master_of(self.optimizer, value) is not value:  # mixed precision: the fp32 masters
+                    master_of(self.optimizer, value).copy_(where.take(model[name]))
         for _, value, _, _ in self.zero.pieces:
             self.optimizer.state.pop(master_of(self.optimizer, value), None)
         for name, value, where, _ in self.zero.pieces:
