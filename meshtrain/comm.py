@@ -11,7 +11,25 @@ bandwidth-optimal algorithms the papers' formulas assume, for B bytes and n rank
 Reductions made only to report numbers or to check (the logged loss, the gradient norm,
 fingerprints) are counted under "metrics", apart from the model's own traffic, so that
 per-axis figures match the formulas exactly. On an axis of size 1 a collective is a no-op
-and counts nothing."""
+and counts nothing.
+
+The formulas are functions here (`all_reduce_bytes`, `all_gather_bytes`) so that a choice
+between strategies (`linear_sync_bytes`, the planner) predicts exactly what is counted.
+
+One such choice: making a linear layer's weight gradient whole over N data-parallel ranks.
+∇W = δᵀ·x sums over rows (samples, or tokens), so instead of all-reducing ∇W [n_out × n_in]
+each rank can all-gather every rank's inputs x and output-gradients δ and form ∇W itself;
+the bias gradient is the column sum of δ and comes free. For B rows in the global batch:
+
+    all-reduce   2(N-1)/N · (n_in + 1)·n_out    elements of the gradient (the +1: the bias)
+    all-gather    (N-1)/N · B·(n_in + n_out)    elements of the activations
+
+Counted as each rank's own data (n_in·n_out against b·(n_in + n_out) for b = B/N rows per
+rank), the all-gather wins when b < n/2 for a square layer; counted as sent bytes, as here,
+it wins when B < 2·(n_in + 1)·n_out/(n_in + n_out) — B < n + 1 for a square layer, i.e.
+b < n/N: the same rule at N = 2, stricter beyond, because an all-reduce's bytes do not grow
+with N while the gathered rows do. Micro-batches do not change either side: the all-reduce
+runs once per step, and each micro-batch gathers only its own B/m rows."""
 
 from __future__ import annotations
 
@@ -65,8 +83,7 @@ class Comm:
     def all_reduce(self, tensor: torch.Tensor, axis: str, *, op=dist.ReduceOp.SUM, async_op: bool = False,
                    purpose: str | None = None):
         """Sum (or `op`) `tensor` in place over the ranks of `axis`."""
-        n = self.mesh.size(axis)
-        return self._run(axis, "all_reduce", purpose, 2 * (n - 1) / n * _nbytes(tensor), async_op,
+        return self._run(axis, "all_reduce", purpose, all_reduce_bytes(_nbytes(tensor), self.mesh.size(axis)), async_op,
                          lambda g: dist.all_reduce(tensor, op=op, group=g, async_op=async_op))
 
     def all_gather(self, output: torch.Tensor, shard: torch.Tensor, axis: str, *, async_op: bool = False,
@@ -75,7 +92,7 @@ class Comm:
         n = self.mesh.size(axis)
         if n == 1:
             output.copy_(shard)
-        return self._run(axis, "all_gather", purpose, (n - 1) / n * _nbytes(output), async_op,
+        return self._run(axis, "all_gather", purpose, all_gather_bytes(_nbytes(output), n), async_op,
                          lambda g: _all_gather_tensor(output, shard, group=g, async_op=async_op))
 
     def reduce_scatter(self, output: torch.Tensor, tensor: torch.Tensor, axis: str, *, op=dist.ReduceOp.SUM,
@@ -84,7 +101,7 @@ class Comm:
         n = self.mesh.size(axis)
         if n == 1:
             output.copy_(tensor)
-        return self._run(axis, "reduce_scatter", purpose, (n - 1) / n * _nbytes(tensor), async_op,
+        return self._run(axis, "reduce_scatter", purpose, all_gather_bytes(_nbytes(tensor), n), async_op,
                          lambda g: _reduce_scatter_tensor(output, tensor, op=op, group=g, async_op=async_op))
 
     def gather_along(self, x: torch.Tensor, axis: str, dim: int, *, purpose: str | None = None) -> torch.Tensor:
@@ -104,8 +121,7 @@ class Comm:
     def broadcast(self, tensor: torch.Tensor, axis: str, *, src_coord: int = 0, async_op: bool = False,
                   purpose: str | None = None):
         """Every rank of `axis` receives the tensor of the rank at coordinate `src_coord`."""
-        n = self.mesh.size(axis)
-        return self._run(axis, "broadcast", purpose, (n - 1) / n * _nbytes(tensor), async_op,
+        return self._run(axis, "broadcast", purpose, all_gather_bytes(_nbytes(tensor), self.mesh.size(axis)), async_op,
                          lambda g: dist.broadcast(tensor, group=g, async_op=async_op,
                                                   src=self.mesh.rank_at(axis, src_coord)))
 
@@ -143,3 +159,34 @@ class Comm:
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+def all_reduce_bytes(nbytes: float, n: int) -> float:
+    """What each of `n` ranks sends to all-reduce `nbytes` (ring: reduce-scatter, all-gather)."""
+    return 2 * (n - 1) / n * nbytes
+
+
+def all_gather_bytes(total_nbytes: float, n: int) -> float:
+    """What each of `n` ranks sends to all-gather `total_nbytes` in all (or to reduce-scatter
+    them, or to broadcast them)."""
+    return (n - 1) / n * total_nbytes
+
+
+LINEAR_SYNCS = ("allreduce", "allgather")
+
+
+def linear_sync_bytes(n_in: int, n_out: int, bias: bool, rows: int, n: int, *, grad_size: int = 4,
+                      activation_size: int = 4) -> dict[str, float]:
+    """Bytes each of `n` data-parallel ranks sends per step to make one linear layer's weight
+    (and bias) gradient whole, for `rows` rows in the global batch: {"allreduce": …,
+    "allgather": …}. Gradients are `grad_size` bytes an element, activations
+    `activation_size` (they differ under bf16 with --grad-dtype fp32)."""
+    return {"allreduce": all_reduce_bytes((n_in + bias) * n_out * grad_size, n),
+            "allgather": all_gather_bytes(rows * (n_in + n_out) * activation_size, n)}
+
+
+def cheaper_linear_sync(n_in: int, n_out: int, bias: bool, rows: int, n: int, **sizes) -> str:
+    """The rule `--dp-linear-sync auto` applies per layer: all-gather exactly when it sends
+    fewer bytes (a tie all-reduces: the simpler path, and no extra compute)."""
+    sent = linear_sync_bytes(n_in, n_out, bias, rows, n, **sizes)
+    return "allgather" if sent["allgather"] < sent["allreduce"] else "allreduce"

@@ -12,12 +12,13 @@ import os
 import tomllib
 from dataclasses import dataclass, field
 
-from meshtrain.models.presets import PRESETS, GPTSpec
+from meshtrain.models.presets import PRESETS, GPTSpec, MLPSpec, parse_widths, spec_of
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
 RECOMPUTE = ("none", "full", "selective")
 PRECISIONS = ("fp32", "bf16")
 GRAD_DTYPES = ("compute", "fp32")
+LINEAR_SYNCS = ("allreduce", "allgather", "auto")
 ATTENTIONS = ("sdpa", "math")
 DEVICES = ("auto", "cpu", "cuda")
 BUILTIN_DATA = ("shakespeare", "digits")
@@ -32,6 +33,11 @@ class ModelConfig:
     name: str = "gpt-small"
     dropout: float = 0.0  # on the embedding, attention output, MLP output (and attention probabilities on `math`)
     attention: str = "sdpa"
+    mlp_hidden: str = ""  # the MLP's hidden widths, e.g. "1024,1024"; empty: the preset's
+
+    def spec(self) -> GPTSpec | MLPSpec:
+        """The preset with this configuration's changes (validated first: `validate`)."""
+        return spec_of(self.name, self.mlp_hidden)
 
 
 @dataclass
@@ -51,6 +57,7 @@ class LayoutConfig:
     grad_dtype: str = "compute"  # "fp32": gradients accumulated (and reduced) in fp32 under bf16
     bucket_mb: float = 25.0
     keep_gathered: bool = False  # ZeRO-3: keep each block's parameters gathered from forward to backward
+    dp_linear_sync: str = "allreduce"  # per linear layer: all-reduce its weight gradient, or all-gather its rows
     stage_layers: str = ""  # blocks per virtual stage, e.g. "3,3,2"; empty: as even as possible
 
     def stage_layer_counts(self) -> list[int] | None:
@@ -113,6 +120,8 @@ FLAGS = [
     ("--model", "model", "name", str, f"model preset: {', '.join(PRESETS)}"),
     ("--dropout", "model", "dropout", float, "dropout probability of the GPT, in [0, 1); masks drawn per sample "
      "from the seed, the same in every layout"),
+    ("--mlp-hidden", "model", "mlp_hidden", str, "hidden widths of --model mlp, comma-separated, e.g. 1024,1024 "
+     "(default 128,128,128)"),
     ("--attention", "model", "attention", str, "sdpa (fused kernel) | math (the score matrix materialised; "
      "the only path with attention-probability dropout)"),
     ("--data", "train", "data", str, "'shakespeare' (bundled), 'digits' (for --model mlp), or a text file/folder"),
@@ -131,6 +140,10 @@ FLAGS = [
     ("--precision", "layout", "precision", str, "|".join(PRECISIONS) + " (bf16: fp32 master weights and moments)"),
     ("--grad-dtype", "layout", "grad_dtype", str, "compute (gradients in the compute precision) | fp32 "
      "(accumulated and reduced in fp32 across micro-batches: 2 more bytes per parameter under bf16)"),
+    ("--dp-linear-sync", "layout", "dp_linear_sync", str, "|".join(LINEAR_SYNCS) + ": per linear layer, how data "
+     "parallelism makes its weight gradient whole: all-reduce it, or all-gather the layer's inputs and "
+     "output-gradients and form it locally (fewer bytes when the global rows B < 2·n_in·n_out/(n_in+n_out)); "
+     "auto picks the cheaper per layer"),
     ("--bucket-mb", "layout", "bucket_mb", float, "DP gradient bucket size in MB"),
     ("--stage-layers", "layout", "stage_layers", str, "blocks per pipeline (virtual) stage, e.g. 3,3,2 "
      "(default: as even as possible)"),
@@ -255,6 +268,14 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         raise ConfigError(f"--dropout {m.dropout}: use a probability in [0, 1)")
     if m.attention not in ATTENTIONS:
         raise ConfigError(f"unknown attention '{m.attention}'; use --attention {' | '.join(ATTENTIONS)}")
+    if m.mlp_hidden:
+        if not isinstance(PRESETS[m.name], MLPSpec):
+            raise ConfigError(f"--mlp-hidden sets the widths of --model mlp, not {m.name}; drop it")
+        try:
+            parse_widths(m.mlp_hidden)
+        except ValueError:
+            raise ConfigError(f"--mlp-hidden {m.mlp_hidden}: give positive comma-separated widths, "
+                              f"e.g. 1024,1024") from None
     if m.dropout and not isinstance(PRESETS[m.name], GPTSpec):
         raise ConfigError(f"--dropout applies to the GPT models, not {m.name}; drop it")
     if lay.schedule not in SCHEDULES:
@@ -267,6 +288,12 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         raise ConfigError(f"--zero {lay.zero}: use --zero 0, 1, 2 or 3")
     if lay.grad_dtype not in GRAD_DTYPES:
         raise ConfigError(f"unknown gradient dtype '{lay.grad_dtype}'; use --grad-dtype {' | '.join(GRAD_DTYPES)}")
+    if lay.dp_linear_sync not in LINEAR_SYNCS:
+        raise ConfigError(f"unknown linear-layer sync '{lay.dp_linear_sync}'; use --dp-linear-sync "
+                          f"{' | '.join(LINEAR_SYNCS)}")
+    if lay.dp_linear_sync == "allgather" and (lay.zero or lay.tp > 1 or lay.pp > 1):
+        raise ConfigError("--dp-linear-sync allgather is built for plain data parallelism (with micro-batches), "
+                          "not yet with --zero, --tp or --pp; use --dp-linear-sync allreduce")
     if lay.keep_gathered and lay.zero != 3:
         raise ConfigError("--keep-gathered applies to --zero 3 (the only stage that frees parameters); drop it")
     if world_size is not None and world_size != lay.world_size:
@@ -277,7 +304,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         raise ConfigError(f"--batch-size {tr.batch_size} is not divisible by dp×microbatches = {lay.dp}×"
                           f"{lay.microbatches} = {per_step}; use a multiple of {per_step}")
     _validate_data(cfg)
-    spec = PRESETS[m.name]
+    spec = m.spec()
     _validate_tensor_parallel(cfg, spec)
     _validate_pipeline(cfg, spec)
     if isinstance(spec, GPTSpec):
@@ -302,6 +329,12 @@ def warnings(cfg: Config, command: str = "train") -> list[str]:
                      f"(the bubble); use --microbatches {lay.pp} or more")
     if lay.zero and lay.dp == 1:
         found.append(f"--zero {lay.zero} with dp=1: there is no data-parallel group to shard over; it runs as --zero 0")
+    if lay.dp_linear_sync == "allgather" and lay.dp == 1:
+        found.append("--dp-linear-sync allgather with dp=1: there are no other ranks' rows to gather; "
+                     "nothing is sent either way")
+    if lay.dp_linear_sync == "auto" and (lay.zero or lay.tp > 1 or lay.pp > 1):
+        found.append("--dp-linear-sync auto: the all-gather path is built for plain data parallelism only; "
+                     "with --zero, --tp or --pp every linear layer all-reduces")
     return found
 
 

@@ -19,7 +19,7 @@ from meshtrain.config import Config, tokens_per_sample
 from meshtrain.generate import sample
 from meshtrain.metrics import peak_rss_mib, plot_losses
 from meshtrain.models import build_model
-from meshtrain.models.presets import PRESETS, GPTSpec
+from meshtrain.models.presets import GPTSpec
 from meshtrain.plan.cost import gpt_flops_per_step, mlp_flops_per_step, peak_flops
 from meshtrain.train import RunResult
 
@@ -40,7 +40,7 @@ def gather(result: RunResult, comm: Comm) -> dict | None:
 
 def flops_per_step(cfg: Config, data) -> float:
     """Model FLOPs of one step on the global batch (the formula the planner uses)."""
-    spec = PRESETS[cfg.model.name]
+    spec = cfg.model.spec()
     if isinstance(spec, GPTSpec):
         return gpt_flops_per_step(spec, data.vocab_size, cfg.train.batch_size, cfg.train.seq_len)
     return mlp_flops_per_step(spec, data.n_inputs, data.n_classes, cfg.train.batch_size)

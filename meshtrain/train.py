@@ -60,7 +60,8 @@ def build(cfg: Config, device):
     tr = cfg.train
     data = open_dataset(tr.data, cfg.model.name, tr.vocab_size, tr.seq_len, tr.seed)
     if cfg.model.name == "mlp":
-        model = build_model("mlp", tr.seed, n_inputs=data.n_inputs, n_classes=data.n_classes, device=device)
+        model = build_model("mlp", tr.seed, n_inputs=data.n_inputs, n_classes=data.n_classes,
+                            mlp_hidden=cfg.model.mlp_hidden, device=device)
     else:
         model = build_model(cfg.model.name, tr.seed, vocab_size=data.vocab_size, dropout=cfg.model.dropout,
                             attention=cfg.model.attention, device=device)
@@ -71,7 +72,8 @@ def setup(cfg: Config, comm: Comm, **dp_options) -> tuple[object, Parallelized]:
     """Data, and the model with the layout's strategies applied and its optimizer."""
     data, model = build(cfg, comm.mesh.device)
     return data, parallelize(model, comm, cfg.layout, cfg.train, plan=plan_for(cfg.model.name),
-                             pipeline=stages.plan_for(cfg.model.name), **dp_options)
+                             pipeline=stages.plan_for(cfg.model.spec()), rows_per_sample=tokens_per_sample(cfg),
+                             **dp_options)
 
 
 def loss_terms_per_step(cfg: Config) -> int:
@@ -124,6 +126,9 @@ def train(cfg: Config, comm: Comm, *, observer: StepObserver | None = None, prog
           step_log: StepLog | None = None, trace: bool = False, **dp_options) -> RunResult:
     mesh, tr = comm.mesh, cfg.train
     data, p = setup(cfg, comm, **dp_options)
+    if mesh.is_main:
+        for note in p.notes:
+            print(f"meshtrain: {note}", file=sys.stderr)
     recorder = pipeline_trace.Recorder(mesh.device) if trace else None
     if recorder:
         p.runner.recorder = recorder

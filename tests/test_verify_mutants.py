@@ -34,13 +34,14 @@ def mutant_config(**layout) -> Config:
 
 
 # The layouts the mutants run in: data parallelism; tensor parallelism with and without SP;
-# pipelines (1F1B, GPipe) and a pipeline with data parallelism; ZeRO stages 1 and 3.
+# pipelines (1F1B, GPipe) and a pipeline with data parallelism; ZeRO stages 1 and 3; data
+# parallelism with every linear layer on the all-gather path.
 LAYOUTS = {"dp": mutant_config(), "tp": mutant_config(dp=1, tp=2, microbatches=1),
            "tp-sp": mutant_config(dp=1, tp=2, sp=True, microbatches=1),
            "pp": mutant_config(dp=1, pp=2, microbatches=4), "pp-gpipe": mutant_config(dp=1, pp=2, microbatches=4,
                                                                                        schedule="gpipe"),
            "dp-pp": mutant_config(pp=2, microbatches=2), "zero1": mutant_config(zero=1),
-           "zero3": mutant_config(zero=3)}
+           "zero3": mutant_config(zero=3), "dp-allgather": mutant_config(dp_linear_sync="allgather")}
 
 
 # ---- the mutants: each returns the patches that break one thing ---------------------------
@@ -214,6 +215,20 @@ def reduce_scatter_without_the_sum():
     return [mock.patch.object(Comm, "reduce_scatter", scatter)]
 
 
+def errors_not_gathered():
+    """All-gather DP for linear layers: the inputs are gathered but not the errors: each
+    rank pairs every rank's inputs with its own output-gradients, repeated."""
+    from meshtrain.parallel.linear_gather import LinearGather
+    real = LinearGather.inputs_and_errors
+
+    def mine_only(self, layer, gathered):
+        xs, ds = real(self, layer, gathered)
+        n, coord = self.comm.mesh.size(self.axis), self.comm.mesh.coord(self.axis)
+        rows = ds.shape[0] // n
+        return xs, ds[coord * rows:(coord + 1) * rows].repeat(n, 1)
+    return [mock.patch.object(LinearGather, "inputs_and_errors", mine_only)]
+
+
 # name -> (the mutant, the layout it runs in)
 MUTANTS = {f.__name__: (f, layout) for f, layout in (
     (local_loss_normalizer, "dp"), (averaged_on_top_of_the_sum, "dp"), (bucket_skipped_on_a_middle_step, "dp"),
@@ -221,7 +236,8 @@ MUTANTS = {f.__name__: (f, layout) for f, layout in (
     (column_input_gradient_not_reduced, "tp"), (layernorm_gradients_not_reduced_under_sp, "tp-sp"),
     (cross_entropy_without_the_max_all_reduce, "tp"), (microbatches_share_one_receive_buffer, "pp-gpipe"),
     (a_stage_skips_its_data_parallel_sync, "dp-pp"), (first_microbatch_gradients_dropped, "pp"),
-    (a_rank_updates_another_ranks_partition, "zero1"), (reduce_scatter_without_the_sum, "zero3"))}
+    (a_rank_updates_another_ranks_partition, "zero1"), (reduce_scatter_without_the_sum, "zero3"),
+    (errors_not_gathered, "dp-allgather"))}
 # The step at which each mutant first does harm.
 FIRST_BAD_STEP = {name: MIDDLE if name == "bucket_skipped_on_a_middle_step" else 1 for name in MUTANTS}
 
@@ -241,7 +257,7 @@ def _records_of_every_mutant(mesh, layouts):
 
 @pytest.fixture(scope="module")
 def verdicts():
-    records = run_ranks(_records_of_every_mutant, 2, ["dp", "zero1", "zero3"])[0]
+    records = run_ranks(_records_of_every_mutant, 2, ["dp", "zero1", "zero3", "dp-allgather"])[0]
     records.update(run_ranks(_records_of_every_mutant, 2, ["tp", "tp-sp"], tp=2)[0])
     records.update(run_ranks(_records_of_every_mutant, 2, ["pp", "pp-gpipe"], pp=2)[0])
     records.update(run_ranks(_records_of_every_mutant, 4, ["dp-pp"], pp=2)[0])

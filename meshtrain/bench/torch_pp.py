@@ -70,7 +70,7 @@ def torch_pp_setup(cfg: Config, comm: Comm) -> Parallelized:
     _, model = build(cfg, mesh.device)
     n_params = sum(q.numel() for q in model.parameters())
     decay = {n for n, q in model.named_parameters() if q.dim() >= 2}
-    stage = Stage(model, plan_for(cfg.model.name), mesh.coord("pp"), lay.pp, lay.chunks,
+    stage = Stage(model, plan_for(cfg.model.spec()), mesh.coord("pp"), lay.pp, lay.chunks,
                   lay.stage_layer_counts())
     torch_stages = [PipelineStage(_VirtualStage(stage, c), stage.virtual(c), lay.pp * lay.chunks, mesh.device,
                                   group=mesh.group("pp")) for c in range(lay.chunks)]

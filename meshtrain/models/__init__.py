@@ -5,12 +5,14 @@ import dataclasses
 
 import torch
 
-from meshtrain.models.presets import PRESETS, GPTSpec, MLPSpec
+from meshtrain.models.presets import GPTSpec, MLPSpec, spec_of
 
 
 def build_model(name: str, seed: int, *, vocab_size: int = 256, n_inputs: int = 64, n_classes: int = 10,
-                dropout: float = 0.0, attention: str = "sdpa", device: torch.device | str = "cpu") -> torch.nn.Module:
-    spec = PRESETS[name]
+                dropout: float = 0.0, attention: str = "sdpa", mlp_hidden: str = "",
+                device: torch.device | str = "cpu") -> torch.nn.Module:
+    """The preset `name` from `seed` (`mlp_hidden`: the MLP's hidden widths, e.g. "1024,1024")."""
+    spec = spec_of(name, mlp_hidden)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         if isinstance(spec, GPTSpec):

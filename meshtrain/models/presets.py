@@ -1,7 +1,7 @@
 """Named model sizes. Pure data (no torch import) so that the command line can validate a
 layout against the model before any process starts."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
@@ -35,3 +35,17 @@ PRESETS: dict[str, GPTSpec | MLPSpec] = {
     # The classic data-parallel example: Linear+ReLU layers on 8x8 digits.
     "mlp": MLPSpec(hidden=(128, 128, 128)),
 }
+
+
+def parse_widths(text: str) -> tuple[int, ...]:
+    """'1024,1024' -> (1024, 1024); ValueError unless positive integers."""
+    widths = tuple(int(w) for w in text.split(","))
+    if not widths or min(widths) < 1:
+        raise ValueError(text)
+    return widths
+
+
+def spec_of(name: str, mlp_hidden: str = "") -> GPTSpec | MLPSpec:
+    """The preset `name`, with the MLP's hidden widths replaced when `mlp_hidden` gives them."""
+    spec = PRESETS[name]
+    return replace(spec, hidden=parse_widths(mlp_hidden)) if mlp_hidden else spec

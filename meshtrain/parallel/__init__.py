@@ -13,7 +13,7 @@ user's own loop go through it alike."""
 from __future__ import annotations
 
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -25,6 +25,7 @@ from meshtrain.loss import cross_entropy_sum
 from meshtrain.optim import build_optimizer
 from meshtrain.parallel.data import DataParallel
 from meshtrain.parallel.dropout import DropoutKeys, seed_dropout
+from meshtrain.parallel.linear_gather import LinearGather, choose_linear_syncs
 from meshtrain.parallel.pipeline.engine import PipelineRunner
 from meshtrain.parallel.precision import COMPUTE_DTYPES, MasterWeights, fp32_loss, grad_holder
 from meshtrain.parallel.pipeline.schedules import schedule
@@ -81,6 +82,7 @@ class Parallelized:
     dropout_keys: DropoutKeys | None = None  # set before each micro-batch when dropout is on
     holdings: object = None  # ParamHoldings unless a strategy (ZeRO) says otherwise
     compute_dtype: torch.dtype = torch.float32  # floating inputs are cast to it (bf16 under mixed precision)
+    notes: list[str] = field(default_factory=list)  # what the strategies decided, to say once at start
 
     def __post_init__(self):
         if self.holdings is None:
@@ -135,11 +137,12 @@ class Parallelized:
 
 def parallelize(model: nn.Module, comm: Comm, layout: LayoutConfig, train: TrainConfig, *,
                 plan: TensorPlan | None = None, pipeline: PipelinePlan | None = None, loss_fn=cross_entropy_sum,
-                **dp_options) -> Parallelized:
+                rows_per_sample: int = 1, **dp_options) -> Parallelized:
     """Apply the layout's strategies to `model` (in place; it must hold the full weights, the
     same on every rank) and build the optimizer on the result. Tensor parallelism needs the
     model's `plan` (module names to styles); pipeline parallelism its `pipeline` (the parts
-    before, the block list, the parts after)."""
+    before, the block list, the parts after). `rows_per_sample`: the rows a sample gives each
+    linear layer (its tokens; 1 for an image), for `--dp-linear-sync auto`'s byte counts."""
     n_params = sum(p.numel() for p in model.parameters())
     # Decided on the full parameters, before any strategy reshapes them: matrices decay.
     decay = {n for n, p in model.named_parameters() if p.dim() >= 2}
@@ -176,6 +179,8 @@ def parallelize(model: nn.Module, comm: Comm, layout: LayoutConfig, train: Train
     # Gradients in the compute dtype, or (--grad-dtype fp32) in fp32 buffers apart from the
     # bf16 tensors, which the fp32 masters then hold as their `.grad`.
     grad_dtype = torch.float32 if layout.grad_dtype == "fp32" else compute_dtype
+    notes = []
+    linear = _linear_gather(model, comm, layout, train.batch_size * rows_per_sample, grad_dtype, compute_dtype, notes)
     zero = None
     if layout.zero and comm.mesh.size("dp") > 1:  # ZeRO with one dp rank has nothing to shard: plain DP
         sync = zero = Zero(model, comm, layout.zero, bucket_mb=layout.bucket_mb, grad_dtype=grad_dtype,
@@ -183,24 +188,47 @@ def parallelize(model: nn.Module, comm: Comm, layout: LayoutConfig, train: Train
                            blocks=pipeline.blocks if pipeline is not None else None, **dp_options)
         trained = [(name, value) for name, value, _, _ in zero.pieces]
     else:
-        sync = DataParallel(model, comm, axis="dp", bucket_mb=layout.bucket_mb, grad_dtype=grad_dtype, **dp_options)
+        sync = DataParallel(model, comm, axis="dp", bucket_mb=layout.bucket_mb, grad_dtype=grad_dtype,
+                            elsewhere=linear.params if linear else [], **dp_options)
         trained = [(n, q) for n, q in model.named_parameters() if q.requires_grad]
     if compute_dtype == torch.float32:
         optimizer = build_optimizer(trained, decay, train)
     else:  # fp32 masters; they hold the gradients too when those live apart in fp32
         grads = None
         if grad_dtype != compute_dtype:
-            grads = zero.piece_grads if zero is not None else {t: sync.grad_view(t) for _, t in trained}
+            grads = zero.piece_grads if zero is not None else {
+                t: (linear if linear and linear.owns(t) else sync).grad_view(t) for _, t in trained}
         optimizer = MasterWeights(trained, decay, train, grads=grads)
     holdings = None
     if zero is not None:
         if layout.zero < 3:
             optimizer.register_step_post_hook(lambda *_: zero.gather_params())
         holdings = ZeroHoldings(model, optimizer, comm, zero)
-    syncs = [sync]
+    syncs = [sync, linear] if linear else [sync]
     if whole:  # summed over tp wherever their gradients live
         tensors = zero.pieces_of(whole) if zero is not None else whole
         syncs.append(TensorParallelSync([grad_holder(optimizer, t) for t in tensors], comm))
     grad_sync = syncs[0] if len(syncs) == 1 else GradSyncs(*syncs)
     return Parallelized(model, loss_fn, grad_sync, optimizer, runner, comm, n_params, dropout_keys=keys,
-                        holdings=holdings, compute_dtype=compute_dtype)
+                        holdings=holdings, compute_dtype=compute_dtype, notes=notes)
+
+
+def _linear_gather(model: nn.Module, comm: Comm, layout: LayoutConfig, rows: int, grad_dtype: torch.dtype,
+                   compute_dtype: torch.dtype, notes: list[str]) -> LinearGather | None:
+    """The linear layers `--dp-linear-sync` puts on the all-gather path, and their
+    synchroniser (None when none is). The choice of each layer goes into `notes`."""
+    mode, n = layout.dp_linear_sync, comm.mesh.size("dp")
+    if mode == "allreduce" or n == 1:
+        return None
+    if layout.zero or comm.mesh.size("tp") > 1 or comm.mesh.size("pp") > 1:
+        if mode == "allgather":
+            raise ValueError("--dp-linear-sync allgather is built for plain data parallelism, not with ZeRO, "
+                             "tensor or pipeline parallelism")
+        notes.append("--dp-linear-sync auto: every linear layer all-reduces (the all-gather path is built for "
+                     "plain data parallelism only)")
+        return None
+    size = torch.tensor([], dtype=grad_dtype).element_size()
+    choices = choose_linear_syncs(model, mode, rows, n, grad_size=size,
+                                  activation_size=torch.tensor([], dtype=compute_dtype).element_size())
+    notes.extend(f"--dp-linear-sync {mode}: {c.describe()}" for c in choices)
+    return LinearGather(model, comm, choices, grad_dtype=grad_dtype)

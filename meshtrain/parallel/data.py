@@ -51,13 +51,18 @@ class DataParallel:
     The model is not wrapped: its forward, names and state dict stay as they were."""
 
     def __init__(self, model: nn.Module, comm: Comm, *, axis: str = "dp", bucket_mb: float = 25.0,
-                 on_launch: Callable[[int], None] | None = None, grad_dtype: torch.dtype | None = None):
+                 on_launch: Callable[[int], None] | None = None, grad_dtype: torch.dtype | None = None,
+                 elsewhere: list[nn.Parameter] = ()):
+        """`elsewhere`: parameters another synchroniser makes whole (the linear layers on the
+        all-gather path); they get no bucket, but are checked to agree like the rest."""
         self.comm, self.axis, self.on_launch = comm, axis, on_launch
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        skip = set(elsewhere)
+        bucketed = [p for _, p in reversed(named) if p not in skip]
         self.buckets = [Bucket(i, group, grad_dtype) for i, group in
-                        enumerate(split_by_size([p for _, p in reversed(named)], int(bucket_mb * 2**20)))]
+                        enumerate(split_by_size(bucketed, int(bucket_mb * 2**20)))]
         self._bucket_of = {p: b for b in self.buckets for p in b.params}
-        check_replicas_agree(comm, axis, named, [b.params for b in self.buckets])
+        check_replicas_agree(comm, axis, named, [b.params for b in self.buckets] + [list(elsewhere)])
         for b in self.buckets:
             for p in b.params:
                 if b.buffer.dtype == p.dtype:  # else each backward's gradient is added in (grad_dtype)

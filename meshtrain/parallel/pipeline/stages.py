@@ -34,10 +34,9 @@ def mlp_plan(width: int) -> PipelinePlan:
     return PipelinePlan((), "blocks", ("head",), lambda b, s: (b, width))
 
 
-def plan_for(model_name: str) -> PipelinePlan:
-    """How a preset is cut: meshtrain's own models are reached only through their plans."""
-    from meshtrain.models.presets import PRESETS, GPTSpec
-    spec = PRESETS[model_name]
+def plan_for(spec) -> PipelinePlan:
+    """How a preset (its spec) is cut: meshtrain's own models are reached only through their plans."""
+    from meshtrain.models.presets import GPTSpec
     return gpt_plan(spec.d_model) if isinstance(spec, GPTSpec) else mlp_plan(spec.hidden[-1])
 
 
