@@ -38,6 +38,13 @@ def measured_crossover(result: dict, key: str) -> int | None:
     return None
 
 
+def whole_model_crossover(result: dict) -> float:
+    """B below which gathering every layer sends fewer bytes than all-reducing every layer:
+    2·Σ(n_in + 1)·n_out / Σ(n_in + n_out)."""
+    shapes = [tuple(int(w) for w in layer.split("→")) for layer in result["predicted_crossover"]]
+    return 2 * sum((a + 1) * b for a, b in shapes) / sum(a + b for a, b in shapes)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("results", nargs="+")
@@ -63,10 +70,10 @@ def main() -> None:
             ax.set_title(f"MLP 64→{r['hidden'].replace(',', '→')}→10, dp = {r['dp']}")
             ax.legend(fontsize=8)
         print(table(r))
-        print(f"\nmeasured crossover (first swept B where all-gather is not below all-reduce): bytes "
-              f"{measured_crossover(r, 'dp_bytes_per_step')}, time {measured_crossover(r, 'step_time_median_s')}; "
-              f"predicted per layer: " + ", ".join(f"{k} B < {v:.0f}" for k, v in r["predicted_crossover"].items())
-              + "\n")
+        print(f"\nmeasured crossover of the whole model (first swept B where all-gather is not below all-reduce): "
+              f"bytes {measured_crossover(r, 'dp_bytes_per_step')} (predicted B < {whole_model_crossover(r):.0f}), "
+              f"time {measured_crossover(r, 'step_time_median_s')}; predicted per layer: "
+              + ", ".join(f"{k} B < {v:.0f}" for k, v in r["predicted_crossover"].items()) + "\n")
     fig.tight_layout()
     fig.savefig(args.png, dpi=110)
     print(f"wrote {args.png}")

@@ -182,6 +182,8 @@ def _coerce(value, typ, where: str):
             return value
     elif isinstance(value, typ):
         return value
+    elif typ is str and isinstance(value, list) and value and all(type(v) is int for v in value):
+        return ",".join(str(v) for v in value)  # TOML's [1024, 1024] for "1024,1024"
     raise ConfigError(f"{where} must be {typ.__name__}, got {value!r}")
 
 

@@ -12,7 +12,7 @@ from distributed import run_ranks
 
 from meshtrain import verify
 from meshtrain.comm import Comm, cheaper_linear_sync, linear_sync_bytes
-from meshtrain.config import Config, ConfigError, LayoutConfig, TrainConfig, validate, warnings
+from meshtrain.config import Config, ConfigError, LayoutConfig, TrainConfig, load, validate, warnings
 from meshtrain.parallel import parallelize
 from meshtrain.parallel.linear_gather import LinearGather, linear_layers, mark_linear
 from meshtrain.train import train
@@ -177,10 +177,14 @@ def test_bad_linear_sync_input_is_refused_or_warned():
     assert not warnings(_checked(dp_linear_sync="allgather"), "verify")
 
 
-def test_mlp_hidden_widths():
+def test_mlp_hidden_widths_from_a_flag_or_toml(tmp_path):
     cfg = gather_config("allreduce", 2, hidden="1024,1024")
     validate(cfg)
     assert cfg.model.spec().hidden == (1024, 1024)
+    toml = tmp_path / "wide.toml"
+    toml.write_text('[model]\nname = "mlp"\nmlp_hidden = [512, 256]\n[layout]\ndp_linear_sync = "auto"\n')
+    from_file = load(str(toml), {})
+    assert from_file.model.spec().hidden == (512, 256) and from_file.layout.dp_linear_sync == "auto"
     for bad in ("1024,,8", "0", "wide"):
         with pytest.raises(ConfigError, match="--mlp-hidden"):
             validate(gather_config("allreduce", 2, hidden=bad))
