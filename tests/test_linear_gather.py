@@ -9,6 +9,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from distributed import run_ranks
+from helpers import small_config
 
 from meshtrain import verify
 from meshtrain.comm import Comm, cheaper_linear_sync, linear_sync_bytes
@@ -19,14 +20,8 @@ from meshtrain.train import train
 
 
 def gather_config(sync, dp, microbatches=1, model="mlp", hidden="", batch=16, steps=3) -> Config:
-    c = Config()
-    c.model.name, c.model.mlp_hidden = model, hidden
-    c.layout.dp, c.layout.microbatches, c.layout.dp_linear_sync, c.layout.bucket_mb = dp, microbatches, sync, 0.02
-    c.train.steps, c.train.batch_size, c.train.device = steps, batch, "cpu"
-    if model == "mlp":
-        c.train.data = "digits"
-    else:
-        c.train.seq_len, c.train.vocab_size = 32, 256
+    c = small_config(model, steps, batch, dp=dp, microbatches=microbatches, dp_linear_sync=sync)
+    c.model.mlp_hidden = hidden
     return c
 
 

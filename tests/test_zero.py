@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn as nn
 from distributed import run_ranks
+from helpers import small_config
 
 from meshtrain import verify
 from meshtrain.comm import Comm
@@ -20,17 +21,8 @@ from meshtrain.train import train
 
 def zero_config(zero, dp, microbatches=1, tp=1, pp=1, steps=3, batch=8, model="gpt-test", precision="fp32",
                 grad_dtype="compute") -> Config:
-    c = Config()
-    c.model.name = model
-    lay = c.layout
-    lay.dp, lay.tp, lay.pp, lay.zero, lay.microbatches, lay.bucket_mb = dp, tp, pp, zero, microbatches, 0.02
-    lay.precision, lay.grad_dtype = precision, grad_dtype
-    c.train.steps, c.train.batch_size, c.train.device = steps, batch, "cpu"
-    if model == "mlp":
-        c.train.data = "digits"
-    else:
-        c.train.seq_len, c.train.vocab_size = 32, 256
-    return c
+    return small_config(model, steps, batch, dp=dp, tp=tp, pp=pp, zero=zero, microbatches=microbatches,
+                        precision=precision, grad_dtype=grad_dtype)
 
 
 def _records(mesh, cfgs):
