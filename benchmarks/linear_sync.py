@@ -15,20 +15,19 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 
 import torch
 
 from meshtrain import config as C
+from meshtrain.bench import interleaved
 from meshtrain.bench.ddp import ddp_setup
 from meshtrain.comm import Comm
 from meshtrain.launch import detect, init_distributed, shutdown_distributed
 from meshtrain.mesh import Mesh
 from meshtrain.parallel.linear_gather import choose_linear_syncs
-from meshtrain.train import setup, train_step
+from meshtrain.train import setup
 
 SYNCS = ("allreduce", "allgather", "auto")
-WARMUP_STEPS = 2
 
 
 def config(sync: str, dp: int, batch: int, hidden: str, steps: int) -> C.Config:
@@ -53,25 +52,13 @@ def measure(comm: Comm, batch: int, hidden: str, steps: int) -> dict:
         cfg = config(sync, dp, batch, hidden, steps)
         data, runs[sync] = setup(cfg, comm)
     runs["ddp"] = ddp_setup(config("allreduce", dp, batch, hidden, steps), comm)
-    names = list(runs)
-    times = {name: [] for name in names}
-    sent = {name: [] for name in names}
-    for step in range(WARMUP_STEPS + steps):
-        order = names[step % len(names):] + names[:step % len(names)]
-        for name in order:
-            before = comm.totals().get("dp", 0.0)
-            comm.barrier()
-            t0 = time.perf_counter()
-            train_step(runs[name], data, step, cfg)
-            elapsed = time.perf_counter() - t0
-            if step >= WARMUP_STEPS:
-                times[name].append(elapsed)
-                sent[name].append(comm.totals().get("dp", 0.0) - before)
+    measured = interleaved(runs, data, cfg, comm, f"B={batch}")
     layers = choose_linear_syncs(runs["allreduce"].module, "auto", batch, dp, grad_size=4, activation_size=4)
     return {
         "batch": batch,
-        "step_time_median_s": {name: statistics.median(t) for name, t in times.items()},
-        "dp_bytes_per_step": {name: statistics.median(s) for name, s in sent.items() if name != "ddp"},
+        "step_time_median_s": {name: statistics.median(t) for name, t in measured.times.items()},
+        "dp_bytes_per_step": {name: statistics.median(s.get("dp", 0.0) for s in sent)
+                              for name, sent in measured.sent.items() if name != "ddp"},
         "auto_choices": {c.name: c.sync for c in layers},
         "layer_bytes": {c.name: c.sent for c in layers},
     }

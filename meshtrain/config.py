@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from meshtrain.models.presets import PRESETS, GPTSpec, MLPSpec, parse_widths, spec_of
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
-RECOMPUTE = ("none", "full", "selective")
+RECOMPUTE = ("none", "full", "selective", "segments[:K]")
 PRECISIONS = ("fp32", "bf16")
 GRAD_DTYPES = ("compute", "fp32")
 LINEAR_SYNCS = ("allreduce", "allgather", "auto")
@@ -136,7 +136,9 @@ FLAGS = [
     ("--schedule", "layout", "schedule", str, "pipeline schedule: " + "|".join(SCHEDULES)),
     ("--chunks", "layout", "chunks", int, "model chunks per pipeline stage (interleaved)"),
     ("--microbatches", "layout", "microbatches", int, "micro-batches per step and DP rank (accumulated)"),
-    ("--recompute", "layout", "recompute", str, "activation checkpointing: " + "|".join(RECOMPUTE)),
+    ("--recompute", "layout", "recompute", str, "activation checkpointing: none | full (each block keeps its "
+     "input) | selective (the attention core is recomputed) | segments[:K] (every K-th block boundary kept; "
+     "K = ceil(sqrt(blocks)) by default)"),
     ("--precision", "layout", "precision", str, "|".join(PRECISIONS) + " (bf16: fp32 master weights and moments)"),
     ("--grad-dtype", "layout", "grad_dtype", str, "compute (gradients in the compute precision) | fp32 "
      "(accumulated and reduced in fp32 across micro-batches: 2 more bytes per parameter under bf16)"),
@@ -282,8 +284,17 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         raise ConfigError(f"--dropout applies to the GPT models, not {m.name}; drop it")
     if lay.schedule not in SCHEDULES:
         raise ConfigError(f"unknown schedule '{lay.schedule}'; use --schedule {' | '.join(SCHEDULES)}")
-    if lay.recompute not in RECOMPUTE:
-        raise ConfigError(f"unknown recompute policy '{lay.recompute}'; use --recompute {' | '.join(RECOMPUTE)}")
+    try:
+        mode, _ = parse_recompute(lay.recompute)
+    except ValueError:
+        raise ConfigError(f"unknown recompute policy '{lay.recompute}'; use --recompute {' | '.join(RECOMPUTE)} "
+                          f"(K a positive integer)") from None
+    if mode == "selective" and m.name == "mlp":
+        raise ConfigError("--recompute selective recomputes the attention core; mlp has no attention: use "
+                          "--recompute full or segments")
+    if mode == "segments" and lay.zero == 3:
+        raise ConfigError("--recompute segments with --zero 3 is not in this version yet (a segment runs blocks whose "
+                          "parameters ZeRO-3 has not gathered); use --recompute full or selective with --zero 3")
     if lay.precision not in PRECISIONS:
         raise ConfigError(f"unknown precision '{lay.precision}'; use --precision {' | '.join(PRECISIONS)}")
     if lay.zero not in (0, 1, 2, 3):
@@ -399,11 +410,23 @@ def _validate_pipeline(cfg: Config, spec) -> None:
 
 def _reject_unbuilt(lay: LayoutConfig, tr: TrainConfig) -> None:
     """Strategies that later issues add. Refuse them plainly rather than run something else."""
-    unbuilt = [(lay.recompute != "none", "--recompute", "activation checkpointing", "--recompute none"),
-               (tr.resume, "--resume", "resuming from a checkpoint", "no --resume")]
+    unbuilt = [(tr.resume, "--resume", "resuming from a checkpoint", "no --resume")]
     for bad, flag, what, fix in unbuilt:
         if bad:
             raise ConfigError(f"{flag}: {what} is not in this version of meshtrain yet; use {fix}")
+
+
+def parse_recompute(policy: str) -> tuple[str, int | None]:
+    """'segments:3' -> ('segments', 3); 'segments' -> ('segments', None); 'full' -> ('full',
+    None); ValueError for anything else."""
+    mode, colon, k = policy.partition(":")
+    if mode not in ("none", "full", "selective", "segments") or (colon and mode != "segments"):
+        raise ValueError(policy)
+    if colon:
+        if not k.isdigit() or int(k) < 1:
+            raise ValueError(policy)
+        return mode, int(k)
+    return mode, None
 
 
 def tokens_per_sample(cfg: Config) -> int:

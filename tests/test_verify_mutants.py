@@ -35,13 +35,16 @@ def mutant_config(**layout) -> Config:
 
 # The layouts the mutants run in: data parallelism; tensor parallelism with and without SP;
 # pipelines (1F1B, GPipe) and a pipeline with data parallelism; ZeRO stages 1 and 3; data
-# parallelism with every linear layer on the all-gather path.
+# parallelism with every linear layer on the all-gather path; a pipeline that recomputes its
+# blocks, with dropout.
 LAYOUTS = {"dp": mutant_config(), "tp": mutant_config(dp=1, tp=2, microbatches=1),
            "tp-sp": mutant_config(dp=1, tp=2, sp=True, microbatches=1),
            "pp": mutant_config(dp=1, pp=2, microbatches=4), "pp-gpipe": mutant_config(dp=1, pp=2, microbatches=4,
                                                                                        schedule="gpipe"),
            "dp-pp": mutant_config(pp=2, microbatches=2), "zero1": mutant_config(zero=1),
-           "zero3": mutant_config(zero=3), "dp-allgather": mutant_config(dp_linear_sync="allgather")}
+           "zero3": mutant_config(zero=3), "dp-allgather": mutant_config(dp_linear_sync="allgather"),
+           "pp-recompute": mutant_config(dp=1, pp=2, microbatches=4, recompute="full")}
+LAYOUTS["pp-recompute"].model.dropout = 0.1
 
 
 # ---- the mutants: each returns the patches that break one thing ---------------------------
@@ -229,6 +232,15 @@ def errors_not_gathered():
     return [mock.patch.object(LinearGather, "inputs_and_errors", mine_only)]
 
 
+def recomputed_with_the_current_dropout_keys():
+    """Recomputation draws the dropout masks of whichever micro-batch the pipeline ran last,
+    not those of the micro-batch it recomputes."""
+    from contextlib import nullcontext
+
+    import meshtrain.parallel.recompute as R
+    return [mock.patch.object(R, "_keys_at", lambda keys, where: nullcontext())]
+
+
 # name -> (the mutant, the layout it runs in)
 MUTANTS = {f.__name__: (f, layout) for f, layout in (
     (local_loss_normalizer, "dp"), (averaged_on_top_of_the_sum, "dp"), (bucket_skipped_on_a_middle_step, "dp"),
@@ -237,7 +249,7 @@ MUTANTS = {f.__name__: (f, layout) for f, layout in (
     (cross_entropy_without_the_max_all_reduce, "tp"), (microbatches_share_one_receive_buffer, "pp-gpipe"),
     (a_stage_skips_its_data_parallel_sync, "dp-pp"), (first_microbatch_gradients_dropped, "pp"),
     (a_rank_updates_another_ranks_partition, "zero1"), (reduce_scatter_without_the_sum, "zero3"),
-    (errors_not_gathered, "dp-allgather"))}
+    (errors_not_gathered, "dp-allgather"), (recomputed_with_the_current_dropout_keys, "pp-recompute"))}
 # The step at which each mutant first does harm.
 FIRST_BAD_STEP = {name: MIDDLE if name == "bucket_skipped_on_a_middle_step" else 1 for name in MUTANTS}
 
@@ -259,7 +271,7 @@ def _records_of_every_mutant(mesh, layouts):
 def verdicts():
     records = run_ranks(_records_of_every_mutant, 2, ["dp", "zero1", "zero3", "dp-allgather"])[0]
     records.update(run_ranks(_records_of_every_mutant, 2, ["tp", "tp-sp"], tp=2)[0])
-    records.update(run_ranks(_records_of_every_mutant, 2, ["pp", "pp-gpipe"], pp=2)[0])
+    records.update(run_ranks(_records_of_every_mutant, 2, ["pp", "pp-gpipe", "pp-recompute"], pp=2)[0])
     records.update(run_ranks(_records_of_every_mutant, 4, ["dp-pp"], pp=2)[0])
     return {name: verify.compare(rec, verify.run_reference(LAYOUTS[layout], rec))
             for name, (layout, rec) in records.items()}

@@ -9,6 +9,7 @@ import json
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 
 from meshtrain.bench.ddp import ddp_setup
 from meshtrain.bench.dtensor_tp import dtensor_tp_setup
@@ -17,6 +18,7 @@ from meshtrain.bench.torch_pp import torch_pp_setup
 from meshtrain.bench.zero1 import zero1_setup
 from meshtrain.comm import Comm
 from meshtrain.config import Config
+from meshtrain.parallel import Parallelized
 from meshtrain.train import setup, train_step
 
 PEERS = {"ddp": ddp_setup, "zero1": zero1_setup, "fsdp2": fsdp2_setup, "dtensor-tp": dtensor_tp_setup,
@@ -24,27 +26,49 @@ PEERS = {"ddp": ddp_setup, "zero1": zero1_setup, "fsdp2": fsdp2_setup, "dtensor-
 WARMUP_STEPS = 2
 
 
-def run_bench(cfg: Config, comm: Comm, peer: str) -> dict | None:
-    """Collective: both setups in the same ranks, steps alternated; rank 0 gets the result."""
-    data, ours = setup(cfg, comm)
-    theirs = PEERS[peer](cfg, comm)
-    times, losses = {"ours": [], "peer": []}, {"ours": [], "peer": []}
-    runs = [("ours", ours), ("peer", theirs)]
+@dataclass
+class Interleaved:
+    """Per set-up: step times (after the warm-up), losses, and the bytes sent per step by axis."""
+    times: dict[str, list[float]]
+    losses: dict[str, list[float]]
+    sent: dict[str, list[dict[str, float]]]
+
+
+def interleaved(runs: dict[str, Parallelized], data, cfg: Config, comm: Comm, desc: str) -> Interleaved:
+    """Collective: `cfg.train.steps` steps (after `WARMUP_STEPS`) of every set-up in the same
+    ranks, one after the other, the order rotating every step, so that a noisy machine slows
+    all alike."""
+    names = list(runs)
+    out = Interleaved({n: [] for n in names}, {n: [] for n in names}, {n: [] for n in names})
     bar = None
     if comm.mesh.is_main:
         from tqdm import tqdm
-        bar = tqdm(total=cfg.train.steps, desc=f"bench vs {peer}", file=sys.stderr, unit="pair")
+        bar = tqdm(total=cfg.train.steps, desc=desc, file=sys.stderr, unit="round")
     for step in range(WARMUP_STEPS + cfg.train.steps):
-        for name, s in (runs if step % 2 == 0 else runs[::-1]):
+        shift = step % len(names)
+        for name in names[shift:] + names[:shift]:
+            before = comm.totals()
+            comm.barrier()
             t0 = time.perf_counter()
-            loss, _ = train_step(s, data, step, cfg)
+            loss, _ = train_step(runs[name], data, step, cfg)
+            elapsed = time.perf_counter() - t0
+            out.losses[name].append(loss)
             if step >= WARMUP_STEPS:
-                times[name].append(time.perf_counter() - t0)
-            losses[name].append(loss)
+                out.times[name].append(elapsed)
+                out.sent[name].append({k: v - before.get(k, 0.0) for k, v in comm.totals().items()})
         if bar is not None and step >= WARMUP_STEPS:
             bar.update()
     if bar is not None:
         bar.close()
+    return out
+
+
+def run_bench(cfg: Config, comm: Comm, peer: str) -> dict | None:
+    """Collective: both setups in the same ranks, steps alternated; rank 0 gets the result."""
+    data, ours = setup(cfg, comm)
+    theirs = PEERS[peer](cfg, comm)
+    measured = interleaved({"ours": ours, "peer": theirs}, data, cfg, comm, f"bench vs {peer}")
+    times, losses = measured.times, measured.losses
     ours_state, peer_state = ours.model_state_bytes(), theirs.model_state_bytes()
     if not comm.mesh.is_main:
         return None

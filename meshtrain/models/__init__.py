@@ -32,5 +32,17 @@ def replace_submodule(model: torch.nn.Module, name: str, new: torch.nn.Module) -
     setattr(model.get_submodule(parent) if parent else model, child, new)
 
 
+def find_block_list(model: torch.nn.Module, name: str | None = None) -> tuple[str, torch.nn.ModuleList]:
+    """The model's list of blocks: the one called `name`, or else its largest `nn.ModuleList`
+    (by parameters) — what strategies that act per block (ZeRO-3, recompute) act on."""
+    if name is not None:
+        return name, model.get_submodule(name)
+    lists = [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.ModuleList)]
+    if not lists:
+        raise ValueError("this strategy acts per block, and the model has no nn.ModuleList of blocks; "
+                         "name one (a pipeline plan's `blocks`)")
+    return max(lists, key=lambda nm: sum(p.numel() for p in nm[1].parameters()))
+
+
 def count_params(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())

@@ -2,9 +2,9 @@
 cut pipeline stages -> tensor-parallel plan -> activation checkpointing -> ZeRO/FSDP or
 data-parallel gradient sync -> the optimizer, built on what comes out (on fp32 masters under
 mixed precision, which casts the model to bf16 before everything else).
-This version has pipeline, tensor (and sequence) and data parallelism, ZeRO 1-3 in place of
-plain data parallelism, and bf16 mixed precision; activation checkpointing slots in when it
-is built.
+This version has pipeline, tensor (and sequence) and data parallelism (with linear layers
+optionally synchronised by all-gathered rows), ZeRO 1-3 in place of plain data parallelism,
+bf16 mixed precision and activation checkpointing.
 
 `parallelize` is the one path from a plain `nn.Module`, a mesh (through its `Comm`) and a
 layout to what a training loop drives, the `Parallelized` object: the CLI's loop and a
@@ -22,10 +22,12 @@ import torch.nn as nn
 from meshtrain.comm import Comm
 from meshtrain.config import LayoutConfig, TrainConfig
 from meshtrain.loss import cross_entropy_sum
+from meshtrain.models import find_block_list
 from meshtrain.optim import build_optimizer
 from meshtrain.parallel.data import DataParallel
 from meshtrain.parallel.dropout import DropoutKeys, seed_dropout
 from meshtrain.parallel.linear_gather import LinearGather, choose_linear_syncs
+from meshtrain.parallel.recompute import apply_recompute
 from meshtrain.parallel.pipeline.engine import PipelineRunner
 from meshtrain.parallel.precision import COMPUTE_DTYPES, MasterWeights, fp32_loss, grad_holder
 from meshtrain.parallel.pipeline.schedules import schedule
@@ -175,7 +177,13 @@ def parallelize(model: nn.Module, comm: Comm, layout: LayoutConfig, train: Train
         whole = apply_plan(model, plan, comm, sp=layout.sp)
         if plan.vocab_parallel_loss:
             loss_fn = vocab_parallel_cross_entropy_sum(comm)
-    # (activation checkpointing goes here)
+    # Activation checkpointing, on the blocks as cut into stages and sharded above.
+    if layout.recompute != "none":
+        if comm.mesh.size("pp") > 1:
+            runs = [[stage.blocks._modules[str(i)] for i in ids] for ids in stage.block_ids]
+        else:
+            runs = [list(find_block_list(model, pipeline.blocks if pipeline is not None else None)[1])]
+        apply_recompute(runs, layout.recompute, keys)
     # Gradients in the compute dtype, or (--grad-dtype fp32) in fp32 buffers apart from the
     # bf16 tensors, which the fp32 masters then hold as their `.grad`.
     grad_dtype = torch.float32 if layout.grad_dtype == "fp32" else compute_dtype

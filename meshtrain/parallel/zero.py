@@ -36,6 +36,7 @@ import torch.nn as nn
 from torch.utils._python_dispatch import _disable_current_modes
 
 from meshtrain.comm import METRICS, Comm
+from meshtrain.models import find_block_list
 from meshtrain.optim import SHARDED_OVER
 from meshtrain.parallel.data import check_replicas_agree, keep_grad_in, split_by_size
 from meshtrain.parallel.precision import grad_holder, grad_of, master_bytes, master_of
@@ -390,14 +391,7 @@ def _units(model: nn.Module, named: list[tuple[str, nn.Parameter]], blocks: str 
     """ZeRO-3's groups in forward order: (label, parameters, the modules whose forward uses
     them): one per child of the block list (the units), then the rest, used by the modules
     that own them; and the number of units."""
-    if blocks is not None:
-        block_list = model.get_submodule(blocks)
-    else:
-        lists = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.ModuleList)]
-        if not lists:
-            raise ValueError("ZeRO-3 groups parameters by the children of a block list: this model has no "
-                             "nn.ModuleList; name one with `blocks`")
-        blocks, block_list = max(lists, key=lambda nm: sum(p.numel() for p in nm[1].parameters()))
+    blocks, block_list = find_block_list(model, blocks)
     trainable = {p for _, p in named}
     claimed, grouped = set(), []
     for key, unit in block_list._modules.items():

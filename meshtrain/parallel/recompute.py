@@ -1,0 +1,103 @@
+"""Activation checkpointing (`--recompute`): keep less for backward, compute it again there.
+
+- `full`: each block keeps only its input; its forward runs again in backward.
+- `selective` (Korthikanti et al. 2022): the linear layers' products are kept, and the
+  attention core — QKᵀ, the scaling and causal mask, softmax, dropout, the product with V
+  (or the fused kernel), whose activations grow with s² per head and cost few FLOPs — is
+  recomputed, with the cheap elementwise operations (LayerNorm, GELU, dropout masks) that
+  feed them. Chosen per operator through PyTorch's selective-checkpoint policy
+  (`create_selective_checkpoint_contexts`), not by hooks of our own: the policy saves the
+  outputs of `mm`/`addmm` (the linears; attention's products are `bmm`) and recomputes the
+  rest. (Saving "everything but the core" literally would keep more than no checkpoint at
+  all: a saved operator output is kept whether or not backward needs it.)
+- `segments:K` (Chen et al. 2016): only every K-th block boundary is kept; each segment of
+  K blocks runs again in backward. `segments` alone takes K = ⌈√L⌉ for the L blocks a run
+  of consecutive blocks has (a pipeline stage's chunk, or the whole list).
+
+Blocks are wrapped in place (names, parameters and state dict unchanged). A segment runs
+whole from its first block's forward under one checkpoint; the others in it pass their
+input through when the model's loop calls them. Recomputation sees the same dropout masks:
+the `DropoutKeys` of the forward (step and rows) are put back while it runs, since a
+pipeline computes other micro-batches in between."""
+
+from __future__ import annotations
+
+import math
+from contextlib import contextmanager
+from functools import partial
+
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from meshtrain.config import parse_recompute
+from meshtrain.parallel.dropout import DropoutKeys
+
+aten = torch.ops.aten
+# What selective recomputation keeps: the products of the linear layers (attention's own
+# products, QKᵀ and ·V, are batched: `bmm`, and recomputed with the rest of the core).
+_KEPT = {aten.mm.default, aten.addmm.default}
+
+
+def _selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in _KEPT else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+@contextmanager
+def _keys_at(keys: DropoutKeys | None, where: tuple | None):
+    """Put the dropout keys of the forward back for the recomputation."""
+    if keys is None:
+        yield
+        return
+    now = (keys.step, keys.rows)
+    keys.use(*where)
+    try:
+        yield
+    finally:
+        keys.use(*now)
+
+
+def _checkpointed(run, keys: DropoutKeys | None, selective: bool):
+    """`run(x)` under a non-reentrant checkpoint that recomputes with the forward's dropout keys."""
+    context = partial(create_selective_checkpoint_contexts, _selective_policy) if selective else None
+
+    def forward(x, *args, **kwargs):
+        if not torch.is_grad_enabled():
+            return run(x, *args, **kwargs)
+        where = (keys.step, keys.rows) if keys is not None else None
+
+        def again(x, *args, **kwargs):
+            with _keys_at(keys, where):
+                return run(x, *args, **kwargs)
+        options = {"context_fn": context} if context is not None else {}
+        return checkpoint(again, x, *args, use_reentrant=False, **options, **kwargs)
+    return forward
+
+
+def _pass_through(x, *args, **kwargs):
+    return x
+
+
+def apply_recompute(runs: list[list[nn.Module]], policy: str, keys: DropoutKeys | None = None) -> None:
+    """Checkpoint the blocks of each run (consecutive blocks that execute one after the
+    other: the whole list, or a pipeline chunk's) by `policy` ("none" does nothing)."""
+    mode, k = parse_recompute(policy)
+    if mode == "none":
+        return
+    for blocks in runs:
+        if mode in ("full", "selective"):
+            for block in blocks:
+                block.forward = _checkpointed(block.forward, keys, selective=mode == "selective")
+            continue
+        size = k or math.ceil(math.sqrt(len(blocks)))
+        for start in range(0, len(blocks), size):
+            segment = blocks[start:start + size]
+            inner = [b.forward for b in segment]
+
+            def run_segment(x, inner=inner):
+                for f in inner:
+                    x = f(x)
+                return x
+            segment[0].forward = _checkpointed(run_segment, keys, selective=False)
+            for block in segment[1:]:
+                block.forward = _pass_through
