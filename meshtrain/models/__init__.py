@@ -1,17 +1,25 @@
 """Plain PyTorch models. Weights come from the seed, identically on every rank: the full
-model is built on the CPU from the seed and only then moved (and, by strategies, sharded)."""
+model is built on the CPU from the seed and only then moved (and, by strategies, sharded).
+
+torch is imported inside the functions: `config` reads the presets below this package, and
+a bad flag must be refused without the second it takes to import torch."""
+
+from __future__ import annotations
 
 import dataclasses
-
-import torch
+from typing import TYPE_CHECKING
 
 from meshtrain.models.presets import GPTSpec, MLPSpec, spec_of
+
+if TYPE_CHECKING:
+    import torch
 
 
 def build_model(name: str, seed: int, *, vocab_size: int = 256, n_inputs: int = 64, n_classes: int = 10,
                 dropout: float = 0.0, attention: str = "sdpa", mlp_hidden: str = "",
                 device: torch.device | str = "cpu") -> torch.nn.Module:
     """The preset `name` from `seed` (`mlp_hidden`: the MLP's hidden widths, e.g. "1024,1024")."""
+    import torch
     spec = spec_of(name, mlp_hidden)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -35,6 +43,7 @@ def replace_submodule(model: torch.nn.Module, name: str, new: torch.nn.Module) -
 def find_block_list(model: torch.nn.Module, name: str | None = None) -> tuple[str, torch.nn.ModuleList]:
     """The model's list of blocks: the one called `name`, or else its largest `nn.ModuleList`
     (by parameters) — what strategies that act per block (ZeRO-3, recompute) act on."""
+    import torch
     if name is not None:
         return name, model.get_submodule(name)
     lists = [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.ModuleList)]
