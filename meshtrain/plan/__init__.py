@@ -1,2 +1,8 @@
-"""Analytical models of a run: pure functions of the model, layout and cluster, no torch.
-(The planner of a later issue — memory per device, step time, search — grows here.)"""
+"""Analytical models of a run: pure functions of the model, layout and cluster.
+
+`shapes.py`: transformer shapes (meshtrain's GPT presets and the published GPT-3/Llama
+architectures) and their exact parameter counts. `memory.py`: model-state bytes by ZeRO
+stage (the ZeRO paper's accounting and what meshtrain keeps), the parameters a device holds
+under tp and pp, ZeRO-3's gathered peak, activation bytes per layer (Korthikanti et al.'s
+accounting) and the micro-batches a pipeline's first stage holds. `cost.py`: model FLOPs
+and peak rates. The `meshtrain plan` command, step time and the layout search come next."""

@@ -1,0 +1,82 @@
+"""Transformer shapes the planner reasons about, and their exact parameter counts: pure
+arithmetic, no torch, so that a 405B model is planned in microseconds.
+
+Two families. `gpt`: learned positions, LayerNorm with biases, a 4h MLP with GELU — as
+meshtrain's own GPT builds it (a key projection without bias, an untied head) or as the
+Megatron papers count it (biased projections, the head tied to the embedding, `paper=True`
+in `megatron_params`). `llama`: RMSNorm without bias, SwiGLU with three matrices of width
+`ffn`, grouped-query attention (`kv_heads` key/value heads of h/heads each), no biases,
+rotary positions (no parameters), untied embeddings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from meshtrain.models.presets import PRESETS, GPTSpec
+
+
+@dataclass(frozen=True)
+class Shape:
+    layers: int
+    hidden: int
+    heads: int
+    vocab: int
+    seq_len: int  # the positions a GPT learns; the default sequence length of a plan
+    kind: str = "gpt"  # or "llama"
+    kv_heads: int | None = None  # llama: grouped-query attention; None: as many as heads
+    ffn: int | None = None  # MLP width; None: 4·hidden
+
+    @property
+    def ffn_width(self) -> int:
+        return self.ffn or 4 * self.hidden
+
+    @property
+    def kv_width(self) -> int:
+        """Width of the key (and value) projection: kv_heads × head dimension."""
+        return (self.kv_heads or self.heads) * (self.hidden // self.heads)
+
+    def layer_params(self) -> int:
+        """One block's parameters."""
+        h, f, kv = self.hidden, self.ffn_width, self.kv_width
+        if self.kind == "llama":
+            return 2 * h * h + 2 * h * kv + 3 * h * f + 2 * h  # q, o; k, v; gate, up, down; two RMSNorms
+        # meshtrain's GPT: q, v, proj with bias, k without; fc and proj with bias; two LayerNorms
+        return 4 * h * h + 3 * h + 2 * h * f + f + h + 4 * h
+
+    def n_params(self) -> int:
+        """Exactly what the model holds (meshtrain's GPT for `gpt`, Meta's checkpoints for `llama`)."""
+        h, v = self.hidden, self.vocab
+        if self.kind == "llama":
+            return self.layers * self.layer_params() + 2 * v * h + h  # embedding, head, final norm
+        return self.layers * self.layer_params() + v * h + self.seq_len * h + 2 * h + v * h  # + untied head
+
+
+def megatron_params(layers: int, hidden: int, vocab: int, seq_len: int) -> float:
+    """Narayanan et al. (2021), §5.1: P = 12·l·h²·(1 + 13/(12h) + (V + s)/(12·l·h)) — biased
+    projections, a 4h MLP, learned positions, the head tied to the embedding."""
+    l, h = layers, hidden
+    return 12 * l * h * h * (1 + 13 / (12 * h) + (vocab + seq_len) / (12 * l * h))
+
+
+# The published architectures (config files of the released checkpoints; GPT-3 from Brown
+# et al. 2020 with Megatron's vocabulary of 51,200).
+PUBLISHED: dict[str, Shape] = {
+    "gpt3-175b": Shape(layers=96, hidden=12288, heads=96, vocab=51200, seq_len=2048),
+    "llama2-7b": Shape(32, 4096, 32, 32000, 4096, "llama", kv_heads=32, ffn=11008),
+    "llama2-13b": Shape(40, 5120, 40, 32000, 4096, "llama", kv_heads=40, ffn=13824),
+    "llama2-70b": Shape(80, 8192, 64, 32000, 4096, "llama", kv_heads=8, ffn=28672),
+    "llama3-8b": Shape(32, 4096, 32, 128256, 8192, "llama", kv_heads=8, ffn=14336),
+    "llama3-70b": Shape(80, 8192, 64, 128256, 8192, "llama", kv_heads=8, ffn=28672),
+    "llama3-405b": Shape(126, 16384, 128, 128256, 8192, "llama", kv_heads=8, ffn=53248),
+}
+
+
+def shape_of(name: str, vocab_size: int = 2048) -> Shape:
+    """A published architecture, or one of meshtrain's GPT presets at `vocab_size` tokens."""
+    if name in PUBLISHED:
+        return PUBLISHED[name]
+    spec = PRESETS.get(name)
+    if not isinstance(spec, GPTSpec):
+        known = [n for n, s in PRESETS.items() if isinstance(s, GPTSpec)] + list(PUBLISHED)
+        raise ValueError(f"unknown model '{name}' for the planner; use one of {', '.join(known)}")
+    return Shape(spec.n_layers, spec.d_model, spec.n_heads, vocab_size, spec.max_seq_len)
