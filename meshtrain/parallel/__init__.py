@@ -27,11 +27,11 @@ from meshtrain.optim import build_optimizer
 from meshtrain.parallel.data import DataParallel
 from meshtrain.parallel.dropout import DropoutKeys, seed_dropout
 from meshtrain.parallel.linear_gather import LinearGather, choose_linear_syncs
-from meshtrain.parallel.recompute import apply_recompute
 from meshtrain.parallel.pipeline.engine import PipelineRunner
-from meshtrain.parallel.precision import COMPUTE_DTYPES, MasterWeights, fp32_loss, grad_holder
 from meshtrain.parallel.pipeline.schedules import schedule
 from meshtrain.parallel.pipeline.stages import PipelinePlan, Stage
+from meshtrain.parallel.precision import COMPUTE_DTYPES, MasterWeights, fp32_loss, grad_holder
+from meshtrain.parallel.recompute import apply_recompute
 from meshtrain.parallel.runner import PlainRunner
 from meshtrain.parallel.state import ParamHoldings, Piece
 from meshtrain.parallel.tensor import TensorParallelSync, TensorPlan, apply_plan, vocab_parallel_cross_entropy_sum
@@ -239,4 +239,6 @@ def _linear_gather(model: nn.Module, comm: Comm, layout: LayoutConfig, rows: int
     choices = choose_linear_syncs(model, mode, rows, n, grad_size=size,
                                   activation_size=torch.tensor([], dtype=compute_dtype).element_size())
     notes.extend(f"--dp-linear-sync {mode}: {c.describe()}" for c in choices)
+    if all(c.sync == "allreduce" for c in choices):
+        return None
     return LinearGather(model, comm, choices, grad_dtype=grad_dtype)
