@@ -6,7 +6,7 @@ import pytest
 
 from meshtrain.models import build_model, count_params
 from meshtrain.plan.memory import (activation_bytes_per_layer, in_flight, model_state_bytes, params_per_device,
-                                   zero3_peak_gathered)
+                                   torch_activation_bytes_per_layer, zero3_peak_gathered)
 from meshtrain.plan.shapes import PUBLISHED, megatron_params, shape_of
 
 # The released checkpoints' parameter counts (their model cards / safetensors indexes).
@@ -112,3 +112,48 @@ def test_torch_accounting_matches_the_trainers_model_state_bytes(world, sizes, l
             assert abs(planned - measured["total"]) <= 0.05 * measured["total"], (lay.short(), rank, planned, measured)
             if lay.zero == 0:
                 assert planned == measured["total"], (lay.short(), rank)
+
+
+@pytest.mark.parametrize("attention", ["math", "sdpa"])
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_torch_accounting_of_a_layer_is_what_the_layer_probe_measures(attention, dropout, precision):
+    """torch accounting: one block's activation bytes against the trainer's layer probe
+    (gpt-test, b 8, s 64, one process), exactly."""
+    import torch
+    from helpers import small_config
+
+    from meshtrain.comm import Comm
+    from meshtrain.mesh import Mesh
+    from meshtrain.train import train
+
+    cfg = small_config("gpt-test", 1, 8, dp=1, precision=precision)
+    cfg.model.attention, cfg.model.dropout, cfg.train.seq_len = attention, dropout, 64
+    measured = train(cfg, Comm(Mesh.single(torch.device("cpu")))).activation_bytes_per_layer
+    planned = torch_activation_bytes_per_layer(64, 8, 32, 4, element_bytes=2 if precision == "bf16" else 4,
+                                               attention=attention, dropout=dropout)
+    assert planned == measured
+
+
+def _layer_probe(mesh, cfgs):
+    from meshtrain.comm import Comm
+    from meshtrain.train import train
+    return [train(cfg, Comm(mesh)).activation_bytes_per_layer for cfg in cfgs]
+
+
+def test_torch_accounting_of_a_layer_under_tensor_and_sequence_parallelism():
+    """torch accounting: one block's bytes on each rank of tp = 2, with and without SP, math
+    and sdpa, with and without dropout, against the layer probe, exactly."""
+    from distributed import run_ranks
+    from helpers import small_config
+
+    cases = [(att, drop, sp) for att in ("math", "sdpa") for drop in (0.0, 0.1) for sp in (False, True)]
+    cfgs = []
+    for att, drop, sp in cases:
+        cfg = small_config("gpt-test", 1, 8, dp=1, tp=2, sp=sp)
+        cfg.model.attention, cfg.model.dropout, cfg.train.seq_len = att, drop, 64
+        cfgs.append(cfg)
+    for measured in run_ranks(_layer_probe, 2, cfgs, tp=2):
+        for (att, drop, sp), got in zip(cases, measured):
+            planned = torch_activation_bytes_per_layer(64, 8, 32, 4, attention=att, dropout=drop, tp=2, sp=sp)
+            assert planned == got, (att, drop, sp)

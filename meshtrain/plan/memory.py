@@ -121,3 +121,39 @@ def zero3_peak_gathered(shape, **where) -> int:
     prefetched."""
     blocks, per_block, rest = device_params(shape, **where)
     return rest + min(2, blocks) * per_block
+
+
+def torch_activation_bytes_per_layer(seq: int, micro_batch: int, hidden: int, heads: int, *, element_bytes: int = 4,
+                                     attention: str = "sdpa", dropout: float = 0.0, ffn: int | None = None,
+                                     tp: int = 1, sp: bool = False) -> int:
+    """What one block of meshtrain's GPT keeps for backward on one rank (`torch` accounting,
+    no recompute), for `element_bytes`-byte activations (4 fp32, 2 bf16); t = tp, and the
+    "whole" terms are divided by t too under sequence parallelism:
+
+    - whole: the two LayerNorms' outputs and the residual stream after attention and after
+      the MLP, 4·bsh elements; the LayerNorms' means and reciprocal deviations, 4·b·s;
+    - split by heads or columns: q, k, v and the attention output, 4·bsh/t; the MLP's two
+      activations of width f, 2·b·s·f/t;
+    - `math`: softmax's output (b·(a/t)·s² elements) and the causal mask (s² bytes); with
+      dropout also the dropped probabilities (b·(a/t)·s² elements) and their mask (bytes);
+    - `sdpa`: the fused kernel's log-sum-exp (b·(a/t)·s, fp32);
+    - dropout on the attention and MLP outputs: their masks (2·bsh bytes, whole).
+
+    The trainer's layer probe measures exactly this (tests hold the two equal, with and
+    without tp and SP)."""
+    e, b, s, h, a, t = element_bytes, micro_batch, seq, hidden, heads, tp
+    f = ffn or 4 * h
+    whole = t if sp else 1  # what SP also shards along the sequence
+    elements = (4 * b * s * h + 4 * b * s) // whole + (4 * b * s * h + 2 * b * s * f) // t
+    extra = 0
+    if attention == "math":
+        elements += b * (a // t) * s * s
+        extra += s * s
+        if dropout > 0:
+            elements += b * (a // t) * s * s
+            extra += b * (a // t) * s * s
+    else:
+        extra += 4 * b * (a // t) * s
+    if dropout > 0:
+        extra += 2 * b * s * h // whole
+    return elements * e + extra
