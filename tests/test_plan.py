@@ -6,7 +6,7 @@ import pytest
 
 from meshtrain.models import build_model, count_params
 from meshtrain.plan.memory import (activation_bytes_per_layer, in_flight, model_state_bytes, params_per_device,
-                                   torch_activation_bytes_per_layer, zero3_peak_gathered)
+                                   torch_activation_bytes, torch_activation_bytes_per_layer, zero3_peak_gathered)
 from meshtrain.plan.shapes import PUBLISHED, megatron_params, shape_of
 
 # The released checkpoints' parameter counts (their model cards / safetensors indexes).
@@ -157,3 +157,26 @@ def test_torch_accounting_of_a_layer_under_tensor_and_sequence_parallelism():
         for (att, drop, sp), got in zip(cases, measured):
             planned = torch_activation_bytes_per_layer(64, 8, 32, 4, attention=att, dropout=drop, tp=2, sp=sp)
             assert planned == got, (att, drop, sp)
+
+
+@pytest.mark.parametrize("model, attention, dropout, precision, batch, seq", [
+    ("gpt-test", "math", 0.0, "fp32", 8, 64), ("gpt-test", "sdpa", 0.0, "bf16", 8, 64),
+    ("gpt-test", "sdpa", 0.1, "fp32", 4, 32), ("gpt-tiny", "math", 0.0, "fp32", 4, 128)])
+def test_torch_accounting_of_a_step_is_the_measured_peak(model, attention, dropout, precision, batch, seq):
+    """torch accounting: the whole step's activation peak against the trainer's live-storage
+    meter (one process), within 0.1 % (what is left are the loss's scalars and such)."""
+    import torch
+    from helpers import small_config
+
+    from meshtrain.comm import Comm
+    from meshtrain.mesh import Mesh
+    from meshtrain.train import train
+
+    cfg = small_config(model, 1, batch, dp=1, precision=precision)
+    cfg.model.attention, cfg.model.dropout, cfg.train.seq_len = attention, dropout, seq
+    measured = train(cfg, Comm(Mesh.single(torch.device("cpu")))).activation_bytes
+    spec = cfg.model.spec()
+    planned = torch_activation_bytes(spec.n_layers, seq, batch, spec.d_model, spec.n_heads, 256,
+                                     element_bytes=2 if precision == "bf16" else 4, attention=attention,
+                                     dropout=dropout)
+    assert abs(planned - measured) <= 0.001 * measured, (planned, measured)

@@ -157,3 +157,19 @@ def torch_activation_bytes_per_layer(seq: int, micro_batch: int, hidden: int, he
     if dropout > 0:
         extra += 2 * b * s * h // whole
     return elements * e + extra
+
+
+def torch_activation_bytes(layers: int, seq: int, micro_batch: int, hidden: int, heads: int, vocab: int, *,
+                           element_bytes: int = 4, attention: str = "sdpa", dropout: float = 0.0,
+                           ffn: int | None = None) -> int:
+    """The peak of activation bytes in one step of meshtrain's GPT on one process (`torch`
+    accounting; no tp, pp or recompute yet): every block's `torch_activation_bytes_per_layer`,
+    plus the embedding's output (and its dropout mask) and the final LayerNorm's output and
+    statistics, plus three fp32 tensors of logits' size at the loss — the log-softmax kept for
+    backward, and in backward its gradient and the logits' (the loss is computed in fp32
+    whatever the precision)."""
+    e, b, s, h = element_bytes, micro_batch, seq, hidden
+    per_layer = torch_activation_bytes_per_layer(s, b, h, heads, element_bytes=e, attention=attention,
+                                                 dropout=dropout, ffn=ffn)
+    outside = 2 * b * s * h * e + 2 * b * s * e + 3 * b * s * vocab * 4 + (b * s * h if dropout > 0 else 0)
+    return layers * per_layer + outside
