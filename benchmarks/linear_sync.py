@@ -21,7 +21,7 @@ import torch
 from meshtrain import config as C
 from meshtrain.bench import interleaved
 from meshtrain.bench.ddp import ddp_setup
-from meshtrain.comm import Comm
+from meshtrain.comm import Comm, linear_sync_crossover
 from meshtrain.launch import detect, init_distributed, shutdown_distributed
 from meshtrain.mesh import Mesh
 from meshtrain.parallel.linear_gather import choose_linear_syncs
@@ -37,11 +37,6 @@ def config(sync: str, dp: int, batch: int, hidden: str, steps: int) -> C.Config:
     cfg.train.batch_size, cfg.train.steps, cfg.train.device = batch, steps, "cpu"
     C.validate(cfg, world_size=dp)
     return cfg
-
-
-def crossover(n_in: int, n_out: int, bias: bool = True) -> float:
-    """The global batch below which all-gathering this layer's rows sends fewer bytes."""
-    return 2 * (n_in + bias) * n_out / (n_in + n_out)
 
 
 def measure(comm: Comm, batch: int, hidden: str, steps: int) -> dict:
@@ -87,7 +82,7 @@ def main() -> None:
     if mesh.is_main:
         widths = (64, *(int(w) for w in args.hidden.split(",")), 10)
         result = {"dp": mesh.size("dp"), "hidden": args.hidden, "steps": args.steps, "points": points,
-                  "predicted_crossover": {f"{a}→{b}": crossover(a, b) for a, b in zip(widths, widths[1:])}}
+                  "predicted_crossover": {f"{a}→{b}": linear_sync_crossover(a, b) for a, b in zip(widths, widths[1:])}}
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
     shutdown_distributed()

@@ -185,6 +185,12 @@ def linear_sync_bytes(n_in: int, n_out: int, bias: bool, rows: int, n: int, *, g
             "allgather": all_gather_bytes(rows * (n_in + n_out) * activation_size, n)}
 
 
+def linear_sync_crossover(n_in: int, n_out: int, bias: bool = True) -> float:
+    """The global batch below which all-gathering a layer's rows sends fewer bytes than
+    all-reducing its gradient (equal element sizes): 2·(n_in + 1)·n_out/(n_in + n_out)."""
+    return 2 * (n_in + bias) * n_out / (n_in + n_out)
+
+
 def cheaper_linear_sync(n_in: int, n_out: int, bias: bool, rows: int, n: int, **sizes) -> str:
     """The rule `--dp-linear-sync auto` applies per layer: all-gather exactly when it sends
     fewer bytes (a tie all-reduces: the simpler path, and no extra compute)."""

@@ -12,7 +12,7 @@ from distributed import run_ranks
 from helpers import small_config
 
 from meshtrain import verify
-from meshtrain.comm import Comm, cheaper_linear_sync, linear_sync_bytes
+from meshtrain.comm import Comm, cheaper_linear_sync, linear_sync_bytes, linear_sync_crossover
 from meshtrain.config import Config, ConfigError, LayoutConfig, TrainConfig, load, validate, warnings
 from meshtrain.parallel import parallelize
 from meshtrain.parallel.linear_gather import LinearGather, linear_layers, mark_linear
@@ -37,6 +37,7 @@ def test_auto_gathers_exactly_below_the_crossover_of_the_formulas(n_in, n_out, c
             expected = "allgather" if sent["allgather"] < sent["allreduce"] else "allreduce"
             assert cheaper_linear_sync(n_in, n_out, True, rows, n) == expected
             assert (expected == "allgather") == (rows < crossover)
+    assert crossover - 1 < linear_sync_crossover(n_in, n_out) <= crossover  # gathers for every B below it
 
 
 def test_the_formulas_are_the_ring_counts():

@@ -116,20 +116,20 @@ class _GatheredLayer:
     """One linear layer on the all-gather path: its parameters and where their gradients live."""
 
     def __init__(self, module: nn.Module, sync: "LinearGather", grad_dtype: torch.dtype):
-        self.module, self.sync = module, sync
-        self.params = [p for p in (module.weight, getattr(module, "bias", None)) if p is not None]
+        self.sync = sync
+        self.weight, self.bias = module.weight, getattr(module, "bias", None)
+        self.params = [p for p in (self.weight, self.bias) if p is not None]
         self.n_in = module.weight.shape[1]
         self.grads = {p: torch.zeros(p.shape, dtype=grad_dtype, device=p.device) for p in self.params}
         for p in self.params:
             if p.dtype == grad_dtype:
                 p.grad = self.grads[p]
         inner = module.forward
-        bias = getattr(module, "bias", None)
 
         def forward(x, *args, **kwargs):
             if not torch.is_grad_enabled():  # evaluation: the layer's own forward
                 return inner(x, *args, **kwargs)
-            return _RowsGatheredLinear.apply(x, module.weight, bias, self)
+            return _RowsGatheredLinear.apply(x, self.weight, self.bias, self)
         module.forward = forward
 
     def add_grads(self, xs: torch.Tensor, ds: torch.Tensor) -> None:
@@ -139,11 +139,9 @@ class _GatheredLayer:
             if p.dtype == self.grads[p].dtype and p.grad is not self.grads[p]:
                 self.grads[p].zero_()
                 p.grad = self.grads[p]
-        weight = self.module.weight
-        self.grads[weight].add_((ds.t() @ xs).to(self.grads[weight].dtype))
-        bias = getattr(self.module, "bias", None)
-        if bias is not None:
-            self.grads[bias].add_(ds.sum(0).to(self.grads[bias].dtype))
+        self.grads[self.weight].add_((ds.t() @ xs).to(self.grads[self.weight].dtype))
+        if self.bias is not None:
+            self.grads[self.bias].add_(ds.sum(0).to(self.grads[self.bias].dtype))
 
 
 class LinearGather:
