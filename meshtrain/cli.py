@@ -1,4 +1,4 @@
-"""`meshtrain train | verify | bench | generate` (the contract in DESIGN.md).
+"""`meshtrain train | verify | bench | schedule | plan | generate` (the contract in DESIGN.md).
 
 From a plain shell a multi-rank command validates its configuration, prepares the data,
 and starts dp×tp×pp local ranks through torchrun's engine; each rank runs this same command
@@ -79,6 +79,15 @@ def build_parser() -> argparse.ArgumentParser:
                        "--trace FILE` with its measured costs and compare the two")
     sched.add_argument("--png", metavar="FILE", help="also draw the timeline into FILE")
     sched.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    from meshtrain.plan.command import add_arguments as add_plan_arguments
+    from meshtrain.plan.shapes import PUBLISHED
+    plan = sub.add_parser("plan", help="memory per device and step time of a layout, or the best layouts (no processes)",
+                          description="Predict memory per device (model states, activations), FLOPs, traffic, "
+                          "pipeline bubble, step time and MFU of a model on a cluster, for one layout or searched "
+                          "over all of them (--search). Takes train's flags; --model also names the published "
+                          f"architectures: {', '.join(PUBLISHED)}.")
+    _add_run_flags(plan)
+    add_plan_arguments(plan)
     gen = sub.add_parser("generate", help="sample text from a model trained by `meshtrain train`")
     gen.add_argument("--ckpt", required=True, metavar="DIR", help="the --out folder of a training run")
     gen.add_argument("--prompt", default="\n", help="text to continue")
@@ -140,6 +149,14 @@ def main(argv: list[str] | None = None) -> int:
         return _generate(args)
     if args.command == "schedule":
         return _schedule(args)
+    if args.command == "plan":
+        from meshtrain.plan.command import run as plan
+        try:
+            cfg = _config_from(args)
+        except C.ConfigError as e:
+            print(f"meshtrain: error: {e}", file=sys.stderr)
+            return 2
+        return plan(args, cfg)
     from meshtrain.data.corpus import DataError
 
     renv = None

@@ -60,6 +60,23 @@ def _keys_at(keys: DropoutKeys | None, where: tuple | None):
         keys.use(*now)
 
 
+RECOMPUTED = "_meshtrain_recomputed"  # set on every module that runs under a checkpoint
+
+
+def is_recomputed(module: nn.Module) -> bool:
+    """Whether `module` runs under activation checkpointing. Saved-tensor hooks entered
+    inside a checkpointed region take every tensor saved there from the checkpoint's own
+    hooks — nothing would be recomputed — so code that installs such hooks (SP's region)
+    leaves them out here: the recomputation redoes what they would have saved."""
+    return getattr(module, RECOMPUTED, False)
+
+
+def _mark(modules) -> None:
+    for top in modules:
+        for m in top.modules():
+            setattr(m, RECOMPUTED, True)
+
+
 def _checkpointed(run, keys: DropoutKeys | None, selective: bool):
     """`run(x)` under a non-reentrant checkpoint that recomputes with the forward's dropout keys."""
     context = partial(create_selective_checkpoint_contexts, _selective_policy) if selective else None
@@ -100,13 +117,16 @@ def apply_recompute(runs: list[list[nn.Module]], policy: str, keys: DropoutKeys 
         return
     for blocks in runs:
         if mode == "full":
+            _mark(blocks)
             for block in blocks:
                 block.forward = _checkpointed(block.forward, keys, selective=False)
             continue
         if mode == "selective":
+            _mark(attention_modules(blocks))
             for module in attention_modules(blocks):
                 module.forward = _checkpointed(module.forward, keys, selective=True)
             continue
+        _mark(blocks)
         size = k or math.ceil(math.sqrt(len(blocks)))
         for start in range(0, len(blocks), size):
             segment = blocks[start:start + size]

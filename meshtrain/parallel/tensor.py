@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from meshtrain.comm import Comm
 from meshtrain.models import replace_submodule
 from meshtrain.parallel.dropout import SeededDropout
+from meshtrain.parallel.recompute import is_recomputed
 from meshtrain.parallel.state import SHARD, set_shard
 
 COLUMN, ROW, VOCAB, REGION, SEQUENCE = "column", "row", "vocab", "region", "sequence"
@@ -284,6 +285,8 @@ def _enter_region(module: nn.Module, comm: Comm, sp: bool) -> None:
         if not sp:
             return inner(_CopyToRegion.apply(x, comm), *args, **kwargs)
         full = _GatherSeq.apply(x, comm)
+        if is_recomputed(module):  # the checkpoint keeps nothing inside; recomputing gathers again
+            return inner(full, *args, **kwargs)
         saved = _RegatherSaved(full, x, comm)
         with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
             return inner(full, *args, **kwargs)

@@ -39,3 +39,45 @@ def peak_flops(device_name: str, precision: str) -> float | None:
         if fragment in device_name and prec == precision:
             return flops
     return None
+
+
+def layer_forward_flops(shape, micro_batch: int, seq: int) -> dict[str, float]:
+    """One block's forward FLOPs for `micro_batch` sequences, by part: the linear layers
+    (q, k, v, output projection; the MLP's two matrices, or SwiGLU's three) and the
+    attention core (QKᵀ and the product with V, counted whole as Megatron does, not halved
+    for the causal mask). For the GPT shape: 24·b·s·h² and 4·b·s²·h."""
+    bs, h, f, kv = micro_batch * seq, shape.hidden, shape.ffn_width, shape.kv_width
+    mlp_matrices = 3 if shape.kind == "llama" else 2
+    linear = 2 * bs * h * (2 * h + 2 * kv) + 2 * bs * h * f * mlp_matrices
+    return {"linear": float(linear), "attention": 4.0 * micro_batch * seq * seq * h}
+
+
+def head_forward_flops(shape, micro_batch: int, seq: int) -> float:
+    """The logits: 2·b·s·h·V."""
+    return 2.0 * micro_batch * seq * shape.hidden * shape.vocab
+
+
+def model_flops(shape, batch: int, seq: int) -> float:
+    """Model FLOPs of one step (forward and a backward of twice its cost) on `batch`
+    sequences: 72·B·s·l·h²·(1 + s/6h + V/(12·l·h)) for the GPT shape (`gpt_flops_per_step`),
+    generalised to SwiGLU's three matrices of width ffn and grouped-query attention."""
+    layer = layer_forward_flops(shape, batch, seq)
+    return 3 * (shape.layers * (layer["linear"] + layer["attention"]) + head_forward_flops(shape, batch, seq))
+
+
+def recomputed_flops(shape, batch: int, seq: int, recompute: str) -> float:
+    """The forward work activation checkpointing repeats in backward: every block's forward
+    under `full` and `segments` (each segment runs again, its first boundary kept), the
+    attention core under `selective`."""
+    mode = recompute.split(":")[0]
+    if mode == "none":
+        return 0.0
+    layer = layer_forward_flops(shape, batch, seq)
+    per_layer = layer["attention"] if mode == "selective" else layer["linear"] + layer["attention"]
+    return shape.layers * per_layer
+
+
+def hardware_flops(shape, batch: int, seq: int, recompute: str = "none") -> float:
+    """FLOPs the devices execute: model FLOPs plus the recomputation. With full recompute
+    of a GPT, Narayanan et al. (2021) eq. 3: 96·B·s·l·h²·(1 + s/6h + V/(16·l·h))."""
+    return model_flops(shape, batch, seq) + recomputed_flops(shape, batch, seq, recompute)

@@ -27,6 +27,10 @@ The first pipeline stage holds the activations of `in_flight` micro-batches at o
 
 from __future__ import annotations
 
+import math
+
+from functools import lru_cache
+
 PAPER_K = 12  # the ZeRO paper's optimizer bytes per parameter under mixed precision (fp32 master, m, v)
 
 
@@ -56,18 +60,31 @@ def model_state_bytes(n_params: float, zero: int, dp: int, *, precision: str = "
 
 
 def activation_bytes_per_layer(seq: int, micro_batch: int, hidden: int, heads: int, *, tp: int = 1,
-                               sp: bool = False, recompute: str = "none") -> float:
+                               sp: bool = False, recompute: str = "none", attention: str = "math",
+                               kv_width: int | None = None, ffn: int | None = None, swiglu: bool = False) -> float:
     """Korthikanti et al. (2022), Table 2: one transformer layer's activation bytes on one
-    tensor-parallel rank (16-bit activations, 1-byte dropout masks)."""
-    sbh = seq * micro_batch * hidden
-    attention_core = 5 * heads * seq / (hidden * tp)
-    rest = 34 / tp if sp else 10 + 24 / tp
+    tensor-parallel rank (16-bit activations, 1-byte dropout masks).
+
+    Generalised term by term for other shapes (exactly the table's for the GPT shape: kv =
+    h, f = 4h, two MLP matrices): the 10·sbh left whole are the two norms' inputs (4), the
+    q/k/v input (2) and the MLP's input (2), and two dropout masks (2); split by t are q and
+    k (2·sb·(h + kv)), v (2·sb·kv), the output projection's input (2·sbh) and the MLP's
+    inner activations, 2·sb·f per saved tensor: two for GELU's MLP (its input and the second
+    matrix's input), three for SwiGLU (gate, up, and their product). The attention core's
+    5·a·s²·b (scores' softmax, its dropout mask and output) is counted under `math` only:
+    the fused `sdpa` kernel never keeps it."""
+    s, b, h = seq, micro_batch, hidden
+    kv, f = kv_width or hidden, ffn or 4 * hidden
+    whole = 10 * s * b * h
+    split = 2 * s * b * (h + kv) + 2 * s * b * kv + 2 * s * b * h + (3 if swiglu else 2) * 2 * s * b * f
+    attention_core = 5 * heads * s * s * b / tp if attention == "math" else 0
+    rest = (whole + split) / tp if sp else whole + split / tp
     if recompute == "none":
-        return sbh * (rest + attention_core)
+        return rest + attention_core
     if recompute == "selective":
-        return sbh * rest
+        return rest
     if recompute == "full":
-        return 2 * sbh / (tp if sp else 1)
+        return 2 * s * b * h / (tp if sp else 1)
     raise ValueError(f"recompute '{recompute}': the paper's table has none, selective and full")
 
 
@@ -83,6 +100,36 @@ def in_flight(pp: int, microbatches: int, schedule: str = "1f1b", chunks: int = 
     return held * (1 + (pp - 1) / (pp * chunks)) if schedule == "interleaved" else held
 
 
+def _parts(shape, tp: int) -> dict[str, int]:
+    """Parameters by where they sit and whether tensor parallelism splits them (per device)."""
+    h, f, kv, v = shape.hidden, shape.ffn_width, shape.kv_width, shape.vocab
+    if shape.kind == "llama":
+        return {"block_split": (2 * h * h + 2 * h * kv + 3 * h * f) // tp, "block_whole": 2 * h,
+                "embed_split": v * h // tp, "embed_whole": 0, "final_whole": h, "head_split": v * h // tp}
+    return {"block_split": (4 * h * h + 2 * h * f + 2 * h + f) // tp,  # q, k, v, proj, fc, proj; the q, v and fc biases
+            "block_whole": 2 * h + 4 * h,  # the row layers' biases, two LayerNorms
+            "embed_split": v * h // tp, "embed_whole": shape.seq_len * h, "final_whole": 2 * h,
+            "head_split": v * h // tp}
+
+
+def stage_runs(shape, *, pp: int = 1, stage: int = 0, chunks: int = 1, tp: int = 1,
+               stage_layers: list[int] | None = None) -> tuple[int, ...]:
+    """The block counts of a pipeline stage's chunks (each a run of consecutive blocks; tp
+    changes nothing here, it is accepted to take `device_params`' arguments)."""
+    return _runs_of(shape.layers, pp, stage, chunks, tuple(stage_layers) if stage_layers else None)
+
+
+@lru_cache(maxsize=65536)
+def _runs_of(layers: int, pp: int, stage: int, chunks: int, stage_layers: tuple[int, ...] | None) -> tuple[int, ...]:
+    from meshtrain.parallel.pipeline.stages import split_layers
+    ranges = split_layers(layers, pp * chunks, list(stage_layers) if stage_layers else None)
+    return tuple(len(ranges[c * pp + stage]) for c in range(chunks))
+
+
+def _stage_blocks(shape, pp: int, stage: int, chunks: int, stage_layers: list[int] | None) -> int:
+    return sum(stage_runs(shape, pp=pp, stage=stage, chunks=chunks, stage_layers=stage_layers))
+
+
 def device_params(shape, *, tp: int = 1, pp: int = 1, stage: int = 0, chunks: int = 1,
                   stage_layers: list[int] | None = None) -> tuple[int, int, int]:
     """What one device holds (`torch` accounting: meshtrain's tensor-parallel plan and
@@ -93,20 +140,21 @@ def device_params(shape, *, tp: int = 1, pp: int = 1, stage: int = 0, chunks: in
     position embedding stay whole. Pipeline stage `stage` holds its virtual stages' blocks
     (split as `split_layers` does), the embedding on stage 0, the final norm and the
     (untied) head on the last."""
-    from meshtrain.parallel.pipeline.stages import split_layers
+    part = _parts(shape, tp)
+    blocks = _stage_blocks(shape, pp, stage, chunks, stage_layers)
+    rest = ((part["embed_split"] + part["embed_whole"] if stage == 0 else 0)
+            + (part["final_whole"] + part["head_split"] if stage == pp - 1 else 0))
+    return blocks, part["block_split"] + part["block_whole"], rest
 
-    h, f, kv, v = shape.hidden, shape.ffn_width, shape.kv_width, shape.vocab
-    if shape.kind == "llama":
-        split_part, whole_part = 2 * h * h + 2 * h * kv + 3 * h * f, 2 * h
-        embed, final = v * h // tp, h
-    else:
-        split_part = 4 * h * h + 2 * h * f + 2 * h + f  # q, k, v, proj, fc, proj; the q, v and fc biases
-        whole_part = 2 * h + 4 * h  # the row layers' biases, two LayerNorms
-        embed, final = v * h // tp + shape.seq_len * h, 2 * h
-    ranges = split_layers(shape.layers, pp * chunks, stage_layers)
-    blocks = sum(len(ranges[c * pp + stage]) for c in range(chunks))
-    rest = (embed if stage == 0 else 0) + (final + v * h // tp if stage == pp - 1 else 0)
-    return blocks, split_part // tp + whole_part, rest
+
+def whole_params(shape, *, tp: int = 1, pp: int = 1, stage: int = 0, chunks: int = 1,
+                 stage_layers: list[int] | None = None) -> int:
+    """The parameters of a device that tensor parallelism leaves whole (their gradients are
+    summed over tp under sequence parallelism)."""
+    part = _parts(shape, tp)
+    blocks = _stage_blocks(shape, pp, stage, chunks, stage_layers)
+    return (blocks * part["block_whole"] + (part["embed_whole"] if stage == 0 else 0)
+            + (part["final_whole"] if stage == pp - 1 else 0))
 
 
 def params_per_device(shape, **where) -> int:
@@ -159,17 +207,186 @@ def torch_activation_bytes_per_layer(seq: int, micro_batch: int, hidden: int, he
     return elements * e + extra
 
 
+def block_parts(seq: int, micro_batch: int, hidden: int, heads: int, *, element_bytes: int, attention: str,
+                 dropout: float, ffn: int | None, tp: int, sp: bool) -> dict[str, int]:
+    """One block's activation terms on one rank, in bytes (`torch` accounting; t = tp, w = t
+    under SP else 1), the pieces the step's moments are made of:
+
+    - `kept`: what the block leaves alive with no recompute (`torch_activation_bytes_per_layer`);
+    - `out`: one residual-stream tensor, b·s·h/w elements: the block's input or output;
+    - `selective`: what it keeps under selective recompute: `kept` less the attention core
+      (softmax's output and mask, or sdpa's log-sum-exp; the dropped probabilities and their
+      mask) and less the core's output (the output projection's input), plus what the policy
+      keeps that nothing else does: the output projection's product (`mm`/`addmm`), b·s·h
+      elements whole on every tp rank (a row layer's partial sum, before its reduction);
+    - `forward_peak`: what the block's forward holds at its attention's peak (math only: at
+      the softmax): the first LayerNorm's output and statistics, q, k and v (Python locals
+      until the attention returns), the contiguous copies of q and kᵀ the product takes, the
+      scaled scores, the masked scores and softmax's output (3·b·(a/t)·s² elements) and the
+      causal mask; with SP also the gathered input, b·s·h whole. Under sdpa the forward never
+      holds more than `kept`: 0;
+    - `recomputed`: what it keeps when its forward runs again in backward: `kept`, but under
+      SP with its two gathered inputs whole;
+    - `backward_extra`: what the block's backward allocates on top of its saved tensors and
+      its output's gradient at its largest: the output projection of the MLP first, the
+      gradient of its input (b·s·f/t elements) and the weight's gradient before it is added
+      to its buffer (h·f/t) and the bias's (h)."""
+    e, b, s, h, a, t = element_bytes, micro_batch, seq, hidden, heads, tp
+    f = ffn or 4 * h
+    w = t if sp else 1
+    kept = torch_activation_bytes_per_layer(s, b, h, a, element_bytes=e, attention=attention, dropout=dropout,
+                                            ffn=f, tp=t, sp=sp)
+    out = b * s * h * e // w
+    scores = b * (a // t) * s * s
+    if attention == "math":
+        core = scores * e + s * s + ((scores * e + scores) if dropout > 0 else 0)
+        forward_peak = (out + 2 * b * s * e // w + 5 * b * s * h * e // t + 3 * scores * e + s * s
+                        + (b * s * h * e if sp else 0))
+    else:
+        core, forward_peak = 4 * scores // s, 0
+    selective = kept - core - b * s * h * e // t + b * s * h * e
+    backward_extra = b * s * f * e // t + h * f * e // t + h * e
+    # recomputed under SP, a block keeps its two gathered inputs whole (the region's regather
+    # stands down under a checkpoint: `recompute.is_recomputed`), not as shards
+    recomputed = kept + (2 * (b * s * h * e - b * s * h * e // t) if sp else 0)
+    return {"kept": kept, "out": out, "selective": selective, "forward_peak": forward_peak,
+            "backward_extra": backward_extra, "recomputed": recomputed}
+
+
+def recompute_units(blocks: int, recompute: str = "none") -> list[int]:
+    """How a run of `blocks` consecutive blocks is cut by a recompute policy: the sizes of the
+    units that keep only their input and run again whole in backward (`full`: one block each;
+    `segments:K`: K each, the last shorter; `segments`: K = ⌈√blocks⌉); [] when no block is
+    recomputed whole (`none`, `selective`)."""
+    from meshtrain.config import parse_recompute
+
+    mode, k = parse_recompute(recompute)
+    if mode in ("none", "selective"):
+        return []
+    size = 1 if mode == "full" else (k or math.ceil(math.sqrt(blocks)))
+    return [min(size, blocks - start) for start in range(0, blocks, size)]
+
+
+def recompute_kept_bytes(blocks: int, parts: dict[str, int], recompute: str = "none") -> int:
+    """What `blocks` consecutive blocks keep through the forward under a recompute policy,
+    from `block_parts`: every block's `kept` (none), its `selective` share (selective), or
+    one residual-stream tensor per recomputed unit — its output, which is the next unit's
+    input (full, segments); a run's first input is its stage's (the embedding's output, or
+    the received activation) and is counted there."""
+    units = recompute_units(blocks, recompute)
+    if units:
+        return len(units) * parts["out"]
+    return blocks * parts["selective" if recompute == "selective" else "kept"]
+
+
+@lru_cache(maxsize=4096)
+def _in_flight_at_backwards(schedule: str, pp: int, stage: int, microbatches: int, chunks: int) -> tuple[float, ...]:
+    """For each backward of the stage, in order: the micro-batches forwarded and not yet
+    backwarded (the one being backwarded included), in whole-stage units (a chunk of an
+    interleaved stage is 1/chunks of one), by walking the schedule's instructions. Under the
+    zero-bubble schedule a micro-batch is held until its weight gradient."""
+    if pp == 1:
+        return (1,) * microbatches
+    from meshtrain.parallel.pipeline import schedules as S
+
+    held, found = 0, []
+    for op in S.compute_order(schedule, stage, pp, microbatches, chunks):
+        if isinstance(op, S.Forward):
+            held += 1
+        elif isinstance(op, (S.Backward, S.BackwardInput)):
+            found.append(held / chunks)
+        if isinstance(op, (S.Backward, S.BackwardWeight)):
+            held -= 1
+    return tuple(found)
+
+
+def torch_stage_activation_bytes(layers: int, seq: int, micro_batch: int, hidden: int, heads: int, vocab: int, *,
+                                 element_bytes: int = 4, attention: str = "sdpa", dropout: float = 0.0,
+                                 ffn: int | None = None, tp: int = 1, sp: bool = False, recompute: str = "none",
+                                 pp: int = 1, stage: int = 0, schedule: str = "1f1b", microbatches: int = 1,
+                                 chunks: int = 1, stage_layers: list[int] | None = None) -> int:
+    """The peak of activation bytes in one step on one rank of pipeline stage `stage`
+    (`torch` accounting): the largest of the moments below, for the micro-batch size b the
+    stage runs (the rank's batch ÷ microbatches), `layers` the whole model's blocks (the
+    stage's are cut as `split_layers` does). Parts are `block_parts`' (per block) and:
+
+    - a micro-batch's forward keeps K: on the first stage the embedding's output (its dropout
+      mask, the positions, int64; under tp the vocabulary-parallel lookup's local ids, 2·8
+      bytes a token, and its mask), its blocks' `recompute_kept_bytes`, and on the last the
+      final LayerNorm's output and statistics;
+    - a non-first stage keeps the received activations of the micro-batches in flight, and
+      every gradient it sent back until the step ends (gloo reports a send complete only when
+      it is waited on; the engine waits on those at the step's end);
+    - at the backward of micro-batch k (order by the schedule), the n micro-batches
+      in flight (n = min(p − stage, m − k) under 1F1B) hold K each; that backward holds
+      the gradient of the stage's output and, at its largest:
+        - the loss (last stage): three fp32 tensors of the local logits' size, the
+          log-softmax kept for backward, its gradient and the logits' (tp splits them by the
+          vocabulary and its cross-entropy keeps its probabilities the same way, with each
+          token's local target and mask, 9 bytes, and five fp32 numbers at its peak);
+        - no recompute: the last block's `backward_extra`, its saved tensors all alive;
+        - a recomputed unit (full: a block; segments: K blocks): the inputs of the units
+          before it and its own, its blocks recomputed (their `kept`, less the last block's
+          output: nothing saves it), and the last block's `backward_extra`; or under math,
+          the recomputation at the last block's softmax (`forward_peak`, the earlier blocks
+          of the unit recomputed);
+    - under math, the forward of the last block at its softmax (`forward_peak`), the earlier
+      blocks' K share alive.
+
+    What is left out: scalars (the loss), the loss's transients of the targets, the bias
+    gradients' sums, dropout's transients in the forward."""
+    e, b, s, h = element_bytes, micro_batch, seq, hidden
+    t = tp
+    w = t if sp else 1
+    parts = block_parts(s, b, h, heads, element_bytes=e, attention=attention, dropout=dropout, ffn=ffn, tp=t, sp=sp)
+    out = parts["out"]
+    first, last = stage == 0, stage == pp - 1
+    blocks = sum(_runs_of(layers, pp, stage, chunks, tuple(stage_layers) if stage_layers else None))
+    ids = 17 * b * s if t > 1 else 0  # the vocabulary-parallel lookup's local ids (two int64 copies), its mask
+    before = (out + 8 * s + ids + (b * s * h // w if dropout > 0 else 0)) if first else 0
+    after = (out + 2 * b * s * e // w) if last else 0
+    kept_blocks = recompute_kept_bytes(blocks, parts, recompute)
+    per_mb = before + kept_blocks + after
+    # the vocabulary-parallel loss also keeps each token's local target (int64) and its mask,
+    # and holds five fp32 numbers per token at its peak (max, target logit, sum, log, term)
+    loss = 3 * b * s * (vocab // t) * 4 + (29 * b * s if t > 1 else 0)
+    units = recompute_units(blocks, recompute)
+    # the micro-batch being backwarded: its live bytes at its backward's largest moment
+    grad = out  # the gradient of the stage's output (received, or the final LayerNorm's)
+    sent = 0 if last else out  # a non-last stage's output stays alive (see above)
+    if units:
+        moments, earlier = [], 0
+        for size in units:
+            redo = size * parts["recomputed"] - out + parts["backward_extra"]
+            again = (size - 1) * parts["recomputed"] + parts["forward_peak"]
+            moments.append(earlier * out + max(redo, again))
+            earlier += 1
+        current = before + max(moments) + grad + sent
+    else:
+        current = before + kept_blocks - (0 if sent else out) + grad + parts["backward_extra"]
+    current = max(current, per_mb + (loss if last else 0))
+    if attention == "math":  # the forward of the stage's last block, at its softmax
+        share = (len(units) - 1) * out if units else recompute_kept_bytes(blocks - 1, parts, recompute)
+        current = max(current, before + share + parts["forward_peak"])
+    peak = 0
+    for k, held in enumerate(_in_flight_at_backwards(schedule, pp, stage, microbatches, chunks)):
+        # a non-first stage: the received activations in flight, and the gradients already
+        # sent back (gloo reports a send complete only when waited on: at the step's end)
+        pipeline = 0 if first else (held + k) * out
+        peak = max(peak, (held - 1) * per_mb + current + pipeline)
+    return peak
+
+
 def torch_activation_bytes(layers: int, seq: int, micro_batch: int, hidden: int, heads: int, vocab: int, *,
                            element_bytes: int = 4, attention: str = "sdpa", dropout: float = 0.0,
-                           ffn: int | None = None) -> int:
-    """The peak of activation bytes in one step of meshtrain's GPT on one process (`torch`
-    accounting; no tp, pp or recompute yet): every block's `torch_activation_bytes_per_layer`,
-    plus the embedding's output (and its dropout mask) and the final LayerNorm's output and
-    statistics, plus three fp32 tensors of logits' size at the loss — the log-softmax kept for
-    backward, and in backward its gradient and the logits' (the loss is computed in fp32
+                           ffn: int | None = None, **layout) -> int:
+    """The peak of activation bytes in one step of meshtrain's GPT on one rank (`torch`
+    accounting): `torch_stage_activation_bytes`, whose keyword arguments `layout` takes (tp,
+    sp, recompute, pp, stage, schedule, microbatches, chunks, stage_layers); on one process
+    with no recompute, every block's `torch_activation_bytes_per_layer`, plus the embedding's
+    output (its dropout mask, the positions) and the final LayerNorm's output and
+    statistics, plus three fp32 tensors of logits' size at the loss — the log-softmax kept
+    for backward, and in backward its gradient and the logits' (the loss is computed in fp32
     whatever the precision)."""
-    e, b, s, h = element_bytes, micro_batch, seq, hidden
-    per_layer = torch_activation_bytes_per_layer(s, b, h, heads, element_bytes=e, attention=attention,
-                                                 dropout=dropout, ffn=ffn)
-    outside = 2 * b * s * h * e + 2 * b * s * e + 3 * b * s * vocab * 4 + (b * s * h if dropout > 0 else 0)
-    return layers * per_layer + outside
+    return torch_stage_activation_bytes(layers, seq, micro_batch, hidden, heads, vocab, element_bytes=element_bytes,
+                                        attention=attention, dropout=dropout, ffn=ffn, **layout)

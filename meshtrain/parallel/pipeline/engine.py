@@ -39,6 +39,7 @@ class PipelineRunner:
         the micro-batches whose loss this stage computed (zero elsewhere), detached."""
         self._p, self._micro_batch, self._normalizer = p, micro_batch, normalizer
         self._inputs, self._outputs, self._grads, self._sends = {}, {}, {}, []
+        self._output_sends = {}  # (micro-batch, chunk) -> the handle of its output's send
         self._total = torch.zeros((), device=self.comm.mesh.device)
         if self.recorder is not None:
             self.comm.barrier(PP)
@@ -72,6 +73,8 @@ class PipelineRunner:
     def _send(self, tensor: torch.Tensor, kind: int, op: S.Instruction, step: int, then_free=None) -> None:
         offset, chunk = self._peer_offset(op.chunk, step)
         self._sends.append((self.comm.send(tensor, PP, offset, tag=self._tag(kind, op, chunk)), then_free))
+        if then_free is not None:
+            self._output_sends[(op.mb, op.chunk)] = self._sends[-1][0]
 
     def _receive(self, kind: int, op: S.Instruction, step: int) -> torch.Tensor:
         offset, _ = self._peer_offset(op.chunk, step)
@@ -100,7 +103,9 @@ class PipelineRunner:
         self._inputs[(op.mb, op.chunk)] = self._receive(0, op, -1).requires_grad_()
 
     def _SendGrad(self, op):
-        self._send(self._inputs[(op.mb, op.chunk)].grad, 1, op, -1)
+        # The received activation is done with (its gradient is all that is sent back); the
+        # send holds the gradient until it completes.
+        self._send(self._inputs.pop((op.mb, op.chunk)).grad, 1, op, -1)
 
     def _RecvGrad(self, op):
         self._grads[(op.mb, op.chunk)] = self._receive(1, op, +1)
@@ -138,8 +143,18 @@ class PipelineRunner:
         self._release(op)
 
     def _release(self, op) -> None:
+        """After a micro-batch's backward: its output, the gradient received for it, and the
+        send of that output — complete, since the next stage sent back the gradient: waiting
+        on it returns at once. (gloo reports a send completed only when waited on, so
+        `_free_sent_outputs` never sees one complete, and without this every output of the
+        step would stay alive until its end.)"""
+        key = (op.mb, op.chunk)
         for store in (self._outputs, self._grads):
-            store.pop((op.mb, op.chunk), None)
+            store.pop(key, None)
+        work = self._output_sends.pop(key, None)
+        if work is not None and any(w is work for w, _ in self._sends):
+            work.wait()
+            self._sends = [(w, out) for w, out in self._sends if w is not work]
 
     def _SyncGrads(self, op):
         pass  # the training step finishes the gradient sync (the buckets launched in the last backward)

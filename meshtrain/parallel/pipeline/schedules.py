@@ -147,18 +147,22 @@ def interleaved_order(stage: int, stages: int, microbatches: int, chunks: int) -
     return order
 
 
-def schedule(name: str, stages: int, microbatches: int, chunks: int = 1) -> list[list[Instruction]]:
-    """Every stage's instruction list for schedule `name`."""
+def compute_order(name: str, stage: int, stages: int, microbatches: int, chunks: int = 1) -> list[Instruction]:
+    """One stage's compute instructions (no transfers) for schedule `name`."""
     if name not in SCHEDULES:
         raise ValueError(f"unknown schedule '{name}'; use {' | '.join(SCHEDULES)}")
     if name == "interleaved":
         if microbatches % stages:
             raise ValueError(f"interleaved needs micro-batches in groups of the {stages} stages; "
                              f"use --microbatches a multiple of {stages}")
-        orders = [interleaved_order(s, stages, microbatches, chunks) for s in range(stages)]
-    else:
-        if chunks != 1:
-            raise ValueError(f"{name} runs one model chunk per stage; use --chunks 1 (or --schedule interleaved)")
-        build = {"gpipe": gpipe_order, "1f1b": one_f_one_b_order, "zb": zero_bubble_order}[name]
-        orders = [build(s, stages, microbatches) for s in range(stages)]
+        return interleaved_order(stage, stages, microbatches, chunks)
+    if chunks != 1:
+        raise ValueError(f"{name} runs one model chunk per stage; use --chunks 1 (or --schedule interleaved)")
+    build = {"gpipe": gpipe_order, "1f1b": one_f_one_b_order, "zb": zero_bubble_order}[name]
+    return build(stage, stages, microbatches)
+
+
+def schedule(name: str, stages: int, microbatches: int, chunks: int = 1) -> list[list[Instruction]]:
+    """Every stage's instruction list for schedule `name`."""
+    orders = [compute_order(name, s, stages, microbatches, chunks) for s in range(stages)]
     return [with_communication(s, order, stages, chunks) for s, order in enumerate(orders)]

@@ -1,0 +1,569 @@
+"""A measured profile of this machine, for the planner's step-time model (`meshtrain plan
+--calibrate` writes one, `plan --machine FILE` reads it).
+
+A step's time is matmuls, memory-bound elementwise ops, the fixed cost of dispatching each
+op, and collectives. Each is measured the way a rank of a training run meets it: inside
+`ranks` spawned processes joined in a process group (gloo on CPU, NCCL on CUDA), with the
+thread count the trainer gives its ranks (`launch.threads_per_rank`), all ranks computing
+at the same time (on a small CPU they share caches and memory bandwidth), and each
+collective through `torch.distributed`. Collective bandwidth is per byte THIS rank sends,
+as `meshtrain.comm` counts it, so that the planner's byte counts convert directly to time.
+
+Matmul rate depends on shape (small or skinny products are overhead- or memory-bound), so
+it is measured over a grid of (m, k, n) covering a small GPT's linears, smallest first,
+until the phase's share of the time budget runs out (bf16 on a CPU without bf16 units is
+~50x slower than fp32: only its small corner fits). Between grid points the time is
+interpolated (multilinear in log m, log k, log n); see `MachineProfile.matmul_flops_per_s`."""
+
+from __future__ import annotations
+
+import json
+import math
+import multiprocessing as mp
+import platform
+import queue
+import socket
+import statistics
+import sys
+import time
+import traceback
+from dataclasses import MISSING, asdict, dataclass, field, fields
+from datetime import datetime, timezone
+from itertools import product
+from pathlib import Path
+
+FORMAT = "meshtrain-machine-profile/1"
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "p2p")
+DTYPES = ("fp32", "bf16")
+
+
+@dataclass
+class MachineProfile:
+    device: str            # "cpu" or the GPU's name
+    ranks: int             # processes the collectives (and the concurrent matmuls) were measured with
+    threads_per_rank: int  # torch threads each rank used, as the trainer's ranks do
+    matmul: list[dict]     # {"m", "k", "n", "dtype", "flops_per_s"}, and "batch" for a torch.bmm point
+    elementwise_bytes_per_s: float  # bytes read + written per second by a layer's mix of elementwise ops
+    op_overhead_s: float   # one forward op on a tiny tensor, recorded by autograd as in training
+    collectives: dict      # kind -> {"latency_s", "bytes_per_s"}, bytes as this rank sends them
+    created: str
+    torch_version: str
+    host: str
+    backward_op_overhead_s: float = 0.0  # one autograd backward node of a tiny op
+    elementwise_ops: dict = field(default_factory=dict)  # op -> bytes/s ("add", "gelu", ...), each alone
+
+    # -- matmul ---------------------------------------------------------------------------
+
+    def matmul_flops_per_s(self, m: int, k: int, n: int, dtype: str = "fp32") -> float:
+        """FLOP/s of an (m×k)·(k×n) product: 2mkn over the interpolated time. Inside the grid
+        the time is multilinear in (log m, log k, log n) over the measured grid, made
+        nondecreasing along each axis by lowering a point to the time of any larger product
+        that ran faster (other processes only ever slow a measurement down, so the lower
+        figure is the truer one). Beyond the largest grid value of an axis the time grows in
+        proportion (the edge's rate is kept); below the smallest it stays at the edge's time
+        (overhead-bound). So time is monotone in each dimension and the rate bounded."""
+        return 2.0 * m * k * n / self._grid(dtype).time(m, k, n)
+
+    def matmul_time(self, m: int, k: int, n: int, dtype: str = "fp32", batch: int = 1) -> float:
+        """Seconds of `batch` products (m×k)·(k×n). batch > 1 is a torch.bmm (attention): timed
+        as the row-stacked product (batch·m)×k·(k×n), corrected by how the measured bmm
+        points ran against that model (1 when none were measured)."""
+        if min(m, k, n, batch) <= 0:
+            return 0.0
+        if batch == 1:
+            return self._grid(dtype).time(m, k, n)
+        return self._grid(dtype).time(batch * m, k, n) / self._bmm_factor(dtype)
+
+    def _grid(self, dtype: str) -> "_Grid":
+        cache = self.__dict__.setdefault("_cache", {})
+        if ("grid", dtype) not in cache:
+            points = [p for p in self.matmul if p["dtype"] == dtype and p.get("batch", 1) == 1]
+            if not points:
+                raise ValueError(f"the machine profile has no {dtype} matmul measurements")
+            cache["grid", dtype] = _Grid(points)
+        return cache["grid", dtype]
+
+    def _bmm_factor(self, dtype: str) -> float:
+        """Geometric mean of measured bmm rate / row-stacked mm model rate."""
+        cache = self.__dict__.setdefault("_cache", {})
+        if ("bmm", dtype) not in cache:
+            grid = self._grid(dtype)
+            logs = [math.log(p["flops_per_s"] * grid.time(p["batch"] * p["m"], p["k"], p["n"])
+                             / (2.0 * p["batch"] * p["m"] * p["k"] * p["n"]))
+                    for p in self.matmul if p["dtype"] == dtype and p.get("batch", 1) > 1]
+            cache["bmm", dtype] = math.exp(sum(logs) / len(logs)) if logs else 1.0
+        return cache["bmm", dtype]
+
+    # -- the rest ---------------------------------------------------------------------------
+
+    def elementwise_time(self, nbytes: float, op: str | None = None) -> float:
+        """Seconds of elementwise ops moving `nbytes` (read + written), without dispatch cost:
+        at the mix's rate, or at `op`'s own (one of `elementwise_ops`) when given."""
+        rate = self.elementwise_bytes_per_s if op is None else self.elementwise_ops[op]
+        return max(0.0, nbytes) / rate
+
+    def collective_time(self, kind: str, sent_bytes: float) -> float:
+        """Seconds of one collective of `kind` in which this rank sends `sent_bytes` (as
+        `meshtrain.comm` counts them); 0 for nothing sent (a group of one)."""
+        if sent_bytes <= 0:
+            return 0.0
+        if kind not in self.collectives:
+            known = ", ".join(self.collectives) or f"none: calibrated with {self.ranks} rank"
+            raise ValueError(f"the machine profile has no {kind!r} measurement (it has {known})")
+        c = self.collectives[kind]
+        return c["latency_s"] + sent_bytes / c["bytes_per_s"]
+
+    def save(self, path) -> None:
+        from meshtrain.atomic import atomic_write
+        text = json.dumps({"format": FORMAT, **asdict(self)}, indent=1) + "\n"
+        atomic_write(Path(path), lambda tmp: tmp.write_text(text))
+
+    @classmethod
+    def load(cls, path) -> "MachineProfile":
+        """Read a saved profile; any problem is one ValueError line naming the file."""
+        try:
+            with open(path) as f:
+                data = json.load(f)
+        except OSError as e:
+            raise ValueError(f"machine profile {path}: cannot read it ({e.strerror or e})") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"machine profile {path}: not JSON ({str(e).splitlines()[0]}); "
+                             f"make one with `meshtrain plan --calibrate`") from None
+        if not isinstance(data, dict) or data.get("format") != FORMAT:
+            found = data.get("format") if isinstance(data, dict) else type(data).__name__
+            raise ValueError(f"machine profile {path}: format is {found!r}, expected {FORMAT!r}; "
+                             f"make one with `meshtrain plan --calibrate`")
+        names = {f.name for f in fields(cls)}
+        required = {f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING}
+        missing = sorted(required - data.keys())
+        if missing:
+            raise ValueError(f"machine profile {path}: missing {', '.join(missing)}; "
+                             f"recalibrate with `meshtrain plan --calibrate`")
+        profile = cls(**{k: v for k, v in data.items() if k in names})
+        try:
+            profile._check()
+        except (TypeError, KeyError, ValueError) as e:
+            raise ValueError(f"machine profile {path}: {e}; recalibrate with `meshtrain plan --calibrate`") from None
+        return profile
+
+    def _check(self) -> None:
+        """Every number the model divides by is positive and finite."""
+        def good(x) -> bool:
+            return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+        if not self.matmul:
+            raise ValueError("no matmul measurements")
+        for p in self.matmul:
+            if p["dtype"] not in DTYPES or not all(good(p[key]) for key in ("m", "k", "n", "flops_per_s")):
+                raise ValueError(f"bad matmul point {p}")
+        for name in ("elementwise_bytes_per_s", "op_overhead_s"):
+            if not good(getattr(self, name)):
+                raise ValueError(f"bad {name} {getattr(self, name)!r}")
+        for kind, c in self.collectives.items():
+            if not (good(c["latency_s"]) and good(c["bytes_per_s"])):
+                raise ValueError(f"bad {kind} figures {c}")
+
+
+class _Grid:
+    """log-time of measured (m, k, n) products on the product grid of their values."""
+
+    def __init__(self, points: list[dict]):
+        self.axes = [sorted({int(p[a]) for p in points}) for a in "mkn"]
+        self.logx = [[math.log(v) for v in axis] for axis in self.axes]
+        measured = {(int(p["m"]), int(p["k"]), int(p["n"])): 2.0 * p["m"] * p["k"] * p["n"] / p["flops_per_s"]
+                    for p in points}
+        shape = [len(a) for a in self.axes]
+        t = {}
+        for i, j, l in product(*(range(s) for s in shape)):
+            key = (self.axes[0][i], self.axes[1][j], self.axes[2][l])
+            t[i, j, l] = measured[key] if key in measured else self._fill(key, measured)
+        # Nondecreasing along each axis in turn: a suffix minimum from the large end (each
+        # pass keeps the order the earlier passes made).
+        for axis in range(3):
+            for idx in reversed(list(product(*(range(s) for s in shape)))):
+                if idx[axis] + 1 < shape[axis]:
+                    nxt = list(idx)
+                    nxt[axis] += 1
+                    t[idx] = min(t[idx], t[tuple(nxt)])
+        self.logt = {idx: math.log(v) for idx, v in t.items()}
+
+    @staticmethod
+    def _fill(key, measured) -> float:
+        """A grid point not measured (over budget): the rate of the largest measured product
+        it contains (rates grow with size, so this is the conservative guess), else the
+        rate of the nearest measured point in log space."""
+        flops = 2.0 * key[0] * key[1] * key[2]
+        inside = [s for s in measured if all(a <= b for a, b in zip(s, key))]
+        if inside:
+            s = max(inside, key=lambda s: s[0] * s[1] * s[2])
+        else:
+            s = min(measured, key=lambda s: sum(math.log(a / b) ** 2 for a, b in zip(s, key)))
+        return flops / (2.0 * s[0] * s[1] * s[2] / measured[s])
+
+    def time(self, m: float, k: float, n: float) -> float:
+        cells, extra = [], 0.0
+        for x, lx in zip((m, k, n), self.logx):
+            u = math.log(max(x, 1e-30))
+            if u >= lx[-1]:
+                extra += u - lx[-1]  # beyond the grid: time in proportion, the edge's rate
+                cells.append((len(lx) - 1, len(lx) - 1, 0.0))
+            elif u <= lx[0]:
+                cells.append((0, 0, 0.0))  # below: the edge's (overhead-bound) time
+            else:
+                hi = next(i for i, v in enumerate(lx) if v > u)
+                cells.append((hi - 1, hi, (u - lx[hi - 1]) / (lx[hi] - lx[hi - 1])))
+        logt = 0.0
+        for corner in product((0, 1), repeat=3):
+            w, idx = 1.0, []
+            for (lo, hi, f), c in zip(cells, corner):
+                w *= f if c else 1.0 - f
+                idx.append(hi if c else lo)
+            if w:
+                logt += w * self.logt[tuple(idx)]
+        return math.exp(logt + extra)
+
+
+# -- measurement ------------------------------------------------------------------------------
+
+# The shapes of a small GPT's linears: m tokens of a micro-batch, k → n features.
+GRID = {"m": (64, 256, 1024, 4096, 8192), "k": (32, 128, 512, 2048, 4096), "n": (32, 128, 512, 2048, 4096)}
+QUICK_GRID = {"m": (64, 256, 1024), "k": (32, 128, 512), "n": (32, 128, 512)}
+# Attention's batched products (batch·heads, s, d_head): scores (s×d)·(d×s), weighting (s×s)·(s×d).
+BMM = {"batch": 16, "s": (128, 512, 1024), "d": (32, 64, 128)}
+QUICK_BMM = {"batch": 8, "s": (64, 256), "d": (32,)}
+SIZES = (4 << 10, 32 << 10, 256 << 10, 2 << 20, 16 << 20)  # collective payloads B (bytes)
+QUICK_SIZES = (4 << 10, 64 << 10, 1 << 20)
+ELEMENTWISE_BYTES = {"cpu": 64 << 20, "cuda": 512 << 20}  # one tensor: well past the caches
+STARTUP_S = 5.0  # what spawning the ranks and joining the group is allowed before the phases are planned
+
+
+def calibrate(ranks: int = 2, budget_s: float = 45.0, progress=None, *, quick: bool = False,
+              device: str = "auto", timeout_s: float | None = None) -> MachineProfile:
+    """Measure this machine in about `budget_s` seconds of wall time (spawning included) with
+    `ranks` processes; `progress(line)` is called once per phase. `quick` shrinks the grids
+    (tests). `device`: "auto" (CUDA when present), "cpu" or "cuda". Raises ValueError (one
+    line) when CUDA has fewer GPUs than ranks, RuntimeError when a rank fails."""
+    start = time.time()
+    import torch
+    if ranks < 1:
+        raise ValueError(f"calibrate: ranks must be at least 1, not {ranks}")
+    use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    if use_cuda and torch.cuda.device_count() < ranks:
+        raise ValueError(f"calibrate: {ranks} ranks need {ranks} GPUs, {torch.cuda.device_count()} visible; "
+                         f"calibrate with ranks={max(1, torch.cuda.device_count())} or on the CPU")
+    say = progress or (lambda line: None)
+    ctx = mp.get_context("spawn")
+    for attempt in range(3):
+        q = ctx.Queue()
+        port = _free_port()
+        procs = [ctx.Process(target=_rank_main, args=(r, ranks, port, use_cuda, start, budget_s, quick, q),
+                             daemon=True) for r in range(ranks)]
+        for p in procs:
+            p.start()
+        try:
+            result, errors = _collect(q, procs, say, start + (timeout_s or budget_s + 120))
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+                p.join(5)
+        if errors and attempt < 2 and any("address already in use" in e.lower() or "EADDRINUSE" in e for e in errors):
+            continue  # another process took the port between picking and binding it
+        if errors:
+            raise RuntimeError("calibrate: a rank failed:\n" + "\n".join(errors))
+        if result is None:
+            raise RuntimeError(f"calibrate: the ranks ended without a result (exit codes {[p.exitcode for p in procs]})")
+        profile = MachineProfile(**result)
+        profile._check()
+        say(f"calibrated in {time.time() - start:.1f} s")
+        return profile
+    raise RuntimeError("calibrate: could not find a free port")
+
+
+def stderr_progress(line: str) -> None:
+    print(f"meshtrain: calibrate: {line}", file=sys.stderr, flush=True)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _collect(q, procs, say, deadline):
+    """Relay rank 0's progress lines until the result or every rank's error arrives."""
+    result, errors = None, []
+    while time.time() < deadline:
+        try:
+            kind, payload = q.get(timeout=0.2)
+        except queue.Empty:
+            if all(not p.is_alive() for p in procs):
+                try:  # a last message may still be in the pipe
+                    kind, payload = q.get(timeout=1.0)
+                except queue.Empty:
+                    return result, errors
+            else:
+                continue
+        if kind == "progress":
+            say(payload)
+        elif kind == "result":
+            return payload, errors
+        else:
+            errors.append(payload)
+            return result, errors
+    errors.append("the ranks hung: no result before the time limit")
+    return result, errors
+
+
+def _rank_main(rank, world, port, use_cuda, start, budget_s, quick, q):
+    code = 0
+    try:
+        out = _measure(rank, world, port, use_cuda, start, budget_s, quick,
+                       lambda line: q.put(("progress", line)) if rank == 0 else None)
+        if rank == 0:
+            q.put(("result", out))
+    except BaseException:
+        code = 1
+        q.put(("error", f"rank {rank}: {traceback.format_exc()}"))
+    q.close()
+    q.join_thread()  # the message is in the pipe before the process leaves
+    from meshtrain.launch import finish
+    finish(code)
+
+
+class _Rank:
+    """What a measuring rank needs: its device, a clock every rank agrees on, and reductions."""
+
+    def __init__(self, rank, world, device, start, say):
+        import torch
+        self.torch, self.rank, self.world, self.device, self.start, self.say = torch, rank, world, device, start, say
+        self.cuda = device.type == "cuda"
+
+    def sync(self) -> None:
+        if self.cuda:
+            self.torch.cuda.synchronize(self.device)
+
+    def agree(self, values, op="sum") -> list[float]:
+        """Values reduced over the ranks (mean for "sum", max for "max"): every rank then makes
+        the same choices, so their collectives stay matched."""
+        import torch.distributed as dist
+        t = self.torch.tensor(values, dtype=self.torch.float64 if not self.cuda else self.torch.float32,
+                              device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
+        out = t.tolist()
+        return [v / self.world for v in out] if op == "sum" else out
+
+    def elapsed(self) -> float:
+        """Seconds since calibrate began, the same on every rank (the latest rank's clock)."""
+        return self.agree([time.time() - self.start], op="max")[0]
+
+    def time(self, fn, min_sample_s: float, reps: int | None = None) -> float:
+        """Median seconds of one call of `fn` after a warm-up, each sample long enough to
+        time (tiny ops loop); 5 samples of a call under 10 ms, else 3."""
+        self.sync()
+        t0 = time.perf_counter()
+        fn()
+        self.sync()
+        first = time.perf_counter() - t0
+        inner = max(1, min(10_000, int(min_sample_s / max(first, 1e-7))))
+        reps = reps or (5 if first < 0.01 else 3)
+        samples = []
+        for _ in range(reps):
+            self.sync()
+            t0 = time.perf_counter()
+            for _ in range(inner):
+                fn()
+            self.sync()
+            samples.append((time.perf_counter() - t0) / inner)
+        return statistics.median(samples)
+
+
+def _measure(rank, world, port, use_cuda, start, budget_s, quick, say) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    from meshtrain.launch import RankEnv, init_distributed
+
+    device = torch.device("cuda", rank) if use_cuda else torch.device("cpu")
+    init_distributed(RankEnv("calibrate", rank, world, rank, world, "127.0.0.1", port), device)
+    if use_cuda:
+        torch.backends.cuda.matmul.allow_tf32 = False  # meshtrain's fp32 is true fp32 (see plan/cost.py)
+        torch.backends.cudnn.allow_tf32 = False
+    r = _Rank(rank, world, device, start, say)
+    threads = torch.get_num_threads()
+    say(f"{world} rank(s) on {'cuda' if use_cuda else 'cpu'} ({dist.get_backend()}, {threads} thread(s) each) "
+        f"started in {r.elapsed():.1f} s")
+    deadline = budget_s - 1.0  # seconds after the start; the last second is for leaving
+
+    op_fwd, op_bwd = _op_overhead(r)
+    say(f"op overhead: {op_fwd * 1e6:.1f} us forward, {op_bwd * 1e6:.1f} us per backward node")
+    ew = _elementwise(r, ELEMENTWISE_BYTES["cuda" if use_cuda else "cpu"])
+    ew_rate = ew.pop("mix")
+    say("elementwise: " + ", ".join(f"{k} {v / 1e9:.2f}" for k, v in ew.items()) + f" GB/s; mix {ew_rate / 1e9:.2f}")
+    collectives = _collectives(r, QUICK_SIZES if quick else SIZES) if world > 1 else {}
+    if collectives:
+        say("collectives: " + "; ".join(f"{k} {c['latency_s'] * 1e6:.0f} us + {c['bytes_per_s'] / 1e9:.2f} GB/s"
+                                         for k, c in collectives.items()))
+
+    grid, bmm = (QUICK_GRID, QUICK_BMM) if quick else (GRID, BMM)
+    phases = [("fp32", False, 5.0), ("fp32", True, 1.0), ("bf16", False, 3.0), ("bf16", True, 1.0)]
+    points = []
+    for i, (dtype, batched, weight) in enumerate(phases):
+        now = r.elapsed()
+        share = weight / sum(w for _, _, w in phases[i:])
+        phase_end = now + share * max(0.0, deadline - now)
+        shapes = _bmm_shapes(bmm) if batched else [(1, *s) for s in product(grid["m"], grid["k"], grid["n"])]
+        got = _matmuls(r, dtype, sorted(shapes, key=lambda s: s[0] * s[1] * s[2] * s[3]), phase_end)
+        points += got
+        rates = [p["flops_per_s"] for p in got]
+        say(f"{'bmm' if batched else 'matmul'} {dtype}: {len(got)}/{len(shapes)} shapes in {r.elapsed() - now:.1f} s"
+            + (f", {min(rates) / 1e9:.3g}-{max(rates) / 1e9:.3g} GFLOP/s" if rates else ""))
+
+    return dict(device=torch.cuda.get_device_name(device) if use_cuda else "cpu", ranks=world,
+                threads_per_rank=threads, matmul=points, elementwise_bytes_per_s=ew_rate, op_overhead_s=op_fwd,
+                collectives=collectives, created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                torch_version=torch.__version__, host=platform.node(), backward_op_overhead_s=op_bwd,
+                elementwise_ops=ew)
+
+
+def _op_overhead(r: _Rank) -> tuple[float, float]:
+    """Per op: a forward mul on a 16-element tensor that autograd records, and its backward
+    node (a chain of 200 such ops, its backward timed whole)."""
+    torch = r.torch
+    x = torch.ones(16, device=r.device, requires_grad=True)
+    chain = 200
+
+    def forward():
+        y = x
+        for _ in range(chain):
+            y = y * 1.0001
+        return y
+
+    fwd = r.time(forward, 0.02, reps=5) / chain
+    samples = []
+    for _ in range(5):
+        y = forward().sum()
+        r.sync()
+        t0 = time.perf_counter()
+        y.backward()
+        r.sync()
+        samples.append(time.perf_counter() - t0)
+    return fwd, statistics.median(samples) / chain
+
+
+def _elementwise(r: _Rank, nbytes: int) -> dict[str, float]:
+    """Bytes read + written per second by each of a transformer layer's memory-bound ops on
+    an fp32 tensor of `nbytes`, and "mix": all their bytes over all their time (on a CPU
+    rank of one thread, gelu and softmax are compute-bound: the mix says so)."""
+    torch, F = r.torch, r.torch.nn.functional
+    n = nbytes // 4
+    x = torch.randn(n // 1024, 1024, device=r.device)
+    y, out = torch.randn_like(x), torch.empty_like(x)
+    ops = {"add": (lambda: torch.add(x, y, out=out), 3),
+           "scale_": (lambda: out.mul_(0.999), 2),
+           "gelu": (lambda: F.gelu(x), 2),
+           "layer_norm": (lambda: F.layer_norm(x, (1024,)), 2),
+           "softmax": (lambda: torch.softmax(x, -1), 2)}
+    rates, moved, spent = {}, 0.0, 0.0
+    for name, (fn, tensors) in ops.items():
+        t = r.agree([r.time(fn, 0.0, reps=3)])[0]  # both ranks at once; their mean time
+        rates[name] = tensors * n * 4 / t
+        moved, spent = moved + tensors * n * 4, spent + t
+    rates["mix"] = moved / spent
+    return rates
+
+
+def _collectives(r: _Rank, sizes) -> dict[str, dict]:
+    """Each collective at several payloads; latency + bytes/bandwidth fitted on the bytes this
+    rank sends (comm.py's count). A call lasts from the moment the last rank enters it to
+    the moment the last rank leaves it: the ranks share one machine's monotonic clock, so
+    neither the barrier's release skew nor a sender that returns before its peer has
+    received counts. The median over calls resists a busy machine's spikes."""
+    import torch.distributed as dist
+
+    from meshtrain.comm import _all_gather_tensor, _reduce_scatter_tensor, all_gather_bytes, all_reduce_bytes
+    torch, n = r.torch, r.world
+    out = {}
+    for kind in KINDS:
+        xs, ys = [], []
+        for size in sizes:
+            elems = size // 4 // n * n
+            full = torch.ones(elems, device=r.device)
+            shard = torch.ones(elems // n, device=r.device)
+            call, sent = {
+                "all_reduce": (lambda: dist.all_reduce(full), all_reduce_bytes(elems * 4, n)),
+                "all_gather": (lambda: _all_gather_tensor(full, shard), all_gather_bytes(elems * 4, n)),
+                "reduce_scatter": (lambda: _reduce_scatter_tensor(shard, full), all_gather_bytes(elems * 4, n)),
+                "broadcast": (lambda: dist.broadcast(full, src=0), all_gather_bytes(elems * 4, n)),
+                "p2p": ((lambda: dist.send(full, 1)) if r.rank == 0 else
+                        (lambda: dist.recv(full, 0)) if r.rank == 1 else (lambda: None), elems * 4),
+            }[kind]
+            calls = 5 if size >= (4 << 20) else 9 if size >= (256 << 10) else 15
+            call()
+            starts, ends = [], []
+            for _ in range(calls):
+                dist.barrier()
+                r.sync()
+                starts.append(time.perf_counter())
+                call()
+                r.sync()
+                ends.append(time.perf_counter())
+            last = r.agree(starts + ends, op="max")
+            xs.append(sent)
+            ys.append(statistics.median(e - s for s, e in zip(last[:calls], last[calls:])))
+        latency, bw = _fit(xs, ys)
+        out[kind] = {"latency_s": latency, "bytes_per_s": bw,
+                     "points": [{"sent_bytes": x, "time_s": y} for x, y in zip(xs, ys)]}
+    return out
+
+
+def _fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """latency + bytes/bandwidth by least squares in relative error (weights 1/y²), so the
+    small sizes fix the latency and the large ones the bandwidth. Should noise make the
+    intercept or slope non-positive: the smallest size's time is the latency, and the
+    bandwidth comes from the largest size."""
+    w = [1.0 / y ** 2 for y in ys]
+    sw, sx, sy = sum(w), sum(wi * x for wi, x in zip(w, xs)), sum(wi * y for wi, y in zip(w, ys))
+    sxx = sum(wi * x * x for wi, x in zip(w, xs))
+    sxy = sum(wi * x * y for wi, x, y in zip(w, xs, ys))
+    det = sw * sxx - sx * sx
+    slope = (sw * sxy - sx * sy) / det if det else 0.0
+    latency = (sy - slope * sx) / sw
+    if latency > 0 and slope > 0:
+        return latency, 1.0 / slope
+    i, j = min(range(len(xs)), key=xs.__getitem__), max(range(len(xs)), key=xs.__getitem__)
+    latency = ys[i]
+    extra = ys[j] - latency
+    return latency, xs[j] / (extra if extra > 0 else ys[j])
+
+
+def _bmm_shapes(spec) -> list[tuple[int, int, int, int]]:
+    b = spec["batch"]
+    return sorted({s for s_len in spec["s"] for d in spec["d"] for s in ((b, s_len, d, s_len), (b, s_len, s_len, d))})
+
+
+def _matmuls(r: _Rank, dtype: str, shapes, phase_end: float) -> list[dict]:
+    """Rate of each (batch, m, k, n) shape, cheapest first, all ranks at once, while the
+    predicted cost of the next one fits before `phase_end` (seconds since the start)."""
+    torch = r.torch
+    tdtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    min_sample = 2e-3
+    points, rate, now = [], None, r.elapsed()
+    for b, m, k, n in shapes:
+        flops = 2.0 * b * m * k * n
+        if rate is not None:
+            call = flops / rate
+            # warm-up + samples (+ a tiny op's loop) + agreement; rates can fall with size (bf16 on CPU)
+            cost = 1.5 * ((4 if call >= 0.01 else 6) * call + 5 * min_sample) + 0.005
+            if now + cost > phase_end:
+                break  # shapes are in increasing cost: the rest do not fit either
+        a = torch.randn(b, m, k, device=r.device, dtype=tdtype)
+        w = torch.randn(b, k, n, device=r.device, dtype=tdtype)
+        fn = (lambda: torch.bmm(a, w)) if b > 1 else (lambda: a[0] @ w[0])
+        t = r.time(fn, min_sample)
+        t, now = r.agree([t])[0], r.elapsed()  # the ranks' mean time; their common clock
+        rate = flops / t
+        point = {"m": m, "k": k, "n": n, "dtype": dtype, "flops_per_s": rate}
+        if b > 1:
+            point["batch"] = b
+        points.append(point)
+    return points

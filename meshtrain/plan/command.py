@@ -1,0 +1,270 @@
+"""`meshtrain plan`: the command line of the planner — what the flags mean, and the report.
+
+The model, layout and batch flags are `train`'s (the same flags describe the same run), plus
+the published architectures, explicit dimensions or `--params` alone, `--micro-batch-size`,
+and the cluster. No processes are started (except by `--calibrate` and `--measure`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import replace
+
+from meshtrain import config as C
+from meshtrain.plan.cluster import GIB, GPU_PRESETS, Cluster, GpuRates, cluster_from
+from meshtrain.plan.planner import ACCOUNTINGS, PlanError, Workload, plan
+from meshtrain.plan.shapes import PUBLISHED, Shape, shape_of
+
+EXPLICIT = ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab")
+CLUSTER_FLAGS = ("gpu_mem_gib", "gpus_per_node", "peak_tflops", "intra_node_gbps", "inter_node_gbps")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model (instead of --model)")
+    g.add_argument("--layers", type=int, help="explicit GPT: blocks")
+    g.add_argument("--hidden", type=int, help="explicit GPT: hidden size")
+    g.add_argument("--heads", type=int, help="explicit GPT: attention heads")
+    g.add_argument("--kv-heads", type=int, help="explicit GPT: key/value heads (grouped-query; default --heads)")
+    g.add_argument("--ffn", type=int, help="explicit GPT: MLP width (default 4·hidden)")
+    g.add_argument("--vocab", type=int, help="explicit GPT: vocabulary")
+    g.add_argument("--params", type=float, help="only a parameter count (e.g. 7.5e9): model states, no activations")
+    g = p.add_argument_group("batch and cluster")
+    g.add_argument("--micro-batch-size", type=int, help="sequences per micro-batch (sets --microbatches)")
+    g.add_argument("--gpus", type=int, help="devices (default dp×tp×pp)")
+    g.add_argument("--gpu", help=f"GPU preset: {' | '.join(GPU_PRESETS)} (default h100-80g)")
+    g.add_argument("--gpu-mem-gib", type=float, help="memory per device, GiB")
+    g.add_argument("--gpus-per-node", type=int, help="devices per node (tensor parallelism stays inside one)")
+    g.add_argument("--peak-tflops", type=float, help="dense peak per device in the compute precision, TFLOP/s")
+    g.add_argument("--intra-node-gbps", type=float, help="link per device inside a node, Gbit/s")
+    g.add_argument("--inter-node-gbps", type=float, help="link per device across nodes, Gbit/s")
+    g.add_argument("--machine", metavar="FILE", help="rates measured by --calibrate instead of a GPU preset")
+    g = p.add_argument_group("planning")
+    g.add_argument("--accounting", default="torch", help="torch (what meshtrain keeps; matches measurement) | "
+                   "paper (the published tables: 16-bit activations, 1-byte dropout masks)")
+    g.add_argument("--search", action="store_true", help="rank every valid layout of --gpus that fits")
+    g.add_argument("--top", type=int, default=10, help="layouts shown by --search (default 10)")
+    g.add_argument("--calibrate", action="store_true", help="measure this machine (under a minute) into "
+                   "--machine FILE (default machine.json)")
+    g.add_argument("--measure", action="store_true", help="run the layout here for a few steps and print the "
+                   "prediction beside the measurement, per rank")
+
+
+def _given(args, names) -> dict:
+    return {n: getattr(args, n) for n in names if getattr(args, n) is not None}
+
+
+def workload_of(args, cfg: C.Config) -> Workload:
+    """The model and batch the flags describe (`--params` alone is handled by the caller)."""
+    explicit = _given(args, EXPLICIT)
+    tr = cfg.train
+    if explicit:
+        missing = [f"--{n.replace('_', '-')}" for n in ("layers", "hidden", "heads", "vocab") if n not in explicit]
+        if missing:
+            raise PlanError(f"an explicit model needs {', '.join(missing)} too (or use --model)")
+        if min(explicit.values()) < 1:
+            raise PlanError("explicit model dimensions must be positive integers")
+        if explicit["hidden"] % explicit["heads"] or explicit["heads"] % explicit.get("kv_heads", explicit["heads"]):
+            raise PlanError("--hidden must divide by --heads, and --heads by --kv-heads")
+        shape = Shape(explicit["layers"], explicit["hidden"], explicit["heads"], explicit["vocab"], tr.seq_len,
+                      kv_heads=explicit.get("kv_heads"), ffn=explicit.get("ffn"))
+        seq = tr.seq_len
+    else:
+        try:
+            shape = shape_of(cfg.model.name, tr.vocab_size)
+        except ValueError as e:
+            raise PlanError(str(e)) from None
+        seq = shape.seq_len if (cfg.model.name in PUBLISHED and args.seq_len is None) else tr.seq_len
+        if shape.kind == "gpt" and seq > shape.seq_len:
+            raise PlanError(f"--seq-len {seq} exceeds the {shape.seq_len} positions of {cfg.model.name}")
+    if tr.batch_size < 1 or seq < 1:
+        raise PlanError("--batch-size and --seq-len must be positive integers")
+    if not 0 <= cfg.model.dropout < 1:
+        raise PlanError(f"--dropout {cfg.model.dropout}: use a probability in [0, 1)")
+    return Workload(shape, tr.batch_size, seq, cfg.model.dropout, cfg.model.attention)
+
+
+def layout_of(args, cfg: C.Config, batch: int) -> tuple[C.LayoutConfig, int]:
+    """The layout (dp filled from --gpus, micro-batches from --micro-batch-size) and the GPU count."""
+    lay = replace(cfg.layout)
+    if lay.precision not in C.PRECISIONS:
+        raise PlanError(f"unknown precision '{lay.precision}'; use --precision {' | '.join(C.PRECISIONS)}")
+    if lay.dp is None:
+        if args.gpus is not None:
+            if args.gpus < 1 or args.gpus % (lay.tp * lay.pp):
+                raise PlanError(f"--gpus {args.gpus} is not a multiple of tp×pp = {lay.tp}×{lay.pp}; "
+                                "change --gpus, --tp or --pp")
+            lay.dp = args.gpus // (lay.tp * lay.pp)
+        else:
+            C.fill_dp(lay, None)
+    if args.micro_batch_size is not None:
+        b = args.micro_batch_size
+        if b < 1 or batch % (lay.dp * b):
+            raise PlanError(f"--micro-batch-size {b} does not divide the {batch // lay.dp} sequences of each of the "
+                            f"{lay.dp} data-parallel replicas")
+        if args.microbatches is not None and args.microbatches != batch // (lay.dp * b):
+            raise PlanError("--microbatches and --micro-batch-size disagree; give one of them")
+        lay.microbatches = batch // (lay.dp * b)
+    return lay, args.gpus or lay.world_size
+
+
+def machine_of(args, cluster: Cluster, precision: str):
+    """The rates: a measured profile (--machine) or the cluster's roofline."""
+    if not args.machine:
+        return GpuRates(cluster, precision), cluster.peak_flops(precision)
+    from meshtrain.plan.calibrate import MachineProfile
+    from meshtrain.plan.measured import ProfileRates
+    try:
+        profile = MachineProfile.load(args.machine)
+    except ValueError as e:
+        raise PlanError(str(e)) from None
+    rates = ProfileRates(profile)
+    return rates, rates.peak_flops(precision)
+
+
+def _unit(nbytes: float) -> tuple[str, float]:
+    """The binary unit a table of sizes up to `nbytes` reads best in."""
+    for name, size in (("GiB", GIB), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
+        if nbytes >= size:
+            return name, size
+    return "bytes", 1
+
+
+def describe(name: str, work: Workload | None, lay: C.LayoutConfig, result: dict, cluster_line: str) -> str:
+    """The human report of one plan."""
+    lines = [f"{name}: {result['n_params']:,} parameters" + (
+        f", seq {work.seq}, global batch {work.batch} (micro-batch {result['micro_batch_size']})" if work else ""),
+        f"layout: {lay.short()} recompute={lay.recompute}", f"cluster: {cluster_line}"]
+    states = result["model_state_bytes"]
+    stage = f" (stage {result['worst_stage']}, the fullest)" if lay.pp > 1 else ""
+    unit, size = _unit(result["total_bytes"])
+    lines.append(f"memory per device{stage}, {unit}:")
+    for part in ("params", "grads", "master", "optimizer", "gathered"):
+        if states.get(part):
+            lines.append(f"  {part:<22}{states[part] / size:>12,.2f}")
+    if result["activation_bytes"] is not None:
+        per_layer_unit, per_layer_size = _unit(result["activation_bytes_per_layer"])
+        lines.append(f"  {'activations':<22}{(result['total_bytes'] - states['total']) / size:>12,.2f}   "
+                     f"({result['activation_bytes_per_layer'] / per_layer_size:,.1f} {per_layer_unit} kept per "
+                     f"layer and micro-batch)")
+    verdict = {True: "fits", False: "does NOT fit", None: ""}[result["fits"]]
+    lines.append(f"  {'total':<22}{result['total_bytes'] / size:>12,.2f}   {verdict}")
+    if result["predicted_step_time_s"] is not None:
+        sent = {axis: nbytes for axis, nbytes in result["comm_bytes_per_step"].items() if nbytes}
+        comm_unit, comm_size = _unit(max(sent.values(), default=0))
+        comm = ", ".join(f"{axis} {nbytes / comm_size:,.2f}" for axis, nbytes in sent.items())
+        parts = ", ".join(f"{k} {v:.3g}" for k, v in result["time_s"].items() if v > 0)
+        mfu = f", MFU {100 * result['mfu']:.1f} %" if result["mfu"] is not None else ""
+        lines += [f"model FLOPs per step {result['flops_per_step']:.3e} (executed, with recompute: "
+                  f"{result['hardware_flops_per_step']:.3e}); pipeline bubble {100 * result['bubble_fraction']:.1f} %",
+                  f"sent per step and device, {comm_unit}: {comm or 'nothing'}",
+                  f"predicted step time {result['predicted_step_time_s']:.4g} s ({parts}){mfu}"]
+    return "\n".join(lines)
+
+
+def params_only(args, cfg: C.Config, lay: C.LayoutConfig, cluster: Cluster) -> dict:
+    """`--params N`: model states only, the parameters split evenly over tp·pp."""
+    from meshtrain.plan.memory import model_state_bytes
+    if args.params < 1:
+        raise PlanError(f"--params {args.params:g}: give a positive parameter count")
+    states = model_state_bytes(args.params / (lay.tp * lay.pp), lay.zero, lay.dp, precision=lay.precision,
+                               grad_dtype=lay.grad_dtype, accounting=args.accounting)
+    return {"n_params": int(args.params), "model_state_bytes": states, "activation_bytes": None,
+            "activation_bytes_per_layer": None, "total_bytes": states["total"],
+            "fits": states["total"] <= cluster.memory_bytes, "flops_per_step": None, "bubble_fraction": None,
+            "comm_bytes_per_step": None, "predicted_step_time_s": None, "mfu": None, "micro_batch_size": None,
+            "worst_stage": 0}
+
+
+def run(args, cfg: C.Config) -> int:
+    try:
+        return _run(args, cfg)
+    except (PlanError, C.ConfigError) as e:
+        print(f"meshtrain: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _run(args, cfg: C.Config) -> int:
+    if args.calibrate:
+        from meshtrain.plan.measured import calibrate_to
+        return calibrate_to(args.machine or "machine.json")
+    if args.accounting not in ACCOUNTINGS:
+        raise PlanError(f"unknown accounting '{args.accounting}'; use --accounting paper | torch")
+    out = sys.stderr if args.json else sys.stdout
+    work = None if args.params is not None else workload_of(args, cfg)
+    lay, gpus = layout_of(args, cfg, cfg.train.batch_size)
+    try:
+        cluster = cluster_from(args.gpu, gpus=gpus, **_given(args, CLUSTER_FLAGS))
+    except ValueError as e:
+        raise PlanError(str(e)) from None
+    if cluster.gpus_per_node < 1:
+        raise PlanError("--gpus-per-node must be positive")
+    cluster_line = f"{gpus} × {cluster.name}, {cluster.gpu_mem_gib:g} GiB each, {cluster.gpus_per_node} per node"
+    name = cfg.model.name if work is None or not _given(args, EXPLICIT) else "explicit GPT"
+    if work is None:
+        if args.search or args.measure:
+            raise PlanError("--search and --measure need a model (--model or explicit dimensions), not --params")
+        result = params_only(args, cfg, lay, cluster)
+        print(describe(f"{args.params:g} parameters", None, lay, result, cluster_line), file=out)
+        return _emit(args, result)
+    machine, peak = machine_of(args, cluster, lay.precision)
+    if args.machine:
+        cluster_line = f"{gpus} ranks on the machine profiled in {args.machine}"
+    options = dict(gpus_per_node=cluster.gpus_per_node, peak_flops=peak, accounting=args.accounting)
+    memory = None if args.machine and args.gpu_mem_gib is None else cluster.memory_bytes
+    if args.search:
+        return _search(args, work, lay, gpus, machine, memory, options, name, cluster_line, out)
+    if lay.world_size != gpus:
+        raise PlanError(f"dp×tp×pp = {lay.dp}×{lay.tp}×{lay.pp} = {lay.world_size}, not the {gpus} GPUs of --gpus; "
+                        f"change --dp/--tp/--pp so that their product is {gpus}")
+    result = plan(work, lay, machine, memory_bytes=memory, **options)
+    print(describe(name, work, lay, result, cluster_line), file=out)
+    if args.measure:
+        from meshtrain.plan.measured import measure_beside
+        return measure_beside(cfg, work, lay, result, args)
+    return _emit(args, result)
+
+
+def _search(args, work, base, gpus, machine, memory, options, name, cluster_line, out) -> int:
+    import time
+
+    from meshtrain.plan.search import search
+    if memory is None:
+        raise PlanError("--search needs the device memory: give --gpu-mem-gib (or a --gpu preset)")
+    t0 = time.perf_counter()
+    found = search(work, gpus, machine, memory_bytes=memory, base=base, top=args.top, **options)
+    took = time.perf_counter() - t0
+    if not found["best"]:
+        if not found["tried"]:
+            raise PlanError(f"no layout of {gpus} devices can run this model and batch (tp must divide the heads, "
+                            "pp the blocks, dp the batch); change --gpus or --batch-size")
+        least = found["least_bytes"]
+        raise PlanError(f"{name} does not fit on {gpus} devices of {memory / GIB:g} GiB in any layout: the smallest "
+                        f"needs {least / GIB:,.1f} GiB per device, {(least - memory) / GIB:,.1f} GiB more; use more "
+                        "devices or larger ones")
+    print(f"searched {found['tried']} layouts of {gpus} devices in {took:.2f} s; {found['fit']} fit. "
+          f"Fastest first:", file=out)
+    print(f"{'#':>3} {'dp':>3} {'zero':>4} {'tp':>3} {'sp':>3} {'pp':>3} {'schedule':<14} {'mb':>3} "
+          f"{'m':>5} {'recompute':<10} {'GiB':>8} {'step s':>9} {'MFU %':>6}", file=out)
+    for i, (lay, r) in enumerate(found["best"], 1):
+        sched = lay.schedule + (f"×{lay.chunks}" if lay.chunks > 1 else "") if lay.pp > 1 else "-"
+        mfu = f"{100 * r['mfu']:.1f}" if r["mfu"] is not None else "-"
+        print(f"{i:>3} {lay.dp:>3} {lay.zero:>4} {lay.tp:>3} {'y' if lay.sp else '-':>3} {lay.pp:>3} {sched:<14} "
+              f"{r['micro_batch_size']:>3} {lay.microbatches:>5} {lay.recompute:<10} {r['total_bytes'] / GIB:>8.1f} "
+              f"{r['predicted_step_time_s']:>9.4g} {mfu:>6}", file=out)
+    best_lay, best = found["best"][0]
+    print("\nthe best, explained:", file=out)
+    print(describe(name, work, best_lay, best, cluster_line), file=out)
+    result = dict(best, layout=best_lay.summary() | {"chunks": best_lay.chunks},
+                  search={"tried": found["tried"], "fit": found["fit"], "seconds": round(took, 3),
+                          "top": [{"layout": lay.summary() | {"chunks": lay.chunks},
+                                   "micro_batch_size": r["micro_batch_size"], "total_bytes": r["total_bytes"],
+                                   "predicted_step_time_s": r["predicted_step_time_s"], "mfu": r["mfu"]}
+                                  for lay, r in found["best"]]})
+    return _emit(args, result)
+
+
+def _emit(args, result: dict) -> int:
+    if args.json:
+        print(json.dumps(result), flush=True)
+    return 0

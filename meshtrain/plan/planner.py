@@ -1,0 +1,303 @@
+"""One plan: a model, a layout and a batch on a cluster → memory per device, FLOPs, traffic,
+bubble, predicted step time and MFU (the `meshtrain plan` contract of DESIGN.md).
+
+Memory is the worst pipeline stage's: its model states (`memory.model_state_bytes`) plus the
+activations it holds at its peak. Time is built from the rates of a machine (a roofline of a
+GPU preset, or a profile measured here):
+
+    per micro-batch and stage  t_f, t_b   the block's matmuls and elementwise traffic (backward
+                                          twice forward; recomputation adds its forward work),
+                                          plus the tensor-parallel collectives and the p2p sends
+                                          on the critical path
+    pipeline                   m·(t_f + t_b)/(1 − bubble), the slowest stage, bubble from the
+                                          schedule simulator (memoised per schedule, p, m, v)
+    data parallel              what the backward cannot hide (`comm_overlap` of the machine)
+    optimizer                  AdamW over the device's shard, memory-bound
+
+No processes are started; a plan of a 405B model takes about a millisecond."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from meshtrain.config import SCHEDULES, LayoutConfig, parse_recompute
+from meshtrain.plan import memory, traffic
+from meshtrain.plan.cost import hardware_flops, model_flops
+from meshtrain.plan.shapes import Shape
+
+ACCOUNTINGS = ("torch", "paper")
+
+
+class PlanError(ValueError):
+    """An impossible plan: the message is one line that names the fix."""
+
+
+@dataclass(frozen=True)
+class Workload:
+    shape: Shape
+    batch: int  # global, in sequences
+    seq: int
+    dropout: float = 0.0
+    attention: str = "sdpa"
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
+def check(work: Workload, lay: LayoutConfig, gpus: int | None = None) -> None:
+    """Reject a layout that cannot run this workload, with one line naming the fix."""
+    shape = work.shape
+    for name in ("dp", "tp", "pp", "chunks", "microbatches"):
+        if getattr(lay, name) < 1:
+            raise PlanError(f"--{name} {getattr(lay, name)}: must be a positive integer")
+    if gpus is not None and lay.world_size != gpus:
+        raise PlanError(f"dp×tp×pp = {lay.dp}×{lay.tp}×{lay.pp} = {lay.world_size}, not the {gpus} GPUs of "
+                        f"--gpus; change --dp/--tp/--pp so that their product is {gpus}")
+    if lay.zero not in (0, 1, 2, 3):
+        raise PlanError(f"--zero {lay.zero}: use --zero 0, 1, 2 or 3")
+    if lay.schedule not in SCHEDULES:
+        raise PlanError(f"unknown schedule '{lay.schedule}'; use --schedule {' | '.join(SCHEDULES)}")
+    try:
+        mode, _ = parse_recompute(lay.recompute)
+    except ValueError:
+        raise PlanError(f"unknown recompute policy '{lay.recompute}'; use none | full | selective | "
+                        "segments[:K]") from None
+    if mode == "segments" and lay.zero == 3:
+        raise PlanError("--recompute segments with --zero 3 is not built; use full or selective with --zero 3")
+    if work.attention not in ("sdpa", "math"):
+        raise PlanError(f"unknown attention '{work.attention}'; use --attention sdpa | math")
+    splits = [(shape.heads, "heads"), (shape.kv_heads or shape.heads, "key/value heads"),
+              (shape.ffn_width, "MLP width"), (shape.vocab, "vocabulary")]
+    for size, what in splits:
+        if size % lay.tp:
+            raise PlanError(f"--tp {lay.tp} does not divide the {size} {what}; use --tp {_divisors(size)}")
+    if lay.sp and lay.tp == 1:
+        raise PlanError("--sp shards the sequence inside the tensor-parallel group; use --tp 2 or more with --sp")
+    if lay.sp and work.seq % lay.tp:
+        raise PlanError(f"--sp splits the sequence over tp: --seq-len {work.seq} is not divisible by --tp {lay.tp}")
+    if shape.layers < lay.pp * lay.chunks:
+        raise PlanError(f"the model has {shape.layers} blocks, fewer than pp×chunks = {lay.pp}×{lay.chunks}")
+    if lay.chunks > 1 and lay.schedule != "interleaved":
+        raise PlanError(f"--chunks {lay.chunks} needs --schedule interleaved")
+    if lay.schedule == "interleaved" and lay.pp > 1 and lay.microbatches % lay.pp:
+        raise PlanError(f"--schedule interleaved takes micro-batches in groups of the {lay.pp} stages; "
+                        f"use --microbatches a multiple of {lay.pp}")
+    per_step = lay.dp * lay.microbatches
+    if work.batch % per_step:
+        raise PlanError(f"--batch-size {work.batch} is not divisible by dp×microbatches = {lay.dp}×"
+                        f"{lay.microbatches} = {per_step}; use a multiple of {per_step}")
+
+
+class Device:
+    """The facts of one (workload, layout) that memory, traffic and time share, by stage."""
+
+    def __init__(self, work: Workload, lay: LayoutConfig, accounting: str = "torch"):
+        if accounting not in ACCOUNTINGS:
+            raise PlanError(f"unknown accounting '{accounting}'; use --accounting paper | torch")
+        self.work, self.layout, self.shape, self.seq, self.accounting = work, lay, work.shape, work.seq, accounting
+        self.micro_batch = work.batch // (lay.dp * lay.microbatches)
+        low = lay.precision == "bf16"
+        self.element_bytes = 2 if (low or accounting == "paper") else 4
+        self.param_bytes = self.element_bytes
+        self.grad_bytes = 4 if (not low or lay.grad_dtype == "fp32") else 2
+        self.recompute_mode, self.recompute_k = parse_recompute(lay.recompute)
+        self._where = dict(tp=lay.tp, pp=lay.pp, chunks=lay.chunks, stage_layers=lay.stage_layer_counts())
+
+    def blocks_on(self, stage: int) -> int:
+        return memory.device_params(self.shape, stage=stage, **self._where)[0]
+
+    def params_on(self, stage: int) -> int:
+        return memory.params_per_device(self.shape, stage=stage, **self._where)
+
+    def segments_on(self, stage: int) -> list[int]:
+        """Sizes of the recomputed segments of `segments[:K]` on a stage: each chunk's run of
+        blocks cut every K (default ⌈√run⌉) blocks, as `apply_recompute` cuts it."""
+        out = []
+        for run in memory.stage_runs(self.shape, stage=stage, **self._where):
+            size = self.recompute_k or math.ceil(math.sqrt(run))
+            out += [min(size, run - start) for start in range(0, run, size)]
+        return out
+
+    def whole_params(self, stage: int) -> int:
+        return memory.whole_params(self.shape, stage=stage, **self._where)
+
+    def distinct_stages(self) -> list[int]:
+        """One stage of each kind (first, last, and per block count between): the others are
+        copies, so a plan of 64 stages costs what one of 3 does."""
+        p, seen, out = self.layout.pp, set(), {0, self.layout.pp - 1}
+        for k in range(1, p - 1):
+            if self.blocks_on(k) not in seen:
+                seen.add(self.blocks_on(k))
+                out.add(k)
+        return sorted(out)
+
+    def has_embedding(self, stage: int) -> bool:
+        return stage == 0
+
+    def has_head(self, stage: int) -> bool:
+        return stage == self.layout.pp - 1
+
+    # ---- memory ---------------------------------------------------------------------------
+
+    def model_states(self, stage: int) -> dict[str, float]:
+        lay = self.layout
+        return memory.model_state_bytes(
+            self.params_on(stage), lay.zero, lay.dp, precision=lay.precision, grad_dtype=lay.grad_dtype,
+            accounting=self.accounting, gathered_params=memory.zero3_peak_gathered(self.shape, stage=stage,
+                                                                                  **self._where))
+
+    def _torch_terms(self) -> dict:
+        sh, lay = self.shape, self.layout
+        return dict(element_bytes=self.element_bytes, attention=self.work.attention, dropout=self.work.dropout,
+                    ffn=sh.ffn_width, tp=lay.tp, sp=lay.sp)
+
+    def activation_per_layer(self) -> float:
+        """What one block keeps for backward, per micro-batch, under the layout's recompute
+        mode (full and segments: its input — for segments, spread over the segment)."""
+        s, b, sh, lay = self.seq, self.micro_batch, self.shape, self.layout
+        mode = self.recompute_mode
+        if self.accounting == "paper":
+            return memory.activation_bytes_per_layer(
+                s, b, sh.hidden, sh.heads, tp=lay.tp, sp=lay.sp, recompute="full" if mode == "segments" else mode,
+                attention=self.work.attention, kv_width=sh.kv_width, ffn=sh.ffn_width, swiglu=sh.kind == "llama")
+        parts = memory.block_parts(s, b, sh.hidden, sh.heads, **self._torch_terms())
+        blocks = self.blocks_on(0)
+        return memory.recompute_kept_bytes(blocks, parts, lay.recompute) / blocks
+
+    def activations(self, stage: int) -> float:
+        """The activation peak of pipeline stage `stage`. `torch`: the step's peak as
+        `memory.torch_stage_activation_bytes` derives it (matched to the trainer's meter).
+        `paper`: the table's bytes per layer for the blocks of the micro-batches the stage
+        holds at once (`in_flight`), plus the recomputation of one block (or segment) with
+        its full activations; the embedding and the head are left out, as in the paper."""
+        lay, sh = self.layout, self.shape
+        if self.accounting == "torch":
+            return memory.torch_stage_activation_bytes(
+                sh.layers, self.seq, self.micro_batch, sh.hidden, sh.heads, sh.vocab, recompute=lay.recompute,
+                pp=lay.pp, stage=stage, schedule=lay.schedule, microbatches=lay.microbatches, chunks=lay.chunks,
+                stage_layers=lay.stage_layer_counts(), **self._torch_terms())
+        held = memory.in_flight(lay.pp - stage, lay.microbatches, lay.schedule, lay.chunks) if lay.pp > 1 else 1
+        blocks = self.blocks_on(stage)
+        if self.recompute_mode == "none":
+            return held * blocks * self.activation_per_layer()
+        full = memory.activation_bytes_per_layer(self.seq, self.micro_batch, sh.hidden, sh.heads, tp=lay.tp,
+                                                 sp=lay.sp, attention=self.work.attention, kv_width=sh.kv_width,
+                                                 ffn=sh.ffn_width, swiglu=sh.kind == "llama")
+        if self.recompute_mode == "segments":
+            segments = self.segments_on(stage)
+            return held * len(segments) * self.activation_per_layer() + max(segments) * full
+        return held * blocks * self.activation_per_layer() + full
+
+    # ---- time -------------------------------------------------------------------------------
+
+    def micro_batch_times(self, machine, stage: int) -> tuple[float, float]:
+        """(forward, backward) seconds of one micro-batch on stage `stage`, compute only."""
+        sh, lay, b, s, t = self.shape, self.layout, self.micro_batch, self.seq, self.layout.tp
+        dtype, h, f, kv = lay.precision, sh.hidden, sh.ffn_width, sh.kv_width
+        rows, heads = b * s, sh.heads // t
+        d_head = h // sh.heads
+        matrices = [(rows, h, (h + 2 * kv) // t), (rows, h // t, h)]
+        matrices += [(rows, h, 2 * f // t), (rows, f // t, h)] if sh.kind == "llama" else \
+            [(rows, h, f // t), (rows, f // t, h)]
+        linear = sum(machine.matmul_time(m, k, n, dtype) for m, k, n in matrices)
+        core = 2 * machine.matmul_time(s, d_head, s, dtype, batch=b * heads)
+        traffic_bytes = 2 * memory.torch_activation_bytes_per_layer(s, b, h, sh.heads, element_bytes=self.element_bytes,
+                                                                    attention=self.work.attention,
+                                                                    dropout=self.work.dropout, ffn=f, tp=t, sp=lay.sp)
+        elementwise = machine.elementwise_time(traffic_bytes)
+        ops = OPS_PER_BLOCK * machine.op_overhead_s
+        block_f = linear + core + elementwise + ops
+        recompute = {"none": 0.0, "selective": core + elementwise / 2 + ops / 2}.get(self.recompute_mode, block_f)
+        blocks = self.blocks_on(stage)
+        fwd, bwd = blocks * block_f, blocks * (2 * block_f + recompute)
+        if self.has_head(stage):
+            head = machine.matmul_time(rows, h, sh.vocab // t, dtype)
+            loss = machine.elementwise_time(2 * 3 * rows * sh.vocab // t * 4) + OPS_OUTSIDE * machine.op_overhead_s
+            fwd, bwd = fwd + head + loss, bwd + 2 * head + loss
+        if self.has_embedding(stage):
+            fwd += machine.elementwise_time(2 * rows * h * self.element_bytes) + OPS_OUTSIDE * machine.op_overhead_s
+        return fwd, bwd
+
+
+OPS_PER_BLOCK = 30  # eager operators of one block's forward (its backward: twice as many nodes)
+OPS_OUTSIDE = 10  # the embedding's, or the head's and the loss's
+
+
+def bubble_fraction(schedule: str, pp: int, microbatches: int, chunks: int = 1) -> float:
+    """Idle fraction of the schedule's timeline (forward 1, backward 2, or 1 + 1 when split),
+    in the closed forms the simulator reproduces exactly (a test holds them equal):
+    (p−1)/(m+p−1) for GPipe and 1F1B, (p−1)/(v·m+p−1) interleaved with v chunks, and
+    (p−1)/(3m+p−1) for the zero-bubble schedule, whose weight gradients fill the drain."""
+    if pp == 1:
+        return 0.0
+    p, m = pp, microbatches
+    if schedule == "interleaved":
+        return (p - 1) / (chunks * m + p - 1)
+    if schedule == "zb":
+        return (p - 1) / (3 * m + p - 1)
+    return (p - 1) / (m + p - 1)
+
+
+def _transfer_time(machine, xs: list[traffic.Transfer], across_nodes: bool) -> float:
+    return sum(x.calls * machine.collective_time(x.kind, x.nbytes, across_nodes) for x in xs)
+
+
+def _crosses_nodes(lay: LayoutConfig, gpus_per_node: int) -> dict[str, bool]:
+    """Whether each axis's groups span nodes: ranks are tp-major (tp innermost, then dp, pp)."""
+    return {"tp": lay.tp > gpus_per_node, "dp": lay.tp * lay.dp > gpus_per_node and lay.dp > 1,
+            "pp": lay.pp > 1 and lay.tp * lay.dp * lay.pp > gpus_per_node}
+
+
+def plan(work: Workload, lay: LayoutConfig, machine, *, memory_bytes: float | None = None,
+         gpus_per_node: int = 8, peak_flops: float | None = None, accounting: str = "torch",
+         time_unfit: bool = True) -> dict | None:
+    """The plan of one layout (checked first), in the keys of the contract plus breakdowns;
+    None when it does not fit `memory_bytes` and `time_unfit` is off (the search's shortcut)."""
+    check(work, lay)
+    d = Device(work, lay, accounting)
+    stages = d.distinct_stages()
+    states = {k: d.model_states(k) for k in stages}
+    acts = {k: d.activations(k) for k in stages}
+    totals = {k: states[k]["total"] + acts[k] for k in stages}
+    worst = max(stages, key=totals.get)
+    if not time_unfit and memory_bytes is not None and totals[worst] > memory_bytes:
+        return None
+    across = _crosses_nodes(lay, gpus_per_node)
+
+    m = lay.microbatches
+    times = {k: d.micro_batch_times(machine, k) for k in stages}
+    moves = {k: traffic.transfers(d, k) for k in stages}
+    per_micro = {k: sum(times[k]) + sum(_transfer_time(machine, moves[k][axis], across[axis]) for axis in ("tp", "pp")) / m
+                 for k in stages}
+    bubble = bubble_fraction(lay.schedule, lay.pp, m, lay.chunks)
+    slowest = max(stages, key=per_micro.get)
+    compute = m * sum(times[slowest])
+    pipeline = m * per_micro[slowest] / (1 - bubble)
+    dp_time = _transfer_time(machine, moves[slowest]["dp"], across["dp"])
+    window = times[slowest][1] if lay.zero < 2 else compute  # what the reductions can hide under
+    hidden = min(dp_time, machine.comm_overlap * window)
+    shard = states[slowest]["total"] - states[slowest].get("gathered", 0)
+    optimizer = machine.elementwise_time(2 * shard) + 20 * machine.op_overhead_s  # read and write every state once
+    step = pipeline + dp_time - hidden + optimizer
+
+    flops = model_flops(d.shape, work.batch, work.seq)
+    return {
+        "n_params": d.shape.n_params(),
+        "model_state_bytes": states[worst],
+        "activation_bytes": acts[0],
+        "activation_bytes_per_layer": d.activation_per_layer(),
+        "total_bytes": totals[worst],
+        "fits": None if memory_bytes is None else totals[worst] <= memory_bytes,
+        "flops_per_step": flops,
+        "hardware_flops_per_step": hardware_flops(d.shape, work.batch, work.seq, lay.recompute),
+        "bubble_fraction": bubble,
+        "comm_bytes_per_step": traffic.bytes_per_axis(moves[0]),
+        "predicted_step_time_s": step,
+        "mfu": flops / (step * lay.world_size * peak_flops) if peak_flops else None,
+        "micro_batch_size": d.micro_batch,
+        "worst_stage": worst,
+        "time_s": {"compute": compute, "tp_pp": m * per_micro[slowest] - compute, "bubble": pipeline - m * per_micro[slowest],
+                   "dp_exposed": dp_time - hidden, "optimizer": optimizer},
+    }

@@ -1,0 +1,77 @@
+"""`meshtrain plan --search`: every valid layout of a workload on `gpus` devices, those that
+fit ranked by predicted step time.
+
+The space: tp a divisor of the GPUs that fits in a node (and divides heads, key/value heads,
+the MLP width and the vocabulary), pp a divisor of the rest, dp what remains (dividing the
+batch); ZeRO 0–3 (0 alone when dp = 1); SP on or off under tp; no, selective or full
+recompute; every micro-batch size that divides a replica's batch; under pp, 1F1B, the
+zero-bubble schedule and interleaved 1F1B with 2 chunks. Precision, gradient dtype,
+attention and dropout are the workload's, not searched.
+
+It is exhaustive — each candidate is planned — with one shortcut that cannot change the
+answer: a layout that does not fit is not timed. The simulator's bubble is memoised per
+(schedule, p, m, v), and a plan evaluates one stage of each kind, so ~10⁴ candidates take
+a few seconds."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Iterator
+
+from meshtrain.config import LayoutConfig
+from meshtrain.plan.planner import PlanError, Workload, check, plan
+
+RECOMPUTE_CHOICES = ("none", "selective", "full")
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def layouts(work: Workload, gpus: int, gpus_per_node: int, base: LayoutConfig) -> Iterator[LayoutConfig]:
+    """Every layout `check` accepts for `gpus` devices (`base` gives what is not searched)."""
+    shape = work.shape
+    for tp in _divisors(gpus):
+        if tp > gpus_per_node:
+            break
+        for pp in _divisors(gpus // tp):
+            dp = gpus // (tp * pp)
+            if work.batch % dp or pp > shape.layers:
+                continue
+            schedules = [("1f1b", 1)] + ([("zb", 1), ("interleaved", 2)] if pp > 1 else [])
+            for zero in (0, 1, 2, 3) if dp > 1 else (0,):
+                for sp in (False, True) if tp > 1 else (False,):
+                    for recompute in RECOMPUTE_CHOICES:
+                        for b in _divisors(work.batch // dp):
+                            m = work.batch // (dp * b)
+                            for schedule, chunks in schedules:
+                                lay = replace(base, dp=dp, tp=tp, pp=pp, zero=zero, sp=sp, recompute=recompute,
+                                              microbatches=m, schedule=schedule, chunks=chunks, stage_layers="")
+                                try:
+                                    check(work, lay, gpus)
+                                except PlanError:
+                                    continue
+                                yield lay
+
+
+def search(work: Workload, gpus: int, machine, *, memory_bytes: float, gpus_per_node: int = 8,
+           peak_flops: float | None = None, accounting: str = "torch", base: LayoutConfig | None = None,
+           top: int = 10) -> dict:
+    """The `top` fitting layouts by predicted step time, with how many were tried and fit,
+    and the smallest memory any layout needs (to say by how much nothing fits)."""
+    base = base or LayoutConfig()
+    tried, ranked, least = 0, [], None
+    for lay in layouts(work, gpus, gpus_per_node, base):
+        tried += 1
+        result = plan(work, lay, machine, memory_bytes=memory_bytes, gpus_per_node=gpus_per_node,
+                      peak_flops=peak_flops, accounting=accounting, time_unfit=False)
+        if result is None:
+            continue
+        ranked.append((result["predicted_step_time_s"], result["total_bytes"], lay, result))
+    ranked.sort(key=lambda r: (r[0], r[1]))
+    if not ranked and tried:
+        least = min(plan(work, lay, machine, gpus_per_node=gpus_per_node, accounting=accounting)["total_bytes"]
+                    for lay in layouts(work, gpus, gpus_per_node, replace(base, recompute="full"))
+                    if lay.recompute == "full" and lay.microbatches == work.batch // lay.dp)
+    return {"tried": tried, "fit": len(ranked), "best": [(lay, result) for _, _, lay, result in ranked[:top]],
+            "least_bytes": least}

@@ -1,0 +1,111 @@
+"""What one device sends in one training step, per mesh axis: every collective the trainer
+issues, as (kind, bytes sent per call, calls), counted as `meshtrain.comm` counts them —
+the same ring formulas, so that the plan's `comm_bytes_per_step` is the trainer's.
+
+Per micro-batch, with A = b·s·h activation bytes (s/t of the sequence under SP):
+
+- tp: each block all-reduces A twice in forward (after attention, after the MLP) and twice
+  in backward (before the column layers). Under SP each of those is an all-gather and a
+  reduce-scatter, and backward gathers each column layer's input once more (Megatron's SP
+  keeps its shard, not the gathered input). The vocabulary-parallel embedding reduces its
+  output (forward); the head's input is reduced in backward; the loss all-reduces three
+  fp32 values per token. Recomputation (full, segments) repeats a region's forward
+  all-reduces (reduce-scatters under SP) but its last; under SP its gathers replace the
+  ones for the weight gradients. Under SP the gradients of the parameters left whole are summed
+  once a step.
+- pp: an activation forward to the next virtual stage, a gradient back to the previous one.
+- dp (`--zero`): 0 all-reduces the gradients once a step; 1 reduce-scatters them once and
+  all-gathers the parameters after the update; 2 reduce-scatters every micro-batch's;
+  3 all-gathers the parameters before each forward and again before each backward (once
+  with `--keep-gathered`) and reduce-scatters every micro-batch's gradients."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from meshtrain.comm import all_gather_bytes, all_reduce_bytes
+
+
+@dataclass(frozen=True)
+class Transfer:
+    kind: str  # all_reduce | all_gather | reduce_scatter | send
+    nbytes: float  # sent by this device per call
+    calls: float
+
+    @property
+    def total(self) -> float:
+        return self.nbytes * self.calls
+
+
+def _ar(nbytes: float, n: int, calls: float) -> list[Transfer]:
+    return [Transfer("all_reduce", all_reduce_bytes(nbytes, n), calls)] if n > 1 and calls else []
+
+
+def _ag(nbytes: float, n: int, calls: float, kind: str = "all_gather") -> list[Transfer]:
+    return [Transfer(kind, all_gather_bytes(nbytes, n), calls)] if n > 1 and calls else []
+
+
+def tp_transfers(d, stage: int) -> list[Transfer]:
+    """Tensor-parallel traffic of pipeline stage `stage` (`d`: a `planner.Device`)."""
+    lay, t = d.layout, d.layout.tp
+    if t == 1:
+        return []
+    m, act = lay.microbatches, d.micro_batch * d.seq * d.shape.hidden * d.element_bytes
+    blocks, ends = d.blocks_on(stage), int(d.has_embedding(stage)) + int(d.has_head(stage))
+    # What recomputation repeats of a region of r blocks: its forward reductions but the last,
+    # 2r − 1 (non-reentrant checkpointing stops once the last tensor saved for backward is
+    # rebuilt; the trainer's counts, held equal by a test).
+    regions = {"full": [1] * blocks, "segments": d.segments_on(stage)}.get(d.recompute_mode, [])
+    out = []
+    if lay.sp:
+        # forward: gather before attention and MLP, scatter after; backward: the reverse, and
+        # each column layer gathers its input again for its weight gradient. The embedding
+        # scatters (backward: gathers), the head gathers (backward: scatters, gathers again).
+        # A recomputed block gathers its inputs again in the recomputation instead of for its
+        # weight gradients: as many gathers; its scatters but the region's last run again.
+        gathers = 6 * blocks + 2 * int(d.has_head(stage)) + int(d.has_embedding(stage))
+        scatters = 4 * blocks + ends + sum(2 * r - 1 for r in regions)
+        out += _ag(act, t, m * gathers) + _ag(act, t, m * scatters, "reduce_scatter")
+        out += _ar(d.whole_params(stage) * d.grad_bytes, t, 1)
+    else:
+        out += _ar(act, t, m * (4 * blocks + ends + sum(2 * r - 1 for r in regions)))
+    if d.has_head(stage):
+        out += _ar(d.micro_batch * d.seq * 4, t, 3 * m)  # the loss's max, target logit and sum of exponentials
+    return out
+
+
+def pp_transfers(d, stage: int) -> list[Transfer]:
+    """Activations sent forward and gradients sent back by pipeline stage `stage`."""
+    lay = d.layout
+    if lay.pp == 1:
+        return []
+    seq = d.seq // lay.tp if lay.sp else d.seq
+    act = d.micro_batch * seq * d.shape.hidden * d.element_bytes
+    m, v = lay.microbatches, lay.chunks
+    forward = v * m - (m if stage == lay.pp - 1 else 0)  # the last virtual stage sends nothing on
+    backward = v * m - (m if stage == 0 else 0)  # nor does the first send back
+    return [Transfer("send", act, forward + backward)]
+
+
+def dp_transfers(d, stage: int) -> list[Transfer]:
+    """Data-parallel traffic of a device of pipeline stage `stage`, by ZeRO stage."""
+    lay, n = d.layout, d.layout.dp
+    params = d.params_on(stage)
+    grads, weights = params * d.grad_bytes, params * d.param_bytes
+    m = lay.microbatches
+    if lay.zero == 0:
+        return _ar(grads, n, 1)
+    if lay.zero == 1:
+        return _ag(grads, n, 1, "reduce_scatter") + _ag(weights, n, 1)
+    if lay.zero == 2:
+        return _ag(grads, n, m, "reduce_scatter") + _ag(weights, n, 1)
+    gathers = m * (1 if lay.keep_gathered else 2)
+    return _ag(weights, n, gathers) + _ag(grads, n, m, "reduce_scatter")
+
+
+def transfers(d, stage: int) -> dict[str, list[Transfer]]:
+    return {"dp": dp_transfers(d, stage), "tp": tp_transfers(d, stage), "pp": pp_transfers(d, stage)}
+
+
+def bytes_per_axis(by_axis: dict[str, list[Transfer]]) -> dict[str, float]:
+    return {axis: sum(x.total for x in xs) for axis, xs in by_axis.items()}
