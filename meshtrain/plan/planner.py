@@ -143,10 +143,12 @@ class Device:
 
     def model_states(self, stage: int) -> dict[str, float]:
         lay = self.layout
-        return memory.model_state_bytes(
-            self.params_on(stage), lay.zero, lay.dp, precision=lay.precision, grad_dtype=lay.grad_dtype,
-            accounting=self.accounting, gathered_params=memory.zero3_peak_gathered(self.shape, stage=stage,
-                                                                                  **self._where))
+        # ZeRO-3 holds two blocks gathered at its peak, or all of them with --keep-gathered
+        gathered = (self.params_on(stage) if lay.keep_gathered
+                    else memory.zero3_peak_gathered(self.shape, stage=stage, **self._where))
+        return memory.model_state_bytes(self.params_on(stage), lay.zero, lay.dp, precision=lay.precision,
+                                        grad_dtype=lay.grad_dtype, accounting=self.accounting,
+                                        gathered_params=gathered)
 
     def _torch_terms(self) -> dict:
         sh, lay = self.shape, self.layout
