@@ -182,3 +182,56 @@ def test_impossible_plans_get_one_clear_line(args, message):
     r = run_cli("plan", *args)
     assert r.returncode == 2 and message in r.stderr, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def _synthetic_profile(path):
+    """A machine profile with round numbers: 10 GFLOP/s, 1 GB/s elementwise, 10 µs per
+    operator, collectives measured at 1 KB (1 ms) and 1 MB (3 ms)."""
+    from meshtrain.plan.calibrate import KINDS, MachineProfile
+
+    grid = [{"m": m, "k": k, "n": n, "dtype": d, "flops_per_s": 1e10}
+            for m in (64, 4096) for k in (32, 4096) for n in (32, 4096) for d in ("fp32", "bf16")]
+    points = [{"sent_bytes": 1e3, "time_s": 1e-3}, {"sent_bytes": 1e6, "time_s": 3e-3}]
+    profile = MachineProfile("cpu", 2, 1, grid, 1e9, 1e-5, {k: {"latency_s": 1e-3, "bytes_per_s": 5e8,
+                                                                 "points": points} for k in KINDS},
+                             "2026-11-30T00:00:00Z", "2.13.0", "test")
+    profile.save(path)
+    return MachineProfile.load(path)
+
+
+def test_a_measured_profile_gives_the_collectives_measured_times(tmp_path):
+    """Between the sizes measured, a collective takes the measured times (log-log between
+    them); beyond, the latency + bandwidth fit; more ranks than the profile measured share
+    its cores."""
+    from meshtrain.plan.measured import ProfileRates
+
+    rates = ProfileRates(_synthetic_profile(tmp_path / "m.json"), world=4)
+    assert rates.collective_time("all_reduce", 1e3) == pytest.approx(1e-3)
+    assert rates.collective_time("send", 1e6) == pytest.approx(3e-3)
+    assert rates.collective_time("all_gather", 10 ** 4.5) == pytest.approx((1e-3 * 3e-3) ** 0.5)
+    assert rates.collective_time("reduce_scatter", 1e8) == pytest.approx(1e-3 + 1e8 / 5e8)
+    assert rates.shared_cores == 2 and rates.peak_flops("fp32") == 1e10
+
+
+def test_plan_measure_prints_each_ranks_prediction_beside_the_run(tmp_path):
+    """torch accounting: `plan --machine FILE --measure` trains the layout (gpt-test, dp 2,
+    8 steps) and reports, per rank, the plan's model states (equal) and activations (within
+    5 %) beside what the run measured, and both step times."""
+    _synthetic_profile(tmp_path / "m.json")
+    r = run_cli("plan", "--model", "gpt-test", "--vocab-size", "256", "--seq-len", "32", "--batch-size", "8",
+                "--dp", "2", "--device", "cpu", "--machine", tmp_path / "m.json", "--measure", "--json")
+    assert r.returncode == 0, r.stderr
+    got = last_json(r.stdout)
+    ranks = got["measured"]["ranks"]
+    assert [row["rank"] for row in ranks] == [0, 1]
+    for row in ranks:
+        assert row["model_state_plan"] == row["model_state_measured"]
+        assert abs(row["activation_plan"] - row["activation_measured"]) <= 0.05 * row["activation_measured"]
+    assert got["predicted_step_time_s"] > 0 and got["measured"]["step_time_median_s"] > 0
+    assert "step time: predicted" in r.stderr
+
+
+def test_a_bad_machine_profile_is_one_line(tmp_path):
+    (tmp_path / "m.json").write_text("{}")
+    r = run_cli("plan", "--model", "gpt-small", "--machine", tmp_path / "m.json")
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr

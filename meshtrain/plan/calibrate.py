@@ -233,7 +233,6 @@ QUICK_BMM = {"batch": 8, "s": (64, 256), "d": (32,)}
 SIZES = (4 << 10, 32 << 10, 256 << 10, 2 << 20, 16 << 20)  # collective payloads B (bytes)
 QUICK_SIZES = (4 << 10, 64 << 10, 1 << 20)
 ELEMENTWISE_BYTES = {"cpu": 64 << 20, "cuda": 512 << 20}  # one tensor: well past the caches
-STARTUP_S = 5.0  # what spawning the ranks and joining the group is allowed before the phases are planned
 
 
 def calibrate(ranks: int = 2, budget_s: float = 45.0, progress=None, *, quick: bool = False,

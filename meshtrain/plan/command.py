@@ -108,7 +108,7 @@ def layout_of(args, cfg: C.Config, batch: int) -> tuple[C.LayoutConfig, int]:
     return lay, args.gpus or lay.world_size
 
 
-def machine_of(args, cluster: Cluster, precision: str):
+def machine_of(args, cluster: Cluster, precision: str, world: int):
     """The rates: a measured profile (--machine) or the cluster's roofline."""
     if not args.machine:
         return GpuRates(cluster, precision), cluster.peak_flops(precision)
@@ -118,7 +118,7 @@ def machine_of(args, cluster: Cluster, precision: str):
         profile = MachineProfile.load(args.machine)
     except ValueError as e:
         raise PlanError(str(e)) from None
-    rates = ProfileRates(profile)
+    rates = ProfileRates(profile, world)
     return rates, rates.peak_flops(precision)
 
 
@@ -207,7 +207,7 @@ def _run(args, cfg: C.Config) -> int:
         result = params_only(args, cfg, lay, cluster)
         print(describe(f"{args.params:g} parameters", None, lay, result, cluster_line), file=out)
         return _emit(args, result)
-    machine, peak = machine_of(args, cluster, lay.precision)
+    machine, peak = machine_of(args, cluster, lay.precision, gpus)
     if args.machine:
         cluster_line = f"{gpus} ranks on the machine profiled in {args.machine}"
     options = dict(gpus_per_node=cluster.gpus_per_node, peak_flops=peak, accounting=args.accounting)

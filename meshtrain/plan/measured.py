@@ -4,7 +4,7 @@ the profile (`--calibrate`), and a real run beside its prediction (`--measure`).
 from __future__ import annotations
 
 import json
-import os
+import math
 import statistics
 import subprocess
 import sys
@@ -12,18 +12,21 @@ import tempfile
 from pathlib import Path
 
 from meshtrain import config as C
-from meshtrain.plan.calibrate import MachineProfile, calibrate
+from meshtrain.plan.calibrate import MachineProfile, calibrate, stderr_progress
 from meshtrain.plan.planner import Device
 
 
 class ProfileRates:
     """A measured profile as the rates the step-time model asks for. One machine: no link
-    crosses nodes; gloo's collectives run on the CPU that computes, so nothing overlaps."""
+    crosses nodes; gloo's collectives run on the CPU that computes, so nothing overlaps.
+    The profile's ranks computed at once, one per core; `world` ranks share them
+    (`shared_cores`: how many ranks a core runs)."""
 
     comm_overlap = 0.0
 
-    def __init__(self, profile: MachineProfile):
+    def __init__(self, profile: MachineProfile, world: int | None = None):
         self.profile = profile
+        self.shared_cores = max(1.0, (world or profile.ranks) / profile.ranks)
         self.op_overhead_s = profile.op_overhead_s
 
     def matmul_time(self, m: int, k: int, n: int, dtype: str = "fp32", batch: int = 1) -> float:
@@ -33,7 +36,20 @@ class ProfileRates:
         return self.profile.elementwise_time(nbytes)
 
     def collective_time(self, kind: str, sent_bytes: float, across_nodes: bool = False) -> float:
-        return self.profile.collective_time("p2p" if kind == "send" else kind, sent_bytes)
+        """Between the sizes measured, the measured times themselves (interpolated in log-log,
+        each no more than any larger size's: load only ever slows a measurement); beyond
+        them, the profile's latency + bandwidth fit."""
+        kind = "p2p" if kind == "send" else kind
+        points = sorted((p["sent_bytes"], p["time_s"]) for p in self.profile.collectives[kind].get("points", []))
+        if sent_bytes <= 0 or len(points) < 2 or not points[0][0] <= sent_bytes <= points[-1][0]:
+            return self.profile.collective_time(kind, sent_bytes)
+        sizes, times = [math.log(x) for x, _ in points], [t for _, t in points]
+        for i in range(len(times) - 2, -1, -1):
+            times[i] = min(times[i], times[i + 1])
+        x = math.log(sent_bytes)
+        i = max(j for j in range(len(sizes) - 1) if sizes[j] <= x)
+        w = (x - sizes[i]) / (sizes[i + 1] - sizes[i])
+        return math.exp((1 - w) * math.log(times[i]) + w * math.log(times[i + 1]))
 
     def peak_flops(self, precision: str) -> float:
         """The fastest matmul measured in this precision: what MFU is taken against here."""
@@ -43,7 +59,7 @@ class ProfileRates:
 
 def calibrate_to(path: str) -> int:
     """`plan --calibrate`: measure, save, say where."""
-    profile = calibrate(progress=lambda line: print(f"meshtrain: calibrate: {line}", file=sys.stderr, flush=True))
+    profile = calibrate(progress=stderr_progress)
     profile.save(path)
     print(f"wrote the machine profile to {path}; use it with: meshtrain plan --machine {path} ...")
     return 0
@@ -80,9 +96,9 @@ def measure_beside(cfg: C.Config, work, lay: C.LayoutConfig, predicted: dict, ar
         if lay.pp > 1:
             argv += ["--trace", trace]
         print(f"meshtrain: measuring: meshtrain train {' '.join(argv)}", file=sys.stderr, flush=True)
-        run = subprocess.run([sys.executable, "-m", "meshtrain", "train", *argv], stdout=subprocess.PIPE, text=True,
-                             env={**os.environ})
+        run = subprocess.run([sys.executable, "-m", "meshtrain", "train", *argv], capture_output=True, text=True)
         if run.returncode:
+            print(run.stderr[-3000:], file=sys.stderr)
             print(f"meshtrain: error: the measured run failed (exit {run.returncode})", file=sys.stderr)
             return run.returncode
         got = json.loads(run.stdout.strip().splitlines()[-1])

@@ -275,13 +275,16 @@ def plan(work: Workload, lay: LayoutConfig, machine, *, memory_bytes: float | No
                  for k in stages}
     bubble = bubble_fraction(lay.schedule, lay.pp, m, lay.chunks)
     slowest = max(stages, key=per_micro.get)
-    compute = m * sum(times[slowest])
-    pipeline = m * per_micro[slowest] / (1 - bubble)
-    dp_time = _transfer_time(machine, moves[slowest]["dp"], across["dp"])
+    # Ranks that share cores (a CPU running more ranks than it has cores) are that much slower
+    # each, but take up each other's idle time: the pipeline's bubble is free up to that point.
+    shared = getattr(machine, "shared_cores", 1.0)
+    compute = m * sum(times[slowest]) * shared
+    pipeline = m * per_micro[slowest] * max(1 / (1 - bubble), shared)
+    dp_time = _transfer_time(machine, moves[slowest]["dp"], across["dp"]) * shared
     window = times[slowest][1] if lay.zero < 2 else compute  # what the reductions can hide under
     hidden = min(dp_time, machine.comm_overlap * window)
     shard = states[slowest]["total"] - states[slowest].get("gathered", 0)
-    optimizer = machine.elementwise_time(2 * shard) + 20 * machine.op_overhead_s  # read and write every state once
+    optimizer = (machine.elementwise_time(2 * shard) + 20 * machine.op_overhead_s) * shared  # every state read, written
     step = pipeline + dp_time - hidden + optimizer
 
     flops = model_flops(d.shape, work.batch, work.seq)
@@ -300,6 +303,7 @@ def plan(work: Workload, lay: LayoutConfig, machine, *, memory_bytes: float | No
         "mfu": flops / (step * lay.world_size * peak_flops) if peak_flops else None,
         "micro_batch_size": d.micro_batch,
         "worst_stage": worst,
-        "time_s": {"compute": compute, "tp_pp": m * per_micro[slowest] - compute, "bubble": pipeline - m * per_micro[slowest],
+        "time_s": {"compute": compute, "tp_pp": m * (per_micro[slowest] - sum(times[slowest])) * shared,
+                   "bubble": pipeline - m * per_micro[slowest] * shared,
                    "dp_exposed": dp_time - hidden, "optimizer": optimizer},
     }
