@@ -1,9 +1,9 @@
-"""Analytical models of a run: pure functions of the model, layout and cluster.
+"""`meshtrain plan`: analytical models of a run, pure functions of the model, layout and
+cluster (no processes).
 
-`shapes.py`: transformer shapes (meshtrain's GPT presets and the published GPT-3/Llama
-architectures) and their exact parameter counts. `memory.py`: model-state bytes by ZeRO
-stage (the ZeRO paper's accounting and what meshtrain keeps), the parameters a device holds
-under tp and pp, ZeRO-3's gathered peak, activation bytes per layer (Korthikanti et al.'s
-accounting, and what meshtrain's GPT keeps) and the micro-batches a pipeline's first stage
-holds. `cost.py`: model FLOPs
-and peak rates. The `meshtrain plan` command, step time and the layout search come next."""
+`shapes.py` transformer shapes and exact parameter counts; `memory.py` model states by ZeRO
+stage and activations (the papers' accounting and what meshtrain keeps, moment by moment);
+`cost.py` model and executed FLOPs; `traffic.py` every collective of a step per axis;
+`cluster.py` GPU presets and their roofline; `calibrate.py` this machine measured;
+`measured.py` a profile as rates, and a real run beside its plan; `planner.py` one plan
+(memory, time, MFU); `search.py` all layouts ranked; `command.py` the command line."""

@@ -9,8 +9,10 @@ GPU preset, or a profile measured here):
                                           twice forward; recomputation adds its forward work),
                                           plus the tensor-parallel collectives and the p2p sends
                                           on the critical path
-    pipeline                   m·(t_f + t_b)/(1 − bubble), the slowest stage, bubble from the
-                                          schedule simulator (memoised per schedule, p, m, v)
+    pipeline                   m·(t_f + t_b)/(1 − bubble), the slowest stage, the bubble in the
+                                          closed forms of the schedule simulator; ranks sharing
+                                          cores (a CPU) run c× slower but fill each other's idle
+                                          time: m·(t_f + t_b)·max(1/(1 − bubble), c)
     data parallel              what the backward cannot hide (`comm_overlap` of the machine)
     optimizer                  AdamW over the device's shard, memory-bound
 
