@@ -292,9 +292,6 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     if mode == "selective" and m.name == "mlp":
         raise ConfigError("--recompute selective recomputes the attention core; mlp has no attention: use "
                           "--recompute full or segments")
-    if mode == "segments" and lay.zero == 3:
-        raise ConfigError("--recompute segments with --zero 3 is not in this version yet (a segment runs blocks whose "
-                          "parameters ZeRO-3 has not gathered); use --recompute full or selective with --zero 3")
     if lay.precision not in PRECISIONS:
         raise ConfigError(f"unknown precision '{lay.precision}'; use --precision {' | '.join(PRECISIONS)}")
     if lay.zero not in (0, 1, 2, 3):

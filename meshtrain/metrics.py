@@ -37,11 +37,16 @@ class ActivationMeter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         values = out if isinstance(out, tuple) else (out,)
+        inputs = None
         for ret, value in zip(func._schema.returns, values):
             if ret.alias_info is None:  # a fresh result, not a view or an in-place one
                 for t in value if isinstance(value, (list, tuple)) else (value,):
                     if isinstance(t, torch.Tensor):
-                        self._track(t)
+                        # Collectives (c10d's in-place ops) return their inputs without saying
+                        # so in their schema: a result on an input's storage is not fresh.
+                        inputs = _storages(args, kwargs) if inputs is None else inputs
+                        if _storage_key(t) not in inputs:
+                            self._track(t)
         return out
 
     def _track(self, t: torch.Tensor) -> None:
@@ -75,6 +80,18 @@ class ActivationMeter(TorchDispatchMode):
     def live_since(self, mark: int) -> int:
         """Bytes alive now of the storages counted after `mark` (= `count` at some moment)."""
         return sum(nbytes for number, nbytes in self._tracked.values() if number >= mark)
+
+
+def _storage_key(t: torch.Tensor):
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # a tensor without a plain storage
+        return None
+
+
+def _storages(args, kwargs) -> set:
+    from torch.utils._pytree import tree_leaves
+    return {_storage_key(t) for t in tree_leaves((args, kwargs or {})) if isinstance(t, torch.Tensor)} - {None}
 
 
 class LayerProbe:

@@ -73,7 +73,8 @@ def _by_kind(transfers) -> dict:
 
 
 @pytest.mark.parametrize("world, sizes, layouts", [
-    (2, {}, [dict(dp=2, zero=z, microbatches=2) for z in range(4)] + [dict(dp=2, zero=3, keep_gathered=True)]),
+    (2, {}, [dict(dp=2, zero=z, microbatches=2) for z in range(4)] + [dict(dp=2, zero=3, keep_gathered=True)]
+     + [dict(dp=2, recompute="full"), dict(dp=2, recompute="segments", microbatches=2), dict(dp=2, zero=3, recompute="full")]),
     (2, {"tp": 2}, [dict(dp=1, tp=2, microbatches=2), dict(dp=1, tp=2, sp=True, microbatches=2),
                     dict(dp=1, tp=2, recompute="full"), dict(dp=1, tp=2, sp=True, recompute="full"),
                     dict(dp=1, tp=2, recompute="segments"), dict(dp=1, tp=2, sp=True, recompute="selective")]),

@@ -18,8 +18,9 @@
   of consecutive blocks has (a pipeline stage's chunk, or the whole list).
 
 Blocks are wrapped in place (names, parameters and state dict unchanged). A segment runs
-whole from its first block's forward under one checkpoint; the others in it pass their
-input through when the model's loop calls them. Recomputation sees the same dropout masks:
+whole from its first block's forward under one checkpoint, calling its other blocks as
+modules (so per-block hooks such as ZeRO-3's gathers run); when the model's own loop calls
+those, they pass their input through (`passes_through`). Recomputation sees the same dropout masks:
 the `DropoutKeys` of the forward (step and rows) are put back while it runs, since a
 pipeline computes other micro-batches in between."""
 
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import math
 from contextlib import contextmanager
+from contextvars import ContextVar
 from functools import partial
 
 import torch
@@ -71,6 +73,24 @@ def is_recomputed(module: nn.Module) -> bool:
     return getattr(module, RECOMPUTED, False)
 
 
+_in_segment = ContextVar("meshtrain_in_segment", default=False)  # a segment is running its blocks
+SEGMENT_MEMBER = "_meshtrain_segment_member"  # set on a segment's blocks after its first
+
+
+def passes_through(module: nn.Module) -> bool:
+    """Whether this call of `module` is the model's own loop reaching a block whose segment
+    already ran it: the call returns its input, and hooks that act per block (ZeRO-3's
+    gather and free) must do nothing for it."""
+    return getattr(module, SEGMENT_MEMBER, False) and not _in_segment.get()
+
+
+def _member_forward(inner):
+    """A segment's later block: its own forward when its segment calls it, else a pass-through."""
+    def forward(x, *args, **kwargs):
+        return inner(x, *args, **kwargs) if _in_segment.get() else x
+    return forward
+
+
 def _mark(modules) -> None:
     for top in modules:
         for m in top.modules():
@@ -105,10 +125,6 @@ def attention_modules(blocks: list[nn.Module]) -> list[nn.Module]:
     return found
 
 
-def _pass_through(x, *args, **kwargs):
-    return x
-
-
 def apply_recompute(runs: list[list[nn.Module]], policy: str, keys: DropoutKeys | None = None) -> None:
     """Checkpoint the blocks of each run (consecutive blocks that execute one after the
     other: the whole list, or a pipeline chunk's) by `policy` ("none" does nothing)."""
@@ -129,13 +145,18 @@ def apply_recompute(runs: list[list[nn.Module]], policy: str, keys: DropoutKeys 
         _mark(blocks)
         size = k or math.ceil(math.sqrt(len(blocks)))
         for start in range(0, len(blocks), size):
-            segment = blocks[start:start + size]
-            inner = [b.forward for b in segment]
+            head, members = blocks[start], blocks[start + 1:start + size]
+            for block in members:
+                block.forward = _member_forward(block.forward)
+                setattr(block, SEGMENT_MEMBER, True)
 
-            def run_segment(x, inner=inner):
-                for f in inner:
-                    x = f(x)
+            def run_segment(x, head_forward=head.forward, members=members):
+                x = head_forward(x)
+                running = _in_segment.set(True)
+                try:
+                    for block in members:  # called as modules: their hooks (ZeRO-3's gathers) run
+                        x = block(x)
+                finally:
+                    _in_segment.reset(running)
                 return x
-            segment[0].forward = _checkpointed(run_segment, keys, selective=False)
-            for block in segment[1:]:
-                block.forward = _pass_through
+            head.forward = _checkpointed(run_segment, keys, selective=False)

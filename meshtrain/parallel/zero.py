@@ -39,6 +39,7 @@ from meshtrain.comm import METRICS, Comm
 from meshtrain.models import find_block_list
 from meshtrain.optim import SHARDED_OVER
 from meshtrain.parallel.data import check_replicas_agree, keep_grad_in, split_by_size
+from meshtrain.parallel.recompute import is_recomputed, passes_through
 from meshtrain.parallel.precision import grad_holder, grad_of, master_bytes, master_of
 from meshtrain.parallel.state import SHARD, Piece, Where, gather_full, model_state_bytes, shard_index
 
@@ -260,7 +261,9 @@ class Zero:
                     p.grad = None
             self._free(g)
         while self._saving:
-            self._saving.pop().__exit__(None, None, None)
+            hooks = self._saving.pop()
+            if hooks is not None:
+                hooks.__exit__(None, None, None)
 
     @contextmanager
     def no_sync(self):
@@ -326,17 +329,27 @@ class Zero:
         return 0 <= index < self.n_units
 
     def _before_forward(self, g: FlatGroup, module, args) -> None:
+        if passes_through(module):
+            return
         self._gather(g)
         if self._is_unit(g.index + 1):
             self._launch_gather(self.groups[g.index + 1])  # prefetch: overlaps this unit's forward
         if torch.is_grad_enabled():
-            hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-            hooks.__enter__()
+            # Under activation checkpointing the checkpoint saves nothing of the unit (its
+            # recomputation uses the parameters gathered then), and hooks entered inside it
+            # would take its saves from it: none here.
+            hooks = None if is_recomputed(module) else torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+            if hooks is not None:
+                hooks.__enter__()
             self._saving.append(hooks)
 
     def _after_forward(self, g: FlatGroup, module, args, output) -> None:
+        if passes_through(module):
+            return
         if torch.is_grad_enabled():
-            self._saving.pop().__exit__(None, None, None)
+            hooks = self._saving.pop()
+            if hooks is not None:
+                hooks.__exit__(None, None, None)
             for t in _tensors(output):
                 if t.requires_grad:
                     t.register_hook(partial(self._before_backward, g))

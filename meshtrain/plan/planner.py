@@ -62,12 +62,10 @@ def check(work: Workload, lay: LayoutConfig, gpus: int | None = None) -> None:
     if lay.schedule not in SCHEDULES:
         raise PlanError(f"unknown schedule '{lay.schedule}'; use --schedule {' | '.join(SCHEDULES)}")
     try:
-        mode, _ = parse_recompute(lay.recompute)
+        parse_recompute(lay.recompute)
     except ValueError:
         raise PlanError(f"unknown recompute policy '{lay.recompute}'; use none | full | selective | "
                         "segments[:K]") from None
-    if mode == "segments" and lay.zero == 3:
-        raise PlanError("--recompute segments with --zero 3 is not built; use full or selective with --zero 3")
     if work.attention not in ("sdpa", "math"):
         raise PlanError(f"unknown attention '{work.attention}'; use --attention sdpa | math")
     splits = [(shape.heads, "heads"), (shape.kv_heads or shape.heads, "key/value heads"),
