@@ -309,10 +309,9 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     if world_size is not None and world_size != lay.world_size:
         raise ConfigError(f"the launcher started {world_size} processes but dp×tp×pp = {lay.dp}×{lay.tp}×{lay.pp} "
                           f"= {lay.world_size}; change --dp/--tp/--pp so that their product is {world_size}")
-    per_step = lay.dp * lay.microbatches
-    if tr.batch_size % per_step:
-        raise ConfigError(f"--batch-size {tr.batch_size} is not divisible by dp×microbatches = {lay.dp}×"
-                          f"{lay.microbatches} = {per_step}; use a multiple of {per_step}")
+    problem = schedule_or_batch_problem(lay, tr.batch_size)
+    if problem:
+        raise ConfigError(problem)
     _validate_data(cfg)
     spec = m.spec()
     _validate_tensor_parallel(cfg, spec)
@@ -398,11 +397,20 @@ def _validate_pipeline(cfg: Config, spec) -> None:
         if len(counts) != lay.pp * lay.chunks or sum(counts) != blocks or min(counts) < 1:
             raise ConfigError(f"--stage-layers {lay.stage_layers}: give pp×chunks = {lay.pp * lay.chunks} positive "
                               f"counts that sum to the {blocks} blocks of {name}")
+
+
+def schedule_or_batch_problem(lay: LayoutConfig, batch_size: int) -> str | None:
+    """What `train` and `plan` both refuse in a layout's schedule and batch: one line, or None."""
     if lay.chunks > 1 and lay.schedule != "interleaved":
-        raise ConfigError(f"--chunks {lay.chunks} needs --schedule interleaved ({lay.schedule} runs one chunk per stage)")
+        return f"--chunks {lay.chunks} needs --schedule interleaved ({lay.schedule} runs one chunk per stage)"
     if lay.schedule == "interleaved" and lay.pp > 1 and lay.microbatches % lay.pp:
-        raise ConfigError(f"--schedule interleaved takes micro-batches in groups of the {lay.pp} stages; "
-                          f"use --microbatches a multiple of {lay.pp}")
+        return (f"--schedule interleaved takes micro-batches in groups of the {lay.pp} stages; "
+                f"use --microbatches a multiple of {lay.pp}")
+    per_step = lay.dp * lay.microbatches
+    if batch_size % per_step:
+        return (f"--batch-size {batch_size} is not divisible by dp×microbatches = {lay.dp}×{lay.microbatches} = "
+                f"{per_step}; use a multiple of {per_step}")
+    return None
 
 
 def _reject_unbuilt(lay: LayoutConfig, tr: TrainConfig) -> None:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from meshtrain.config import SCHEDULES, LayoutConfig, parse_recompute
+from meshtrain.config import SCHEDULES, LayoutConfig, parse_recompute, schedule_or_batch_problem
 from meshtrain.plan import memory, traffic
 from meshtrain.plan.cost import hardware_flops, model_flops
 from meshtrain.plan.shapes import Shape
@@ -79,15 +79,9 @@ def check(work: Workload, lay: LayoutConfig, gpus: int | None = None) -> None:
         raise PlanError(f"--sp splits the sequence over tp: --seq-len {work.seq} is not divisible by --tp {lay.tp}")
     if shape.layers < lay.pp * lay.chunks:
         raise PlanError(f"the model has {shape.layers} blocks, fewer than pp×chunks = {lay.pp}×{lay.chunks}")
-    if lay.chunks > 1 and lay.schedule != "interleaved":
-        raise PlanError(f"--chunks {lay.chunks} needs --schedule interleaved")
-    if lay.schedule == "interleaved" and lay.pp > 1 and lay.microbatches % lay.pp:
-        raise PlanError(f"--schedule interleaved takes micro-batches in groups of the {lay.pp} stages; "
-                        f"use --microbatches a multiple of {lay.pp}")
-    per_step = lay.dp * lay.microbatches
-    if work.batch % per_step:
-        raise PlanError(f"--batch-size {work.batch} is not divisible by dp×microbatches = {lay.dp}×"
-                        f"{lay.microbatches} = {per_step}; use a multiple of {per_step}")
+    problem = schedule_or_batch_problem(lay, work.batch)
+    if problem:
+        raise PlanError(problem)
 
 
 class Device:
