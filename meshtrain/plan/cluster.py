@@ -30,10 +30,6 @@ class Cluster:
     def memory_bytes(self) -> float:
         return self.gpu_mem_gib * GIB
 
-    @property
-    def nodes(self) -> int:
-        return -(-self.gpus // self.gpus_per_node)
-
     def peak_flops(self, precision: str) -> float:
         return 1e12 * (self.peak_tflops_fp32 if precision == "fp32" else self.peak_tflops)
 
@@ -55,6 +51,8 @@ def cluster_from(gpu: str | None, **given) -> Cluster:
     for key, value in set_here.items():
         if value <= 0:
             raise ValueError(f"--{key.replace('_', '-')} must be positive (got {value})")
+    if "peak_tflops" in set_here:  # the flag gives the peak of the plan's own precision, whichever it is
+        set_here["peak_tflops_fp32"] = set_here["peak_tflops"]
     changed = set(set_here) - {"gpus"}
     return replace(GPU_PRESETS[name], **set_here, name=f"{name} (changed)" if changed else name)
 

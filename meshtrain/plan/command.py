@@ -188,6 +188,8 @@ def _run(args, cfg: C.Config) -> int:
     if args.calibrate:
         from meshtrain.plan.measured import calibrate_to
         return calibrate_to(args.machine or "machine.json")
+    if args.top < 1:
+        raise PlanError(f"--top {args.top}: show at least one layout")
     if args.accounting not in ACCOUNTINGS:
         raise PlanError(f"unknown accounting '{args.accounting}'; use --accounting paper | torch")
     out = sys.stderr if args.json else sys.stdout
