@@ -2,7 +2,7 @@
 profile (`meshtrain plan --calibrate`), then for each layout run `meshtrain plan --machine
 PROFILE --measure` — the prediction, and a real run of the same flags beside it.
 
-    python benchmarks/plan_accuracy.py --out benchmarks/results/plan-accuracy.json
+    python benchmarks/plan_accuracy.py --out benchmarks/results/plan-accuracy-1.json
 
 Each layout's error is predicted ÷ measured − 1 on the median step time of its run (steps
 after the first; the first step also carries the activation meter). The profile is taken

@@ -472,15 +472,18 @@ def _elementwise(r: _Rank, nbytes: int) -> dict[str, float]:
 
 
 def _collectives(r: _Rank, sizes) -> dict[str, dict]:
-    """Each collective at several payloads; latency + bytes/bandwidth fitted on the bytes this
-    rank sends (comm.py's count). A call lasts from the moment the last rank enters it to
-    the moment the last rank leaves it: the ranks share one machine's monotonic clock, so
-    neither the barrier's release skew nor a sender that returns before its peer has
-    received counts. The median over calls resists a busy machine's spikes."""
+    """Each collective at several payloads, as training meets it: every rank computes the
+    same short product, then calls it, and times its own call. A rank's wait for a slower
+    peer is part of the cost — averaged over the ranks, a call costs its transfer plus
+    E[max] − E[mean] of the ranks' compute times, which is what it adds to a step in which
+    every rank must arrive (the ranks of a real run never arrive together either). Latency +
+    bytes/bandwidth are fitted on the bytes this rank sends (comm.py's count); the median
+    over calls resists a busy machine's spikes."""
     import torch.distributed as dist
 
     from meshtrain.comm import _all_gather_tensor, _reduce_scatter_tensor, all_gather_bytes, all_reduce_bytes
     torch, n = r.torch, r.world
+    a, b = torch.randn(384, 384, device=r.device), torch.randn(384, 384, device=r.device)  # ~1-2 ms on a CPU core
     out = {}
     for kind in KINDS:
         xs, ys = [], []
@@ -498,17 +501,17 @@ def _collectives(r: _Rank, sizes) -> dict[str, dict]:
             }[kind]
             calls = 5 if size >= (4 << 20) else 9 if size >= (256 << 10) else 15
             call()
-            starts, ends = [], []
+            dist.barrier()
+            own = []
             for _ in range(calls):
-                dist.barrier()
+                a @ b  # the compute between two collectives of a training step
                 r.sync()
-                starts.append(time.perf_counter())
+                t0 = time.perf_counter()
                 call()
                 r.sync()
-                ends.append(time.perf_counter())
-            last = r.agree(starts + ends, op="max")
+                own.append(time.perf_counter() - t0)
             xs.append(sent)
-            ys.append(statistics.median(e - s for s, e in zip(last[:calls], last[calls:])))
+            ys.append(r.agree([statistics.median(own)])[0])
         latency, bw = _fit(xs, ys)
         out[kind] = {"latency_s": latency, "bytes_per_s": bw,
                      "points": [{"sent_bytes": x, "time_s": y} for x, y in zip(xs, ys)]}
