@@ -91,16 +91,23 @@ def test_torch_accounting_of_the_stages_of_a_1f1b_pipeline():
     count). Stage 0 holds p micro-batches in flight (the engine frees a sent output at its
     micro-batch's backward); stage 1 the received activations in flight, every gradient it
     sent back (gloo's sends are waited on at the step's end), and the loss — 8 micro-batches
-    hold no more on stage 0 than 4."""
+    hold no more on stage 0 than 4. GPipe (no and full recompute: the last stage holds every
+    micro-batch's log-softmax) and the zero-bubble schedule within 1 % (measured: 0.3 % and
+    0.6 %); not asserted: zero-bubble with full recompute (8.5 % low on the last stage) and
+    the interleaved schedule (−12 % to +8 %)."""
     from distributed import run_ranks
 
     cases = [("math", rec) for rec in ("none", "full", "selective", "segments")]
     cases += [("sdpa", rec) for rec in ("none", "segments:3")]
     cfgs = [_config(att, rec, batch=16, pp=2, microbatches=4) for att, rec in cases]
     cfgs.append(_config("sdpa", "none", batch=32, pp=2, microbatches=8))
-    for stage, measured in enumerate(run_ranks(_measured, 2, cfgs, pp=2)):
+    others = [_config("math", rec, batch=16, pp=2, microbatches=4, schedule="gpipe") for rec in ("none", "full")]
+    others.append(_config("math", "none", batch=16, pp=2, microbatches=4, schedule="zb"))
+    for stage, measured in enumerate(run_ranks(_measured, 2, cfgs + others, pp=2)):
+        measured, in_others = measured[:len(cfgs)], measured[len(cfgs):]
         _check(cfgs[:-2] + cfgs[-1:], measured[:-2] + measured[-1:], stage)
         _check(cfgs[-2:-1], measured[-2:-1], stage, tolerance=0.05)
+        _check(others, in_others, stage, tolerance=0.01)
         if stage == 0:
             assert measured[-1] == measured[4], "8 micro-batches hold more than 4 on the first stage"
 

@@ -313,7 +313,8 @@ def torch_stage_activation_bytes(layers: int, seq: int, micro_batch: int, hidden
     - a micro-batch's forward keeps K: on the first stage the embedding's output (its dropout
       mask, the positions, int64; under tp the vocabulary-parallel lookup's local ids, 2·8
       bytes a token, and its mask), its blocks' `recompute_kept_bytes`, and on the last the
-      final LayerNorm's output and statistics;
+      final LayerNorm's output and statistics and the loss's log-softmax (held until that
+      micro-batch's backward: under GPipe the last stage holds m of them);
     - a non-first stage keeps the received activations of the micro-batches in flight, and
       every gradient it sent back until the step ends (gloo reports a send complete only when
       it is waited on; the engine waits on those at the step's end);
@@ -344,12 +345,15 @@ def torch_stage_activation_bytes(layers: int, seq: int, micro_batch: int, hidden
     blocks = sum(_runs_of(layers, pp, stage, chunks, tuple(stage_layers) if stage_layers else None))
     ids = 17 * b * s if t > 1 else 0  # the vocabulary-parallel lookup's local ids (two int64 copies), its mask
     before = (out + 8 * s + ids + (b * s * h // w if dropout > 0 else 0)) if first else 0
-    after = (out + 2 * b * s * e // w) if last else 0
+    # the last stage keeps, per micro-batch until its backward, the final LayerNorm's output and
+    # statistics and the loss's log-softmax (fp32, the local logits' size; under tp also each
+    # token's local target, int64, and its mask); at the loss it holds two more such tensors
+    # (the gradients) and, under tp, five fp32 numbers per token (max, target logit, sum, log, term)
+    kept_loss = b * s * (vocab // t) * 4 + (9 * b * s if t > 1 else 0)
+    after = (out + 2 * b * s * e // w + kept_loss) if last else 0
     kept_blocks = recompute_kept_bytes(blocks, parts, recompute)
     per_mb = before + kept_blocks + after
-    # the vocabulary-parallel loss also keeps each token's local target (int64) and its mask,
-    # and holds five fp32 numbers per token at its peak (max, target logit, sum, log, term)
-    loss = 3 * b * s * (vocab // t) * 4 + (29 * b * s if t > 1 else 0)
+    loss = 2 * b * s * (vocab // t) * 4 + (20 * b * s if t > 1 else 0)
     units = recompute_units(blocks, recompute)
     # the micro-batch being backwarded: its live bytes at its backward's largest moment
     grad = out  # the gradient of the stage's output (received, or the final LayerNorm's)
