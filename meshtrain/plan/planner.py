@@ -20,7 +20,6 @@ No processes are started; a plan of a 405B model takes about a millisecond."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from meshtrain.config import SCHEDULES, LayoutConfig, parse_recompute, schedule_or_batch_problem
@@ -96,7 +95,7 @@ class Device:
         self.element_bytes = 2 if (low or accounting == "paper") else 4
         self.param_bytes = self.element_bytes
         self.grad_bytes = 4 if (not low or lay.grad_dtype == "fp32") else 2
-        self.recompute_mode, self.recompute_k = parse_recompute(lay.recompute)
+        self.recompute_mode, _ = parse_recompute(lay.recompute)
         self._where = dict(tp=lay.tp, pp=lay.pp, chunks=lay.chunks, stage_layers=lay.stage_layer_counts())
 
     def blocks_on(self, stage: int) -> int:
@@ -105,14 +104,11 @@ class Device:
     def params_on(self, stage: int) -> int:
         return memory.params_per_device(self.shape, stage=stage, **self._where)
 
-    def segments_on(self, stage: int) -> list[int]:
-        """Sizes of the recomputed segments of `segments[:K]` on a stage: each chunk's run of
-        blocks cut every K (default ⌈√run⌉) blocks, as `apply_recompute` cuts it."""
-        out = []
-        for run in memory.stage_runs(self.shape, stage=stage, **self._where):
-            size = self.recompute_k or math.ceil(math.sqrt(run))
-            out += [min(size, run - start) for start in range(0, run, size)]
-        return out
+    def recomputed_units(self, stage: int) -> list[int]:
+        """Sizes of the units a stage recomputes whole (full: each block; segments[:K]: each
+        chunk's run cut every K, default ⌈√run⌉, blocks), as `apply_recompute` cuts them."""
+        return [size for run in memory.stage_runs(self.shape, stage=stage, **self._where)
+                for size in memory.recompute_units(run, self.layout.recompute)]
 
     def whole_params(self, stage: int) -> int:
         return memory.whole_params(self.shape, stage=stage, **self._where)
@@ -120,12 +116,10 @@ class Device:
     def distinct_stages(self) -> list[int]:
         """One stage of each kind (first, last, and per block count between): the others are
         copies, so a plan of 64 stages costs what one of 3 does."""
-        p, seen, out = self.layout.pp, set(), {0, self.layout.pp - 1}
-        for k in range(1, p - 1):
-            if self.blocks_on(k) not in seen:
-                seen.add(self.blocks_on(k))
-                out.add(k)
-        return sorted(out)
+        first_of = {}  # block count -> the first middle stage that holds it
+        for k in range(1, self.layout.pp - 1):
+            first_of.setdefault(self.blocks_on(k), k)
+        return sorted({0, self.layout.pp - 1, *first_of.values()})
 
     def has_embedding(self, stage: int) -> bool:
         return stage == 0
@@ -182,7 +176,7 @@ class Device:
                                                  sp=lay.sp, attention=self.work.attention, kv_width=sh.kv_width,
                                                  ffn=sh.ffn_width, swiglu=sh.kind == "llama")
         if self.recompute_mode == "segments":
-            segments = self.segments_on(stage)
+            segments = self.recomputed_units(stage)
             return held * len(segments) * self.activation_per_layer() + max(segments) * full
         return held * blocks * self.activation_per_layer() + full
 

@@ -58,7 +58,7 @@ def tp_transfers(d, stage: int) -> list[Transfer]:
     # What recomputation repeats of a region of r blocks: its forward reductions but the last,
     # 2r − 1 (non-reentrant checkpointing stops once the last tensor saved for backward is
     # rebuilt; the trainer's counts, held equal by a test).
-    regions = {"full": [1] * blocks, "segments": d.segments_on(stage)}.get(d.recompute_mode, [])
+    regions = d.recomputed_units(stage)
     out = []
     if lay.sp:
         # forward: gather before attention and MLP, scatter after; backward: the reverse, and
