@@ -236,3 +236,56 @@ def test_a_bad_machine_profile_is_one_line(tmp_path):
     (tmp_path / "m.json").write_text("{}")
     r = run_cli("plan", "--model", "gpt-small", "--machine", tmp_path / "m.json")
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_a_tensor_parallel_collective_waits_for_the_slower_rank_as_measured(tmp_path):
+    """The profile's skew points (extra wait after so much compute) add, per tensor-parallel
+    collective, the wait for the compute between two of them; a profile without them adds
+    nothing, and data parallelism (its reductions overlap, no compute between) none."""
+    from meshtrain.plan.measured import ProfileRates
+
+    base = _synthetic_profile(tmp_path / "m.json")
+    skewed = replace(base, collective_skew=[{"compute_s": 1e-3, "extra_s": 0.0}, {"compute_s": 5e-3, "extra_s": 2e-3},
+                                            {"compute_s": 2e-2, "extra_s": 3e-3}])
+    assert skewed.skew_time(5e-4) == 0 and skewed.skew_time(3e-3) == pytest.approx(1e-3)
+    assert skewed.skew_time(1.0) == pytest.approx(3e-3) and base.skew_time(3e-3) == 0
+    work = Workload(shape_of("gpt-small"), 8, 128)
+    tp = LayoutConfig(dp=1, tp=2)
+    before, after = (plan(work, tp, ProfileRates(p, world=2)) for p in (base, skewed))
+    d = Device(work, tp)
+    calls = sum(x.calls for x in traffic.tp_transfers(d, 0))
+    between = sum(d.micro_batch_times(ProfileRates(base, world=2), 0)) / calls
+    assert after["predicted_step_time_s"] - before["predicted_step_time_s"] == pytest.approx(
+        calls * skewed.skew_time(between))
+    dp = LayoutConfig(dp=2)
+    assert plan(work, dp, ProfileRates(base))["predicted_step_time_s"] == plan(
+        work, dp, ProfileRates(skewed))["predicted_step_time_s"]
+
+
+@pytest.mark.parametrize("name, chunks", [("gpipe", 1), ("1f1b", 1), ("zb", 1), ("interleaved", 2)])
+def test_a_pipeline_on_shared_cores_is_the_schedule_run_with_each_stages_costs(name, chunks):
+    """With cores to spare, `pipeline_time` is the schedule simulator's makespan for equal
+    stages (the closed forms' m·(f+b)/(1 − bubble)) and for unequal ones; with ranks
+    sharing cores, idle ranks hand theirs over: pp 2, m 2, 1F1B, two ranks a stage on two
+    cores takes 12 units (by hand: 1 alone, 2 shared, 2 alone, 2+2 shared, 1 alone, 2
+    alone), and never less than all the work over the cores."""
+    from fractions import Fraction
+
+    from meshtrain.parallel.pipeline.schedules import schedule
+    from meshtrain.parallel.pipeline.simulate import Costs, simulate
+    from meshtrain.plan.sharing import pipeline_time
+
+    class Uneven(Costs):
+        def of(self, op, chunks, stage=0):
+            return super().of(op, chunks, stage) * (1 + Fraction(stage, 2))
+
+    for p, m in [(2, 2), (2, 4), (4, 8)]:
+        even, _ = pipeline_time(name, m, chunks, ((1.0, 2.0),) * p, 1, 64)
+        assert even == pytest.approx(m * 3 / (1 - bubble_fraction(name, p, m, chunks)))
+        uneven, busy = pipeline_time(name, m, chunks, tuple((1 + s / 2, 2 + s) for s in range(p)), 1, 64)
+        assert uneven == pytest.approx(float(simulate(schedule(name, p, m, chunks), chunks, Uneven()).makespan))
+        assert busy == pytest.approx([m * 3 * (1 + s / 2) for s in range(p)])
+        shared, _ = pipeline_time(name, m, chunks, ((1.0, 2.0),) * p, 2, 2)
+        assert shared >= p * 2 * m * 3 / 2 - 1e-9 and shared >= even
+    if name == "1f1b":
+        assert pipeline_time(name, 2, 1, ((1.0, 2.0),) * 2, 2, 2)[0] == pytest.approx(12)

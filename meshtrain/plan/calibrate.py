@@ -51,6 +51,14 @@ class MachineProfile:
     host: str
     backward_op_overhead_s: float = 0.0  # one autograd backward node of a tiny op
     elementwise_ops: dict = field(default_factory=dict)  # op -> bytes/s ("add", "gelu", ...), each alone
+    # A synchronous collective's extra wait for the slower rank after `compute_s` of compute
+    # since the last one: [{"compute_s", "extra_s"}], extra over the shortest compute measured.
+    collective_skew: list = field(default_factory=list)
+    # The elementwise mix's rate by the size of the tensors it runs on: [{"tensor_bytes",
+    # "bytes_per_s"}]. Small tensors stay in cache and reuse freed memory; the 64 MiB ones of
+    # `elementwise_bytes_per_s` fault fresh pages in on every call (measured: gelu 8 GB/s
+    # at 1-4 MiB, 1.9 at 64 MiB).
+    elementwise_by_size: list = field(default_factory=list)
 
     # -- matmul ---------------------------------------------------------------------------
 
@@ -96,10 +104,18 @@ class MachineProfile:
 
     # -- the rest ---------------------------------------------------------------------------
 
-    def elementwise_time(self, nbytes: float, op: str | None = None) -> float:
+    def elementwise_time(self, nbytes: float, op: str | None = None, tensor_bytes: float | None = None) -> float:
         """Seconds of elementwise ops moving `nbytes` (read + written), without dispatch cost:
-        at the mix's rate, or at `op`'s own (one of `elementwise_ops`) when given."""
-        rate = self.elementwise_bytes_per_s if op is None else self.elementwise_ops[op]
+        at the mix's rate — for tensors of `tensor_bytes` each when given (interpolated in
+        log-log between the sizes measured, flat beyond them) — or at `op`'s own (one of
+        `elementwise_ops`, large tensors) when given."""
+        if op is not None:
+            rate = self.elementwise_ops[op]
+        elif tensor_bytes and self.elementwise_by_size:
+            rate = _log_interpolate([(p["tensor_bytes"], p["bytes_per_s"]) for p in self.elementwise_by_size],
+                                    tensor_bytes)
+        else:
+            rate = self.elementwise_bytes_per_s
         return max(0.0, nbytes) / rate
 
     def collective_time(self, kind: str, sent_bytes: float) -> float:
@@ -161,6 +177,38 @@ class MachineProfile:
         for kind, c in self.collectives.items():
             if not (good(c["latency_s"]) and good(c["bytes_per_s"])):
                 raise ValueError(f"bad {kind} figures {c}")
+        for p in self.elementwise_by_size:
+            if not (good(p["tensor_bytes"]) and good(p["bytes_per_s"])):
+                raise ValueError(f"bad elementwise point {p}")
+        for p in self.collective_skew:
+            if not (good(p["compute_s"]) and math.isfinite(p["extra_s"])):
+                raise ValueError(f"bad collective skew point {p}")
+
+    def skew_time(self, compute_s: float) -> float:
+        """The extra wait of a synchronous collective issued `compute_s` seconds of compute
+        after the previous one: interpolated between the measured points, flat beyond them
+        (0 for a profile without them)."""
+        points = sorted((p["compute_s"], max(0.0, p["extra_s"])) for p in self.collective_skew)
+        if not points:
+            return 0.0
+        if compute_s <= points[0][0]:
+            return points[0][1]
+        for (c0, e0), (c1, e1) in zip(points, points[1:]):
+            if compute_s <= c1:
+                return e0 + (e1 - e0) * (compute_s - c0) / (c1 - c0)
+        return points[-1][1]
+
+
+def _log_interpolate(points: list[tuple[float, float]], x: float) -> float:
+    """y at `x` on the piecewise-linear log-log curve through `points`, flat beyond its ends."""
+    points = sorted(points)
+    if x <= points[0][0]:
+        return points[0][1]
+    for (x0, y0), (x1, y1) in zip(points, points[1:]):
+        if x <= x1:
+            w = (math.log(x) - math.log(x0)) / (math.log(x1) - math.log(x0))
+            return math.exp((1 - w) * math.log(y0) + w * math.log(y1))
+    return points[-1][1]
 
 
 class _Grid:
@@ -230,9 +278,10 @@ QUICK_GRID = {"m": (64, 256, 1024), "k": (32, 128, 512), "n": (32, 128, 512)}
 # Attention's batched products (batch·heads, s, d_head): scores (s×d)·(d×s), weighting (s×s)·(s×d).
 BMM = {"batch": 16, "s": (128, 512, 1024), "d": (32, 64, 128)}
 QUICK_BMM = {"batch": 8, "s": (64, 256), "d": (32,)}
-SIZES = (4 << 10, 32 << 10, 256 << 10, 2 << 20, 16 << 20)  # collective payloads B (bytes)
+SIZES = (4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20)  # collective payloads B (bytes)
 QUICK_SIZES = (4 << 10, 64 << 10, 1 << 20)
 ELEMENTWISE_BYTES = {"cpu": 64 << 20, "cuda": 512 << 20}  # one tensor: well past the caches
+ELEMENTWISE_SIZES = {"cpu": (256 << 10, 1 << 20, 4 << 20, 16 << 20), "cuda": (4 << 20, 64 << 20)}  # and these
 
 
 def calibrate(ranks: int = 2, budget_s: float = 45.0, progress=None, *, quick: bool = False,
@@ -395,13 +444,22 @@ def _measure(rank, world, port, use_cuda, start, budget_s, quick, say) -> dict:
 
     op_fwd, op_bwd = _op_overhead(r)
     say(f"op overhead: {op_fwd * 1e6:.1f} us forward, {op_bwd * 1e6:.1f} us per backward node")
-    ew = _elementwise(r, ELEMENTWISE_BYTES["cuda" if use_cuda else "cpu"])
+    kind = "cuda" if use_cuda else "cpu"
+    ew = _elementwise(r, ELEMENTWISE_BYTES[kind])
     ew_rate = ew.pop("mix")
     say("elementwise: " + ", ".join(f"{k} {v / 1e9:.2f}" for k, v in ew.items()) + f" GB/s; mix {ew_rate / 1e9:.2f}")
+    by_size = [{"tensor_bytes": size, "bytes_per_s": _elementwise(r, size)["mix"]} for size in ELEMENTWISE_SIZES[kind]]
+    by_size.append({"tensor_bytes": ELEMENTWISE_BYTES[kind], "bytes_per_s": ew_rate})
+    say("elementwise mix by tensor size: " + ", ".join(f"{p['tensor_bytes'] >> 10} KiB {p['bytes_per_s'] / 1e9:.2f}"
+                                                       for p in by_size) + " GB/s")
     collectives = _collectives(r, QUICK_SIZES if quick else SIZES) if world > 1 else {}
     if collectives:
         say("collectives: " + "; ".join(f"{k} {c['latency_s'] * 1e6:.0f} us + {c['bytes_per_s'] / 1e9:.2f} GB/s"
                                          for k, c in collectives.items()))
+    skew = _skew(r, quick) if world > 1 and not use_cuda else []
+    if skew:
+        say("wait for the slower rank: " + ", ".join(f"+{p['extra_s'] * 1e3:.2f} ms after {p['compute_s'] * 1e3:.0f} ms"
+                                                     for p in skew))
 
     grid, bmm = (QUICK_GRID, QUICK_BMM) if quick else (GRID, BMM)
     phases = [("fp32", False, 5.0), ("fp32", True, 1.0), ("bf16", False, 3.0), ("bf16", True, 1.0)]
@@ -416,12 +474,15 @@ def _measure(rank, world, port, use_cuda, start, budget_s, quick, say) -> dict:
         rates = [p["flops_per_s"] for p in got]
         say(f"{'bmm' if batched else 'matmul'} {dtype}: {len(got)}/{len(shapes)} shapes in {r.elapsed() - now:.1f} s"
             + (f", {min(rates) / 1e9:.3g}-{max(rates) / 1e9:.3g} GFLOP/s" if rates else ""))
+    fastest, level, slowest = _steady(points)
+    say(f"the reference product took {fastest * 1e3:.2f}-{slowest * 1e3:.2f} ms, median {level * 1e3:.2f}: "
+        f"every shape's rate is taken at the median")
 
     return dict(device=torch.cuda.get_device_name(device) if use_cuda else "cpu", ranks=world,
                 threads_per_rank=threads, matmul=points, elementwise_bytes_per_s=ew_rate, op_overhead_s=op_fwd,
                 collectives=collectives, created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
                 torch_version=torch.__version__, host=platform.node(), backward_op_overhead_s=op_bwd,
-                elementwise_ops=ew)
+                elementwise_ops=ew, collective_skew=skew, elementwise_by_size=by_size)
 
 
 def _op_overhead(r: _Rank) -> tuple[float, float]:
@@ -477,8 +538,9 @@ def _collectives(r: _Rank, sizes) -> dict[str, dict]:
     peer is part of the cost — averaged over the ranks, a call costs its transfer plus
     E[max] − E[mean] of the ranks' compute times, which is what it adds to a step in which
     every rank must arrive (the ranks of a real run never arrive together either). Latency +
-    bytes/bandwidth are fitted on the bytes this rank sends (comm.py's count); the median
-    over calls resists a busy machine's spikes."""
+    bytes/bandwidth are fitted on the bytes this rank sends (comm.py's count). A call's time
+    is the mean over calls, not the median: a step pays for every call, its spikes too
+    (measured on this 2-core VM: the mean of an all-reduce runs 10-60 % over the median)."""
     import torch.distributed as dist
 
     from meshtrain.comm import _all_gather_tensor, _reduce_scatter_tensor, all_gather_bytes, all_reduce_bytes
@@ -499,7 +561,7 @@ def _collectives(r: _Rank, sizes) -> dict[str, dict]:
                 "p2p": ((lambda: dist.send(full, 1)) if r.rank == 0 else
                         (lambda: dist.recv(full, 0)) if r.rank == 1 else (lambda: None), elems * 4),
             }[kind]
-            calls = 5 if size >= (4 << 20) else 9 if size >= (256 << 10) else 15
+            calls = 10 if size >= (4 << 20) else 24 if size >= (256 << 10) else 40
             call()
             dist.barrier()
             own = []
@@ -511,11 +573,43 @@ def _collectives(r: _Rank, sizes) -> dict[str, dict]:
                 r.sync()
                 own.append(time.perf_counter() - t0)
             xs.append(sent)
-            ys.append(r.agree([statistics.median(own)])[0])
+            ys.append(r.agree([statistics.mean(own)])[0])
         latency, bw = _fit(xs, ys)
         out[kind] = {"latency_s": latency, "bytes_per_s": bw,
                      "points": [{"sent_bytes": x, "time_s": y} for x, y in zip(xs, ys)]}
     return out
+
+
+def _skew(r: _Rank, quick: bool) -> list[dict]:
+    """How a synchronous collective's wait grows with the compute before it. Ranks that
+    compute the same work still finish it at different times (the OS schedules them apart;
+    on a small VM they share cores), and each collective waits for the last: the longer the
+    compute since the previous one, the longer that wait (measured here: an all-reduce of
+    1 MiB after 2, 8 and 24 ms of matmuls takes about 2.5, 4 and 4.5 ms). The collectives
+    above were timed after one short product; each point here is the extra wait after 1, 4
+    and 12 of them, so that the planner can add it for the compute a layout puts between its
+    synchronous collectives (tensor parallelism's). A CPU's only: on a GPU the launch returns
+    at once and NCCL waits on the device."""
+    import torch.distributed as dist
+    torch = r.torch
+    a, b = torch.randn(384, 384, device=r.device), torch.randn(384, 384, device=r.device)
+    full = torch.ones((1 << 20) // 4 if not quick else 4096, device=r.device)
+    calls = 6 if quick else 40
+    points = []
+    for products in (1, 4, 12):
+        dist.barrier()
+        compute, waits = [], []
+        for _ in range(calls):
+            t0 = time.perf_counter()
+            for _ in range(products):
+                a @ b
+            t1 = time.perf_counter()
+            dist.all_reduce(full)
+            waits.append(time.perf_counter() - t1)
+            compute.append(t1 - t0)
+        c, w = r.agree([statistics.mean(compute), statistics.mean(waits)])
+        points.append({"compute_s": c, "wait_s": w})
+    return [{"compute_s": p["compute_s"], "extra_s": p["wait_s"] - points[0]["wait_s"]} for p in points]
 
 
 def _fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
@@ -543,28 +637,48 @@ def _bmm_shapes(spec) -> list[tuple[int, int, int, int]]:
     return sorted({s for s_len in spec["s"] for d in spec["d"] for s in ((b, s_len, d, s_len), (b, s_len, s_len, d))})
 
 
+REFERENCE = (256, 256, 256)  # the fp32 product timed before every shape: the machine's speed at that moment
+
+
+def _steady(points: list[dict]) -> float:
+    """Take each point's rate at the calibration's median speed, not at the moment's: a
+    shared machine slows down and speeds up for seconds at a time (measured here: 20 s of
+    shapes 40 % slower than in the calibration before), which would bend the grid's shape.
+    Each point carries the reference product's time just before it (`reference_s`, removed
+    here); its rate is scaled by that over the median. Returns the reference's (fastest,
+    median, slowest) seconds."""
+    refs = [p.pop("reference_s") for p in points]
+    level = statistics.median(refs)
+    for p, ref in zip(points, refs):
+        p["flops_per_s"] *= ref / level
+    return min(refs), level, max(refs)
+
+
 def _matmuls(r: _Rank, dtype: str, shapes, phase_end: float) -> list[dict]:
     """Rate of each (batch, m, k, n) shape, cheapest first, all ranks at once, while the
-    predicted cost of the next one fits before `phase_end` (seconds since the start)."""
+    predicted cost of the next one fits before `phase_end` (seconds since the start), each
+    after a timing of the `REFERENCE` product (see `_steady`)."""
     torch = r.torch
     tdtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
     min_sample = 2e-3
+    ref_a, ref_b = torch.randn(*REFERENCE[:2], device=r.device), torch.randn(*REFERENCE[1:], device=r.device)
     points, rate, now = [], None, r.elapsed()
     for b, m, k, n in shapes:
         flops = 2.0 * b * m * k * n
         if rate is not None:
             call = flops / rate
             # warm-up + samples (+ a tiny op's loop) + agreement; rates can fall with size (bf16 on CPU)
-            cost = 1.5 * ((4 if call >= 0.01 else 6) * call + 5 * min_sample) + 0.005
+            cost = 1.5 * ((4 if call >= 0.01 else 6) * call + 10 * min_sample) + 0.01
             if now + cost > phase_end:
                 break  # shapes are in increasing cost: the rest do not fit either
         a = torch.randn(b, m, k, device=r.device, dtype=tdtype)
         w = torch.randn(b, k, n, device=r.device, dtype=tdtype)
         fn = (lambda: torch.bmm(a, w)) if b > 1 else (lambda: a[0] @ w[0])
+        ref = r.time(lambda: ref_a @ ref_b, min_sample)
         t = r.time(fn, min_sample)
-        t, now = r.agree([t])[0], r.elapsed()  # the ranks' mean time; their common clock
+        (ref, t), now = r.agree([ref, t]), r.elapsed()  # the ranks' mean times; their common clock
         rate = flops / t
-        point = {"m": m, "k": k, "n": n, "dtype": dtype, "flops_per_s": rate}
+        point = {"m": m, "k": k, "n": n, "dtype": dtype, "flops_per_s": rate, "reference_s": ref}
         if b > 1:
             point["batch"] = b
         points.append(point)

@@ -20,20 +20,21 @@ class ProfileRates:
     """A measured profile as the rates the step-time model asks for. One machine: no link
     crosses nodes; gloo's collectives run on the CPU that computes, so nothing overlaps.
     The profile's ranks computed at once, one per core; `world` ranks share them
-    (`shared_cores`: how many ranks a core runs)."""
+    (`shared_cores`: how many ranks a core runs; `cores`: how many there are)."""
 
     comm_overlap = 0.0
 
     def __init__(self, profile: MachineProfile, world: int | None = None):
         self.profile = profile
         self.shared_cores = max(1.0, (world or profile.ranks) / profile.ranks)
+        self.cores = profile.ranks  # a pipeline's stages share them (`sharing.pipeline_time`)
         self.op_overhead_s = profile.op_overhead_s
 
     def matmul_time(self, m: int, k: int, n: int, dtype: str = "fp32", batch: int = 1) -> float:
         return self.profile.matmul_time(m, k, n, dtype, batch)
 
-    def elementwise_time(self, nbytes: float) -> float:
-        return self.profile.elementwise_time(nbytes)
+    def elementwise_time(self, nbytes: float, tensor_bytes: float | None = None) -> float:
+        return self.profile.elementwise_time(nbytes, tensor_bytes=tensor_bytes)
 
     def collective_time(self, kind: str, sent_bytes: float, across_nodes: bool = False) -> float:
         """Between the sizes measured, the measured times themselves (interpolated in log-log,
@@ -51,6 +52,10 @@ class ProfileRates:
         w = (x - sizes[i]) / (sizes[i + 1] - sizes[i])
         return math.exp((1 - w) * math.log(times[i]) + w * math.log(times[i + 1]))
 
+    def skew_time(self, compute_s: float) -> float:
+        """A synchronous collective's wait for the slower rank after `compute_s` of compute."""
+        return self.profile.skew_time(compute_s)
+
     def peak_flops(self, precision: str) -> float:
         """The fastest matmul measured in this precision: what MFU is taken against here."""
         rates = [p["flops_per_s"] for p in self.profile.matmul if p["dtype"] == precision]
@@ -59,8 +64,16 @@ class ProfileRates:
 
 def calibrate_to(path: str) -> int:
     """`plan --calibrate`: measure, save, say where."""
+    parent = Path(path).resolve().parent
+    if not parent.is_dir():  # found before a minute of measuring, not after
+        print(f"meshtrain plan: error: --machine {path}: {parent} is not a folder", file=sys.stderr)
+        return 2
     profile = calibrate(progress=stderr_progress)
-    profile.save(path)
+    try:
+        profile.save(path)
+    except OSError as e:
+        print(f"meshtrain plan: error: cannot write the machine profile to {path} ({e.strerror or e})", file=sys.stderr)
+        return 2
     print(f"wrote the machine profile to {path}; use it with: meshtrain plan --machine {path} ...")
     return 0
 

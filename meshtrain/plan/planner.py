@@ -8,7 +8,8 @@ GPU preset, or a profile measured here):
     per micro-batch and stage  t_f, t_b   the block's matmuls and elementwise traffic (backward
                                           twice forward; recomputation adds its forward work),
                                           plus the tensor-parallel collectives and the p2p sends
-                                          on the critical path
+                                          on the critical path, and (a measured profile) each
+                                          tensor-parallel collective's wait for the slower rank
     pipeline                   m·(t_f + t_b)/(1 − bubble), the slowest stage, the bubble in the
                                           closed forms of the schedule simulator; ranks sharing
                                           cores (a CPU) run c× slower but fill each other's idle
@@ -23,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from meshtrain.config import SCHEDULES, LayoutConfig, parse_recompute, schedule_or_batch_problem
-from meshtrain.plan import memory, traffic
+from meshtrain.plan import memory, sharing, traffic
 from meshtrain.plan.cost import hardware_flops, model_flops
 from meshtrain.plan.shapes import Shape
 
@@ -196,7 +197,8 @@ class Device:
         traffic_bytes = 2 * memory.torch_activation_bytes_per_layer(s, b, h, sh.heads, element_bytes=self.element_bytes,
                                                                     attention=self.work.attention,
                                                                     dropout=self.work.dropout, ffn=f, tp=t, sp=lay.sp)
-        elementwise = machine.elementwise_time(traffic_bytes)
+        activation = rows * h * self.element_bytes // (t if lay.sp else 1)  # one tensor of the residual stream
+        elementwise = machine.elementwise_time(traffic_bytes, tensor_bytes=activation)
         ops = OPS_PER_BLOCK * machine.op_overhead_s
         block_f = linear + core + elementwise + ops
         recompute = {"none": 0.0, "selective": core + elementwise / 2 + ops / 2}.get(self.recompute_mode, block_f)
@@ -204,10 +206,11 @@ class Device:
         fwd, bwd = blocks * block_f, blocks * (2 * block_f + recompute)
         if self.has_head(stage):
             head = machine.matmul_time(rows, h, sh.vocab // t, dtype)
-            loss = machine.elementwise_time(2 * 3 * rows * sh.vocab // t * 4) + OPS_OUTSIDE * machine.op_overhead_s
+            logits = rows * sh.vocab // t * 4
+            loss = machine.elementwise_time(2 * 3 * logits, tensor_bytes=logits) + OPS_OUTSIDE * machine.op_overhead_s
             fwd, bwd = fwd + head + loss, bwd + 2 * head + loss
         if self.has_embedding(stage):
-            fwd += machine.elementwise_time(2 * rows * h * self.element_bytes) + OPS_OUTSIDE * machine.op_overhead_s
+            fwd += machine.elementwise_time(2 * activation, tensor_bytes=activation) + OPS_OUTSIDE * machine.op_overhead_s
         return fwd, bwd
 
 
@@ -232,6 +235,34 @@ def bubble_fraction(schedule: str, pp: int, microbatches: int, chunks: int = 1) 
 
 def _transfer_time(machine, xs: list[traffic.Transfer], across_nodes: bool) -> float:
     return sum(x.calls * machine.collective_time(x.kind, x.nbytes, across_nodes) for x in xs)
+
+
+def _skew_time(machine, tp: list[traffic.Transfer], compute: float, microbatches: int) -> float:
+    """Per micro-batch, what tensor parallelism's collectives wait for the slower rank: each
+    is synchronous, issued after an equal share of the micro-batch's compute (a machine
+    without a `skew_time`, a GPU's roofline, waits nothing)."""
+    calls = sum(x.calls for x in tp) / microbatches
+    skew = getattr(machine, "skew_time", None)
+    return calls * skew(compute / calls) if calls and skew else 0.0
+
+
+def _kind(d: Device, stage: int) -> int:
+    """The stage among `d.distinct_stages()` that stage `stage` is a copy of."""
+    if stage in (0, d.layout.pp - 1):
+        return stage
+    return next(k for k in d.distinct_stages() if 0 < k < d.layout.pp - 1 and d.blocks_on(k) == d.blocks_on(stage))
+
+
+def _shared_pipeline(d: Device, lay: LayoutConfig, times: dict, per_micro: dict, cores: float):
+    """(makespan, busy time per stage) of the schedule on `cores` shared by all ranks, each
+    stage's micro-batch costing its own compute plus its transfers (spread over forward and
+    backward as the compute is)."""
+    costs = []
+    for stage in range(lay.pp):
+        k = _kind(d, stage)
+        scale = per_micro[k] / sum(times[k])
+        costs.append((times[k][0] * scale, times[k][1] * scale))
+    return sharing.pipeline_time(lay.schedule, lay.microbatches, lay.chunks, tuple(costs), lay.dp * lay.tp, cores)
 
 
 def _crosses_nodes(lay: LayoutConfig, gpus_per_node: int) -> dict[str, bool]:
@@ -259,20 +290,31 @@ def plan(work: Workload, lay: LayoutConfig, machine, *, memory_bytes: float | No
     m = lay.microbatches
     times = {k: d.micro_batch_times(machine, k) for k in stages}
     moves = {k: traffic.transfers(d, k) for k in stages}
-    per_micro = {k: sum(times[k]) + sum(_transfer_time(machine, moves[k][axis], across[axis]) for axis in ("tp", "pp")) / m
+    per_micro = {k: sum(times[k]) + _skew_time(machine, moves[k]["tp"], sum(times[k]), m)
+                 + sum(_transfer_time(machine, moves[k][axis], across[axis]) for axis in ("tp", "pp")) / m
                  for k in stages}
     bubble = bubble_fraction(lay.schedule, lay.pp, m, lay.chunks)
     slowest = max(stages, key=per_micro.get)
     # Ranks that share cores (a CPU running more ranks than it has cores) are that much slower
     # each, but take up each other's idle time: the pipeline's bubble is free up to that point.
     shared = getattr(machine, "shared_cores", 1.0)
-    compute = m * sum(times[slowest]) * shared
-    pipeline = m * per_micro[slowest] * max(1 / (1 - bubble), shared)
+    cores = getattr(machine, "cores", None)
+    if lay.pp > 1 and cores is not None:  # a measured machine: the schedule run with each stage's costs
+        pipeline, busy = _shared_pipeline(d, lay, times, per_micro, cores)
+        busiest = max(range(lay.pp), key=busy.__getitem__)
+        slowest = _kind(d, busiest)
+        compute = busy[busiest] * sum(times[slowest]) / per_micro[slowest]
+        moving = busy[busiest] - compute
+    else:
+        compute = m * sum(times[slowest]) * shared
+        pipeline = m * per_micro[slowest] * max(1 / (1 - bubble), shared)
+        moving = m * (per_micro[slowest] - sum(times[slowest])) * shared
     dp_time = _transfer_time(machine, moves[slowest]["dp"], across["dp"]) * shared
     window = times[slowest][1] if lay.zero < 2 else compute  # what the reductions can hide under
     hidden = min(dp_time, machine.comm_overlap * window)
     shard = states[slowest]["total"] - states[slowest].get("gathered", 0)
-    optimizer = (machine.elementwise_time(2 * shard) + 20 * machine.op_overhead_s) * shared  # every state read, written
+    matrix = d.shape.hidden * d.shape.ffn_width * 4 / (lay.tp * (lay.dp if lay.zero else 1))  # a typical state tensor
+    optimizer = (machine.elementwise_time(2 * shard, tensor_bytes=matrix) + 20 * machine.op_overhead_s) * shared
     step = pipeline + dp_time - hidden + optimizer
 
     flops = model_flops(d.shape, work.batch, work.seq)
@@ -291,7 +333,6 @@ def plan(work: Workload, lay: LayoutConfig, machine, *, memory_bytes: float | No
         "mfu": flops / (step * lay.world_size * peak_flops) if peak_flops else None,
         "micro_batch_size": d.micro_batch,
         "worst_stage": worst,
-        "time_s": {"compute": compute, "tp_pp": m * (per_micro[slowest] - sum(times[slowest])) * shared,
-                   "bubble": pipeline - m * per_micro[slowest] * shared,
+        "time_s": {"compute": compute, "tp_pp": moving, "bubble": pipeline - compute - moving,
                    "dp_exposed": dp_time - hidden, "optimizer": optimizer},
     }

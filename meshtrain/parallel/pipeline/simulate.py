@@ -70,7 +70,7 @@ class Simulation:
         return (total - sum(self.busy)) / total if total else 0
 
 
-def _message(stage: int, op: Instruction, stages: int) -> tuple:
+def message_key(stage: int, op: Instruction, stages: int) -> tuple:
     """The key a transfer is matched by: kind, micro-batch, the receiving virtual stage."""
     vs = virtual_stage(stage, op.chunk, stages)
     if isinstance(op, SendActivation):
@@ -97,12 +97,12 @@ def simulate(lists: list[list[Instruction]], chunks: int = 1, costs=Costs(),
             while at[s] < len(lists[s]):
                 op = lists[s][at[s]]
                 if isinstance(op, (SendActivation, SendGrad)):
-                    key = _message(s, op, p)
+                    key = message_key(s, op, p)
                     if key in sent:
                         raise ScheduleError(f"stage {s} sends {key} twice")
                     sent[key] = clock[s] + costs.transfer
                 elif isinstance(op, (RecvActivation, RecvGrad)):
-                    key = _message(s, op, p)
+                    key = message_key(s, op, p)
                     if key not in sent:
                         break  # blocked until the send happens
                     clock[s] = max(clock[s], sent.pop(key))
@@ -148,7 +148,7 @@ def _check_fifo(lists: list[list[Instruction]]) -> None:
     for s, ops in enumerate(lists):
         for op in ops:
             if isinstance(op, (SendActivation, SendGrad, RecvActivation, RecvGrad)):
-                key = _message(s, op, p)
+                key = message_key(s, op, p)
                 other = key[2] % p  # the receiving stage, for a send; for a receive, the sender:
                 if isinstance(op, RecvActivation):
                     other = (key[2] - 1) % p

@@ -1,0 +1,68 @@
+"""A pipeline's step on ranks that share cores: the schedule's instruction lists run with
+each stage's own forward and backward times, and the ranks that are computing at a moment
+share the machine's cores (processor sharing: k busy ranks on c cores run at min(1, c/k)
+of full speed each). A CPU with fewer cores than ranks makes a stage run faster while the
+others wait for it — the bubble is partly filled — and stages of unequal work (the head's
+stage) set the pace only where they are on the critical path. With cores to spare it is
+the schedule's makespan with per-stage costs; with equal stages, the closed forms.
+
+Every rank of a stage (its dp × tp copies) runs the same list at the same time, so a stage
+counts as that many busy ranks while it computes."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from meshtrain.parallel.pipeline.schedules import (COMPUTE, Backward, Forward, RecvActivation, RecvGrad,
+                                                   SendActivation, SendGrad, schedule)
+from meshtrain.parallel.pipeline.simulate import message_key
+
+
+@lru_cache(maxsize=4096)
+def pipeline_time(schedule_name: str, microbatches: int, chunks: int, stage_costs: tuple[tuple[float, float], ...],
+                  ranks_per_stage: int, cores: float) -> tuple[float, tuple[float, ...]]:
+    """(makespan, each stage's time spent computing) of one step's micro-batches.
+    `stage_costs[s]`: (forward, backward) seconds of one micro-batch through all of stage s
+    at full speed; a chunk of an interleaved stage takes 1/chunks of it, and a zero-bubble
+    stage's input and weight gradients half of the backward each."""
+    p = len(stage_costs)
+    lists = schedule(schedule_name, p, microbatches, chunks)
+    at, left = [0] * p, [None] * p  # next instruction; work left of the computation running
+    busy = [0.0] * p
+    sent: dict[tuple, float] = {}
+    now = 0.0
+
+    def work(s: int, op) -> float:
+        forward, backward = stage_costs[s]
+        full = forward if isinstance(op, Forward) else backward if isinstance(op, Backward) else backward / 2
+        return full / chunks
+
+    while True:
+        moved = True
+        while moved:  # sends and receives take no time: run them until every stage computes or waits
+            moved = False
+            for s in range(p):
+                while at[s] < len(lists[s]) and left[s] is None:
+                    op = lists[s][at[s]]
+                    if isinstance(op, (SendActivation, SendGrad)):
+                        sent[message_key(s, op, p)] = now
+                    elif isinstance(op, (RecvActivation, RecvGrad)):
+                        if sent.pop(message_key(s, op, p), None) is None:
+                            break  # its sender has not got there yet
+                    elif isinstance(op, COMPUTE):
+                        left[s] = work(s, op)
+                        break
+                    at[s] += 1
+                    moved = True
+        running = [s for s in range(p) if left[s] is not None]
+        if not running:
+            return now, tuple(busy)  # the schedules are proven free of deadlock by simulate()
+        speed = min(1.0, cores / (ranks_per_stage * len(running)))
+        dt = min(left[s] for s in running) / speed
+        now += dt
+        for s in running:
+            busy[s] += dt
+            left[s] -= speed * dt
+            if left[s] <= 1e-12 * max(1.0, dt):
+                left[s] = None
+                at[s] += 1
