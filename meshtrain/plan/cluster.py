@@ -3,7 +3,7 @@ and communicate — a GPU preset or flags (`Cluster`), whose rates come from a r
 (`GpuRates`), or a profile this machine measured (`meshtrain plan --calibrate`).
 
 Every rate source answers the same three questions, which is all the step-time model asks:
-`matmul_time(m, k, n, dtype, batch)`, `elementwise_time(nbytes, tensor_bytes)` and
+`matmul_time(m, k, n, dtype, batch)`, `elementwise_time(nbytes)` and
 `collective_time(kind, sent_bytes, across_nodes)`, with `sent_bytes` counted as
 `meshtrain.comm` counts them (what one rank sends under the ring algorithms)."""
 
@@ -74,8 +74,7 @@ class GpuRates:
         traffic = batch * (m * k + k * n + m * n) * element / (self.MEMORY_EFFICIENCY * self.cluster.memory_tbps * 1e12)
         return max(compute, traffic)
 
-    def elementwise_time(self, nbytes: float, tensor_bytes: float | None = None) -> float:
-        """A GPU streams any tensor past its caches at the memory's rate: the size does not matter."""
+    def elementwise_time(self, nbytes: float) -> float:
         return nbytes / (self.MEMORY_EFFICIENCY * self.cluster.memory_tbps * 1e12)
 
     def collective_time(self, kind: str, sent_bytes: float, across_nodes: bool = False) -> float:

@@ -33,8 +33,13 @@ class ProfileRates:
     def matmul_time(self, m: int, k: int, n: int, dtype: str = "fp32", batch: int = 1) -> float:
         return self.profile.matmul_time(m, k, n, dtype, batch)
 
-    def elementwise_time(self, nbytes: float, tensor_bytes: float | None = None) -> float:
-        return self.profile.elementwise_time(nbytes, tensor_bytes=tensor_bytes)
+    def elementwise_time(self, nbytes: float) -> float:
+        """At the large-tensor mix's rate (`elementwise_bytes_per_s`), not at a rate by tensor
+        size: the in-cache rates of small tensors, timed on each rank alone in a loop, made
+        every prediction of `benchmarks/plan_accuracy.py` 10-28 % short (two ranks computing
+        side by side run ~20 % slower per step than one; the large-tensor rate stands in for
+        that contention, which the model has no term for)."""
+        return self.profile.elementwise_time(nbytes)
 
     def collective_time(self, kind: str, sent_bytes: float, across_nodes: bool = False) -> float:
         """Between the sizes measured, the measured times themselves (interpolated in log-log,

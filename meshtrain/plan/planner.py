@@ -197,8 +197,7 @@ class Device:
         traffic_bytes = 2 * memory.torch_activation_bytes_per_layer(s, b, h, sh.heads, element_bytes=self.element_bytes,
                                                                     attention=self.work.attention,
                                                                     dropout=self.work.dropout, ffn=f, tp=t, sp=lay.sp)
-        activation = rows * h * self.element_bytes // (t if lay.sp else 1)  # one tensor of the residual stream
-        elementwise = machine.elementwise_time(traffic_bytes, tensor_bytes=activation)
+        elementwise = machine.elementwise_time(traffic_bytes)
         ops = OPS_PER_BLOCK * machine.op_overhead_s
         block_f = linear + core + elementwise + ops
         recompute = {"none": 0.0, "selective": core + elementwise / 2 + ops / 2}.get(self.recompute_mode, block_f)
@@ -206,11 +205,10 @@ class Device:
         fwd, bwd = blocks * block_f, blocks * (2 * block_f + recompute)
         if self.has_head(stage):
             head = machine.matmul_time(rows, h, sh.vocab // t, dtype)
-            logits = rows * sh.vocab // t * 4
-            loss = machine.elementwise_time(2 * 3 * logits, tensor_bytes=logits) + OPS_OUTSIDE * machine.op_overhead_s
+            loss = machine.elementwise_time(2 * 3 * rows * sh.vocab // t * 4) + OPS_OUTSIDE * machine.op_overhead_s
             fwd, bwd = fwd + head + loss, bwd + 2 * head + loss
         if self.has_embedding(stage):
-            fwd += machine.elementwise_time(2 * activation, tensor_bytes=activation) + OPS_OUTSIDE * machine.op_overhead_s
+            fwd += machine.elementwise_time(2 * rows * h * self.element_bytes) + OPS_OUTSIDE * machine.op_overhead_s
         return fwd, bwd
 
 
@@ -313,8 +311,7 @@ def plan(work: Workload, lay: LayoutConfig, machine, *, memory_bytes: float | No
     window = times[slowest][1] if lay.zero < 2 else compute  # what the reductions can hide under
     hidden = min(dp_time, machine.comm_overlap * window)
     shard = states[slowest]["total"] - states[slowest].get("gathered", 0)
-    matrix = d.shape.hidden * d.shape.ffn_width * 4 / (lay.tp * (lay.dp if lay.zero else 1))  # a typical state tensor
-    optimizer = (machine.elementwise_time(2 * shard, tensor_bytes=matrix) + 20 * machine.op_overhead_s) * shared
+    optimizer = (machine.elementwise_time(2 * shard) + 20 * machine.op_overhead_s) * shared  # every state read, written
     step = pipeline + dp_time - hidden + optimizer
 
     flops = model_flops(d.shape, work.batch, work.seq)
