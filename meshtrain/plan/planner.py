@@ -12,8 +12,10 @@ GPU preset, or a profile measured here):
                                           tensor-parallel collective's wait for the slower rank
     pipeline                   m·(t_f + t_b)/(1 − bubble), the slowest stage, the bubble in the
                                           closed forms of the schedule simulator; ranks sharing
-                                          cores (a CPU) run c× slower but fill each other's idle
-                                          time: m·(t_f + t_b)·max(1/(1 − bubble), c)
+                                          cores (a CPU) run c× slower; a pipeline on a measured
+                                          machine is its schedule run with each stage's own
+                                          costs while busy ranks share the cores
+                                          (`sharing.pipeline_time`)
     data parallel              what the backward cannot hide (`comm_overlap` of the machine)
     optimizer                  AdamW over the device's shard, memory-bound
 
