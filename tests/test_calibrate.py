@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from meshtrain.launch import threads_per_rank
-from meshtrain.plan.calibrate import FORMAT, KINDS, MachineProfile, _fit, calibrate
+from meshtrain.plan.calibrate import _fit, calibrate
+from meshtrain.plan.profile import FORMAT, KINDS, MachineProfile
 
 
 def _busy(m, k, n, threads, ready, stop):

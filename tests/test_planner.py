@@ -188,7 +188,7 @@ def test_impossible_plans_get_one_clear_line(args, message):
 def _synthetic_profile(path):
     """A machine profile with round numbers: 10 GFLOP/s, 1 GB/s elementwise, 10 µs per
     operator, collectives measured at 1 KB (1 ms) and 1 MB (3 ms)."""
-    from meshtrain.plan.calibrate import KINDS, MachineProfile
+    from meshtrain.plan.profile import KINDS, MachineProfile
 
     grid = [{"m": m, "k": k, "n": n, "dtype": d, "flops_per_s": 1e10}
             for m in (64, 4096) for k in (32, 4096) for n in (32, 4096) for d in ("fp32", "bf16")]

@@ -112,7 +112,7 @@ def machine_of(args, cluster: Cluster, precision: str, world: int):
     """The rates: a measured profile (--machine) or the cluster's roofline."""
     if not args.machine:
         return GpuRates(cluster, precision), cluster.peak_flops(precision)
-    from meshtrain.plan.calibrate import MachineProfile
+    from meshtrain.plan.profile import MachineProfile
     from meshtrain.plan.measured import ProfileRates
     try:
         profile = MachineProfile.load(args.machine)

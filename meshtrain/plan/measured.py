@@ -12,7 +12,8 @@ import tempfile
 from pathlib import Path
 
 from meshtrain import config as C
-from meshtrain.plan.calibrate import MachineProfile, calibrate, stderr_progress
+from meshtrain.plan.calibrate import calibrate, stderr_progress
+from meshtrain.plan.profile import MachineProfile
 from meshtrain.plan.planner import Device
 
 
