@@ -289,3 +289,10 @@ def test_a_pipeline_on_shared_cores_is_the_schedule_run_with_each_stages_costs(n
         assert shared >= p * 2 * m * 3 / 2 - 1e-9 and shared >= even
     if name == "1f1b":
         assert pipeline_time(name, 2, 1, ((1.0, 2.0),) * 2, 2, 2)[0] == pytest.approx(12)
+
+
+def test_calibrating_into_a_folder_that_is_not_there_is_one_line_before_measuring(tmp_path):
+    started = time.time()
+    r = run_cli("plan", "--calibrate", "--machine", tmp_path / "missing" / "m.json")
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "is not a folder" in r.stderr and time.time() - started < 30  # no minute of measuring first

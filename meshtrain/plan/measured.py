@@ -37,7 +37,7 @@ class ProfileRates:
     def elementwise_time(self, nbytes: float) -> float:
         """At the large-tensor mix's rate (`elementwise_bytes_per_s`), not at a rate by tensor
         size: the in-cache rates of small tensors, timed on each rank alone in a loop, made
-        every prediction of `benchmarks/plan_accuracy.py` 10-28 % short (two ranks computing
+        every prediction of `benchmarks/plan_accuracy.py` 5-28 % short (two ranks computing
         side by side run ~20 % slower per step than one; the large-tensor rate stands in for
         that contention, which the model has no term for)."""
         return self.profile.elementwise_time(nbytes)
