@@ -5,7 +5,7 @@ PROFILE --measure` — the prediction, and a real run of the same flags beside i
     python benchmarks/plan_accuracy.py --out benchmarks/results/plan-accuracy-1.json
 
 This 2-core VM drifts: one layout's median step moves ±10 % from one run to the next, and
-so does a calibration (two taken a minute apart predict dp2 7 % apart). So the benchmark
+so does a calibration (two taken a minute apart predict dp2 8-16 % apart). So the benchmark
 runs `--rounds` rounds (default 3); each takes a fresh profile, then runs every layout
 once. A layout's predicted time is the median of its rounds' predictions, its measured time
 the median of its rounds' median steps (steps after the first; the first also carries the
