@@ -203,19 +203,3 @@ def test_load_rejects_bad_files_in_one_line(tmp_path):
             MachineProfile.load(tmp_path / name)
         assert "\n" not in str(e.value) and name in str(e.value), str(e.value)
 
-
-def test_elementwise_time_takes_the_rate_of_its_tensor_size():
-    """Between measured sizes the rate is log-log interpolated, beyond them flat; without a
-    size (or a profile without sizes) the large-tensor mix."""
-    from dataclasses import replace
-
-    profile = MachineProfile("cpu", 2, 1, [{"m": 8, "k": 8, "n": 8, "dtype": "fp32", "flops_per_s": 1e9}], 2e9, 1e-5,
-                             {}, "2026-11-30T00:00:00Z", "2.13.0", "test",
-                             elementwise_by_size=[{"tensor_bytes": 1e6, "bytes_per_s": 8e9},
-                                                  {"tensor_bytes": 1e8, "bytes_per_s": 2e9}])
-    assert profile.elementwise_time(8e9, tensor_bytes=1e6) == pytest.approx(1.0)
-    assert profile.elementwise_time(8e9, tensor_bytes=1e3) == pytest.approx(1.0)
-    assert profile.elementwise_time(4e9, tensor_bytes=1e7) == pytest.approx(1.0)  # √(8·2) = 4 GB/s
-    assert profile.elementwise_time(2e9, tensor_bytes=1e12) == pytest.approx(1.0)
-    assert profile.elementwise_time(2e9) == pytest.approx(1.0)
-    assert replace(profile, elementwise_by_size=[]).elementwise_time(2e9, tensor_bytes=1e6) == pytest.approx(1.0)

@@ -88,18 +88,12 @@ class MachineProfile:
 
     # -- the rest ---------------------------------------------------------------------------
 
-    def elementwise_time(self, nbytes: float, op: str | None = None, tensor_bytes: float | None = None) -> float:
+    def elementwise_time(self, nbytes: float, op: str | None = None) -> float:
         """Seconds of elementwise ops moving `nbytes` (read + written), without dispatch cost:
-        at the mix's rate — for tensors of `tensor_bytes` each when given (interpolated in
-        log-log between the sizes measured, flat beyond them) — or at `op`'s own (one of
-        `elementwise_ops`, large tensors) when given."""
-        if op is not None:
-            rate = self.elementwise_ops[op]
-        elif tensor_bytes and self.elementwise_by_size:
-            rate = _log_interpolate([(p["tensor_bytes"], p["bytes_per_s"]) for p in self.elementwise_by_size],
-                                    tensor_bytes)
-        else:
-            rate = self.elementwise_bytes_per_s
+        at the large-tensor mix's rate, or at `op`'s own (one of `elementwise_ops`) when given.
+        (`elementwise_by_size` is kept for the record: `ProfileRates.elementwise_time` says
+        why the step model does not use it.)"""
+        rate = self.elementwise_bytes_per_s if op is None else self.elementwise_ops[op]
         return max(0.0, nbytes) / rate
 
     def collective_time(self, kind: str, sent_bytes: float) -> float:
@@ -181,18 +175,6 @@ class MachineProfile:
             if compute_s <= c1:
                 return e0 + (e1 - e0) * (compute_s - c0) / (c1 - c0)
         return points[-1][1]
-
-
-def _log_interpolate(points: list[tuple[float, float]], x: float) -> float:
-    """y at `x` on the piecewise-linear log-log curve through `points`, flat beyond its ends."""
-    points = sorted(points)
-    if x <= points[0][0]:
-        return points[0][1]
-    for (x0, y0), (x1, y1) in zip(points, points[1:]):
-        if x <= x1:
-            w = (math.log(x) - math.log(x0)) / (math.log(x1) - math.log(x0))
-            return math.exp((1 - w) * math.log(y0) + w * math.log(y1))
-    return points[-1][1]
 
 
 class _Grid:
