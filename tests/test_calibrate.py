@@ -97,6 +97,10 @@ def test_calibrate_measures_every_field(calibrated):
     skew = profile.collective_skew
     assert len(skew) == 3 and skew[0]["extra_s"] == 0
     assert skew[0]["compute_s"] < skew[1]["compute_s"] < skew[2]["compute_s"]
+    # the step after backward: a cost per parameter and one per tensor (dispatch), both seen
+    step = profile.optimizer_step
+    assert good(step["s_per_param"]) and step["s_per_tensor"] >= 0
+    assert profile.optimizer_time(4 << 20, 4) > profile.optimizer_time(1 << 20, 4) > 0
     assert profile.created and profile.torch_version == torch.__version__ and profile.host
 
 

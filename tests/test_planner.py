@@ -262,6 +262,51 @@ def test_a_tensor_parallel_collective_waits_for_the_slower_rank_as_measured(tmp_
         work, dp, ProfileRates(skewed))["predicted_step_time_s"]
 
 
+def test_the_optimizer_step_costs_what_the_profile_measured_per_parameter_and_tensor(tmp_path):
+    """With the profile's per-parameter and per-tensor figures, the optimizer term is
+    a·(the parameters the rank steps) + b·(its parameter tensors), times the ranks a core
+    runs: gpt-small has 8 blocks of 15 tensors, 2 embedding tables, a final norm's 2 and the
+    head; ZeRO steps 1/dp of the parameters, a pipeline stage its own blocks. A profile
+    without the figures keeps the memory-bound estimate."""
+    from meshtrain.plan.measured import ProfileRates
+
+    base = _synthetic_profile(tmp_path / "m.json")
+    a, b = 4e-9, 1e-4
+    measured = replace(base, optimizer_step={"s_per_param": a, "s_per_tensor": b})
+    shape = shape_of("gpt-small")
+    work = Workload(shape, 8, 128)
+    n = shape.n_params()
+    assert 8 * shape.layer_tensors() + shape.outside_tensors(True, True) == 125  # as GPT(...).parameters()
+
+    def optimizer(lay, profile, world):
+        return plan(work, lay, ProfileRates(profile, world=world))["time_s"]["optimizer"]
+
+    assert optimizer(LayoutConfig(dp=2), measured, 2) == pytest.approx(a * n + b * 125)
+    assert optimizer(LayoutConfig(dp=2, zero=3), measured, 2) == pytest.approx(a * n / 2 + b * 125)
+    assert optimizer(LayoutConfig(dp=4), measured, 4) == pytest.approx(2 * (a * n + b * 125))  # 2 ranks a core
+    pp = LayoutConfig(dp=1, pp=2, microbatches=2)
+    d = Device(work, pp)
+    stages = [(d.params_on(k), 4 * 15 + (2 if k == 0 else 3)) for k in (0, 1)]
+    assert optimizer(pp, measured, 2) in [pytest.approx(a * p + b * t) for p, t in stages]
+    assert optimizer(LayoutConfig(dp=2), base, 2) != pytest.approx(a * n + b * 125)
+
+
+def test_each_step_pays_the_latency_of_its_one_number_all_reduces(tmp_path):
+    """The gradient norm is summed over every axis of more than one rank and the loss over
+    pp and dp: dp 2 makes two such all-reduces, tp 2 one, dp 2 · pp 2 four (four ranks on
+    the profile's two cores: each twice as long), one process none."""
+    from meshtrain.plan.measured import ProfileRates
+
+    profile = _synthetic_profile(tmp_path / "m.json")
+    one = profile.collective_time("all_reduce", 4.0)  # 2·(n−1)/n of 4 bytes at n = 2
+    work = Workload(shape_of("gpt-small"), 8, 128)
+    for lay, world, expected in [(LayoutConfig(dp=2), 2, 2 * one), (LayoutConfig(dp=1, tp=2), 2, one),
+                                 (LayoutConfig(dp=2, pp=2, microbatches=2), 4, 2 * 4 * one),
+                                 (LayoutConfig(dp=1), 1, 0.0)]:
+        got = plan(work, lay, ProfileRates(profile, world=world))["time_s"]["scalars"]
+        assert got == pytest.approx(expected), lay
+
+
 @pytest.mark.parametrize("name, chunks", [("gpipe", 1), ("1f1b", 1), ("zb", 1), ("interleaved", 2)])
 def test_a_pipeline_on_shared_cores_is_the_schedule_run_with_each_stages_costs(name, chunks):
     """With cores to spare, `pipeline_time` is the schedule simulator's makespan for equal

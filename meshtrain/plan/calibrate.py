@@ -39,6 +39,7 @@ QUICK_BMM = {"batch": 8, "s": (64, 256), "d": (32,)}
 SIZES = (4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20)  # collective payloads B (bytes)
 QUICK_SIZES = (4 << 10, 64 << 10, 1 << 20)
 ELEMENTWISE_BYTES = {"cpu": 64 << 20, "cuda": 512 << 20}  # one tensor: well past the caches
+OPTIMIZER_ELEMENTS = {"cpu": 1 << 20, "cuda": 16 << 20}  # each of the large tensors the optimizer steps
 ELEMENTWISE_SIZES = {"cpu": (256 << 10, 1 << 20, 4 << 20, 16 << 20), "cuda": (4 << 20, 64 << 20)}  # and these
 
 
@@ -210,6 +211,9 @@ def _measure(rank, world, port, use_cuda, start, budget_s, quick, say) -> dict:
     by_size.append({"tensor_bytes": ELEMENTWISE_BYTES[kind], "bytes_per_s": ew_rate})
     say("elementwise mix by tensor size: " + ", ".join(f"{p['tensor_bytes'] >> 10} KiB {p['bytes_per_s'] / 1e9:.2f}"
                                                        for p in by_size) + " GB/s")
+    optimizer = _optimizer_step(r, OPTIMIZER_ELEMENTS[kind])
+    say(f"optimizer step: {optimizer['s_per_param'] * 1e9:.2f} ns a parameter + "
+        f"{optimizer['s_per_tensor'] * 1e6:.1f} us a tensor")
     collectives = _collectives(r, QUICK_SIZES if quick else SIZES) if world > 1 else {}
     if collectives:
         say("collectives: " + "; ".join(f"{k} {c['latency_s'] * 1e6:.0f} us + {c['bytes_per_s'] / 1e9:.2f} GB/s"
@@ -240,7 +244,7 @@ def _measure(rank, world, port, use_cuda, start, budget_s, quick, say) -> dict:
                 threads_per_rank=threads, matmul=points, elementwise_bytes_per_s=ew_rate, op_overhead_s=op_fwd,
                 collectives=collectives, created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
                 torch_version=torch.__version__, host=platform.node(), backward_op_overhead_s=op_bwd,
-                elementwise_ops=ew, collective_skew=skew, elementwise_by_size=by_size)
+                elementwise_ops=ew, collective_skew=skew, elementwise_by_size=by_size, optimizer_step=optimizer)
 
 
 def _op_overhead(r: _Rank) -> tuple[float, float]:
@@ -288,6 +292,40 @@ def _elementwise(r: _Rank, nbytes: int) -> dict[str, float]:
         moved, spent = moved + tensors * n * 4, spent + t
     rates["mix"] = moved / spent
     return rates
+
+
+def _optimizer_step(r: _Rank, elements: int) -> dict[str, float]:
+    """Seconds per parameter and per tensor of the step after backward as `train_step` runs
+    it: each gradient's squared norm summed and the gradients scaled (clipping, as
+    `optim.clip_grad_norm_` does it, less its one-number all-reduce), then the trainer's
+    AdamW (`optim.build_optimizer`). Timed on 4 large fp32 tensors (per parameter, with the
+    memory traffic of states far past the caches) and on 64 tiny ones (per tensor: the
+    dispatch of each op), all ranks at once, and solved for the two."""
+    from meshtrain.config import TrainConfig
+    from meshtrain.optim import build_optimizer
+    torch = r.torch
+
+    def seconds(count: int, size: int) -> float:
+        named = [(f"p{i}", torch.zeros(size, device=r.device, requires_grad=True)) for i in range(count)]
+        for _, p in named:
+            p.grad = torch.randn_like(p)
+        optimizer = build_optimizer(named, {name for name, _ in named}, TrainConfig())
+        grads = [p.grad for _, p in named]
+
+        def step():
+            norm = float(sum(g.pow(2).sum() for g in grads)) ** 0.5
+            for g in grads:
+                g.mul_(min(1.0, 1.0 / (norm + 1e-6)))
+            optimizer.step()
+        return r.agree([r.time(step, 0.02, reps=3)])[0]
+
+    large, tiny = (4, elements), (64, 256)
+    t_large, t_tiny = seconds(*large), seconds(*tiny)
+    # t = a·params + b·tensors for both sets
+    (n1, s1), (n2, s2) = large, tiny
+    per_param = max((t_large * n2 - t_tiny * n1) / (n1 * s1 * n2 - n2 * s2 * n1), t_large / (n1 * s1) / 4)
+    per_tensor = max(0.0, (t_tiny - per_param * n2 * s2) / n2)
+    return {"s_per_param": per_param, "s_per_tensor": per_tensor}
 
 
 def _collectives(r: _Rank, sizes) -> dict[str, dict]:

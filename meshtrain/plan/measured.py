@@ -42,6 +42,9 @@ class ProfileRates:
         that contention, which the model has no term for)."""
         return self.profile.elementwise_time(nbytes)
 
+    def optimizer_time(self, params: float, tensors: int) -> float | None:
+        return self.profile.optimizer_time(params, tensors)
+
     def collective_time(self, kind: str, sent_bytes: float, across_nodes: bool = False) -> float:
         """Between the sizes measured, the measured times themselves (interpolated in log-log,
         each no more than any larger size's: load only ever slows a measurement); beyond

@@ -17,7 +17,9 @@ GPU preset, or a profile measured here):
                                           costs while busy ranks share the cores
                                           (`sharing.pipeline_time`)
     data parallel              what the backward cannot hide (`comm_overlap` of the machine)
-    optimizer                  AdamW over the device's shard, memory-bound
+    optimizer                  clipping and AdamW over the device's shard: measured per
+                               parameter and tensor (a profile), else memory-bound
+    scalars                    the gradient norm's and the loss's one-number all-reduces
 
 No processes are started; a plan of a 405B model takes about a millisecond."""
 
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from meshtrain.comm import all_reduce_bytes
 from meshtrain.config import SCHEDULES, LayoutConfig, parse_recompute, schedule_or_batch_problem
 from meshtrain.plan import memory, sharing, traffic
 from meshtrain.plan.cost import hardware_flops, model_flops
@@ -265,6 +268,32 @@ def _shared_pipeline(d: Device, lay: LayoutConfig, times: dict, per_micro: dict,
     return sharing.pipeline_time(lay.schedule, lay.microbatches, lay.chunks, tuple(costs), lay.dp * lay.tp, cores)
 
 
+def _scalar_time(machine, lay: LayoutConfig, across: dict[str, bool]) -> float:
+    """The one-number all-reduces every step makes, each a collective's latency: the
+    gradient norm's partial sums over each axis (`optim.clip_grad_norm_`) and the loss over
+    pp and dp (`train_step`), on the axes of more than one rank."""
+    sizes = {"dp": lay.dp, "tp": lay.tp, "pp": lay.pp}
+    calls = [axis for axis in ("dp", "tp", "pp", "pp", "dp") if sizes[axis] > 1]
+    return sum(machine.collective_time("all_reduce", all_reduce_bytes(4, sizes[axis]), across[axis])
+               for axis in calls)
+
+
+def _optimizer_time(machine, d: "Device", stage: int, states: dict) -> float:
+    """The step after backward (clipping, AdamW) over the stage's shard: as the machine
+    profile measured it per parameter and per tensor when it did; else memory-bound, every
+    state read and written, plus a few dispatches."""
+    lay = d.layout
+    params = d.params_on(stage) / (lay.dp if lay.zero >= 1 else 1)
+    tensors = d.blocks_on(stage) * d.shape.layer_tensors() + d.shape.outside_tensors(
+        d.has_embedding(stage), d.has_head(stage))
+    measured = getattr(machine, "optimizer_time", None)
+    seconds = measured(params, tensors) if measured is not None else None
+    if seconds is not None:
+        return seconds
+    shard = states["total"] - states.get("gathered", 0)
+    return machine.elementwise_time(2 * shard) + 20 * machine.op_overhead_s
+
+
 def _crosses_nodes(lay: LayoutConfig, gpus_per_node: int) -> dict[str, bool]:
     """Whether each axis's groups span nodes: ranks are tp-major (tp innermost, then dp, pp)."""
     return {"tp": lay.tp > gpus_per_node, "dp": lay.tp * lay.dp > gpus_per_node and lay.dp > 1,
@@ -312,9 +341,9 @@ def plan(work: Workload, lay: LayoutConfig, machine, *, memory_bytes: float | No
     dp_time = _transfer_time(machine, moves[slowest]["dp"], across["dp"]) * shared
     window = times[slowest][1] if lay.zero < 2 else compute  # what the reductions can hide under
     hidden = min(dp_time, machine.comm_overlap * window)
-    shard = states[slowest]["total"] - states[slowest].get("gathered", 0)
-    optimizer = (machine.elementwise_time(2 * shard) + 20 * machine.op_overhead_s) * shared  # every state read, written
-    step = pipeline + dp_time - hidden + optimizer
+    optimizer = _optimizer_time(machine, d, slowest, states[slowest]) * shared
+    scalars = _scalar_time(machine, lay, across) * shared
+    step = pipeline + dp_time - hidden + optimizer + scalars
 
     flops = model_flops(d.shape, work.batch, work.seq)
     return {
@@ -333,5 +362,5 @@ def plan(work: Workload, lay: LayoutConfig, machine, *, memory_bytes: float | No
         "micro_batch_size": d.micro_batch,
         "worst_stage": worst,
         "time_s": {"compute": compute, "tp_pp": moving, "bubble": pipeline - compute - moving,
-                   "dp_exposed": dp_time - hidden, "optimizer": optimizer},
+                   "dp_exposed": dp_time - hidden, "optimizer": optimizer, "scalars": scalars},
     }

@@ -43,6 +43,9 @@ class MachineProfile:
     # `elementwise_bytes_per_s` fault fresh pages in on every call (measured: gelu 8 GB/s
     # at 1-4 MiB, 1.9 at 64 MiB).
     elementwise_by_size: list = field(default_factory=list)
+    # The step after backward as the trainer runs it (clipping's norm and scale, AdamW), all
+    # ranks at once: {"s_per_param", "s_per_tensor"}; empty in a profile taken before it was.
+    optimizer_step: dict = field(default_factory=dict)
 
     # -- matmul ---------------------------------------------------------------------------
 
@@ -95,6 +98,13 @@ class MachineProfile:
         why the step model does not use it.)"""
         rate = self.elementwise_bytes_per_s if op is None else self.elementwise_ops[op]
         return max(0.0, nbytes) / rate
+
+    def optimizer_time(self, params: float, tensors: int) -> float | None:
+        """Seconds of the step after backward over `params` parameters in `tensors` tensors
+        (None when the profile has no such measurement)."""
+        if not self.optimizer_step:
+            return None
+        return params * self.optimizer_step["s_per_param"] + tensors * self.optimizer_step["s_per_tensor"]
 
     def collective_time(self, kind: str, sent_bytes: float) -> float:
         """Seconds of one collective of `kind` in which this rank sends `sent_bytes` (as
@@ -158,6 +168,10 @@ class MachineProfile:
         for p in self.elementwise_by_size:
             if not (good(p["tensor_bytes"]) and good(p["bytes_per_s"])):
                 raise ValueError(f"bad elementwise point {p}")
+        if self.optimizer_step and not (good(self.optimizer_step["s_per_param"])
+                                        and math.isfinite(self.optimizer_step["s_per_tensor"])
+                                        and self.optimizer_step["s_per_tensor"] >= 0):
+            raise ValueError(f"bad optimizer step figures {self.optimizer_step}")
         for p in self.collective_skew:
             if not (good(p["compute_s"]) and math.isfinite(p["extra_s"])):
                 raise ValueError(f"bad collective skew point {p}")

@@ -43,6 +43,16 @@ class Shape:
         # meshtrain's GPT: q, v, proj with bias, k without; fc and proj with bias; two LayerNorms
         return 4 * h * h + 3 * h + 2 * h * f + f + h + 4 * h
 
+    def layer_tensors(self) -> int:
+        """One block's parameter tensors (each a tensor the optimizer steps on its own)."""
+        return 9 if self.kind == "llama" else 15  # GPT: 2 norms × 2, q v proj fc proj × 2, k
+
+    def outside_tensors(self, first: bool, last: bool) -> int:
+        """Parameter tensors outside the blocks on a pipeline stage: the embedding (a GPT's
+        token and position tables) on the first, the final norm and the head on the last."""
+        embed, final = (1, 2) if self.kind == "llama" else (2, 3)
+        return (embed if first else 0) + (final if last else 0)
+
     def n_params(self) -> int:
         """Exactly what the model holds (meshtrain's GPT for `gpt`, Meta's checkpoints for `llama`)."""
         h, v = self.hidden, self.vocab
