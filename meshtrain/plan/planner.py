@@ -278,7 +278,7 @@ def _scalar_time(machine, lay: LayoutConfig, across: dict[str, bool]) -> float:
                for axis in calls)
 
 
-def _optimizer_time(machine, d: "Device", stage: int, states: dict) -> float:
+def _optimizer_time(machine, d: Device, stage: int, states: dict) -> float:
     """The step after backward (clipping, AdamW) over the stage's shard: as the machine
     profile measured it per parameter and per tensor when it did; else memory-bound, every
     state read and written, plus a few dispatches."""
@@ -286,10 +286,9 @@ def _optimizer_time(machine, d: "Device", stage: int, states: dict) -> float:
     params = d.params_on(stage) / (lay.dp if lay.zero >= 1 else 1)
     tensors = d.blocks_on(stage) * d.shape.layer_tensors() + d.shape.outside_tensors(
         d.has_embedding(stage), d.has_head(stage))
-    measured = getattr(machine, "optimizer_time", None)
-    seconds = measured(params, tensors) if measured is not None else None
-    if seconds is not None:
-        return seconds
+    measured = getattr(machine, "optimizer_time", lambda *_: None)(params, tensors)  # a profile's, if it has one
+    if measured is not None:
+        return measured
     shard = states["total"] - states.get("gathered", 0)
     return machine.elementwise_time(2 * shard) + 20 * machine.op_overhead_s
 
