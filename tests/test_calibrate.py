@@ -71,8 +71,13 @@ def calibrated():
 
 
 def test_calibrate_measures_every_field(calibrated):
+    """The budget bounds the measuring (starting the ranks, Python loading torch, is outside
+    it: 5-10 s here, more on a cold machine) and leaves most of itself to the matmul grid."""
     profile, lines, wall, _, _ = calibrated
-    assert wall < 25, f"a 12 s budget took {wall:.1f} s"
+    took = profile.calibration_s
+    assert took["budget"] == 12.0 and took["measuring"] < took["budget"] + 3, took
+    assert took["ranks_started"] + took["measuring"] <= wall, (took, wall)
+    assert len([p for p in profile.matmul if p["dtype"] == "fp32" and "batch" not in p]) >= 8, profile.matmul
     assert len(lines) >= 7  # a line per phase reached the caller
     assert profile.device == "cpu" and profile.ranks == 2
     assert profile.threads_per_rank == threads_per_rank(2)  # as the trainer's ranks

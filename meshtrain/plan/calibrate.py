@@ -41,12 +41,18 @@ QUICK_SIZES = (4 << 10, 64 << 10, 1 << 20)
 ELEMENTWISE_BYTES = {"cpu": 64 << 20, "cuda": 512 << 20}  # one tensor: well past the caches
 OPTIMIZER_ELEMENTS = {"cpu": 1 << 20, "cuda": 16 << 20}  # each of the large tensors the optimizer steps
 ELEMENTWISE_SIZES = {"cpu": (256 << 10, 1 << 20, 4 << 20, 16 << 20), "cuda": (4 << 20, 64 << 20)}  # and these
+# `quick` (the tests' calibration): the fixed phases on smaller tensors, so that most of a
+# short budget is left to the matmul grid
+QUICK_ELEMENTWISE_BYTES, QUICK_OPTIMIZER_ELEMENTS = 8 << 20, 256 << 10
+QUICK_ELEMENTWISE_SIZES = (256 << 10, 1 << 20, 4 << 20)
 
 
-def calibrate(ranks: int = 2, budget_s: float = 45.0, progress=None, *, quick: bool = False,
+def calibrate(ranks: int = 2, budget_s: float = 40.0, progress=None, *, quick: bool = False,
               device: str = "auto", timeout_s: float | None = None) -> MachineProfile:
-    """Measure this machine in about `budget_s` seconds of wall time (spawning included) with
-    `ranks` processes; `progress(line)` is called once per phase. `quick` shrinks the grids
+    """Measure this machine in about `budget_s` seconds with `ranks` processes, counted from
+    when they are up (starting them, which is Python importing torch and the process group
+    forming, takes 5-10 s more here, and longer on a cold or loaded machine: it is not the
+    measurement's to shorten); `progress(line)` is called once per phase. `quick` shrinks the grids
     (tests). `device`: "auto" (CUDA when present), "cpu" or "cuda". Raises ValueError (one
     line) when CUDA has fewer GPUs than ranks, RuntimeError when a rank fails."""
     start = time.time()
@@ -67,7 +73,7 @@ def calibrate(ranks: int = 2, budget_s: float = 45.0, progress=None, *, quick: b
         for p in procs:
             p.start()
         try:
-            result, errors = _collect(q, procs, say, start + (timeout_s or budget_s + 120))
+            result, errors = _collect(q, procs, say, start + (timeout_s or budget_s + 180))
         finally:
             for p in procs:
                 if p.is_alive():
@@ -197,24 +203,28 @@ def _measure(rank, world, port, use_cuda, start, budget_s, quick, say) -> dict:
         torch.backends.cudnn.allow_tf32 = False
     r = _Rank(rank, world, device, start, say)
     threads = torch.get_num_threads()
+    started = r.elapsed()
     say(f"{world} rank(s) on {'cuda' if use_cuda else 'cpu'} ({dist.get_backend()}, {threads} thread(s) each) "
-        f"started in {r.elapsed():.1f} s")
-    deadline = budget_s - 1.0  # seconds after the start; the last second is for leaving
+        f"started in {started:.1f} s")
+    deadline = started + budget_s - 1.0  # seconds after the start; the last second is for leaving
 
     op_fwd, op_bwd = _op_overhead(r)
     say(f"op overhead: {op_fwd * 1e6:.1f} us forward, {op_bwd * 1e6:.1f} us per backward node")
     kind = "cuda" if use_cuda else "cpu"
-    ew = _elementwise(r, ELEMENTWISE_BYTES[kind])
+    ew_bytes, ew_sizes, opt_elements = ((QUICK_ELEMENTWISE_BYTES, QUICK_ELEMENTWISE_SIZES, QUICK_OPTIMIZER_ELEMENTS)
+                                        if quick else
+                                        (ELEMENTWISE_BYTES[kind], ELEMENTWISE_SIZES[kind], OPTIMIZER_ELEMENTS[kind]))
+    ew = _elementwise(r, ew_bytes)
     ew_rate = ew.pop("mix")
     say("elementwise: " + ", ".join(f"{k} {v / 1e9:.2f}" for k, v in ew.items()) + f" GB/s; mix {ew_rate / 1e9:.2f}")
-    by_size = [{"tensor_bytes": size, "bytes_per_s": _elementwise(r, size)["mix"]} for size in ELEMENTWISE_SIZES[kind]]
-    by_size.append({"tensor_bytes": ELEMENTWISE_BYTES[kind], "bytes_per_s": ew_rate})
+    by_size = [{"tensor_bytes": size, "bytes_per_s": _elementwise(r, size)["mix"]} for size in ew_sizes]
+    by_size.append({"tensor_bytes": ew_bytes, "bytes_per_s": ew_rate})
     say("elementwise mix by tensor size: " + ", ".join(f"{p['tensor_bytes'] >> 10} KiB {p['bytes_per_s'] / 1e9:.2f}"
                                                        for p in by_size) + " GB/s")
-    optimizer = _optimizer_step(r, OPTIMIZER_ELEMENTS[kind])
+    optimizer = _optimizer_step(r, opt_elements)
     say(f"optimizer step: {optimizer['s_per_param'] * 1e9:.2f} ns a parameter + "
         f"{optimizer['s_per_tensor'] * 1e6:.1f} us a tensor")
-    collectives = _collectives(r, QUICK_SIZES if quick else SIZES) if world > 1 else {}
+    collectives = _collectives(r, QUICK_SIZES if quick else SIZES, quick) if world > 1 else {}
     if collectives:
         say("collectives: " + "; ".join(f"{k} {c['latency_s'] * 1e6:.0f} us + {c['bytes_per_s'] / 1e9:.2f} GB/s"
                                          for k, c in collectives.items()))
@@ -244,7 +254,8 @@ def _measure(rank, world, port, use_cuda, start, budget_s, quick, say) -> dict:
                 threads_per_rank=threads, matmul=points, elementwise_bytes_per_s=ew_rate, op_overhead_s=op_fwd,
                 collectives=collectives, created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
                 torch_version=torch.__version__, host=platform.node(), backward_op_overhead_s=op_bwd,
-                elementwise_ops=ew, collective_skew=skew, elementwise_by_size=by_size, optimizer_step=optimizer)
+                elementwise_ops=ew, collective_skew=skew, elementwise_by_size=by_size, optimizer_step=optimizer,
+                calibration_s={"ranks_started": started, "measuring": r.elapsed() - started, "budget": budget_s})
 
 
 def _op_overhead(r: _Rank) -> tuple[float, float]:
@@ -326,7 +337,7 @@ def _optimizer_step(r: _Rank, elements: int) -> dict[str, float]:
     return {"s_per_param": per_param, "s_per_tensor": per_tensor}
 
 
-def _collectives(r: _Rank, sizes) -> dict[str, dict]:
+def _collectives(r: _Rank, sizes, quick: bool = False) -> dict[str, dict]:
     """Each collective at several payloads, as training meets it: every rank computes the
     same short product, then calls it, and times its own call. A rank's wait for a slower
     peer is part of the cost — averaged over the ranks, a call costs its transfer plus
@@ -355,7 +366,7 @@ def _collectives(r: _Rank, sizes) -> dict[str, dict]:
                 "p2p": ((lambda: dist.send(full, 1)) if r.rank == 0 else
                         (lambda: dist.recv(full, 0)) if r.rank == 1 else (lambda: None), elems * 4),
             }[kind]
-            calls = 10 if size >= (4 << 20) else 24 if size >= (256 << 10) else 40
+            calls = (10 if size >= (4 << 20) else 24 if size >= (256 << 10) else 40) // (3 if quick else 1)
             call()
             dist.barrier()
             own = []

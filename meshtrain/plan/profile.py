@@ -46,6 +46,9 @@ class MachineProfile:
     # The step after backward as the trainer runs it (clipping's norm and scale, AdamW), all
     # ranks at once: {"s_per_param", "s_per_tensor"}; empty in a profile taken before it was.
     optimizer_step: dict = field(default_factory=dict)
+    # How long the calibration took: {"ranks_started", "measuring", "budget"} in seconds (the
+    # budget bounds the measuring; starting the ranks is Python and torch loading).
+    calibration_s: dict = field(default_factory=dict)
 
     # -- matmul ---------------------------------------------------------------------------
 
@@ -62,12 +65,14 @@ class MachineProfile:
     def matmul_time(self, m: int, k: int, n: int, dtype: str = "fp32", batch: int = 1) -> float:
         """Seconds of `batch` products (m×k)·(k×n). batch > 1 is a torch.bmm (attention): timed
         as the row-stacked product (batch·m)×k·(k×n), corrected by how the measured bmm
-        points ran against that model (1 when none were measured)."""
+        points ran against that model (1 when none were measured), and never under the time
+        of one of its products (a factor fitted where dispatch dominates could say so)."""
         if min(m, k, n, batch) <= 0:
             return 0.0
+        one = self._grid(dtype).time(m, k, n)
         if batch == 1:
-            return self._grid(dtype).time(m, k, n)
-        return self._grid(dtype).time(batch * m, k, n) / self._bmm_factor(dtype)
+            return one
+        return max(one, self._grid(dtype).time(batch * m, k, n) / self._bmm_factor(dtype))
 
     def _grid(self, dtype: str) -> "_Grid":
         cache = self.__dict__.setdefault("_cache", {})
