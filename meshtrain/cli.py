@@ -40,7 +40,10 @@ def _add_run_flags(p: argparse.ArgumentParser, steps: int | None = None) -> None
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(plan_flags: bool = True) -> argparse.ArgumentParser:
+    """The command line. `plan_flags`: also `plan`'s own flags, which import the planner and
+    with it torch (~2 s): `main` asks for them only when the command is `plan`, so that
+    every other command's bad input is refused at once."""
     p = argparse.ArgumentParser(prog="meshtrain", description="Distributed training, every strategy, "
                                 "verified against one process.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -79,7 +82,6 @@ def build_parser() -> argparse.ArgumentParser:
                        "--trace FILE` with its measured costs and compare the two")
     sched.add_argument("--png", metavar="FILE", help="also draw the timeline into FILE")
     sched.add_argument("--json", action="store_true", help="print one JSON object as the last line")
-    from meshtrain.plan.command import add_arguments as add_plan_arguments
     from meshtrain.plan.shapes import PUBLISHED
     plan = sub.add_parser("plan", help="memory per device and step time of a layout, or the best layouts (no processes)",
                           description="Predict memory per device (model states, activations), FLOPs, traffic, "
@@ -87,7 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "over all of them (--search). Takes train's flags; --model also names the published "
                           f"architectures: {', '.join(PUBLISHED)}.")
     _add_run_flags(plan)
-    add_plan_arguments(plan)
+    if plan_flags:
+        from meshtrain.plan.command import add_arguments as add_plan_arguments
+        add_plan_arguments(plan)
     gen = sub.add_parser("generate", help="sample text from a model trained by `meshtrain train`")
     gen.add_argument("--ckpt", required=True, metavar="DIR", help="the --out folder of a training run")
     gen.add_argument("--prompt", default="\n", help="text to continue")
@@ -143,7 +147,7 @@ def _check_out_writable(out: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
+    args = build_parser(plan_flags=argv[:1] == ["plan"]).parse_args(argv)
     if args.command == "generate":
         signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `generate ... | head` ends quietly, as Unix tools do
         return _generate(args)

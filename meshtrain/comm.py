@@ -13,8 +13,9 @@ fingerprints) are counted under "metrics", apart from the model's own traffic, s
 per-axis figures match the formulas exactly. On an axis of size 1 a collective is a no-op
 and counts nothing.
 
-The formulas are functions here (`all_reduce_bytes`, `all_gather_bytes`) so that a choice
-between strategies (`linear_sync_bytes`, the planner) predicts exactly what is counted.
+The formulas are functions (`all_reduce_bytes`, `all_gather_bytes`, in `meshtrain.ring`, which
+needs no torch) so that a choice between strategies (`linear_sync_bytes`, the planner)
+predicts exactly what is counted.
 
 One such choice: making a linear layer's weight gradient whole over N data-parallel ranks.
 ∇W = δᵀ·x sums over rows (samples, or tokens), so instead of all-reducing ∇W [n_out × n_in]
@@ -39,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from meshtrain.mesh import Mesh
+from meshtrain.ring import all_gather_bytes, all_reduce_bytes
 
 METRICS = "metrics"
 # torch 2.13 renamed the tensor forms of all-gather and reduce-scatter; 2.11 has only the old names.
@@ -159,17 +161,6 @@ class Comm:
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
-
-
-def all_reduce_bytes(nbytes: float, n: int) -> float:
-    """What each of `n` ranks sends to all-reduce `nbytes` (ring: reduce-scatter, all-gather)."""
-    return 2 * (n - 1) / n * nbytes
-
-
-def all_gather_bytes(total_nbytes: float, n: int) -> float:
-    """What each of `n` ranks sends to all-gather `total_nbytes` in all (or to reduce-scatter
-    them, or to broadcast them)."""
-    return (n - 1) / n * total_nbytes
 
 
 LINEAR_SYNCS = ("allreduce", "allgather")

@@ -21,7 +21,7 @@ from meshtrain.data.datasets import open_dataset
 from meshtrain.metrics import ActivationMeter, LayerProbe, StepLog
 from meshtrain.models import build_model
 from meshtrain.optim import clip_grad_norm_, set_lr
-from meshtrain.parallel import Parallelized, parallelize
+from meshtrain.parallel.compose import Parallelized, parallelize
 from meshtrain.parallel.pipeline import stages
 from meshtrain.parallel.pipeline import trace as pipeline_trace
 from meshtrain.parallel.tensor import plan_for

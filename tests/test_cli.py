@@ -185,3 +185,18 @@ def test_long_gpt_small_verify_passes():
     assert r.returncode == 0, r.stderr[-3000:]
     j = last_json(r.stdout)
     assert j["passed"] and j["lockstep_steps"] == [1, 50, 100]
+
+
+def test_plan_schedule_and_refused_input_do_not_load_torch():
+    """`plan` and `schedule` are arithmetic, and bad input is refused before any work: none
+    of them loads torch (~2 s here), so they answer at once."""
+    code = ("import sys\n"
+            "from meshtrain.cli import main\n"
+            "codes = [main(['plan', '--model', 'gpt-small', '--tp', '2', '--pp', '2', '--microbatches', '4']),\n"
+            "         main(['schedule', '--pp', '4', '--microbatches', '8', '--schedule', 'zb']),\n"
+            "         main(['train', '--tp', '0'])]\n"
+            "assert codes == [0, 0, 2], codes\n"
+            "assert 'torch' not in sys.modules, 'torch was loaded'\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "predicted step time" in r.stdout and "meshtrain: error: --tp 0" in r.stderr

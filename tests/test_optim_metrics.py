@@ -14,7 +14,7 @@ from meshtrain.metrics import ActivationMeter
 from meshtrain.models import build_model
 from meshtrain.models.presets import PRESETS
 from meshtrain.optim import SHARDED_OVER, clip_grad_norm_
-from meshtrain.parallel import parallelize
+from meshtrain.parallel.compose import parallelize
 from meshtrain.plan.cost import gpt_flops_per_step
 
 

@@ -128,7 +128,7 @@ def column_input_gradient_not_reduced():
 
 def layernorm_gradients_not_reduced_under_sp():
     """Sequence parallelism: LayerNorm gradients, computed on sequence shards, not summed over tp."""
-    import meshtrain.parallel as P
+    import meshtrain.parallel.compose as P
     real = P.apply_plan
 
     def apply_plan(model, plan, comm, sp):

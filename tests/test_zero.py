@@ -14,7 +14,7 @@ from meshtrain.config import Config, LayoutConfig, TrainConfig
 from meshtrain.mesh import Mesh
 from meshtrain.models import build_model
 from meshtrain.optim import build_optimizer
-from meshtrain.parallel import parallelize
+from meshtrain.parallel.compose import parallelize
 from meshtrain.parallel.zero import Zero
 from meshtrain.train import train
 

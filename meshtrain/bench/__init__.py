@@ -18,7 +18,7 @@ from meshtrain.bench.torch_pp import torch_pp_setup
 from meshtrain.bench.zero1 import zero1_setup
 from meshtrain.comm import Comm
 from meshtrain.config import Config
-from meshtrain.parallel import Parallelized
+from meshtrain.parallel.compose import Parallelized
 from meshtrain.train import setup, train_step
 
 PEERS = {"ddp": ddp_setup, "zero1": zero1_setup, "fsdp2": fsdp2_setup, "dtensor-tp": dtensor_tp_setup,

@@ -12,7 +12,7 @@ from meshtrain.comm import Comm
 from meshtrain.config import Config
 from meshtrain.loss import cross_entropy_sum
 from meshtrain.optim import build_optimizer
-from meshtrain.parallel import Parallelized
+from meshtrain.parallel.compose import Parallelized
 from meshtrain.parallel.runner import PlainRunner
 from meshtrain.train import build
 

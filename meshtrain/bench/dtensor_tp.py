@@ -26,7 +26,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
 from meshtrain.comm import Comm
 from meshtrain.config import Config
 from meshtrain.optim import SHARDED_OVER, build_optimizer
-from meshtrain.parallel import GradSyncs, Parallelized
+from meshtrain.parallel.compose import GradSyncs, Parallelized
 from meshtrain.parallel.runner import PlainRunner
 from meshtrain.train import build
 

@@ -20,7 +20,7 @@ from meshtrain.comm import Comm
 from meshtrain.config import Config
 from meshtrain.loss import cross_entropy_sum
 from meshtrain.optim import build_optimizer
-from meshtrain.parallel import GradSyncs, Parallelized
+from meshtrain.parallel.compose import GradSyncs, Parallelized
 from meshtrain.parallel.pipeline.stages import Stage, plan_for
 from meshtrain.train import build
 

@@ -13,7 +13,7 @@ from meshtrain.bench.ddp import PeerSync
 from meshtrain.comm import Comm
 from meshtrain.config import Config
 from meshtrain.loss import cross_entropy_sum
-from meshtrain.parallel import Parallelized
+from meshtrain.parallel.compose import Parallelized
 from meshtrain.parallel.runner import PlainRunner
 from meshtrain.parallel.state import ParamHoldings, model_state_bytes
 from meshtrain.train import build

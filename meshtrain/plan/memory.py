@@ -121,7 +121,7 @@ def stage_runs(shape, *, pp: int = 1, stage: int = 0, chunks: int = 1, tp: int =
 
 @lru_cache(maxsize=65536)
 def _runs_of(layers: int, pp: int, stage: int, chunks: int, stage_layers: tuple[int, ...] | None) -> tuple[int, ...]:
-    from meshtrain.parallel.pipeline.stages import split_layers
+    from meshtrain.parallel.pipeline.schedules import split_layers
     ranges = split_layers(layers, pp * chunks, list(stage_layers) if stage_layers else None)
     return tuple(len(ranges[c * pp + stage]) for c in range(chunks))
 

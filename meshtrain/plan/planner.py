@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from meshtrain.comm import all_reduce_bytes
+from meshtrain.ring import all_reduce_bytes
 from meshtrain.config import SCHEDULES, LayoutConfig, parse_recompute, schedule_or_batch_problem
 from meshtrain.plan import memory, sharing, traffic
 from meshtrain.plan.cost import hardware_flops, model_flops

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from meshtrain.comm import all_gather_bytes, all_reduce_bytes
+from meshtrain.ring import all_gather_bytes, all_reduce_bytes
 
 
 @dataclass(frozen=True)

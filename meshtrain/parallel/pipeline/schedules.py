@@ -68,6 +68,16 @@ COMPUTE = (Forward, Backward, BackwardInput, BackwardWeight)
 INPUT_GRADIENT = (Backward, BackwardInput)  # what sends a gradient back
 
 
+def split_layers(n_layers: int, parts: int, stage_layers: list[int] | None = None) -> list[range]:
+    """Block indices of each virtual stage: as even as possible, the larger parts first, or
+    the sizes given (the planner cuts its stages with this too)."""
+    sizes = stage_layers or [n_layers // parts + (1 if i < n_layers % parts else 0) for i in range(parts)]
+    if len(sizes) != parts or sum(sizes) != n_layers or min(sizes) < 1:
+        raise ValueError(f"stage layers {sizes} must be {parts} positive sizes summing to {n_layers}")
+    starts = [sum(sizes[:i]) for i in range(parts)]
+    return [range(start, start + size) for start, size in zip(starts, sizes)]
+
+
 def virtual_stage(stage: int, chunk: int, stages: int) -> int:
     return chunk * stages + stage
 

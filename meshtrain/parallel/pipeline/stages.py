@@ -16,6 +16,8 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
+from meshtrain.parallel.pipeline.schedules import split_layers
+
 
 @dataclass(frozen=True)
 class PipelinePlan:
@@ -38,16 +40,6 @@ def plan_for(spec) -> PipelinePlan:
     """How a preset (its spec) is cut: meshtrain's own models are reached only through their plans."""
     from meshtrain.models.presets import GPTSpec
     return gpt_plan(spec.d_model) if isinstance(spec, GPTSpec) else mlp_plan(spec.hidden[-1])
-
-
-def split_layers(n_layers: int, parts: int, stage_layers: list[int] | None = None) -> list[range]:
-    """Block indices of each virtual stage: as even as possible, the larger parts first, or
-    the sizes given."""
-    sizes = stage_layers or [n_layers // parts + (1 if i < n_layers % parts else 0) for i in range(parts)]
-    if len(sizes) != parts or sum(sizes) != n_layers or min(sizes) < 1:
-        raise ValueError(f"stage layers {sizes} must be {parts} positive sizes summing to {n_layers}")
-    starts = [sum(sizes[:i]) for i in range(parts)]
-    return [range(start, start + size) for start, size in zip(starts, sizes)]
 
 
 class Stage:

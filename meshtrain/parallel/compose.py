@@ -1,0 +1,244 @@
+"""Strategies, applied from outside the model in one fixed order, written once here:
+cut pipeline stages -> tensor-parallel plan -> activation checkpointing -> ZeRO/FSDP or
+data-parallel gradient sync -> the optimizer, built on what comes out (on fp32 masters under
+mixed precision, which casts the model to bf16 before everything else).
+This version has pipeline, tensor (and sequence) and data parallelism (with linear layers
+optionally synchronised by all-gathered rows), ZeRO 1-3 in place of plain data parallelism,
+bf16 mixed precision and activation checkpointing.
+
+`parallelize` is the one path from a plain `nn.Module`, a mesh (through its `Comm`) and a
+layout to what a training loop drives, the `Parallelized` object: the CLI's loop and a
+user's own loop go through it alike."""
+
+from __future__ import annotations
+
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.nn as nn
+
+from meshtrain.comm import Comm
+from meshtrain.config import LayoutConfig, TrainConfig
+from meshtrain.loss import cross_entropy_sum
+from meshtrain.models import find_block_list
+from meshtrain.optim import build_optimizer
+from meshtrain.parallel.data import DataParallel
+from meshtrain.parallel.dropout import DropoutKeys, seed_dropout
+from meshtrain.parallel.linear_gather import LinearGather, choose_linear_syncs
+from meshtrain.parallel.pipeline.engine import PipelineRunner
+from meshtrain.parallel.pipeline.schedules import schedule
+from meshtrain.parallel.pipeline.stages import PipelinePlan, Stage
+from meshtrain.parallel.precision import COMPUTE_DTYPES, MasterWeights, fp32_loss, grad_holder
+from meshtrain.parallel.recompute import apply_recompute
+from meshtrain.parallel.runner import PlainRunner
+from meshtrain.parallel.state import ParamHoldings, Piece
+from meshtrain.parallel.tensor import TensorParallelSync, TensorPlan, apply_plan, vocab_parallel_cross_entropy_sum
+from meshtrain.parallel.zero import Zero, ZeroHoldings
+
+
+class GradSyncs:
+    """Several gradient synchronisers driven as one (data-parallel buckets over dp, then the
+    sum over tp of what sequence parallelism leaves whole)."""
+
+    def __init__(self, *syncs):
+        self.syncs = syncs
+
+    @contextmanager
+    def no_sync(self):
+        with ExitStack() as stack:
+            for s in self.syncs:
+                stack.enter_context(s.no_sync())
+            yield
+
+    def finish_grad_sync(self) -> None:
+        for s in self.syncs:
+            s.finish_grad_sync()
+
+    def reset(self) -> None:
+        for s in self.syncs:
+            s.reset()
+
+
+@dataclass
+class Parallelized:
+    """What the training loop drives. `module` is called for forward; `loss_fn(output,
+    targets)` gives the summed loss; `grad_sync` makes gradients whole (`no_sync`,
+    `finish_grad_sync`, `reset`); `optimizer` was built after sharding; `runner` runs one
+    rank's micro-batches; `n_params` counts the full model; `holdings` says what this rank
+    holds of each tensor (its parameters, or ZeRO's flat shards). Gradients are scaled by
+    `loss_scale` (a peer that averages over ranks, like torch DDP, needs dp).
+
+    The `full_*` methods are collective: every rank calls them, and each returns the
+    full-shape tensors (gathered over the axes they are split on) as one process would hold
+    them, as CPU copies."""
+    module: nn.Module
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    grad_sync: object
+    optimizer: torch.optim.Optimizer
+    runner: PlainRunner | PipelineRunner
+    comm: Comm
+    n_params: int
+    loss_scale: float = 1.0
+    dropout_keys: DropoutKeys | None = None  # set before each micro-batch when dropout is on
+    holdings: object = None  # ParamHoldings unless a strategy (ZeRO) says otherwise
+    compute_dtype: torch.dtype = torch.float32  # floating inputs are cast to it (bf16 under mixed precision)
+    notes: list[str] = field(default_factory=list)  # what the strategies decided, to say once at start
+
+    def __post_init__(self):
+        if self.holdings is None:
+            self.holdings = ParamHoldings(self.module, self.optimizer, self.comm)
+
+    def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """This rank's module parameters under the full model's names (wrappers add no prefix)."""
+        return list(self.module.named_parameters())
+
+    @property
+    def trained(self) -> list[torch.Tensor]:
+        """The tensors the optimizer steps: the parameters, or ZeRO's pieces of them."""
+        return self.holdings.trained()
+
+    def zero_grad(self) -> None:
+        self.holdings.zero_grad()
+
+    def model_state_bytes(self) -> dict:
+        """Parameters, gradients, master weights, optimizer states (and gathered buffers) held here."""
+        return self.holdings.state_bytes()
+
+    def full_state_dict(self) -> dict:
+        """{"model": weights by name, "optim": each parameter's optimizer state by name}."""
+        model = self.holdings.full_model()
+        model.update({n: b.detach().to("cpu", copy=True) for n, b in self.module.named_buffers()})
+        return {"model": self._union_over_stages(model),
+                "optim": self._union_over_stages(self.holdings.full_optimizer())}
+
+    def _union_over_stages(self, part: dict) -> dict:
+        """Pipeline stages hold different parameters: every stage gets all of them."""
+        whole = {}
+        for stage_part in self.comm.all_gather_object(part, axis="pp"):
+            whole.update(stage_part)
+        return whole
+
+    def load_full_state_dict(self, state: dict) -> None:
+        """Take weights and optimizer state from a full state (each rank keeps its part)."""
+        self.holdings.load(state["model"], state.get("optim", {}))
+        with torch.no_grad():
+            for name, b in self.module.named_buffers():
+                b.copy_(state["model"][name])
+
+    def full_grads(self) -> dict[str, torch.Tensor]:
+        """Every parameter's gradient at full shape, as synchronised."""
+        return self._union_over_stages(self.holdings.full_grads())
+
+    def local_pieces(self) -> list[Piece]:
+        """What this rank holds of each tensor. Every rank's piece must equal that part of
+        the full state: replicas bit-identical, shards where they live (checked by verify)."""
+        return self.holdings.pieces()
+
+
+def parallelize(model: nn.Module, comm: Comm, layout: LayoutConfig, train: TrainConfig, *,
+                plan: TensorPlan | None = None, pipeline: PipelinePlan | None = None, loss_fn=cross_entropy_sum,
+                rows_per_sample: int = 1, **dp_options) -> Parallelized:
+    """Apply the layout's strategies to `model` (in place; it must hold the full weights, the
+    same on every rank) and build the optimizer on the result. Tensor parallelism needs the
+    model's `plan` (module names to styles); pipeline parallelism its `pipeline` (the parts
+    before, the block list, the parts after). `rows_per_sample`: the rows a sample gives each
+    linear layer (its tokens; 1 for an image), for `--dp-linear-sync auto`'s byte counts."""
+    n_params = sum(p.numel() for p in model.parameters())
+    # Decided on the full parameters, before any strategy reshapes them: matrices decay.
+    decay = {n for n, p in model.named_parameters() if p.dim() >= 2}
+    # Mixed precision first: every strategy below then holds, sends and shards bf16 tensors.
+    compute_dtype = COMPUTE_DTYPES[layout.precision]
+    if compute_dtype != torch.float32:
+        model.to(compute_dtype)
+        loss_fn = fp32_loss(loss_fn)
+    # Dropout masks from (seed, step, sample, site), so that every layout drops the same elements.
+    keys = None
+    if any(isinstance(m, nn.Dropout) and m.p > 0 for m in model.modules()):
+        keys = DropoutKeys(train.seed)
+        seed_dropout(model, keys)
+    runner = PlainRunner()
+    if comm.mesh.size("pp") > 1:
+        if pipeline is None:
+            raise ValueError("pipeline parallelism needs a pipeline plan for this model (before, blocks, after)")
+        stage = Stage(model, pipeline, comm.mesh.coord("pp"), comm.mesh.size("pp"), layout.chunks,
+                      layout.stage_layer_counts())
+        micro_rows = train.batch_size // layout.dp // layout.microbatches
+        seq = train.seq_len // comm.mesh.size("tp") if layout.sp else train.seq_len
+        lists = schedule(layout.schedule, comm.mesh.size("pp"), layout.microbatches, layout.chunks)
+        dtype = next(model.parameters()).dtype
+        runner = PipelineRunner(stage, lists[comm.mesh.coord("pp")], comm, pipeline.activation_shape(micro_rows, seq),
+                                dtype)
+    whole = []  # parameters that sequence parallelism leaves whole: their gradients are summed over tp
+    if comm.mesh.size("tp") > 1:
+        if plan is None:
+            raise ValueError("tensor parallelism needs a plan for this model (module names to styles)")
+        whole = apply_plan(model, plan, comm, sp=layout.sp)
+        if plan.vocab_parallel_loss:
+            loss_fn = vocab_parallel_cross_entropy_sum(comm)
+    # Activation checkpointing, on the blocks as cut into stages and sharded above.
+    if layout.recompute != "none":
+        if comm.mesh.size("pp") > 1:
+            runs = [[stage.blocks._modules[str(i)] for i in ids] for ids in stage.block_ids]
+        else:
+            runs = [list(find_block_list(model, pipeline.blocks if pipeline is not None else None)[1])]
+        apply_recompute(runs, layout.recompute, keys)
+    # Gradients in the compute dtype, or (--grad-dtype fp32) in fp32 buffers apart from the
+    # bf16 tensors, which the fp32 masters then hold as their `.grad`.
+    grad_dtype = torch.float32 if layout.grad_dtype == "fp32" else compute_dtype
+    notes = []
+    linear = _linear_gather(model, comm, layout, train.batch_size * rows_per_sample, grad_dtype, compute_dtype, notes)
+    zero = None
+    if layout.zero and comm.mesh.size("dp") > 1:  # ZeRO with one dp rank has nothing to shard: plain DP
+        sync = zero = Zero(model, comm, layout.zero, bucket_mb=layout.bucket_mb, grad_dtype=grad_dtype,
+                           reshard_after_forward=not layout.keep_gathered,
+                           blocks=pipeline.blocks if pipeline is not None else None, **dp_options)
+        trained = [(name, value) for name, value, _, _ in zero.pieces]
+    else:
+        sync = DataParallel(model, comm, axis="dp", bucket_mb=layout.bucket_mb, grad_dtype=grad_dtype,
+                            elsewhere=linear.params if linear else [], **dp_options)
+        trained = [(n, q) for n, q in model.named_parameters() if q.requires_grad]
+    if compute_dtype == torch.float32:
+        optimizer = build_optimizer(trained, decay, train)
+    else:  # fp32 masters; they hold the gradients too when those live apart in fp32
+        grads = None
+        if grad_dtype != compute_dtype:
+            grads = zero.piece_grads if zero is not None else {
+                t: (linear if linear and linear.owns(t) else sync).grad_view(t) for _, t in trained}
+        optimizer = MasterWeights(trained, decay, train, grads=grads)
+    holdings = None
+    if zero is not None:
+        if layout.zero < 3:
+            optimizer.register_step_post_hook(lambda *_: zero.gather_params())
+        holdings = ZeroHoldings(model, optimizer, comm, zero)
+    syncs = [sync, linear] if linear else [sync]
+    if whole:  # summed over tp wherever their gradients live
+        tensors = zero.pieces_of(whole) if zero is not None else whole
+        syncs.append(TensorParallelSync([grad_holder(optimizer, t) for t in tensors], comm))
+    grad_sync = syncs[0] if len(syncs) == 1 else GradSyncs(*syncs)
+    return Parallelized(model, loss_fn, grad_sync, optimizer, runner, comm, n_params, dropout_keys=keys,
+                        holdings=holdings, compute_dtype=compute_dtype, notes=notes)
+
+
+def _linear_gather(model: nn.Module, comm: Comm, layout: LayoutConfig, rows: int, grad_dtype: torch.dtype,
+                   compute_dtype: torch.dtype, notes: list[str]) -> LinearGather | None:
+    """The linear layers `--dp-linear-sync` puts on the all-gather path, and their
+    synchroniser (None when none is). The choice of each layer goes into `notes`."""
+    mode, n = layout.dp_linear_sync, comm.mesh.size("dp")
+    if mode == "allreduce" or n == 1:
+        return None
+    if layout.zero or comm.mesh.size("tp") > 1 or comm.mesh.size("pp") > 1:
+        if mode == "allgather":
+            raise ValueError("--dp-linear-sync allgather is built for plain data parallelism, not with ZeRO, "
+                             "tensor or pipeline parallelism")
+        notes.append("--dp-linear-sync auto: every linear layer all-reduces (the all-gather path is built for "
+                     "plain data parallelism only)")
+        return None
+    size = torch.tensor([], dtype=grad_dtype).element_size()
+    choices = choose_linear_syncs(model, mode, rows, n, grad_size=size,
+                                  activation_size=torch.tensor([], dtype=compute_dtype).element_size())
+    notes.extend(f"--dp-linear-sync {mode}: {c.describe()}" for c in choices)
+    if all(c.sync == "allreduce" for c in choices):
+        return None
+    return LinearGather(model, comm, choices, grad_dtype=grad_dtype)
