@@ -38,13 +38,12 @@ BMM = {"batch": 16, "s": (128, 512, 1024), "d": (32, 64, 128)}
 QUICK_BMM = {"batch": 8, "s": (64, 256), "d": (32,)}
 SIZES = (4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20)  # collective payloads B (bytes)
 QUICK_SIZES = (4 << 10, 64 << 10, 1 << 20)
-ELEMENTWISE_BYTES = {"cpu": 64 << 20, "cuda": 512 << 20}  # one tensor: well past the caches
-OPTIMIZER_ELEMENTS = {"cpu": 1 << 20, "cuda": 16 << 20}  # each of the large tensors the optimizer steps
-ELEMENTWISE_SIZES = {"cpu": (256 << 10, 1 << 20, 4 << 20, 16 << 20), "cuda": (4 << 20, 64 << 20)}  # and these
-# `quick` (the tests' calibration): the fixed phases on smaller tensors, so that most of a
-# short budget is left to the matmul grid
-QUICK_ELEMENTWISE_BYTES, QUICK_OPTIMIZER_ELEMENTS = 8 << 20, 256 << 10
-QUICK_ELEMENTWISE_SIZES = (256 << 10, 1 << 20, 4 << 20)
+# The fixed phases' tensors in bytes: the elementwise rate's (one well past the caches, then
+# smaller ones), and each of the optimizer's large ones in elements. `quick` (the tests'
+# calibration) takes small ones, so that most of a short budget is left to the matmul grid.
+FIXED = {"cpu": {"elementwise": 64 << 20, "by_size": (256 << 10, 1 << 20, 4 << 20, 16 << 20), "optimizer": 1 << 20},
+         "cuda": {"elementwise": 512 << 20, "by_size": (4 << 20, 64 << 20), "optimizer": 16 << 20},
+         "quick": {"elementwise": 8 << 20, "by_size": (256 << 10, 1 << 20, 4 << 20), "optimizer": 256 << 10}}
 
 
 def calibrate(ranks: int = 2, budget_s: float = 40.0, progress=None, *, quick: bool = False,
@@ -210,18 +209,15 @@ def _measure(rank, world, port, use_cuda, start, budget_s, quick, say) -> dict:
 
     op_fwd, op_bwd = _op_overhead(r)
     say(f"op overhead: {op_fwd * 1e6:.1f} us forward, {op_bwd * 1e6:.1f} us per backward node")
-    kind = "cuda" if use_cuda else "cpu"
-    ew_bytes, ew_sizes, opt_elements = ((QUICK_ELEMENTWISE_BYTES, QUICK_ELEMENTWISE_SIZES, QUICK_OPTIMIZER_ELEMENTS)
-                                        if quick else
-                                        (ELEMENTWISE_BYTES[kind], ELEMENTWISE_SIZES[kind], OPTIMIZER_ELEMENTS[kind]))
-    ew = _elementwise(r, ew_bytes)
+    fixed = FIXED["quick" if quick else "cuda" if use_cuda else "cpu"]
+    ew = _elementwise(r, fixed["elementwise"])
     ew_rate = ew.pop("mix")
     say("elementwise: " + ", ".join(f"{k} {v / 1e9:.2f}" for k, v in ew.items()) + f" GB/s; mix {ew_rate / 1e9:.2f}")
-    by_size = [{"tensor_bytes": size, "bytes_per_s": _elementwise(r, size)["mix"]} for size in ew_sizes]
-    by_size.append({"tensor_bytes": ew_bytes, "bytes_per_s": ew_rate})
+    by_size = [{"tensor_bytes": size, "bytes_per_s": _elementwise(r, size)["mix"]} for size in fixed["by_size"]]
+    by_size.append({"tensor_bytes": fixed["elementwise"], "bytes_per_s": ew_rate})
     say("elementwise mix by tensor size: " + ", ".join(f"{p['tensor_bytes'] >> 10} KiB {p['bytes_per_s'] / 1e9:.2f}"
                                                        for p in by_size) + " GB/s")
-    optimizer = _optimizer_step(r, opt_elements)
+    optimizer = _optimizer_step(r, fixed["optimizer"])
     say(f"optimizer step: {optimizer['s_per_param'] * 1e9:.2f} ns a parameter + "
         f"{optimizer['s_per_tensor'] * 1e6:.1f} us a tensor")
     collectives = _collectives(r, QUICK_SIZES if quick else SIZES, quick) if world > 1 else {}
