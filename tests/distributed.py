@@ -22,8 +22,9 @@ from pathlib import Path
 import torch
 
 ATTEMPTS = 3
-# What the fork server imports once for every rank it forks (this module, for `_rank_main`).
-PRELOAD = ["torch", "torch.distributed", "meshtrain.launch", "meshtrain.mesh", "meshtrain.train",
+# What the fork server imports once for every rank it forks (this module, for `_rank_main`;
+# torch._dynamo, which a torch optimizer's first construction imports: ~2 s).
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "meshtrain.launch", "meshtrain.mesh", "meshtrain.train",
            "meshtrain.verify", "distributed"]
 
 

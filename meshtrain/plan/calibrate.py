@@ -202,6 +202,9 @@ def _measure(rank, world, port, use_cuda, start, budget_s, quick, say) -> dict:
         torch.backends.cudnn.allow_tf32 = False
     r = _Rank(rank, world, device, start, say)
     threads = torch.get_num_threads()
+    # A torch optimizer's first construction imports torch._dynamo (~2 s here): loading, as
+    # in a run's set-up, not the step the optimizer phase times, so before the budget starts.
+    torch.optim.AdamW([torch.zeros(1, device=device, requires_grad=True)])
     started = r.elapsed()
     say(f"{world} rank(s) on {'cuda' if use_cuda else 'cpu'} ({dist.get_backend()}, {threads} thread(s) each) "
         f"started in {started:.1f} s")
