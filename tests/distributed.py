@@ -6,9 +6,9 @@ retried if another process took the port first.
 
 Ranks start from a fork server that imported torch and meshtrain once (`_context`): a
 fresh interpreter spends ~2 s of CPU importing them, per rank, and the suite starts
-hundreds of ranks. The server is a process of its own, started clean (no threads, nothing a
-test did in pytest's process), so the ranks are as isolated as spawned ones: the parent's
-patches never reach them, and each test's mutants patch inside its ranks."""
+hundreds of ranks. The server is a process of its own that has only imported (nothing a
+test did in pytest's process reaches it), so the ranks are as isolated as spawned ones: the
+parent's patches never reach them, and each test's mutants patch inside its ranks."""
 
 from __future__ import annotations
 
