@@ -68,6 +68,22 @@ def test_recompute_keeps_less_in_the_order_the_papers_give(activation_bytes):
     assert a["segments:8"] <= a["none"] + block_input, a
 
 
+@pytest.mark.parametrize("attention", ["math", "sdpa"])
+def test_full_keeps_one_blocks_share_of_none_and_the_block_inputs_on_gpt_small(attention):
+    """The issue's bound, on gpt-small (8 blocks, d 256, batch 8 × 128, vocab 2048, fp32) as
+    the benchmark runs it: full ≤ 1/L of none plus the 8 block inputs (measured: 29.5 MiB ≤
+    22.3 + 8 under math, 26.0 ≤ 18.3 + 8 under sdpa). It holds because full runs the MLP in
+    two chunks of rows and the loss holds two logits-sized tensors, not three: a whole
+    block's recomputation held 33 and 29 MiB."""
+    out = {}
+    for mode in ("none", "full"):
+        cfg = small_config("gpt-small", 1, 8, dp=1, recompute=mode)
+        cfg.model.attention, cfg.train.seq_len, cfg.train.vocab_size = attention, 128, 2048
+        out[mode] = train(cfg, Comm(Mesh.single(torch.device("cpu")))).activation_bytes
+    block_input = 8 * 128 * 256 * 4
+    assert out["full"] <= out["none"] / 8 + 8 * block_input, out
+
+
 def test_bad_recompute_values_are_refused():
     assert parse_recompute("segments:4") == ("segments", 4) and parse_recompute("full") == ("full", None)
     for bad in ("segments:0", "segments:x", "full:2", "everything", "segments:"):

@@ -1,6 +1,10 @@
 """Activation checkpointing (`--recompute`): keep less for backward, compute it again there.
 
-- `full`: each block keeps only its input; its forward runs again in backward.
+- `full`: each block keeps only its input; its forward runs again in backward. Its MLP runs
+  in two chunks of rows, each a checkpoint of its own inside the block's: the block's
+  backward then holds one chunk's MLP activations and temporaries at a time, not the
+  whole MLP's — at no extra compute, as the block's recomputation skips the chunks
+  (`_mlp_in_row_chunks`).
 - `selective` (Korthikanti et al. 2022): only the attention core is recomputed — QKᵀ, the
   scaling and causal mask, softmax, dropout, the product with V (or the fused kernel), whose
   activations grow with s² per head and cost few FLOPs; everything else is kept. Each
@@ -97,21 +101,76 @@ def _mark(modules) -> None:
             setattr(m, RECOMPUTED, True)
 
 
-def _checkpointed(run, keys: DropoutKeys | None, selective: bool):
-    """`run(x)` under a non-reentrant checkpoint that recomputes with the forward's dropout keys."""
+_recomputing_block = ContextVar("meshtrain_recomputing_block", default=False)
+
+
+def _checkpointed(run, keys: DropoutKeys | None, selective: bool, block: bool = False):
+    """`run(x)` under a non-reentrant checkpoint that recomputes with the forward's dropout
+    keys. `block`: `run` is a whole block under `full`, whose recomputation is flagged to
+    its MLP's chunks (`_mlp_in_row_chunks`)."""
     context = partial(create_selective_checkpoint_contexts, _selective_policy) if selective else None
 
     def forward(x, *args, **kwargs):
         if not torch.is_grad_enabled():
             return run(x, *args, **kwargs)
         where = (keys.step, keys.rows) if keys is not None else None
+        runs = 0
 
         def again(x, *args, **kwargs):
-            with _keys_at(keys, where):
-                return run(x, *args, **kwargs)
+            nonlocal runs
+            runs += 1  # the first run is the forward, the others recompute
+            flag = _recomputing_block.set(block and runs > 1)
+            try:
+                with _keys_at(keys, where):
+                    return run(x, *args, **kwargs)
+            finally:
+                _recomputing_block.reset(flag)
         options = {"context_fn": context} if context is not None else {}
         return checkpoint(again, x, *args, use_reentrant=False, **options, **kwargs)
     return forward
+
+
+def _rows_from(run, keys: DropoutKeys | None, first: int):
+    """`run` on the chunk of the micro-batch that starts at its row `first` (dropout keys narrowed to it)."""
+    def chunk(part):
+        if keys is None:
+            return run(part)
+        rows = keys.rows
+        keys.use(keys.step, slice(rows.start + first, rows.start + first + part.shape[0]))
+        try:
+            return run(part)
+        finally:
+            keys.use(keys.step, rows)
+    return chunk
+
+
+def _mlp_in_row_chunks(run, keys: DropoutKeys | None, chunks: int = 2):
+    """An MLP's forward (`run`, per token) in `chunks` chunks of rows, each under a checkpoint
+    of its own inside its block's: in backward each chunk is recomputed and backwarded
+    apart, so the block's backward holds one chunk's MLP activations and their gradients
+    (the MLP's are the block's widest), not all of them — the bound of Chen et al.'s count,
+    one block's activations, where a whole block's recomputation holds more.
+
+    It costs no extra compute: the block's recomputation needs of the MLP only what the
+    chunks' checkpoints keep, their inputs (the residual add after the MLP keeps nothing),
+    and PyTorch's early stop ends it at the last of them; so while the block is recomputed
+    the chunks return placeholders without computing (and without their collectives, which
+    every rank skips alike). A micro-batch of one row runs whole."""
+    def forward(x):
+        if not torch.is_grad_enabled() or x.shape[0] < 2:
+            return run(x)
+        parts = x.chunk(chunks)
+        if _recomputing_block.get():
+            return torch.cat([checkpoint(torch.empty_like, part, use_reentrant=False) for part in parts])
+        firsts = [i * parts[0].shape[0] for i in range(len(parts))]
+        return torch.cat([_checkpointed(_rows_from(run, keys, first), keys, selective=False)(part)
+                          for first, part in zip(firsts, parts)])
+    return forward
+
+
+def mlp_modules(block: nn.Module) -> list[nn.Module]:
+    """The MLP modules of a block (by class name: `...MLP`), which `full` runs in chunks of rows."""
+    return [m for m in block.modules() if type(m).__name__.lower().endswith("mlp")]
 
 
 def attention_modules(blocks: list[nn.Module]) -> list[nn.Module]:
@@ -135,7 +194,9 @@ def apply_recompute(runs: list[list[nn.Module]], policy: str, keys: DropoutKeys 
         if mode == "full":
             _mark(blocks)
             for block in blocks:
-                block.forward = _checkpointed(block.forward, keys, selective=False)
+                for mlp in mlp_modules(block):
+                    mlp.forward = _mlp_in_row_chunks(mlp.forward, keys)
+                block.forward = _checkpointed(block.forward, keys, selective=False, block=True)
             continue
         if mode == "selective":
             _mark(attention_modules(blocks))

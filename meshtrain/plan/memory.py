@@ -230,7 +230,14 @@ def block_parts(seq: int, micro_batch: int, hidden: int, heads: int, *, element_
     - `backward_extra`: what the block's backward allocates on top of its saved tensors and
       its output's gradient at its largest: the output projection of the MLP first, the
       gradient of its input (b·s·f/t elements) and the weight's gradient before it is added
-      to its buffer (h·f/t) and the bias's (h)."""
+      to its buffer (h·f/t) and the bias's (h);
+    - `recomputed_peak`: what a block recomputed under `full` holds at its backward's
+      largest, its output's gradient aside: `recomputed` less its output (nothing saves it)
+      and less the MLP's activations, which run in two chunks of rows (b₁ = ⌈b/2⌉ and the
+      rest) recomputed one at a time: the first chunk's (backwarded last) activations and
+      `backward_extra`, and the other chunk's gradients (its input's, and its weights' and
+      biases', held until the first chunk's are added to them); with one row, the whole
+      MLP's and `backward_extra`."""
     e, b, s, h, a, t = element_bytes, micro_batch, seq, hidden, heads, tp
     f = ffn or 4 * h
     w = t if sp else 1
@@ -245,12 +252,23 @@ def block_parts(seq: int, micro_batch: int, hidden: int, heads: int, *, element_
     else:
         core, forward_peak = 4 * scores // s, 0
     selective = kept - core - b * s * h * e // t + b * s * h * e
-    backward_extra = b * s * f * e // t + h * f * e // t + h * e
+    def mlp(rows):  # an MLP's saved activations for `rows` rows (under SP with its gathered input)
+        return 2 * rows * s * f * e // t + ((rows * s * h * e - rows * s * h * e // t) if sp else 0)
+
+    def extra(rows):
+        return rows * s * f * e // t + h * f * e // t + h * e
+    backward_extra = extra(b)
     # recomputed under SP, a block keeps its two gathered inputs whole (the region's regather
     # stands down under a checkpoint: `recompute.is_recomputed`), not as shards
     recomputed = kept + (2 * (b * s * h * e - b * s * h * e // t) if sp else 0)
+    first = -(-b // 2)
+    # the other chunk's input gradient, and its weights' and biases' gradients (PyTorch sums a
+    # parameter's gradients from the two chunks before adding them to its buffer)
+    other = (b - first) * s * h * e // w + 2 * h * f * e // t + h * e + f * e // t
+    chunked = (mlp(first) + extra(first) + other) if b > 1 else mlp(b) + extra(b)
+    recomputed_peak = recomputed - out - mlp(b) + chunked
     return {"kept": kept, "out": out, "selective": selective, "forward_peak": forward_peak,
-            "backward_extra": backward_extra, "recomputed": recomputed}
+            "backward_extra": backward_extra, "recomputed": recomputed, "recomputed_peak": recomputed_peak}
 
 
 def recompute_units(blocks: int, recompute: str = "none") -> list[int]:
@@ -321,16 +339,19 @@ def torch_stage_activation_bytes(layers: int, seq: int, micro_batch: int, hidden
     - at the backward of micro-batch k (order by the schedule), the n micro-batches
       in flight (n = min(p − stage, m − k) under 1F1B) hold K each; that backward holds
       the gradient of the stage's output and, at its largest:
-        - the loss (last stage): three fp32 tensors of the local logits' size, the
-          log-softmax kept for backward, its gradient and the logits' (tp splits them by the
-          vocabulary and its cross-entropy keeps its probabilities the same way, with each
-          token's local target and mask, 9 bytes, and five fp32 numbers at its peak);
+        - the loss (last stage): two fp32 tensors of the logits' size, the logits kept for
+          backward and their gradient (`meshtrain.loss`; under the zero-bubble schedule both
+          stay for the weight pass, which adds the head's weight gradient, h·V/t fp32); under tp three of the local
+          logits' size (split by the vocabulary: the vocabulary-parallel cross-entropy keeps
+          its probabilities, and holds their copy and the logits' gradient), with each
+          token's local target and mask, 9 bytes, and five fp32 numbers at its peak;
         - no recompute: the last block's `backward_extra`, its saved tensors all alive;
         - a recomputed unit (full: a block; segments: K blocks): the inputs of the units
           before it and its own, its blocks recomputed (their `kept`, less the last block's
-          output: nothing saves it), and the last block's `backward_extra`; or under math,
-          the recomputation at the last block's softmax (`forward_peak`, the earlier blocks
-          of the unit recomputed);
+          output: nothing saves it), and the last block's `backward_extra` (full: the
+          block's `recomputed_peak`, its MLP in chunks); or under math, the recomputation
+          at the last block's softmax (`forward_peak`, the earlier blocks of the unit
+          recomputed);
     - under math, the forward of the last block at its softmax (`forward_peak`), the earlier
       blocks' K share alive.
 
@@ -346,29 +367,35 @@ def torch_stage_activation_bytes(layers: int, seq: int, micro_batch: int, hidden
     ids = 17 * b * s if t > 1 else 0  # the vocabulary-parallel lookup's local ids (two int64 copies), its mask
     before = (out + 8 * s + ids + (b * s * h // w if dropout > 0 else 0)) if first else 0
     # the last stage keeps, per micro-batch until its backward, the final LayerNorm's output and
-    # statistics and the loss's log-softmax (fp32, the local logits' size; under tp also each
-    # token's local target, int64, and its mask); at the loss it holds two more such tensors
-    # (the gradients) and, under tp, five fp32 numbers per token (max, target logit, sum, log, term)
+    # statistics and what the loss keeps: the logits, or under tp the local probabilities
+    # (fp32, the local logits' size), with each token's local target (int64) and its mask; at
+    # the loss it holds one more such tensor (the logits' gradient), under tp two (the
+    # probabilities' copy too) and five fp32 numbers per token (max, target logit, sum, log, term)
     kept_loss = b * s * (vocab // t) * 4 + (9 * b * s if t > 1 else 0)
     after = (out + 2 * b * s * e // w + kept_loss) if last else 0
     kept_blocks = recompute_kept_bytes(blocks, parts, recompute)
     per_mb = before + kept_blocks + after
-    loss = 2 * b * s * (vocab // t) * 4 + (20 * b * s if t > 1 else 0)
+    loss = (2 * b * s * (vocab // t) * 4 + 20 * b * s) if t > 1 else b * s * vocab * 4
     units = recompute_units(blocks, recompute)
     # the micro-batch being backwarded: its live bytes at its backward's largest moment
     grad = out  # the gradient of the stage's output (received, or the final LayerNorm's)
     sent = 0 if last else out  # a non-last stage's output stays alive (see above)
     if units:
         moments, earlier = [], 0
+        chunked_mlp = recompute.split(":")[0] == "full"
         for size in units:
-            redo = size * parts["recomputed"] - out + parts["backward_extra"]
+            redo = (parts["recomputed_peak"] if chunked_mlp else
+                    size * parts["recomputed"] - out + parts["backward_extra"])
             again = (size - 1) * parts["recomputed"] + parts["forward_peak"]
             moments.append(earlier * out + max(redo, again))
             earlier += 1
         current = before + max(moments) + grad + sent
     else:
         current = before + kept_blocks - (0 if sent else out) + grad + parts["backward_extra"]
-    current = max(current, per_mb + (loss if last else 0))
+    # under the zero-bubble schedule the loss's backward keeps the graph (and the logits) for
+    # the weight pass, which computes the head's weight gradient from the logits' gradient
+    head_weight_grad = hidden * (vocab // t) * 4 if schedule == "zb" else 0
+    current = max(current, per_mb + ((loss + head_weight_grad) if last else 0))
     if attention == "math":  # the forward of the stage's last block, at its softmax
         share = (len(units) - 1) * out if units else recompute_kept_bytes(blocks - 1, parts, recompute)
         current = max(current, before + share + parts["forward_peak"])
@@ -389,8 +416,8 @@ def torch_activation_bytes(layers: int, seq: int, micro_batch: int, hidden: int,
     sp, recompute, pp, stage, schedule, microbatches, chunks, stage_layers); on one process
     with no recompute, every block's `torch_activation_bytes_per_layer`, plus the embedding's
     output (its dropout mask, the positions) and the final LayerNorm's output and
-    statistics, plus three fp32 tensors of logits' size at the loss — the log-softmax kept
-    for backward, and in backward its gradient and the logits' (the loss is computed in fp32
-    whatever the precision)."""
+    statistics, plus two fp32 tensors of logits' size at the loss — the logits kept for
+    backward, and in backward their gradient (the loss is computed in fp32 whatever the
+    precision)."""
     return torch_stage_activation_bytes(layers, seq, micro_batch, hidden, heads, vocab, element_bytes=element_bytes,
                                         attention=attention, dropout=dropout, ffn=ffn, **layout)
