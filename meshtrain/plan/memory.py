@@ -340,8 +340,11 @@ def torch_stage_activation_bytes(layers: int, seq: int, micro_batch: int, hidden
       in flight (n = min(p − stage, m − k) under 1F1B) hold K each; that backward holds
       the gradient of the stage's output and, at its largest:
         - the loss (last stage): two fp32 tensors of the logits' size, the logits kept for
-          backward and their gradient (`meshtrain.loss`; under the zero-bubble schedule both
-          stay for the weight pass, which adds the head's weight gradient, h·V/t fp32); under tp three of the local
+          backward and, in its forward, their shifted exponentials (in backward: the
+          logits' gradient), four fp32 numbers per token, and under bf16 the bf16 logits,
+          which the caller holds until the loss returns (`meshtrain.loss`; under the
+          zero-bubble schedule the logits and their gradient stay for the weight pass,
+          which adds the head's weight gradient, h·V/t fp32); under tp three of the local
           logits' size (split by the vocabulary: the vocabulary-parallel cross-entropy keeps
           its probabilities, and holds their copy and the logits' gradient), with each
           token's local target and mask, 9 bytes, and five fp32 numbers at its peak;
@@ -375,7 +378,10 @@ def torch_stage_activation_bytes(layers: int, seq: int, micro_batch: int, hidden
     after = (out + 2 * b * s * e // w + kept_loss) if last else 0
     kept_blocks = recompute_kept_bytes(blocks, parts, recompute)
     per_mb = before + kept_blocks + after
-    loss = (2 * b * s * (vocab // t) * 4 + 20 * b * s) if t > 1 else b * s * vocab * 4
+    # at the loss (its forward: the logits kept, their shifted exponentials, a few fp32 numbers
+    # per token, and under bf16 the bf16 logits, which the caller still holds)
+    loss = ((2 * b * s * (vocab // t) * 4 + 20 * b * s) if t > 1 else
+            b * s * vocab * 4 + 16 * b * s + (b * s * vocab * e if e < 4 else 0))
     units = recompute_units(blocks, recompute)
     # the micro-batch being backwarded: its live bytes at its backward's largest moment
     grad = out  # the gradient of the stage's output (received, or the final LayerNorm's)
