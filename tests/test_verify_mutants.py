@@ -241,6 +241,14 @@ def recomputed_with_the_current_dropout_keys():
     return [mock.patch.object(R, "_keys_at", lambda keys, where: nullcontext())]
 
 
+def mlp_chunks_drop_with_the_first_chunks_rows():
+    """Under full recomputation the MLP runs in chunks of rows; each chunk draws the dropout
+    masks of the first chunk's rows, not of its own."""
+    import meshtrain.parallel.recompute as R
+    rows_from = R._rows_from
+    return [mock.patch.object(R, "_rows_from", lambda run, keys, first: rows_from(run, keys, 0))]
+
+
 # name -> (the mutant, the layout it runs in)
 MUTANTS = {f.__name__: (f, layout) for f, layout in (
     (local_loss_normalizer, "dp"), (averaged_on_top_of_the_sum, "dp"), (bucket_skipped_on_a_middle_step, "dp"),
@@ -249,7 +257,8 @@ MUTANTS = {f.__name__: (f, layout) for f, layout in (
     (cross_entropy_without_the_max_all_reduce, "tp"), (microbatches_share_one_receive_buffer, "pp-gpipe"),
     (a_stage_skips_its_data_parallel_sync, "dp-pp"), (first_microbatch_gradients_dropped, "pp"),
     (a_rank_updates_another_ranks_partition, "zero1"), (reduce_scatter_without_the_sum, "zero3"),
-    (errors_not_gathered, "dp-allgather"), (recomputed_with_the_current_dropout_keys, "pp-recompute"))}
+    (errors_not_gathered, "dp-allgather"), (recomputed_with_the_current_dropout_keys, "pp-recompute"),
+    (mlp_chunks_drop_with_the_first_chunks_rows, "pp-recompute"))}
 # The step at which each mutant first does harm.
 FIRST_BAD_STEP = {name: MIDDLE if name == "bucket_skipped_on_a_middle_step" else 1 for name in MUTANTS}
 

@@ -48,13 +48,18 @@ class Attention(nn.Module):
         B, T, _ = x.shape
         # However many heads the projections give (a tensor-parallel plan keeps some of them).
         q, k, v = (lin(x).view(B, T, -1, self.head_dim).transpose(1, 2) for lin in (self.q, self.k, self.v))
-        if self.attention == "math":
-            scores = (q @ k.transpose(-2, -1)) / math.sqrt(self.head_dim)
-            causal = torch.ones(T, T, dtype=torch.bool, device=x.device).triu(1)
-            y = self.attn_drop(scores.masked_fill(causal, float("-inf")).softmax(dim=-1)) @ v
-        else:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = self.core(q, k, v)
         return self.drop(self.proj(y.transpose(1, 2).reshape(B, T, -1)))
+
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """The attention core, [batch, heads, seq, head_dim] in and out: what selective
+        recomputation recomputes."""
+        if self.attention == "math":
+            T = q.shape[2]
+            scores = (q @ k.transpose(-2, -1)) / math.sqrt(self.head_dim)
+            causal = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)
+            return self.attn_drop(scores.masked_fill(causal, float("-inf")).softmax(dim=-1)) @ v
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
 class MLP(nn.Module):

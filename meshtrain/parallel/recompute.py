@@ -7,16 +7,15 @@
   (`_mlp_in_row_chunks`).
 - `selective` (Korthikanti et al. 2022): only the attention core is recomputed — QKᵀ, the
   scaling and causal mask, softmax, dropout, the product with V (or the fused kernel), whose
-  activations grow with s² per head and cost few FLOPs; everything else is kept. Each
-  attention module runs under a checkpoint with PyTorch's selective-checkpoint policy
-  (`create_selective_checkpoint_contexts`), not hooks of our own: the policy keeps the
-  outputs of `mm`/`addmm` (the q, k, v and output projections; attention's own products are
-  `bmm`) and recomputes the rest. The region is the attention module, not the block: under
-  the policy every operator of the region passes through Python again in backward, which on
-  a CPU costs about what recomputing a whole block does (measured: +20 % step time for a
-  gpt-small block under a policy that recomputes nothing). And "keep everything else" is
-  by region, not by a policy that says MUST_SAVE to every other operator: that caches every
-  output, needed by backward or not, and keeps more than no checkpoint at all.
+  activations grow with s² per head and cost few FLOPs; everything else is kept. The region
+  is the core itself, an attention module's `core(q, k, v)` method, under a plain
+  checkpoint: its inputs q, k, v are what its products would keep anyway, so nothing else
+  is recomputed and nothing more is kept. PyTorch's selective-checkpoint policy machinery
+  (`create_selective_checkpoint_contexts`), which this used over the whole attention
+  module (keeping the projections' `mm`/`addmm` products, recomputing the rest), sends
+  every operator of its region through Python in forward and again in backward: measured
+  on gpt-small, math, one process, selective cost 1.13–1.21 of none's step that way, 1.12
+  with the policy over the core alone, and 1.04–1.09 as a plain checkpoint of the core.
 - `segments:K` (Chen et al. 2016): only every K-th block boundary is kept; each segment of
   K blocks runs again in backward. `segments` alone takes K = ⌈√L⌉ for the L blocks a run
   of consecutive blocks has (a pipeline stage's chunk, or the whole list).
@@ -33,24 +32,13 @@ from __future__ import annotations
 import math
 from contextlib import contextmanager
 from contextvars import ContextVar
-from functools import partial
 
 import torch
 import torch.nn as nn
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import checkpoint
 
 from meshtrain.config import parse_recompute
 from meshtrain.parallel.dropout import DropoutKeys
-
-aten = torch.ops.aten
-# What selective recomputation keeps: the products of the linear layers (attention's own
-# products, QKᵀ and ·V, are batched: `bmm`, and recomputed with the rest of the core).
-_KEPT = {aten.mm.default, aten.addmm.default}
-
-
-def _selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_SAVE if op in _KEPT else CheckpointPolicy.PREFER_RECOMPUTE
-
 
 @contextmanager
 def _keys_at(keys: DropoutKeys | None, where: tuple | None):
@@ -104,11 +92,10 @@ def _mark(modules) -> None:
 _recomputing_block = ContextVar("meshtrain_recomputing_block", default=False)
 
 
-def _checkpointed(run, keys: DropoutKeys | None, selective: bool, block: bool = False):
-    """`run(x)` under a non-reentrant checkpoint that recomputes with the forward's dropout
-    keys. `block`: `run` is a whole block under `full`, whose recomputation is flagged to
-    its MLP's chunks (`_mlp_in_row_chunks`)."""
-    context = partial(create_selective_checkpoint_contexts, _selective_policy) if selective else None
+def _checkpointed(run, keys: DropoutKeys | None, block: bool = False):
+    """`run(x, ...)` under a non-reentrant checkpoint that recomputes with the forward's
+    dropout keys. `block`: `run` is a whole block under `full`, whose recomputation is
+    flagged to its MLP's chunks (`_mlp_in_row_chunks`)."""
 
     def forward(x, *args, **kwargs):
         if not torch.is_grad_enabled():
@@ -125,8 +112,7 @@ def _checkpointed(run, keys: DropoutKeys | None, selective: bool, block: bool = 
                     return run(x, *args, **kwargs)
             finally:
                 _recomputing_block.reset(flag)
-        options = {"context_fn": context} if context is not None else {}
-        return checkpoint(again, x, *args, use_reentrant=False, **options, **kwargs)
+        return checkpoint(again, x, *args, use_reentrant=False, **kwargs)
     return forward
 
 
@@ -163,7 +149,7 @@ def _mlp_in_row_chunks(run, keys: DropoutKeys | None, chunks: int = 2):
         if _recomputing_block.get():
             return torch.cat([checkpoint(torch.empty_like, part, use_reentrant=False) for part in parts])
         firsts = [i * parts[0].shape[0] for i in range(len(parts))]
-        return torch.cat([_checkpointed(_rows_from(run, keys, first), keys, selective=False)(part)
+        return torch.cat([_checkpointed(_rows_from(run, keys, first), keys)(part)
                           for first, part in zip(firsts, parts)])
     return forward
 
@@ -174,13 +160,13 @@ def mlp_modules(block: nn.Module) -> list[nn.Module]:
 
 
 def attention_modules(blocks: list[nn.Module]) -> list[nn.Module]:
-    """The attention modules of the blocks (by class name: `...Attention`), where selective
-    recomputation acts: under PyTorch's policy machinery every operator of a checkpointed
-    region passes through Python twice, so the region is kept to the attention."""
-    found = [m for b in blocks for m in b.modules() if type(m).__name__.lower().endswith("attention")]
+    """The attention modules of the blocks (by class name: `...Attention`), whose `core(q, k,
+    v)` selective recomputation checkpoints."""
+    found = [m for b in blocks for m in b.modules()
+             if type(m).__name__.lower().endswith("attention") and callable(getattr(m, "core", None))]
     if not found:
-        raise ValueError("selective recomputation acts on attention modules (a class named ...Attention); "
-                         "these blocks have none: use full or segments")
+        raise ValueError("selective recomputation acts on attention modules (a class named ...Attention) with a "
+                         "core(q, k, v) method; these blocks have none: use full or segments")
     return found
 
 
@@ -196,12 +182,11 @@ def apply_recompute(runs: list[list[nn.Module]], policy: str, keys: DropoutKeys 
             for block in blocks:
                 for mlp in mlp_modules(block):
                     mlp.forward = _mlp_in_row_chunks(mlp.forward, keys)
-                block.forward = _checkpointed(block.forward, keys, selective=False, block=True)
+                block.forward = _checkpointed(block.forward, keys, block=True)
             continue
-        if mode == "selective":
-            _mark(attention_modules(blocks))
+        if mode == "selective":  # the module itself is not recomputed: hooks around it (SP's) stay
             for module in attention_modules(blocks):
-                module.forward = _checkpointed(module.forward, keys, selective=True)
+                module.core = _checkpointed(module.core, keys)
             continue
         _mark(blocks)
         size = k or math.ceil(math.sqrt(len(blocks)))
@@ -220,4 +205,4 @@ def apply_recompute(runs: list[list[nn.Module]], policy: str, keys: DropoutKeys 
                 finally:
                     _in_segment.reset(running)
                 return x
-            head.forward = _checkpointed(run_segment, keys, selective=False)
+            head.forward = _checkpointed(run_segment, keys)

@@ -216,9 +216,7 @@ def block_parts(seq: int, micro_batch: int, hidden: int, heads: int, *, element_
     - `out`: one residual-stream tensor, b·s·h/w elements: the block's input or output;
     - `selective`: what it keeps under selective recompute: `kept` less the attention core
       (softmax's output and mask, or sdpa's log-sum-exp; the dropped probabilities and their
-      mask) and less the core's output (the output projection's input), plus what the policy
-      keeps that nothing else does: the output projection's product (`mm`/`addmm`), b·s·h
-      elements whole on every tp rank (a row layer's partial sum, before its reduction);
+      mask): the core's inputs q, k, v and its output are kept either way;
     - `forward_peak`: what the block's forward holds at its attention's peak (math only: at
       the softmax): the first LayerNorm's output and statistics, q, k and v (Python locals
       until the attention returns), the contiguous copies of q and kᵀ the product takes, the
@@ -251,7 +249,8 @@ def block_parts(seq: int, micro_batch: int, hidden: int, heads: int, *, element_
                         + (b * s * h * e if sp else 0))
     else:
         core, forward_peak = 4 * scores // s, 0
-    selective = kept - core - b * s * h * e // t + b * s * h * e
+    selective = kept - core
+
     def mlp(rows):  # an MLP's saved activations for `rows` rows (under SP with its gathered input)
         return 2 * rows * s * f * e // t + ((rows * s * h * e - rows * s * h * e // t) if sp else 0)
 
