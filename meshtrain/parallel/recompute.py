@@ -15,7 +15,7 @@
   module (keeping the projections' `mm`/`addmm` products, recomputing the rest), sends
   every operator of its region through Python in forward and again in backward: measured
   on gpt-small, math, one process, selective cost 1.13–1.21 of none's step that way, 1.12
-  with the policy over the core alone, and 1.04–1.09 as a plain checkpoint of the core.
+  with the policy over the core alone, and 1.02–1.09 as a plain checkpoint of the core.
 - `segments:K` (Chen et al. 2016): only every K-th block boundary is kept; each segment of
   K blocks runs again in backward. `segments` alone takes K = ⌈√L⌉ for the L blocks a run
   of consecutive blocks has (a pipeline stage's chunk, or the whole list).
