@@ -93,9 +93,11 @@ def test_torch_accounting_of_the_stages_of_a_1f1b_pipeline():
     micro-batch's backward); stage 1 the received activations in flight, every gradient it
     sent back (gloo's sends are waited on at the step's end), and the loss — 8 micro-batches
     hold no more on stage 0 than 4. GPipe (no and full recompute: the last stage holds every
-    micro-batch's log-softmax) and the zero-bubble schedule within 1 % (measured: 0.3 % and
-    0.6 %); not asserted: zero-bubble with full recompute (15 % low on the last stage; 8.5 %
-    before full ran its MLP in chunks) and the interleaved schedule (−12 % to +8 %)."""
+    micro-batch's logits) and the zero-bubble schedule with no and full recompute within 1 %
+    (measured: within 0.7 %; the last stage's blocks backward with their micro-batch's logits
+    still held for the weight pass), zero-bubble with selective and segments within 5 %
+    (measured: −3.6 % and −1.7 % on the last stage); not asserted: the interleaved schedule
+    (−12 % to +8 %)."""
     from distributed import run_ranks
 
     cases = [("math", rec) for rec in ("none", "full", "selective", "segments")]
@@ -103,12 +105,15 @@ def test_torch_accounting_of_the_stages_of_a_1f1b_pipeline():
     cfgs = [_config(att, rec, batch=16, pp=2, microbatches=4) for att, rec in cases]
     cfgs.append(_config("sdpa", "none", batch=32, pp=2, microbatches=8))
     others = [_config("math", rec, batch=16, pp=2, microbatches=4, schedule="gpipe") for rec in ("none", "full")]
-    others.append(_config("math", "none", batch=16, pp=2, microbatches=4, schedule="zb"))
-    for stage, measured in enumerate(run_ranks(_measured, 2, cfgs + others, pp=2)):
-        measured, in_others = measured[:len(cfgs)], measured[len(cfgs):]
+    others += [_config("math", rec, batch=16, pp=2, microbatches=4, schedule="zb") for rec in ("none", "full")]
+    looser = [_config("math", rec, batch=16, pp=2, microbatches=4, schedule="zb") for rec in ("selective", "segments")]
+    for stage, measured in enumerate(run_ranks(_measured, 2, cfgs + others + looser, pp=2)):
+        measured, in_others, in_looser = (measured[:len(cfgs)], measured[len(cfgs):len(cfgs) + len(others)],
+                                          measured[len(cfgs) + len(others):])
         _check(cfgs[:-2] + cfgs[-1:], measured[:-2] + measured[-1:], stage)
         _check(cfgs[-2:-1], measured[-2:-1], stage, tolerance=0.05)
         _check(others, in_others, stage, tolerance=0.01)
+        _check(looser, in_looser, stage, tolerance=0.05)
         if stage == 0:
             assert measured[-1] == measured[4], "8 micro-batches hold more than 4 on the first stage"
 

@@ -398,7 +398,11 @@ def torch_stage_activation_bytes(layers: int, seq: int, micro_batch: int, hidden
     else:
         current = before + kept_blocks - (0 if sent else out) + grad + parts["backward_extra"]
     # under the zero-bubble schedule the loss's backward keeps the graph (and the logits) for
-    # the weight pass, which computes the head's weight gradient from the logits' gradient
+    # the weight pass, which computes the head's weight gradient from the logits' gradient;
+    # the logits are still held while the micro-batch's blocks backward
+    zero_bubble_last = schedule == "zb" and last
+    if zero_bubble_last:
+        current += b * s * (vocab // t) * 4
     head_weight_grad = hidden * (vocab // t) * 4 if schedule == "zb" else 0
     current = max(current, per_mb + ((loss + head_weight_grad) if last else 0))
     if attention == "math":  # the forward of the stage's last block, at its softmax
