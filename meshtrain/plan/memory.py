@@ -297,23 +297,29 @@ def recompute_kept_bytes(blocks: int, parts: dict[str, int], recompute: str = "n
 
 
 @lru_cache(maxsize=4096)
-def _in_flight_at_backwards(schedule: str, pp: int, stage: int, microbatches: int, chunks: int) -> tuple[float, ...]:
-    """For each backward of the stage, in order: the micro-batches forwarded and not yet
-    backwarded (the one being backwarded included), in whole-stage units (a chunk of an
-    interleaved stage is 1/chunks of one), by walking the schedule's instructions. Under the
-    zero-bubble schedule a micro-batch is held until its weight gradient."""
-    if pp == 1:
-        return (1,) * microbatches
+def _chunks_at_backwards(schedule: str, pp: int, stage: int, microbatches: int,
+                         chunks: int) -> tuple[tuple[int, tuple[int, ...], int, int], ...]:
+    """For each backward of the stage, in order, by walking the schedule's instructions: its
+    chunk; the micro-batches each chunk holds then (forwarded and not yet backwarded, the one
+    being backwarded included; under the zero-bubble schedule a micro-batch is held until
+    its weight gradient); the activations received and still held (a chunk's input, but the
+    first virtual stage's); the input gradients sent back before it."""
     from meshtrain.parallel.pipeline import schedules as S
 
-    held, found = 0, []
+    if pp == 1:
+        return ((0, (1,), 0, 0),) * microbatches
+    held, received, sent, found = [0] * chunks, 0, 0, []
     for op in S.compute_order(schedule, stage, pp, microbatches, chunks):
+        receives = op.chunk * pp + stage > 0
         if isinstance(op, S.Forward):
-            held += 1
+            held[op.chunk] += 1
+            received += receives
         elif isinstance(op, (S.Backward, S.BackwardInput)):
-            found.append(held / chunks)
+            found.append((op.chunk, tuple(held), received, sent))
+            sent += receives
         if isinstance(op, (S.Backward, S.BackwardWeight)):
-            held -= 1
+            held[op.chunk] -= 1
+            received -= receives
     return tuple(found)
 
 
@@ -336,8 +342,11 @@ def torch_stage_activation_bytes(layers: int, seq: int, micro_batch: int, hidden
       every gradient it sent back until the step ends (gloo reports a send complete only when
       it is waited on; the engine waits on those at the step's end);
     - at the backward of micro-batch k (order by the schedule), the n micro-batches
-      in flight (n = min(p − stage, m − k) under 1F1B) hold K each; that backward holds
-      the gradient of the stage's output and, at its largest:
+      in flight (n = min(p − stage, m − k) under 1F1B) hold K each — under the interleaved
+      schedule the K of the chunk each sits in, each chunk a run of its own (the first
+      stage's first chunk holds the embedding's share, the last stage's last chunk the
+      loss's), walked instruction by instruction (`_chunks_at_backwards`); that backward
+      holds the gradient of its chunk's output and, at its largest:
         - the loss (last stage): two fp32 tensors of the logits' size, the logits kept for
           backward and, in its forward, their shifted exponentials (in backward: the
           logits' gradient), four fp32 numbers per token, and under bf16 the bf16 logits,
@@ -364,56 +373,63 @@ def torch_stage_activation_bytes(layers: int, seq: int, micro_batch: int, hidden
     w = t if sp else 1
     parts = block_parts(s, b, h, heads, element_bytes=e, attention=attention, dropout=dropout, ffn=ffn, tp=t, sp=sp)
     out = parts["out"]
-    first, last = stage == 0, stage == pp - 1
-    blocks = sum(_runs_of(layers, pp, stage, chunks, tuple(stage_layers) if stage_layers else None))
+    runs = _runs_of(layers, pp, stage, chunks, tuple(stage_layers) if stage_layers else None)
     ids = 17 * b * s if t > 1 else 0  # the vocabulary-parallel lookup's local ids (two int64 copies), its mask
-    before = (out + 8 * s + ids + (b * s * h // w if dropout > 0 else 0)) if first else 0
     # the last stage keeps, per micro-batch until its backward, the final LayerNorm's output and
     # statistics and what the loss keeps: the logits, or under tp the local probabilities
     # (fp32, the local logits' size), with each token's local target (int64) and its mask; at
     # the loss it holds one more such tensor (the logits' gradient), under tp two (the
     # probabilities' copy too) and five fp32 numbers per token (max, target logit, sum, log, term)
     kept_loss = b * s * (vocab // t) * 4 + (9 * b * s if t > 1 else 0)
-    after = (out + 2 * b * s * e // w + kept_loss) if last else 0
-    kept_blocks = recompute_kept_bytes(blocks, parts, recompute)
-    per_mb = before + kept_blocks + after
     # at the loss (its forward: the logits kept, their shifted exponentials, a few fp32 numbers
     # per token, and under bf16 the bf16 logits, which the caller still holds)
     loss = ((2 * b * s * (vocab // t) * 4 + 20 * b * s) if t > 1 else
             b * s * vocab * 4 + 16 * b * s + (b * s * vocab * e if e < 4 else 0))
-    units = recompute_units(blocks, recompute)
-    # the micro-batch being backwarded: its live bytes at its backward's largest moment
-    grad = out  # the gradient of the stage's output (received, or the final LayerNorm's)
-    sent = 0 if last else out  # a non-last stage's output stays alive (see above)
-    if units:
-        moments, earlier = [], 0
-        chunked_mlp = recompute.split(":")[0] == "full"
-        for size in units:
-            redo = (parts["recomputed_peak"] if chunked_mlp else
-                    size * parts["recomputed"] - out + parts["backward_extra"])
-            again = (size - 1) * parts["recomputed"] + parts["forward_peak"]
-            moments.append(earlier * out + max(redo, again))
-            earlier += 1
-        current = before + max(moments) + grad + sent
-    else:
-        current = before + kept_blocks - (0 if sent else out) + grad + parts["backward_extra"]
-    # under the zero-bubble schedule the loss's backward keeps the graph (and the logits) for
-    # the weight pass, which computes the head's weight gradient from the logits' gradient;
-    # the logits are still held while the micro-batch's blocks backward
-    zero_bubble_last = schedule == "zb" and last
-    if zero_bubble_last:
-        current += b * s * (vocab // t) * 4
-    head_weight_grad = hidden * (vocab // t) * 4 if schedule == "zb" else 0
-    current = max(current, per_mb + ((loss + head_weight_grad) if last else 0))
-    if attention == "math":  # the forward of the stage's last block, at its softmax
-        share = (len(units) - 1) * out if units else recompute_kept_bytes(blocks - 1, parts, recompute)
-        current = max(current, before + share + parts["forward_peak"])
+
+    def micro_batch(blocks: int, first: bool, last: bool) -> tuple[int, int]:
+        """(what a micro-batch keeps through `blocks` blocks, its live bytes at its backward's
+        largest moment); `first`: they start from the embedding, `last`: end at the loss."""
+        before = (out + 8 * s + ids + (b * s * h // w if dropout > 0 else 0)) if first else 0
+        after = (out + 2 * b * s * e // w + kept_loss) if last else 0
+        kept_blocks = recompute_kept_bytes(blocks, parts, recompute)
+        per_mb = before + kept_blocks + after
+        units = recompute_units(blocks, recompute)
+        grad = out  # the gradient of the stage's output (received, or the final LayerNorm's)
+        sent = 0 if last else out  # a non-last stage's output stays alive (see above)
+        if units:
+            moments, earlier = [], 0
+            chunked_mlp = recompute.split(":")[0] == "full"
+            for size in units:
+                redo = (parts["recomputed_peak"] if chunked_mlp else
+                        size * parts["recomputed"] - out + parts["backward_extra"])
+                again = (size - 1) * parts["recomputed"] + parts["forward_peak"]
+                moments.append(earlier * out + max(redo, again))
+                earlier += 1
+            current = before + max(moments) + grad + sent
+        else:
+            current = before + kept_blocks - (0 if sent else out) + grad + parts["backward_extra"]
+        # under the zero-bubble schedule the loss's backward keeps the graph (and the logits) for
+        # the weight pass, which computes the head's weight gradient from the logits' gradient;
+        # the logits are still held while the micro-batch's blocks backward
+        if schedule == "zb" and last:
+            current += b * s * (vocab // t) * 4
+        head_weight_grad = hidden * (vocab // t) * 4 if schedule == "zb" else 0
+        current = max(current, per_mb + ((loss + head_weight_grad) if last else 0))
+        if attention == "math":  # the forward of the last block, at its softmax
+            share = (len(units) - 1) * out if units else recompute_kept_bytes(blocks - 1, parts, recompute)
+            current = max(current, before + share + parts["forward_peak"])
+        return per_mb, current
+
+    # each chunk of the stage (one, but under the interleaved schedule), as a run of its own
+    chunk = [micro_batch(n, stage == 0 and c == 0, stage == pp - 1 and c == len(runs) - 1)
+             for c, n in enumerate(runs)]
     peak = 0
-    for k, held in enumerate(_in_flight_at_backwards(schedule, pp, stage, microbatches, chunks)):
-        # a non-first stage: the received activations in flight, and the gradients already
-        # sent back (gloo reports a send complete only when waited on: at the step's end)
-        pipeline = 0 if first else (held + k) * out
-        peak = max(peak, (held - 1) * per_mb + current + pipeline)
+    for c, held, received, sent in _chunks_at_backwards(schedule, pp, stage, microbatches, chunks):
+        # the micro-batches in flight keep theirs, the one backwarded is at its largest; the
+        # received activations in flight and the gradients already sent back (gloo reports a
+        # send complete only when waited on: at the step's end)
+        kept = sum(n * chunk[i][0] for i, n in enumerate(held)) - chunk[c][0]
+        peak = max(peak, kept + chunk[c][1] + (received + sent) * out)
     return peak
 
 
