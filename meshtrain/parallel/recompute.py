@@ -130,8 +130,8 @@ def _rows_from(run, keys: DropoutKeys | None, first: int):
     return chunk
 
 
-def _mlp_in_row_chunks(run, keys: DropoutKeys | None, chunks: int = 2):
-    """An MLP's forward (`run`, per token) in `chunks` chunks of rows, each under a checkpoint
+def _mlp_in_row_chunks(run, keys: DropoutKeys | None):
+    """An MLP's forward (`run`, per token) in two chunks of rows, each under a checkpoint
     of its own inside its block's: in backward each chunk is recomputed and backwarded
     apart, so the block's backward holds one chunk's MLP activations and their gradients
     (the MLP's are the block's widest), not all of them — the bound of Chen et al.'s count,
@@ -145,12 +145,11 @@ def _mlp_in_row_chunks(run, keys: DropoutKeys | None, chunks: int = 2):
     def forward(x):
         if not torch.is_grad_enabled() or x.shape[0] < 2:
             return run(x)
-        parts = x.chunk(chunks)
+        parts = x.chunk(2)  # ⌈b/2⌉ rows, then the rest (the planner's `block_parts` counts them so)
         if _recomputing_block.get():
             return torch.cat([checkpoint(torch.empty_like, part, use_reentrant=False) for part in parts])
-        firsts = [i * parts[0].shape[0] for i in range(len(parts))]
         return torch.cat([_checkpointed(_rows_from(run, keys, first), keys)(part)
-                          for first, part in zip(firsts, parts)])
+                          for first, part in zip((0, parts[0].shape[0]), parts)])
     return forward
 
 

@@ -260,7 +260,7 @@ def block_parts(seq: int, micro_batch: int, hidden: int, heads: int, *, element_
     # recomputed under SP, a block keeps its two gathered inputs whole (the region's regather
     # stands down under a checkpoint: `recompute.is_recomputed`), not as shards
     recomputed = kept + (2 * (b * s * h * e - b * s * h * e // t) if sp else 0)
-    first = -(-b // 2)
+    first = -(-b // 2)  # `recompute._mlp_in_row_chunks`' two chunks: ⌈b/2⌉ rows, then the rest
     # the other chunk's input gradient, and its weights' and biases' gradients (PyTorch sums a
     # parameter's gradients from the two chunks before adding them to its buffer)
     other = (b - first) * s * h * e // w + 2 * h * f * e // t + h * e + f * e // t
@@ -336,8 +336,8 @@ def torch_stage_activation_bytes(layers: int, seq: int, micro_batch: int, hidden
     - a micro-batch's forward keeps K: on the first stage the embedding's output (its dropout
       mask, the positions, int64; under tp the vocabulary-parallel lookup's local ids, 2·8
       bytes a token, and its mask), its blocks' `recompute_kept_bytes`, and on the last the
-      final LayerNorm's output and statistics and the loss's log-softmax (held until that
-      micro-batch's backward: under GPipe the last stage holds m of them);
+      final LayerNorm's output and statistics and what the loss keeps, the fp32 logits
+      (held until that micro-batch's backward: under GPipe the last stage holds m of them);
     - a non-first stage keeps the received activations of the micro-batches in flight, and
       every gradient it sent back until the step ends (gloo reports a send complete only when
       it is waited on; the engine waits on those at the step's end);
@@ -373,6 +373,9 @@ def torch_stage_activation_bytes(layers: int, seq: int, micro_batch: int, hidden
     w = t if sp else 1
     parts = block_parts(s, b, h, heads, element_bytes=e, attention=attention, dropout=dropout, ffn=ffn, tp=t, sp=sp)
     out = parts["out"]
+    from meshtrain.config import parse_recompute
+
+    recompute_mode = parse_recompute(recompute)[0]
     runs = _runs_of(layers, pp, stage, chunks, tuple(stage_layers) if stage_layers else None)
     ids = 17 * b * s if t > 1 else 0  # the vocabulary-parallel lookup's local ids (two int64 copies), its mask
     # the last stage keeps, per micro-batch until its backward, the final LayerNorm's output and
@@ -398,7 +401,7 @@ def torch_stage_activation_bytes(layers: int, seq: int, micro_batch: int, hidden
         sent = 0 if last else out  # a non-last stage's output stays alive (see above)
         if units:
             moments, earlier = [], 0
-            chunked_mlp = recompute.split(":")[0] == "full"
+            chunked_mlp = recompute_mode == "full"  # recompute.py runs its MLP in two chunks of rows
             for size in units:
                 redo = (parts["recomputed_peak"] if chunked_mlp else
                         size * parts["recomputed"] - out + parts["backward_extra"])
