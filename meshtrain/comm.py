@@ -74,12 +74,14 @@ class Comm:
         """Bytes sent so far, by (axis, collective)."""
         return dict(self._sent)
 
-    def _run(self, axis: str, kind: str, purpose: str | None, nbytes: float, async_op: bool, call):
-        """Count, then issue `call(group)`; a group of one does nothing."""
+    def _run(self, axis: str, kind: str, purpose: str | None, nbytes: float, async_op: bool, call,
+             channel: str | None = None):
+        """Count, then issue `call(group)` (the axis's group, or its `channel`); a group of
+        one does nothing."""
         if self.mesh.size(axis) == 1:
             return _Done() if async_op else None
         self._count(purpose or axis, kind, nbytes)
-        work = call(self.mesh.group(axis))
+        work = call(self.mesh.group(axis, channel))
         return work if async_op else None
 
     def all_reduce(self, tensor: torch.Tensor, axis: str, *, op=dist.ReduceOp.SUM, async_op: bool = False,
@@ -98,13 +100,14 @@ class Comm:
                          lambda g: _all_gather_tensor(output, shard, group=g, async_op=async_op))
 
     def reduce_scatter(self, output: torch.Tensor, tensor: torch.Tensor, axis: str, *, op=dist.ReduceOp.SUM,
-                       async_op: bool = False, purpose: str | None = None):
-        """`output` receives this rank's 1/n of `tensor` (dim 0) summed over the ranks of `axis`."""
+                       async_op: bool = False, purpose: str | None = None, channel: str | None = None):
+        """`output` receives this rank's 1/n of `tensor` (dim 0) summed over the ranks of `axis`
+        (on the axis's `channel`, if named: `Mesh.open_channel`)."""
         n = self.mesh.size(axis)
         if n == 1:
             output.copy_(tensor)
         return self._run(axis, "reduce_scatter", purpose, all_gather_bytes(_nbytes(tensor), n), async_op,
-                         lambda g: _reduce_scatter_tensor(output, tensor, op=op, group=g, async_op=async_op))
+                         lambda g: _reduce_scatter_tensor(output, tensor, op=op, group=g, async_op=async_op), channel)
 
     def gather_along(self, x: torch.Tensor, axis: str, dim: int, *, purpose: str | None = None) -> torch.Tensor:
         """Every rank's `x` concatenated along `dim` in coordinate order (a new tensor)."""
@@ -127,15 +130,25 @@ class Comm:
                          lambda g: dist.broadcast(tensor, group=g, async_op=async_op,
                                                   src=self.mesh.rank_at(axis, src_coord)))
 
-    def send(self, tensor: torch.Tensor, axis: str, offset: int, *, tag: int = 0, purpose: str | None = None):
-        """Send to the neighbour `offset` steps along `axis` (asynchronous: returns the handle)."""
-        peer = self._peer(axis, offset)
-        self._count(purpose or axis, "send", _nbytes(tensor))
-        return dist.isend(tensor.contiguous(), peer, tag=tag)
+    def exchange(self, ops: list[tuple[bool, torch.Tensor, int, int]], axis: str, *, purpose: str | None = None):
+        """One group of point-to-point transfers with neighbours along `axis`, issued together
+        through `batch_isend_irecv` (on NCCL one grouped call on the axis's communicator: the
+        transfers progress as a whole); returns their handles. `ops`: (is a send, tensor,
+        offset of the peer along the axis, tag — which NCCL ignores)."""
+        group, p2p = self.mesh.group(axis), []
+        for is_send, tensor, offset, tag in ops:
+            if is_send:
+                tensor = tensor.contiguous()
+                self._count(purpose or axis, "send", _nbytes(tensor))
+            p2p.append(dist.P2POp(dist.isend if is_send else dist.irecv, tensor, self._peer(axis, offset), group, tag))
+        return dist.batch_isend_irecv(p2p) if p2p else []
 
-    def recv(self, tensor: torch.Tensor, axis: str, offset: int, *, tag: int = 0):
-        """Receive into `tensor` from the neighbour `offset` steps along `axis` (returns the handle)."""
-        return dist.irecv(tensor, self._peer(axis, offset), tag=tag)
+    def prepare_p2p(self, axis: str) -> None:
+        """Collective over `axis`: NCCL makes a group's communicator at its first call, and a
+        batched point-to-point call that comes first must involve every rank of the group;
+        one tiny all-reduce makes it now (not counted: it moves no model data)."""
+        if self.mesh.size(axis) > 1:
+            dist.all_reduce(torch.zeros(1, device=self.mesh.device), group=self.mesh.group(axis))
 
     def _peer(self, axis: str, offset: int) -> int:
         peer = self.mesh.neighbour(axis, offset)

@@ -244,6 +244,18 @@ def fill_dp(lay: LayoutConfig, world_size: int | None) -> None:
         lay.dp = world_size // rest
 
 
+STRICT_P2P_ENV = "MESHTRAIN_STRICT_P2P"
+
+
+def strict_p2p_requested(environ=None) -> bool:
+    """Whether `MESHTRAIN_STRICT_P2P` (unset, 0 or 1) asks pipelines to check their transfers
+    under NCCL's rules on gloo (`parallel/pipeline/transport.py`)."""
+    value = (os.environ if environ is None else environ).get(STRICT_P2P_ENV, "0").strip()
+    if value not in ("0", "1", ""):
+        raise ConfigError(f"{STRICT_P2P_ENV}={value!r}: use 1 (point-to-point checked under NCCL's rules) or 0")
+    return value == "1"
+
+
 def validate(cfg: Config, world_size: int | None = None) -> None:
     """Reject a configuration that cannot work, with one line naming the flag to change.
     `world_size` is the number of processes a launcher already started, if any. An unset
@@ -256,6 +268,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         if value is not None and value < 1:  # only dp may be unset (None) here
             raise ConfigError(f"{_flag_of(section, name)} {value}: must be a positive integer")
     fill_dp(lay, world_size)
+    strict_p2p_requested()
     if tr.seed < 0:
         raise ConfigError(f"--seed {tr.seed}: must not be negative")
     if tr.device not in DEVICES:

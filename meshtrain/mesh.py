@@ -4,6 +4,8 @@ Strategies ask the mesh for their group and size; none computes ranks by hand.""
 
 from __future__ import annotations
 
+from itertools import product
+
 AXES = ("pp", "dp", "tp")
 
 
@@ -18,6 +20,7 @@ class Mesh:
         self._coord = dict(zip(AXES, coord))
         # Global rank at every coordinate, read once (for point-to-point peers).
         self._ranks = device_mesh.mesh.tolist() if device_mesh is not None else [[[0]]]
+        self._channels: dict[tuple[str, str], object] = {}  # (axis, name) -> a second group along the axis
 
     @classmethod
     def build(cls, pp: int, dp: int, tp: int, device) -> "Mesh":
@@ -53,8 +56,7 @@ class Mesh:
         """The global rank that shares this rank's other coordinates and sits at `coord` on `axis`."""
         if not 0 <= coord < self.size(axis):
             raise ValueError(f"coordinate {coord} is outside the {axis} axis of size {self.size(axis)}")
-        at = dict(self._coord, **{axis: coord})
-        return self._ranks[at["pp"]][at["dp"]][at["tp"]]
+        return self._global(dict(self._coord, **{axis: coord}))
 
     def neighbour(self, axis: str, offset: int, *, wrap: bool = False) -> int | None:
         """The global rank `offset` steps along `axis` (the next pipeline stage is
@@ -64,14 +66,38 @@ class Mesh:
             coord %= self.size(axis)
         return self.rank_at(axis, coord) if 0 <= coord < self.size(axis) else None
 
+    def axis_ranks(self, axis: str) -> list[list[int]]:
+        """The global ranks of every group along `axis`, each in coordinate order."""
+        others = [a for a in AXES if a != axis]
+        return [[self._global({**dict(zip(others, at)), axis: c}) for c in range(self.size(axis))]
+                for at in product(*(range(self.size(a)) for a in others))]
+
+    def _global(self, at: dict[str, int]) -> int:
+        return self._ranks[at["pp"]][at["dp"]][at["tp"]]
+
+    def open_channel(self, axis: str, name: str, backend: str | None = None) -> None:
+        """Collective over the whole world: a second process group along `axis`, `name`d
+        (`group(axis, name)`), apart from the axis's own. Collectives on one group must be
+        issued in the same order on every rank; two kinds of traffic whose order relative to
+        each other may differ between ranks each need a group of their own. `backend`: the
+        default group's when None."""
+        import torch.distributed as dist
+
+        if (axis, name) not in self._channels:
+            mine, _ = dist.new_subgroups_by_enumeration(self.axis_ranks(axis), backend=backend)
+            self._channels[(axis, name)] = mine
+
     def device_mesh(self, axis: str):
         """torch's one-dimensional DeviceMesh along `axis` (for PyTorch-native peers: DTensor)."""
         if self._dm is None:
             raise ValueError("the one-process mesh has no DeviceMesh")
         return self._dm[axis]
 
-    def group(self, axis: str):
-        """The process group of this rank along `axis` (None on the one-process mesh)."""
+    def group(self, axis: str, channel: str | None = None):
+        """The process group of this rank along `axis` (None on the one-process mesh), or
+        the channel `open_channel` made."""
+        if channel is not None:
+            return self._channels[(axis, channel)]
         return self._dm.get_group(axis) if self._dm is not None else None
 
     @property

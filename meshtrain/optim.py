@@ -7,6 +7,7 @@ axes, so the norm is the full model's whatever the layout."""
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -26,15 +27,36 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     return to_local() if to_local is not None else t
 
 
+class AdamWOnViews(torch.optim.AdamW):
+    """AdamW over tensors whose `.grad` is a view of buffers a synchroniser fills (ZeRO's
+    shards): `zero_grad()` zeroes those buffers in place (`zero_buffers`) whatever
+    `set_to_none` says. torch's default (None) would cut the views, and from then on AdamW
+    would skip every tensor — and clipping see a norm of 0 — while the synchroniser went on
+    filling the buffers; and zeroing only the views would leave the rest of a full gradient
+    buffer (ZeRO-1's) to add last step's gradients into the next."""
+
+    def __init__(self, params, *, zero_buffers: Callable[[], None], **options):
+        super().__init__(params, **options)
+        self._zero_buffers = zero_buffers
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._zero_buffers()
+
+
 def build_optimizer(named_params: list[tuple[str, nn.Parameter]], decay: set[str],
-                    cfg: TrainConfig) -> torch.optim.Optimizer:
+                    cfg: TrainConfig, *, zero_buffers: Callable[[], None] | None = None) -> torch.optim.Optimizer:
     """AdamW; the parameters named in `decay` (matrices, as in GPT-2 and nanoGPT: decided on
     the full parameters, since a shard's shape says nothing) decay, biases and norms do not.
-    The tensors are stepped as given: parameters, or ZeRO's pieces of them."""
+    The tensors are stepped as given: parameters, or ZeRO's pieces of them, whose gradients
+    are views of the buffers `zero_buffers` zeroes (`AdamWOnViews`)."""
     params = named_params
     groups = [{"params": [p for n, p in params if n in decay], "weight_decay": cfg.weight_decay},
               {"params": [p for n, p in params if n not in decay], "weight_decay": 0.0}]
-    return torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
+    options = dict(lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
+    groups = [g for g in groups if g["params"]]
+    if zero_buffers is not None:
+        return AdamWOnViews(groups, zero_buffers=zero_buffers, **options)
+    return torch.optim.AdamW(groups, **options)
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:

@@ -176,10 +176,8 @@ def _collectives(mesh):
     b = torch.tensor([float(r)] * 3)
     comm.broadcast(b, "dp", src_coord=1)
     got = torch.empty(5)
-    if r == 0:
-        comm.send(torch.arange(5.0), "dp", +1).wait()
-    else:
-        comm.recv(got, "dp", -1).wait()
+    for work in comm.exchange([(True, torch.arange(5.0), +1, 0)] if r == 0 else [(False, got, -1, 0)], "dp"):
+        work.wait()
     return {"gathered": gathered, "scattered": scattered, "broadcast": b, "got": got, "sent": comm.totals(),
             "neighbours": (mesh.neighbour("dp", -1), mesh.neighbour("dp", +1), mesh.neighbour("dp", 1, wrap=True))}
 

@@ -2,6 +2,7 @@
 schedule and the 3D layouts through verify, memory in flight, and the p2p traffic."""
 
 import json
+import os
 
 import pytest
 import torch
@@ -55,22 +56,26 @@ def pp_config(pp, schedule="1f1b", microbatches=4, chunks=1, dp=1, tp=1, sp=Fals
     return c
 
 
-def _records(mesh, cfgs):
+def _records(mesh, cfgs, strict=False):
+    """verify's records of each layout; `strict`: under the strict p2p mode (NCCL's rules
+    checked on gloo, `transport.py`)."""
+    os.environ["MESHTRAIN_STRICT_P2P"] = "1" if strict else "0"
     return [verify.record(cfg, Comm(mesh), "layout") for cfg in cfgs]
 
 
 SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb", 1)]
 
 
-@pytest.mark.parametrize("world, sizes, cfgs", [
-    (2, {"pp": 2}, [pp_config(2, s, 4, c) for s, c in SCHEDULES]),
-    (4, {"pp": 4}, [pp_config(4, s, 8, c) for s, c in SCHEDULES]),
-    (4, {"pp": 2}, [pp_config(2, "1f1b", 2, dp=2), pp_config(2, "interleaved", 2, 2, dp=2)]),
-    (4, {"pp": 2, "tp": 2}, [pp_config(2, "1f1b", 2, tp=2), pp_config(2, "interleaved", 2, 2, tp=2, sp=True)]),
-    (8, {"pp": 2, "tp": 2}, [pp_config(2, "1f1b", 2, dp=2, tp=2), pp_config(2, "interleaved", 2, 2, dp=2, tp=2)]),
-], ids=["pp2-every-schedule", "pp4-every-schedule", "dp2-pp2", "tp2-pp2", "dp2-tp2-pp2"])
-def test_pipeline_layouts_pass_verify(world, sizes, cfgs):
-    for cfg, rec in zip(cfgs, run_ranks(_records, world, cfgs, **sizes)[0]):
+@pytest.mark.parametrize("world, sizes, cfgs, strict", [
+    (2, {"pp": 2}, [pp_config(2, s, 4, c) for s, c in SCHEDULES], True),
+    (4, {"pp": 4}, [pp_config(4, s, 8, c) for s, c in SCHEDULES], True),
+    (4, {"pp": 2}, [pp_config(2, "1f1b", 2, dp=2), pp_config(2, "interleaved", 2, 2, dp=2)], False),
+    (4, {"pp": 2, "tp": 2}, [pp_config(2, "1f1b", 2, tp=2), pp_config(2, "interleaved", 2, 2, tp=2, sp=True)], False),
+    (8, {"pp": 2, "tp": 2}, [pp_config(2, "1f1b", 2, dp=2, tp=2), pp_config(2, "interleaved", 2, 2, dp=2, tp=2)],
+     False),
+], ids=["pp2-every-schedule-strict", "pp4-every-schedule-strict", "dp2-pp2", "tp2-pp2", "dp2-tp2-pp2"])
+def test_pipeline_layouts_pass_verify(world, sizes, cfgs, strict):
+    for cfg, rec in zip(cfgs, run_ranks(_records, world, cfgs, strict, **sizes)[0]):
         result = verify.compare(rec, verify.run_reference(cfg, rec))
         assert result["passed"], (cfg.layout.short(), result["failures"])
 

@@ -71,18 +71,97 @@ def _swap(lists, stage, i, j):
 
 def test_the_simulator_refuses_a_schedule_that_cannot_run():
     lists = S.schedule("1f1b", 2, 2)
-    # stage 1 waits for a gradient before sending the activation stage 0 waits for: deadlock
-    first_recv_grad = next(i for i, op in enumerate(lists[0]) if isinstance(op, S.RecvGrad))
-    with pytest.raises(ScheduleError, match="deadlock"):
-        simulate([[S.RecvGrad(0)] + lists[0], lists[1]], microbatches=2)
     # a backward before its forward on the same stage
     back = next(i for i, op in enumerate(lists[1]) if isinstance(op, S.Backward))
     fwd = next(i for i, op in enumerate(lists[1]) if isinstance(op, S.Forward) and op.mb == lists[1][back].mb)
     with pytest.raises(ScheduleError):
         simulate(_swap(lists, 1, back, fwd), microbatches=2)
-    # a micro-batch whose backward is missing
+    # a micro-batch whose gradient is never received
+    first_recv_grad = next(i for i, op in enumerate(S.flat(lists[0])) if isinstance(op, S.RecvGrad))
     with pytest.raises(ScheduleError, match="sent but never received|forward then backward"):
-        simulate([lists[0][:first_recv_grad], lists[1]], microbatches=2)
+        simulate([S.flat(lists[0])[:first_recv_grad], lists[1]], microbatches=2)
+
+
+# ---- NCCL's rules ---------------------------------------------------------------------------
+
+def ungrouped(name, p, m, v=1):
+    """The lists as this project issued them before it grouped transfers (the fixture the
+    rules must refuse): each transfer alone, a receive right before the compute that needs
+    it and a send right after the one that makes it."""
+    lists = []
+    for s in range(p):
+        out = []
+        for op in S.compute_order(name, s, p, m, v):
+            receives, sends = S.transfers_of(s, op, p, v)
+            out += receives + [op] + sends
+        lists.append(out + [S.SyncGrads(), S.OptimizerStep()])
+    return lists
+
+
+def test_a_lone_send_waits_for_its_receive_so_two_stages_that_send_first_jam():
+    """Stage 0 sends an activation while stage 1 sends a gradient, each alone: neither
+    receive is posted, so both wait for ever (gloo would buffer both and go on)."""
+    lists = [[S.Forward(0), S.Transfers((S.SendActivation(1),)), S.Transfers((S.RecvGrad(0),)), S.Backward(0)],
+             [S.Forward(1), S.Backward(1), S.Transfers((S.SendGrad(0),)), S.Transfers((S.RecvActivation(1),))]]
+    with pytest.raises(ScheduleError, match="deadlock"):
+        simulate(lists)
+    together = [[lists[0][0], S.Transfers((S.SendActivation(1), S.RecvGrad(0))), lists[0][3]],
+                [lists[1][0], lists[1][1], S.Transfers((S.SendGrad(0), S.RecvActivation(1)))]]
+    simulate(together)  # one group each: both progress
+
+
+def test_messages_between_two_stages_match_by_order_whatever_their_kind():
+    """Tags are ignored: the k-th message stage 0 sends to stage 1 is the k-th stage 1
+    receives from it, so a receive order other than the send order is refused."""
+    lists = [[S.Forward(0), S.Forward(1), S.Transfers((S.SendActivation(0), S.SendActivation(1)))],
+             [S.Transfers((S.RecvActivation(1), S.RecvActivation(0))), S.Forward(0, 0), S.Forward(1, 0)]]
+    with pytest.raises(ScheduleError, match="matches by order"):
+        simulate(lists, chunks=1)
+
+
+@pytest.mark.parametrize("name, shapes", [
+    ("1f1b", [(p, m, 1) for p in (2, 3, 4) for m in (2, 4, 7)]),
+    ("zb", [(p, m, 1) for p in (2, 3, 4) for m in (2, 4, 7)]),
+    ("interleaved", [(p, k * p, v) for p in (2, 3, 4) for k in (1, 2) for v in (1, 2, 3)]),
+])
+def test_the_lists_issued_one_transfer_at_a_time_jam_under_nccls_rules(name, shapes):
+    for p, m, v in shapes:
+        with pytest.raises(ScheduleError, match="deadlock"):
+            simulate(ungrouped(name, p, m, v), v, microbatches=m)
+        simulate(S.schedule(name, p, m, v), v, microbatches=m)
+
+
+def test_interleaved_needs_its_forward_and_backward_as_one_step():
+    """Grouping per instruction is enough for 1F1B and zero-bubble but not for interleaved,
+    which still jams at p = 2 from m = 4 (and at 3, 4): its steady state pairs a forward and
+    a backward with no transfer between them, as Megatron's does."""
+    for p, m in [(2, 4), (2, 6), (3, 6), (4, 8)]:
+        per_instruction = [S.with_communication(s, S.compute_order("interleaved", s, p, m, 2), p, 2) for s in range(p)]
+        with pytest.raises(ScheduleError, match="deadlock"):
+            simulate(per_instruction, 2, microbatches=m)
+
+
+def test_every_schedule_passes_nccls_rules_for_random_shapes():
+    """The property: random (schedule, p, m, v) run to the end under NCCL's rules, with the
+    same compute as the textbook figures; no case of today's one-at-a-time lists except
+    GPipe's (which only ever sends one way at a time) does."""
+    rng = random.Random(1)
+    for _ in range(200):
+        name = rng.choice(S.SCHEDULES)
+        p = rng.randint(2, 6)
+        v = rng.randint(1, 3) if name == "interleaved" else 1
+        m = p * rng.randint(1, 3) if name == "interleaved" else rng.randint(2, 12)
+        simulate(S.schedule(name, p, m, v), v, microbatches=m)
+        if name != "gpipe":
+            with pytest.raises(ScheduleError):
+                simulate(ungrouped(name, p, m, v), v, microbatches=m)
+
+
+def test_groups_of_sends_do_not_hold_up_compute():
+    """A stage computes on while its sends wait for their receives (NCCL's stream is not the
+    compute stream): zero-bubble keeps its (p − 1)(F + B − W) bubble under the rules."""
+    ideal = M * 3
+    assert run("zb").makespan - ideal == (P - 1) * (1 + 1 - 1)
 
 
 def test_schedules_and_simulator_are_pure():

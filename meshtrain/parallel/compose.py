@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 
 from meshtrain.comm import Comm
-from meshtrain.config import LayoutConfig, TrainConfig
+from meshtrain.config import LayoutConfig, TrainConfig, strict_p2p_requested
 from meshtrain.loss import cross_entropy_sum
 from meshtrain.models import find_block_list
 from meshtrain.optim import build_optimizer
@@ -169,7 +169,7 @@ def parallelize(model: nn.Module, comm: Comm, layout: LayoutConfig, train: Train
         lists = schedule(layout.schedule, comm.mesh.size("pp"), layout.microbatches, layout.chunks)
         dtype = next(model.parameters()).dtype
         runner = PipelineRunner(stage, lists[comm.mesh.coord("pp")], comm, pipeline.activation_shape(micro_rows, seq),
-                                dtype)
+                                dtype, strict_p2p=strict_p2p_requested())
     whole = []  # parameters that sequence parallelism leaves whole: their gradients are summed over tp
     if comm.mesh.size("tp") > 1:
         if plan is None:
@@ -200,13 +200,14 @@ def parallelize(model: nn.Module, comm: Comm, layout: LayoutConfig, train: Train
                             elsewhere=linear.params if linear else [], **dp_options)
         trained = [(n, q) for n, q in model.named_parameters() if q.requires_grad]
     if compute_dtype == torch.float32:
-        optimizer = build_optimizer(trained, decay, train)
+        optimizer = build_optimizer(trained, decay, train, zero_buffers=zero.zero_grad if zero is not None else None)
     else:  # fp32 masters; they hold the gradients too when those live apart in fp32
         grads = None
         if grad_dtype != compute_dtype:
             grads = zero.piece_grads if zero is not None else {
                 t: (linear if linear and linear.owns(t) else sync).grad_view(t) for _, t in trained}
-        optimizer = MasterWeights(trained, decay, train, grads=grads)
+        optimizer = MasterWeights(trained, decay, train, grads=grads,
+                                  zero_buffers=zero.zero_grad if zero is not None else None)
     holdings = None
     if zero is not None:
         if layout.zero < 3:

@@ -36,9 +36,13 @@ class MasterWeights:
     loop (`param_groups`, `state`, `step`, `zero_grad`, `register_step_post_hook`)."""
 
     def __init__(self, named: list[tuple[str, torch.Tensor]], decay: set[str], cfg: TrainConfig,
-                 grads: dict[torch.Tensor, torch.Tensor] | None = None):
+                 grads: dict[torch.Tensor, torch.Tensor] | None = None,
+                 zero_buffers: Callable[[], None] | None = None):
         """`grads`: where each tensor's gradient lives when it is kept apart from the tensor
-        (`--grad-dtype fp32`: fp32 buffers, which become the masters' `.grad` for good)."""
+        (`--grad-dtype fp32`: fp32 buffers, which become the masters' `.grad` for good);
+        `zero_buffers`: what `zero_grad` zeroes when a synchroniser owns the gradient buffers
+        (ZeRO: `optim.AdamWOnViews` says why)."""
+        self._zero_buffers = zero_buffers
         self.tensors = [t for _, t in named]
         self.persistent_grads = grads is not None
         self.masters: dict[torch.Tensor, torch.Tensor] = {}
@@ -77,6 +81,10 @@ class MasterWeights:
             hook(self, (), {})
 
     def zero_grad(self, set_to_none: bool = False) -> None:
+        """In place whatever `set_to_none` says (the buffers are views a synchroniser fills)."""
+        if self._zero_buffers is not None:
+            self._zero_buffers()
+            return
         for t in self.tensors:
             grad = self.masters[t].grad if self.persistent_grads else t.grad
             if grad is not None:

@@ -22,8 +22,19 @@ stepping the whole; matrices and vectors keep their own weight decay). Per stage
   reduce-scattered. 3Ψ of traffic: two all-gathers and one reduce-scatter.
 
 Gradients are sums (the loss is divided by the global token count), so a reduce-scatter with
-SUM gives each rank its shard of the full-batch gradient. Collectives are issued in the
-order backward completes groups, which is the same on every rank."""
+SUM gives each rank its shard of the full-batch gradient.
+
+Collectives go out in a fixed order on every rank, whatever order gradients become ready in
+(as DP's buckets do): a model whose branch, chosen by the batch, skips a block on some ranks
+would otherwise launch equal-sized collectives in different orders, which mixes data
+silently on gloo and hangs NCCL. Reduce-scatters follow `_order` (the order backward fills
+the groups: buckets by index; stage 3's units last to first, then the rest); a group that is
+ready waits for those before it, and at the end of each backward every group not yet reduced
+is, with zeros where no gradient came. Under stage 3 a unit that a forward or backward passes
+by is gathered anyway, where its peers gather it (between its neighbours: `_catch_up_*`,
+driven by hooks on the whole model, so not under pipelines, whose stages run their parts
+themselves), and its zeros reduced; and reduce-scatters go on a channel of their own
+(`Mesh.open_channel`), so that their order relative to the gathers may differ between ranks."""
 
 from __future__ import annotations
 
@@ -177,12 +188,27 @@ class Zero:
         for p in self._group_of:
             p.register_post_accumulate_grad_hook(self._on_grad_ready)
         self._sync, self._pending, self._callback_queued = True, [], False
+        # The fixed order of reduce-scatters, and how far this backward (or sync) has gone.
+        self._order = self.groups if stage < 3 else self.groups[:self.n_units][::-1] + self.groups[self.n_units:]
+        self._next, self._reduced_this_step = 0, False
+        self._skipped: set[FlatGroup] = set()  # stage 3: units a backward passed by: reduced as zeros
+        self._channel = None
+        if stage == 3 and comm.mesh.size(axis) > 1:
+            self._channel = "zero-reduce-scatter"
+            comm.mesh.open_channel(axis, self._channel)
+        # Stage 3's cursors through the units, when the whole model's forward is seen (None: not).
+        self._forward_at: int | None = None
+        self._backward_at: int | None = None
+        self._ran: set[int] = set()  # the units whose forward ran in the pass being tracked
+        self._tracking = False
         self._by_storage: dict[int, FlatGroup] = {}  # gathered groups, by their buffer's address
         self._saving: list = []  # saved-tensor hooks entered by units running forward
         self.live_gathered = self.peak_gathered = 0
         if stage == 3:
             for g, (_, _, owners) in zip(self.groups, grouped):
                 self._hook_forward(g, owners)
+            model.register_forward_pre_hook(self._model_forward_begins)
+            model.register_forward_hook(self._model_forward_ends)
 
     def pieces_of(self, params: list[nn.Parameter]) -> list[torch.Tensor]:
         """The pieces (tensors with `.grad`) of some parameters, in order."""
@@ -203,16 +229,29 @@ class Zero:
                                    "buffer already being reduced. Run all but the last micro-batch under no_sync(); "
                                    "the gradients were reset")
         g.ready.add(p)
-        if g.complete():
+        self._queue_end_of_backward()
+        self._reduce_in_order()
+
+    def _queue_end_of_backward(self) -> None:
+        if self.stage > 1 and not self._callback_queued:
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+
+    def _reduce_in_order(self, everything: bool = False) -> None:
+        """Launch the reduce-scatters of the groups that are ready, in `_order`; a ready group
+        waits for those before it. `everything`: all the rest now (zeros where no gradient)."""
+        while self._next < len(self._order):
+            g = self._order[self._next]
+            if not (everything or g.complete() or g in self._skipped):
+                return
             self._reduce(g)
-            if self.stage > 1 and not self._callback_queued:  # wait for them at the end of this backward
-                self._callback_queued = True
-                torch.autograd.Variable._execution_engine.queue_callback(self._drain)
+            self._next += 1
 
     def _reduce(self, g: FlatGroup) -> None:
         """Launch the reduce-scatter of a group's gradients into this rank's shard."""
         g.ready.clear()
         g.reduced = True
+        self._skipped.discard(g)
         if self.stage == 1:
             source = g.grad_full
         else:
@@ -220,9 +259,21 @@ class Zero:
             for p in g.params:
                 p.grad = None
         out = _buffer(g.shard_size, g.shard, self.grad_dtype)
-        self._pending.append((g, self.comm.reduce_scatter(out, source, self.axis, async_op=True), out, source))
+        work = self.comm.reduce_scatter(out, source, self.axis, async_op=True, channel=self._channel)
+        self._pending.append((g, work, out, source))
         if self.stage == 3:
             self._free(g)  # its gradients are out: the full parameters are no longer needed
+
+    def _end_of_backward(self) -> None:
+        """Every group reduced once per backward (stages 2 and 3), in order: the units this
+        backward passed by at its end, then whatever got no (or not all) gradients."""
+        self._callback_queued = False
+        if self._backward_at is not None:
+            self._catch_up_backward(-1)
+            self._backward_at = None
+        self._reduce_in_order(everything=True)
+        self._next, self._reduced_this_step = 0, True
+        self._drain()
 
     def _drain(self) -> None:
         """Wait for the reduce-scatters in flight and take their results into the shards."""
@@ -237,11 +288,12 @@ class Zero:
         self._pending.clear()
 
     def finish_grad_sync(self) -> None:
-        """Every shard's gradient summed: groups not reduced yet (stage 1, or parameters
-        that got no gradient) are reduced now, in index order; then all are waited for."""
-        for g in self.groups:
-            if (self.stage == 1 and not g.reduced) or (self.stage > 1 and g.ready):
-                self._reduce(g)  # gradients not produced count as zeros
+        """Every shard's gradient summed: groups not reduced yet (stage 1; or stages 2 and 3
+        when no backward reached them) are reduced now, in order, with zeros where no
+        gradient came; then all are waited for."""
+        if self.stage == 1 or not self._reduced_this_step:
+            self._reduce_in_order(everything=True)
+        self._next, self._reduced_this_step = 0, False
         self._drain()
         for g in self.groups:
             self._free(g)  # stage 3: nothing stays gathered between steps
@@ -252,6 +304,8 @@ class Zero:
             work.wait()
         self._pending.clear()
         self._callback_queued, self._sync = False, True
+        self._next, self._reduced_this_step, self._forward_at, self._backward_at = 0, False, None, None
+        self._skipped.clear()
         for g in self.groups:
             g.ready.clear()
             g.reduced = False
@@ -328,12 +382,49 @@ class Zero:
     def _is_unit(self, index: int) -> bool:
         return 0 <= index < self.n_units
 
+    def _model_forward_begins(self, module, args) -> None:
+        if not _in_backward():  # (a checkpoint's recomputation runs forwards inside backward)
+            self._forward_at, self._tracking = 0, True
+            self._ran.clear()
+
+    def _model_forward_ends(self, module, args, output) -> None:
+        if self._forward_at is not None and not _in_backward():
+            self._catch_up_forward(self.n_units)
+            self._forward_at = None
+
+    def _catch_up_forward(self, unit: int) -> None:
+        """The units this forward passed by before `unit`: gathered anyway (their peers gather
+        them here), then treated as after their forward."""
+        for j in range(self._forward_at, unit):
+            self._gather(self.groups[j])
+            if self.reshard_after_forward:
+                self._free(self.groups[j])
+        self._forward_at = max(self._forward_at, unit)
+
+    def _catch_up_backward(self, unit: int) -> None:
+        """The units down to `unit` (exclusive), last first, that the forward passed by: no
+        gradient comes to them; gathered anyway, as their peers gather them, and their zeros
+        reduced in their turn. (Hooks need not come in unit order — a checkpointed segment's
+        blocks do not — so only the units that did not run are passed by.)"""
+        for j in range(self._backward_at, unit, -1):
+            if j not in self._ran:
+                self._gather(self.groups[j])
+                self._skipped.add(self.groups[j])
+        self._backward_at = min(self._backward_at, unit)
+        self._reduce_in_order()
+
     def _before_forward(self, g: FlatGroup, module, args) -> None:
         if passes_through(module):
             return
+        tracked = self._is_unit(g.index) and self._forward_at is not None and not _in_backward()
+        if tracked:
+            self._catch_up_forward(g.index)
         self._gather(g)
         if self._is_unit(g.index + 1):
             self._launch_gather(self.groups[g.index + 1])  # prefetch: overlaps this unit's forward
+        if tracked:
+            self._forward_at = g.index + 1
+            self._ran.add(g.index)
         if torch.is_grad_enabled():
             # Under activation checkpointing the checkpoint saves nothing of the unit (its
             # recomputation uses the parameters gathered then), and hooks entered inside it
@@ -364,6 +455,12 @@ class Zero:
     def _before_backward(self, g: FlatGroup, grad) -> None:
         """A unit's output has its gradient: its backward is next. Gather its parameters
         again (and launch the gather of the unit before it)."""
+        if self._tracking and self._is_unit(g.index):
+            if self._backward_at is None:
+                self._backward_at = self.n_units - 1
+                self._queue_end_of_backward()
+            self._catch_up_backward(g.index)
+            self._backward_at = min(self._backward_at, g.index - 1)
         self._gather_for_backward(g)
         if self._is_unit(g.index) and self._is_unit(g.index - 1):
             self._launch_gather(self.groups[g.index - 1])
@@ -390,6 +487,10 @@ class Zero:
             g.work.wait()
             g.work = None
         return torch.as_strided(g.full, saved.size, saved.stride, saved.offset)
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
 
 
 def _tensors(output) -> list[torch.Tensor]:

@@ -299,24 +299,37 @@ def recompute_kept_bytes(blocks: int, parts: dict[str, int], recompute: str = "n
 @lru_cache(maxsize=4096)
 def _chunks_at_backwards(schedule: str, pp: int, stage: int, microbatches: int,
                          chunks: int) -> tuple[tuple[int, tuple[int, ...], int, int], ...]:
-    """For each backward of the stage, in order, by walking the schedule's instructions: its
+    """For each backward of the stage, in order, by walking the stage's instruction list: its
     chunk; the micro-batches each chunk holds then (forwarded and not yet backwarded, the one
     being backwarded included; under the zero-bubble schedule a micro-batch is held until
     its weight gradient); the activations received and still held (a chunk's input, but the
-    first virtual stage's); the input gradients sent back before it."""
+    first virtual stage's); the outputs not yet sent (interleaved sends a step's forward
+    output after its backward) and the messages sent and not yet known complete — outputs
+    and input gradients, which the engine frees when a later group with a receive (or the
+    step's end) has waited for them (`transport.py`)."""
     from meshtrain.parallel.pipeline import schedules as S
 
     if pp == 1:
         return ((0, (1,), 0, 0),) * microbatches
-    held, received, sent, found = [0] * chunks, 0, 0, []
-    for op in S.compute_order(schedule, stage, pp, microbatches, chunks):
+    last = pp * chunks - 1
+    held, received, unsent, in_flight, found = [0] * chunks, 0, 0, 0, []
+    steps = S.compute_steps(schedule, stage, pp, microbatches, chunks)
+    for op in S.with_communication(stage, steps, pp, chunks):
+        if isinstance(op, S.Transfers):
+            outputs = sum(isinstance(t, S.SendActivation) for t in op.ops)
+            unsent -= outputs
+            if any(isinstance(t, (S.RecvActivation, S.RecvGrad)) for t in op.ops):
+                in_flight = 0  # waited for as a whole, with every group before it
+            else:
+                in_flight += len(op.ops)  # sends only: waited for later
+            continue
         receives = op.chunk * pp + stage > 0
         if isinstance(op, S.Forward):
             held[op.chunk] += 1
             received += receives
+            unsent += op.chunk * pp + stage < last  # an output to send (in the same step as a backward)
         elif isinstance(op, (S.Backward, S.BackwardInput)):
-            found.append((op.chunk, tuple(held), received, sent))
-            sent += receives
+            found.append((op.chunk, tuple(held), received, unsent + in_flight))
         if isinstance(op, (S.Backward, S.BackwardWeight)):
             held[op.chunk] -= 1
             received -= receives
@@ -338,9 +351,10 @@ def torch_stage_activation_bytes(layers: int, seq: int, micro_batch: int, hidden
       bytes a token, and its mask), its blocks' `recompute_kept_bytes`, and on the last the
       final LayerNorm's output and statistics and what the loss keeps, the fp32 logits
       (held until that micro-batch's backward: under GPipe the last stage holds m of them);
-    - a non-first stage keeps the received activations of the micro-batches in flight, and
-      every gradient it sent back until the step ends (gloo reports a send complete only when
-      it is waited on; the engine waits on those at the step's end);
+    - a non-first stage keeps the received activations of the micro-batches in flight; a
+      chunk's output (and an input gradient sent back) lives until its send is known
+      complete, when a later group with a receive has been waited for: the messages sent and
+      not yet waited for at that backward, one activation's size each;
     - at the backward of micro-batch k (order by the schedule), the n micro-batches
       in flight (n = min(p − stage, m − k) under 1F1B) hold K each — under the interleaved
       schedule the K of the chunk each sits in, each chunk a run of its own (the first
@@ -398,7 +412,8 @@ def torch_stage_activation_bytes(layers: int, seq: int, micro_batch: int, hidden
         per_mb = before + kept_blocks + after
         units = recompute_units(blocks, recompute)
         grad = out  # the gradient of the stage's output (received, or the final LayerNorm's)
-        sent = 0 if last else out  # a non-last stage's output stays alive (see above)
+        if not last:
+            per_mb -= out  # its output is freed once sent (counted apart while the send is in flight)
         if units:
             moments, earlier = [], 0
             chunked_mlp = recompute_mode == "full"  # recompute.py runs its MLP in two chunks of rows
@@ -408,9 +423,9 @@ def torch_stage_activation_bytes(layers: int, seq: int, micro_batch: int, hidden
                 again = (size - 1) * parts["recomputed"] + parts["forward_peak"]
                 moments.append(earlier * out + max(redo, again))
                 earlier += 1
-            current = before + max(moments) + grad + sent
+            current = before + max(moments) + grad
         else:
-            current = before + kept_blocks - (0 if sent else out) + grad + parts["backward_extra"]
+            current = before + kept_blocks - out + grad + parts["backward_extra"]
         # under the zero-bubble schedule the loss's backward keeps the graph (and the logits) for
         # the weight pass, which computes the head's weight gradient from the logits' gradient;
         # the logits are still held while the micro-batch's blocks backward
@@ -429,8 +444,7 @@ def torch_stage_activation_bytes(layers: int, seq: int, micro_batch: int, hidden
     peak = 0
     for c, held, received, sent in _chunks_at_backwards(schedule, pp, stage, microbatches, chunks):
         # the micro-batches in flight keep theirs, the one backwarded is at its largest; the
-        # received activations in flight and the gradients already sent back (gloo reports a
-        # send complete only when waited on: at the step's end)
+        # received activations in flight and the messages sent and not yet waited for
         kept = sum(n * chunk[i][0] for i, n in enumerate(held)) - chunk[c][0]
         peak = max(peak, kept + chunk[c][1] + (received + sent) * out)
     return peak

@@ -14,7 +14,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 from meshtrain.parallel.pipeline.schedules import (COMPUTE, Backward, Forward, RecvActivation, RecvGrad,
-                                                   SendActivation, SendGrad, schedule)
+                                                   SendActivation, SendGrad, flat, schedule)
 from meshtrain.parallel.pipeline.simulate import message_key
 
 
@@ -26,7 +26,7 @@ def pipeline_time(schedule_name: str, microbatches: int, chunks: int, stage_cost
     at full speed; a chunk of an interleaved stage takes 1/chunks of it, and a zero-bubble
     stage's input and weight gradients half of the backward each."""
     p = len(stage_costs)
-    lists = schedule(schedule_name, p, microbatches, chunks)
+    lists = [flat(ops) for ops in schedule(schedule_name, p, microbatches, chunks)]  # sends buffered
     at, left = [0] * p, [None] * p  # next instruction; work left of the computation running
     busy = [0.0] * p
     sent: dict[tuple, float] = {}

@@ -1,14 +1,17 @@
 """The pipeline executor: runs one stage's instruction list (from `schedules`) with real
 point-to-point transfers — the same lists the simulator runs and `meshtrain schedule` draws.
 
-An interpreter maps each instruction type to a method. Every received tensor gets a buffer
+An interpreter maps each instruction type to a method. Transfers come in the schedule's
+groups (`Transfers`), each issued as one `batch_isend_irecv` by the stage's `Transport`,
+which waits as NCCL's stream would (a group with a receive before the next compute, sends
+when a later group is waited for or at the step's end). Every received tensor gets a buffer
 of its own (a buffer reused while an earlier micro-batch still needs it for its weight
-gradient would silently corrupt that gradient). A stage's output is freed right after its
-send completes (the autograd graph keeps what backward needs). The loss is computed on the
-last stage only. Data-parallel gradient sync fires only on the stage's last backward
-instruction (the last weight gradient under zero-bubble); every earlier one runs under the
-synchroniser's `no_sync`. Transfers carry a tag naming (kind, micro-batch, chunk), so a
-receive can only match its own send."""
+gradient would silently corrupt that gradient). A stage's output is freed once its send has
+completed (the autograd graph keeps what backward needs). The loss is computed on the last
+stage only. Data-parallel gradient sync fires only on the stage's last backward instruction
+(the last weight gradient under zero-bubble); every earlier one runs under the
+synchroniser's `no_sync`. On gloo transfers also carry a tag naming (kind, micro-batch,
+chunk); NCCL ignores tags, and the simulator proves that order alone pairs them right."""
 
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ import torch
 from meshtrain.comm import Comm
 from meshtrain.parallel.pipeline import schedules as S
 from meshtrain.parallel.pipeline.stages import Stage
+from meshtrain.parallel.pipeline.transport import Transfer, Transport
 
 PP = "pp"
 
@@ -26,9 +30,11 @@ PP = "pp"
 class PipelineRunner:
     """The step runner of a pipeline stage (it stands where `PlainRunner` stands)."""
 
-    def __init__(self, stage: Stage, instructions: list[S.Instruction], comm: Comm, activation_shape: tuple[int, ...],
-                 dtype: torch.dtype):
+    def __init__(self, stage: Stage, instructions: list, comm: Comm, activation_shape: tuple[int, ...],
+                 dtype: torch.dtype, *, strict_p2p: bool = False):
+        """Collective (every rank of the world): it prepares the pp axis's transport."""
         self.stage, self.instructions, self.comm = stage, instructions, comm
+        self.transport = Transport(comm, PP, strict=strict_p2p)
         self.activation_shape, self.dtype = activation_shape, dtype
         self.recorder = None  # a trace.Recorder: `train --trace` times every compute instruction
         backwards = [i for i, op in enumerate(instructions) if isinstance(op, (S.Backward, S.BackwardWeight))]
@@ -38,21 +44,19 @@ class PipelineRunner:
         """Run this stage's instructions for one step; returns the summed loss ÷ normalizer of
         the micro-batches whose loss this stage computed (zero elsewhere), detached."""
         self._p, self._micro_batch, self._normalizer = p, micro_batch, normalizer
-        self._inputs, self._outputs, self._grads, self._sends = {}, {}, {}, []
-        self._output_sends = {}  # (micro-batch, chunk) -> the handle of its output's send
+        self._inputs, self._outputs, self._grads = {}, {}, {}
         self._total = torch.zeros((), device=self.comm.mesh.device)
         if self.recorder is not None:
             self.comm.barrier(PP)
             self.recorder.start_step()
         try:
             for index, op in enumerate(self.instructions):
-                self._free_sent_outputs()
                 sync = index == self._last_backward
                 with nullcontext() if sync else p.grad_sync.no_sync(), self._timing(op):
                     getattr(self, "_" + type(op).__name__)(op)
-            for work, _ in self._sends:
-                work.wait()
+            self.transport.drain()
         except BaseException:
+            self.transport.abandon()
             p.grad_sync.reset()
             raise
         return self._total
@@ -62,53 +66,55 @@ class PipelineRunner:
 
     # ---- transfers ----------------------------------------------------------------------------
 
-    def _tag(self, kind: int, op: S.Instruction, chunk: int) -> int:
-        return (kind * self.stage.chunks + chunk) * 1_000_000 + op.mb
-
-    def _peer_offset(self, chunk: int, step: int) -> tuple[int, int]:
-        """The pp offset to the virtual stage `step` away from this chunk's, and its chunk."""
-        other = self.stage.virtual(chunk) + step
+    def _peer(self, op: S.Instruction) -> tuple[int, int]:
+        """The pp offset to the other end of a transfer, and that end's chunk."""
+        step = +1 if isinstance(op, (S.SendActivation, S.RecvGrad)) else -1
+        other = self.stage.virtual(op.chunk) + step
         return other % self.stage.stages - self.stage.stage, other // self.stage.stages
 
-    def _send(self, tensor: torch.Tensor, kind: int, op: S.Instruction, step: int, then_free=None) -> None:
-        offset, chunk = self._peer_offset(op.chunk, step)
-        self._sends.append((self.comm.send(tensor, PP, offset, tag=self._tag(kind, op, chunk)), then_free))
-        if then_free is not None:
-            self._output_sends[(op.mb, op.chunk)] = self._sends[-1][0]
+    def _transfer(self, op: S.Instruction, tensor: torch.Tensor) -> Transfer:
+        send = isinstance(op, S.SEND)
+        kind = 0 if isinstance(op, (S.SendActivation, S.RecvActivation)) else 1
+        offset, chunk = self._peer(op)
+        receiver_chunk = chunk if send else op.chunk
+        tag = (kind * self.stage.chunks + receiver_chunk) * 1_000_000 + op.mb
+        return Transfer(send, tensor, offset, (kind, op.mb, receiver_chunk), tag, op)
 
-    def _receive(self, kind: int, op: S.Instruction, step: int) -> torch.Tensor:
-        offset, _ = self._peer_offset(op.chunk, step)
-        buffer = torch.empty(self.activation_shape, dtype=self.dtype, device=self.comm.mesh.device)  # one per message
-        self.comm.recv(buffer, PP, offset, tag=self._tag(kind, op, op.chunk)).wait()
-        return buffer
+    def _buffer(self, op: S.Instruction) -> torch.Tensor:
+        """A fresh buffer for a received message (one per message)."""
+        return torch.empty(self.activation_shape, dtype=self.dtype, device=self.comm.mesh.device)
 
-    def _free_sent_outputs(self) -> None:
-        """An output whose send has completed keeps only its shape: its grad_fn is what
-        backward needs, not its values — unless that grad_fn saved the output itself (ReLU,
-        softmax), in which case it stays."""
-        pending = []
-        for work, out in self._sends:
-            if out is not None and work.is_completed():
-                if not _saved_by_own_grad_fn(out):
-                    out.data = torch.empty(1, dtype=out.dtype, device=out.device).expand(out.shape)
+    def _Transfers(self, group: S.Transfers):
+        transfers, sent_outputs, sent_grads, received = [], [], [], []
+        for op in group.ops:
+            key = (op.mb, op.chunk)
+            if isinstance(op, S.SendActivation):
+                out = self._outputs[key]
+                transfers.append(self._transfer(op, out.detach()))
+                sent_outputs.append(out)
+            elif isinstance(op, S.SendGrad):
+                # The received activation is done with: its gradient is all that goes back
+                # (and is let go once sent, though the graph may keep the activation for a
+                # weight pass).
+                received_input = self._inputs.pop(key)
+                transfers.append(self._transfer(op, received_input.grad))
+                sent_grads.append(received_input)
             else:
-                pending.append((work, out))
-        self._sends = pending
+                buffer = self._buffer(op)
+                transfers.append(self._transfer(op, buffer))
+                received.append((op, buffer))
 
-    def _SendActivation(self, op):
-        out = self._outputs[(op.mb, op.chunk)]
-        self._send(out.detach(), 0, op, +1, then_free=out)
-
-    def _RecvActivation(self, op):
-        self._inputs[(op.mb, op.chunk)] = self._receive(0, op, -1).requires_grad_()
-
-    def _SendGrad(self, op):
-        # The received activation is done with (its gradient is all that is sent back); the
-        # send holds the gradient until it completes.
-        self._send(self._inputs.pop((op.mb, op.chunk)).grad, 1, op, -1)
-
-    def _RecvGrad(self, op):
-        self._grads[(op.mb, op.chunk)] = self._receive(1, op, +1)
+        def done():
+            for out in sent_outputs:
+                _free_values(out)
+            for received_input in sent_grads:
+                received_input.grad = None
+            for op, buffer in received:
+                if isinstance(op, S.RecvActivation):
+                    self._inputs[(op.mb, op.chunk)] = buffer.requires_grad_()
+                else:
+                    self._grads[(op.mb, op.chunk)] = buffer
+        self.transport.issue(transfers, done)
 
     # ---- compute ----------------------------------------------------------------------------
 
@@ -143,24 +149,23 @@ class PipelineRunner:
         self._release(op)
 
     def _release(self, op) -> None:
-        """After a micro-batch's backward: its output, the gradient received for it, and the
-        send of that output — complete, since the next stage sent back the gradient: waiting
-        on it returns at once. (gloo reports a send completed only when waited on, so
-        `_free_sent_outputs` never sees one complete, and without this every output of the
-        step would stay alive until its end.)"""
+        """After a micro-batch's backward: its output and the gradient received for it."""
         key = (op.mb, op.chunk)
         for store in (self._outputs, self._grads):
             store.pop(key, None)
-        work = self._output_sends.pop(key, None)
-        if work is not None and any(w is work for w, _ in self._sends):
-            work.wait()
-            self._sends = [(w, out) for w, out in self._sends if w is not work]
 
     def _SyncGrads(self, op):
         pass  # the training step finishes the gradient sync (the buckets launched in the last backward)
 
     def _OptimizerStep(self, op):
         pass  # the training step clips and steps
+
+
+def _free_values(out: torch.Tensor) -> None:
+    """A sent output keeps only its shape: its grad_fn is what backward needs, not its values
+    — unless that grad_fn saved the output itself (ReLU, softmax), in which case it stays."""
+    if not _saved_by_own_grad_fn(out):
+        out.data = torch.empty(1, dtype=out.dtype, device=out.device).expand(out.shape)
 
 
 def _saved_by_own_grad_fn(out: torch.Tensor) -> bool:

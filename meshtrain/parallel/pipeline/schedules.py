@@ -8,8 +8,17 @@ Stage s holds model chunks 0..v-1; chunk c of stage s is virtual stage c·p + s,
 interleaving a micro-batch goes round the stages v times. Generators only order the
 compute; `with_communication` adds the transfers every order implies: a forward receives
 its input from the previous virtual stage and sends its output to the next; a backward
-receives its output's gradient from the next and sends its input's gradient back. Sends do
-not wait; receives do."""
+receives its output's gradient from the next and sends its input's gradient back.
+
+Transfers come in groups (`Transfers`), issued together as one `batch_isend_irecv`: on NCCL a
+send blocks until its receive runs, tags are ignored and a rank has one ordered stream, so a
+stage that posts "send activation" alone while its neighbour posts "send gradient" alone
+waits for ever. Each group holds the previous compute step's sends and the next one's
+receives (Megatron's `send_forward_recv_backward`); a compute step is one instruction, or in
+the steady state of the interleaved schedule a forward and a backward together, so that its
+group is Megatron's `send_forward_backward_recv_forward_backward` — grouping per instruction
+jams interleaved at p = 2 (m ≥ 4), 3 and 4. The simulator proves every schedule under those
+rules."""
 
 from __future__ import annotations
 
@@ -56,6 +65,16 @@ class RecvGrad(Instruction):
     pass
 
 
+TRANSFER = (SendActivation, RecvActivation, SendGrad, RecvGrad)
+SEND = (SendActivation, SendGrad)
+
+
+@dataclass(frozen=True)
+class Transfers:
+    """Sends and receives issued together and completed together (one batch_isend_irecv)."""
+    ops: tuple[Instruction, ...]
+
+
 class SyncGrads(Instruction):
     """All micro-batches done: synchronise gradients (data parallelism) before the step."""
 
@@ -82,20 +101,34 @@ def virtual_stage(stage: int, chunk: int, stages: int) -> int:
     return chunk * stages + stage
 
 
-def with_communication(stage: int, order: list[Instruction], stages: int, chunks: int) -> list[Instruction]:
-    """The compute `order` of one stage with the transfers it implies, then sync and step."""
-    last = stages * chunks - 1
-    out = []
-    for op in order:
-        vs = virtual_stage(stage, op.chunk, stages)
-        if isinstance(op, Forward):
-            out += ([RecvActivation(op.mb, op.chunk)] if vs > 0 else []) + [op]
-            out += [SendActivation(op.mb, op.chunk)] if vs < last else []
-        elif isinstance(op, INPUT_GRADIENT):
-            out += ([RecvGrad(op.mb, op.chunk)] if vs < last else []) + [op]
-            out += [SendGrad(op.mb, op.chunk)] if vs > 0 else []
-        else:
-            out.append(op)
+def flat(ops: list) -> list[Instruction]:
+    """A list with its groups of transfers spelled out one by one."""
+    return [t for op in ops for t in (op.ops if isinstance(op, Transfers) else (op,))]
+
+
+def transfers_of(stage: int, op: Instruction, stages: int, chunks: int) -> tuple[list, list]:
+    """(the receives before `op`, the sends after it)."""
+    vs, last = virtual_stage(stage, op.chunk, stages), stages * chunks - 1
+    if isinstance(op, Forward):
+        return ([RecvActivation(op.mb, op.chunk)] if vs > 0 else []), ([SendActivation(op.mb, op.chunk)] if vs < last else [])
+    if isinstance(op, INPUT_GRADIENT):
+        return ([RecvGrad(op.mb, op.chunk)] if vs < last else []), ([SendGrad(op.mb, op.chunk)] if vs > 0 else [])
+    return [], []
+
+
+def with_communication(stage: int, steps: list, stages: int, chunks: int) -> list:
+    """One stage's compute `steps` (instructions, or tuples of instructions run back to back)
+    with the transfers they imply, in groups: before each step, the previous step's sends
+    and this step's receives; after the last, its sends. Then sync and step."""
+    out: list = []
+    pending: list[Instruction] = []
+    for step in steps:
+        step = step if isinstance(step, tuple) else (step,)
+        moves = [transfers_of(stage, op, stages, chunks) for op in step]
+        group = pending + [r for receives, _ in moves for r in receives]
+        out += ([Transfers(tuple(group))] if group else []) + list(step)
+        pending = [t for _, sends in moves for t in sends]
+    out += [Transfers(tuple(pending))] if pending else []
     return out + [SyncGrads(), OptimizerStep()]
 
 
@@ -135,11 +168,12 @@ def zero_bubble_order(stage: int, stages: int, microbatches: int) -> list[Instru
     return out + [BackwardWeight(mb) for mb in range(done, microbatches)]
 
 
-def interleaved_order(stage: int, stages: int, microbatches: int, chunks: int) -> list[Instruction]:
+def interleaved_steps(stage: int, stages: int, microbatches: int, chunks: int) -> list:
     """Megatron's interleaved 1F1B: each stage holds `chunks` model chunks; micro-batches go
     through them in groups of p. Forward k of this stage is micro-batch (k // pv)·p + k % p in
     chunk (k // p) % v; backwards take the chunks in reverse. A warm-up of
-    (p − s − 1)·2 + (v − 1)·p forwards, then one forward and one backward in turn."""
+    (p − s − 1)·2 + (v − 1)·p forwards, then one forward and one backward in turn — each pair
+    one step, with no transfer between them — then the remaining backwards."""
     p, v, m = stages, chunks, microbatches
     total = m * v
 
@@ -150,29 +184,45 @@ def interleaved_order(stage: int, stages: int, microbatches: int, chunks: int) -
         return Backward((k // (p * v)) * p + k % p, v - 1 - (k // p) % v)
 
     warmup = min((p - stage - 1) * 2 + (v - 1) * p, total)
-    order: list[Instruction] = [forward(k) for k in range(warmup)]
-    for k in range(total - warmup):
-        order += [forward(warmup + k), backward(k)]
-    order += [backward(k) for k in range(total - warmup, total)]
-    return order
+    steps: list = [forward(k) for k in range(warmup)]
+    steps += [(forward(warmup + k), backward(k)) for k in range(total - warmup)]
+    return steps + [backward(k) for k in range(total - warmup, total)]
+
+
+def interleaved_order(stage: int, stages: int, microbatches: int, chunks: int) -> list[Instruction]:
+    return [op for step in interleaved_steps(stage, stages, microbatches, chunks)
+            for op in (step if isinstance(step, tuple) else (step,))]
+
+
+def compute_steps(name: str, stage: int, stages: int, microbatches: int, chunks: int = 1) -> list:
+    """One stage's compute for schedule `name`, as steps: an instruction, or a tuple of
+    instructions that run back to back with no transfer between them."""
+    if name == "interleaved" and chunks > 1:
+        _check_shape(name, stages, microbatches, chunks)
+        return interleaved_steps(stage, stages, microbatches, chunks)
+    return compute_order(name, stage, stages, microbatches, chunks)
+
+
+def _check_shape(name: str, stages: int, microbatches: int, chunks: int) -> None:
+    if name not in SCHEDULES:
+        raise ValueError(f"unknown schedule '{name}'; use {' | '.join(SCHEDULES)}")
+    if name == "interleaved" and microbatches % stages:
+        raise ValueError(f"interleaved needs micro-batches in groups of the {stages} stages; "
+                         f"use --microbatches a multiple of {stages}")
+    if name != "interleaved" and chunks != 1:
+        raise ValueError(f"{name} runs one model chunk per stage; use --chunks 1 (or --schedule interleaved)")
 
 
 def compute_order(name: str, stage: int, stages: int, microbatches: int, chunks: int = 1) -> list[Instruction]:
     """One stage's compute instructions (no transfers) for schedule `name`."""
-    if name not in SCHEDULES:
-        raise ValueError(f"unknown schedule '{name}'; use {' | '.join(SCHEDULES)}")
+    _check_shape(name, stages, microbatches, chunks)
     if name == "interleaved":
-        if microbatches % stages:
-            raise ValueError(f"interleaved needs micro-batches in groups of the {stages} stages; "
-                             f"use --microbatches a multiple of {stages}")
         return interleaved_order(stage, stages, microbatches, chunks)
-    if chunks != 1:
-        raise ValueError(f"{name} runs one model chunk per stage; use --chunks 1 (or --schedule interleaved)")
     build = {"gpipe": gpipe_order, "1f1b": one_f_one_b_order, "zb": zero_bubble_order}[name]
     return build(stage, stages, microbatches)
 
 
-def schedule(name: str, stages: int, microbatches: int, chunks: int = 1) -> list[list[Instruction]]:
-    """Every stage's instruction list for schedule `name`."""
-    orders = [compute_order(name, s, stages, microbatches, chunks) for s in range(stages)]
-    return [with_communication(s, order, stages, chunks) for s, order in enumerate(orders)]
+def schedule(name: str, stages: int, microbatches: int, chunks: int = 1) -> list[list]:
+    """Every stage's instruction list for schedule `name` (transfers in `Transfers` groups)."""
+    steps = [compute_steps(name, s, stages, microbatches, chunks) for s in range(stages)]
+    return [with_communication(s, order, stages, chunks) for s, order in enumerate(steps)]

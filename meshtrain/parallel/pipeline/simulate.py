@@ -1,17 +1,29 @@
 """Run a schedule's instruction lists with costs, with no processes: the timeline, the
 makespan, the bubble fraction, each stage's peak of micro-batches in flight, and the proof
-that it can run — every receive finds its send (sends do not wait, receives do), no stage
-waits forever, every (micro-batch, chunk) goes forward and back exactly once, each backward
-after its forward. The executor runs the same lists; `meshtrain schedule` draws this."""
+that it can run under NCCL's rules — the strictest transport the executor meets:
+
+- each stage has one ordered queue of transfers (NCCL's stream for all its peers): it issues
+  its groups of transfers (`Transfers`; a lone transfer is a group of one) in list order, and
+  a group becomes current when the one before it has completed. Computing goes on while a
+  group of sends waits in the queue; a group with a receive is waited for (the next
+  instruction needs its data), and the step ends when the queue is empty;
+- a send completes only together with its receive (both groups current at once), whatever
+  its size; a group completes as a whole, when all of its transfers have;
+- tags are ignored: between two stages, the k-th message one sends is the k-th the other
+  receives from it, whatever its kind, so those must be the same message.
+
+No stage may wait for ever, and every (micro-batch, chunk) goes forward and back exactly
+once, each backward after its forward. The executor runs the same lists; `meshtrain
+schedule` draws this."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from fractions import Fraction
 
-from meshtrain.parallel.pipeline.schedules import (COMPUTE, Backward, BackwardInput, BackwardWeight, Forward,
-                                                   Instruction, RecvActivation, RecvGrad, SendActivation,
-                                                   SendGrad, virtual_stage)
+from meshtrain.parallel.pipeline.schedules import (COMPUTE, SEND, TRANSFER, Backward, BackwardInput,
+                                                   BackwardWeight, Forward, Instruction, RecvActivation, RecvGrad,
+                                                   SendActivation, SendGrad, Transfers, virtual_stage)
 
 
 class ScheduleError(ValueError):
@@ -82,48 +94,122 @@ def message_key(stage: int, op: Instruction, stages: int) -> tuple:
     return ("gradient", op.mb, vs)
 
 
-def simulate(lists: list[list[Instruction]], chunks: int = 1, costs=Costs(),
-             microbatches: int | None = None) -> Simulation:
-    """Execute every stage's list in order; a receive waits for its send's arrival. `costs`
-    is a `Costs` or anything with its `of(op, chunks, stage)` and `transfer` (measured ones)."""
+def peer_of(stage: int, op: Instruction, stages: int) -> int:
+    """The stage at the other end of a transfer."""
+    step = +1 if isinstance(op, (SendActivation, RecvGrad)) else -1
+    return (virtual_stage(stage, op.chunk, stages) + step) % stages
+
+
+def grouped(ops: list) -> list:
+    """A stage's list with every lone transfer as a group of one (how it would be issued)."""
+    return [Transfers((op,)) if isinstance(op, TRANSFER) else op for op in ops]
+
+
+def match_transfers(lists: list[list]) -> dict[tuple, tuple]:
+    """Pair every transfer (stage, item, position in its group) with its other end, by order
+    alone per (sender, receiver), as NCCL does; a pair whose messages differ, or a message
+    with no other end, is a `ScheduleError`."""
     p = len(lists)
-    clock = [0] * p
-    at = [0] * p  # next instruction of each stage
-    sent: dict[tuple, object] = {}  # message -> arrival time
+    sends: dict[tuple, list] = {}
+    receives: dict[tuple, list] = {}
+    for s, items in enumerate(lists):
+        for i, item in enumerate(items):
+            for j, op in enumerate(item.ops if isinstance(item, Transfers) else ()):
+                q = peer_of(s, op, p)
+                into = sends.setdefault((s, q), []) if isinstance(op, SEND) else receives.setdefault((q, s), [])
+                into.append(((s, i, j), message_key(s, op, p), op))
+    match = {}
+    for pair in sorted(set(sends) | set(receives)):
+        out, into = sends.get(pair, []), receives.get(pair, [])
+        for k, ((a, key_a, op_a), (b, key_b, op_b)) in enumerate(zip(out, into)):
+            if key_a != key_b:
+                raise ScheduleError(f"stage {pair[0]}'s message {k} to stage {pair[1]} is {op_a} but stage {pair[1]} "
+                                    f"takes it as {op_b}: NCCL matches by order, not by tag")
+            match[a], match[b] = b, a
+        if len(out) != len(into):
+            extra = (out if len(out) > len(into) else into)[len(into) if len(out) > len(into) else len(out)]
+            what = "sent but never received" if len(out) > len(into) else "received but never sent"
+            raise ScheduleError(f"{what}: {extra[2]} between stages {pair[0]} and {pair[1]}")
+    return match
+
+
+def simulate(lists: list[list], chunks: int = 1, costs=Costs(), microbatches: int | None = None) -> Simulation:
+    """Execute every stage's list in order under NCCL's rules (module docstring). `costs` is
+    a `Costs` or anything with its `of(op, chunks, stage)` and `transfer` (measured ones)."""
+    p = len(lists)
+    items = [grouped(ops) for ops in lists]
+    match = match_transfers(items)
+    clock = [0] * p  # the compute stream's time
+    at = [0] * p  # the next item each stage computes or issues
+    queue: list[list[int]] = [[] for _ in range(p)]  # issued groups (item indices), the current one first
+    issued: list[dict] = [{} for _ in range(p)]  # group -> when it was issued
+    current_since = [0] * p  # when the queue's head became current
+    completed: list[dict] = [{} for _ in range(p)]  # group -> when it completed
+    done: dict[tuple, object] = {}  # transfer -> when it completed
     spans: list[Span] = []
-    while any(at[s] < len(lists[s]) for s in range(p)):
+
+    def is_current(end: tuple) -> bool:
+        return bool(queue[end[0]]) and queue[end[0]][0] == end[1]
+
+    def pump(s: int) -> bool:
+        """Complete what the current group can; True when something moved."""
+        if not queue[s]:
+            return False
+        i, moved = queue[s][0], False
+        for j in range(len(items[s][i].ops)):
+            other = match[(s, i, j)]
+            if (s, i, j) not in done and is_current(other):
+                done[(s, i, j)] = done[other] = max(current_since[s], current_since[other[0]]) + costs.transfer
+                moved = True
+        ends = [done.get((s, i, j)) for j in range(len(items[s][i].ops))]
+        if all(end is not None for end in ends):
+            completed[s][i] = max(ends)
+            queue[s].pop(0)
+            if queue[s]:
+                current_since[s] = max(completed[s][i], issued[s][queue[s][0]])
+            moved = True
+        return moved
+
+    def compute(s: int) -> bool:
+        """Run or issue the stage's next item; True when something moved."""
+        if at[s] >= len(items[s]):
+            return False
+        item = items[s][at[s]]
+        if isinstance(item, Transfers):
+            if at[s] not in issued[s]:
+                issued[s][at[s]] = clock[s]
+                queue[s].append(at[s])
+                if len(queue[s]) == 1:
+                    current_since[s] = clock[s]
+                if not any(isinstance(op, (RecvActivation, RecvGrad)) for op in item.ops):
+                    at[s] += 1  # sends only: computing goes on
+                return True
+            if at[s] not in completed[s]:
+                return False  # waits for the data it receives
+            clock[s] = max(clock[s], completed[s][at[s]])
+        elif isinstance(item, COMPUTE):
+            cost = costs.of(item, chunks, s)
+            spans.append(Span(s, clock[s], clock[s] + cost, item))
+            clock[s] += cost
+        at[s] += 1
+        return True
+
+    while any(at[s] < len(items[s]) or queue[s] for s in range(p)):
         progressed = False
         for s in range(p):
-            while at[s] < len(lists[s]):
-                op = lists[s][at[s]]
-                if isinstance(op, (SendActivation, SendGrad)):
-                    key = message_key(s, op, p)
-                    if key in sent:
-                        raise ScheduleError(f"stage {s} sends {key} twice")
-                    sent[key] = clock[s] + costs.transfer
-                elif isinstance(op, (RecvActivation, RecvGrad)):
-                    key = message_key(s, op, p)
-                    if key not in sent:
-                        break  # blocked until the send happens
-                    clock[s] = max(clock[s], sent.pop(key))
-                elif isinstance(op, COMPUTE):
-                    cost = costs.of(op, chunks, s)
-                    spans.append(Span(s, clock[s], clock[s] + cost, op))
-                    clock[s] += cost
-                at[s] += 1
+            while pump(s) | compute(s):
                 progressed = True
         if not progressed:
-            waiting = {s: lists[s][at[s]] for s in range(p) if at[s] < len(lists[s])}
+            waiting = {s: items[s][queue[s][0] if queue[s] else at[s]] for s in range(p)
+                       if at[s] < len(items[s]) or queue[s]}
             raise ScheduleError(f"deadlock: stages wait forever at {waiting}")
-    if sent:
-        raise ScheduleError(f"sent but never received: {sorted(sent)[:5]}")
     _check_work(lists, chunks, microbatches)
-    _check_fifo(lists)
+    ends = [max([clock[s], *completed[s].values()]) for s in range(p)]
     busy = [sum((sp.end - sp.start for sp in spans if sp.stage == s), 0) for s in range(p)]
-    return Simulation(p, chunks, spans, max(clock) if clock else 0, busy, _peak_inflight(lists), lists)
+    return Simulation(p, chunks, spans, max(ends) if ends else 0, busy, _peak_inflight(lists), lists)
 
 
-def _check_work(lists: list[list[Instruction]], chunks: int, microbatches: int | None) -> None:
+def _check_work(lists: list[list], chunks: int, microbatches: int | None) -> None:
     """Each (micro-batch, chunk) forward once and back once (input and weight gradients once
     each when split), every backward after its forward on its stage."""
     for s, ops in enumerate(lists):
@@ -139,30 +225,7 @@ def _check_work(lists: list[list[Instruction]], chunks: int, microbatches: int |
                 raise ScheduleError(f"stage {s}, (micro-batch, chunk) {key}: {kinds}, not forward then backward once")
 
 
-def _check_fifo(lists: list[list[Instruction]]) -> None:
-    """Between two stages, in each direction, messages are received in the order they were
-    sent: a transport that matches by order alone (NCCL's p2p) pairs them right too."""
-    p = len(lists)
-    sent: dict[tuple, list] = {}
-    received: dict[tuple, list] = {}
-    for s, ops in enumerate(lists):
-        for op in ops:
-            if isinstance(op, (SendActivation, SendGrad, RecvActivation, RecvGrad)):
-                key = message_key(s, op, p)
-                other = key[2] % p  # the receiving stage, for a send; for a receive, the sender:
-                if isinstance(op, RecvActivation):
-                    other = (key[2] - 1) % p
-                elif isinstance(op, RecvGrad):
-                    other = (key[2] + 1) % p
-                pair = (s, other, key[0]) if isinstance(op, (SendActivation, SendGrad)) else (other, s, key[0])
-                (sent if isinstance(op, (SendActivation, SendGrad)) else received).setdefault(pair, []).append(key)
-    for pair, keys in sent.items():
-        if received.get(pair) != keys:
-            raise ScheduleError(f"stage {pair[0]} sends {pair[2]}s to stage {pair[1]} in another order than "
-                                f"it receives them")
-
-
-def _peak_inflight(lists: list[list[Instruction]]) -> list[int]:
+def _peak_inflight(lists: list[list]) -> list[int]:
     """Per stage, the most (micro-batch, chunk) activations held at once: from a forward until
     the backward that frees them (the weight gradient's, when split)."""
     peaks = []

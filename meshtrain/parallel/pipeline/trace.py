@@ -60,7 +60,7 @@ def measure_p2p(comm, axis: str, shape: tuple[int, ...], dtype: torch.dtype) -> 
     for _ in range(P2P_ROUNDS + 1):
         comm.barrier(axis)
         start = time.perf_counter()
-        works = [comm.send(out, axis, to_next, purpose="trace"), comm.recv(into, axis, from_previous)]
+        works = comm.exchange([(True, out, to_next, 0), (False, into, from_previous, 0)], axis, purpose="trace")
         for w in works:
             w.wait()
         if out.is_cuda:
