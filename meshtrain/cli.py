@@ -233,7 +233,8 @@ def _run_here(cfg, args, renv, device) -> int:
     if renv is None:
         mesh = Mesh.single(device)
     else:
-        launch.init_distributed(renv, device)
+        launch.init_distributed(renv, device, timeout_s=max(C.START_TIMEOUT_S, cfg.train.timeout),
+                                trace_dir=cfg.train.out)
         mesh = Mesh.build(cfg.layout.pp, cfg.layout.dp, cfg.layout.tp, device)
     try:
         after = _COMMANDS[args.command](cfg, Comm(mesh), args)

@@ -97,6 +97,9 @@ class TrainConfig:
     resume: bool = False
     vocab_size: int = 2048  # BPE vocabulary trained on the corpus; 256 means the byte tokenizer
     sample_tokens: int = 120
+    # Seconds a collective may wait before the job fails (every rank, every mesh group), once
+    # the first step is done; up to then at least START_TIMEOUT_S (building, first gathers).
+    timeout: float = 100.0
 
 
 @dataclass
@@ -155,6 +158,8 @@ FLAGS = [
     ("--lr", "train", "lr", float, "peak learning rate (warm-up then cosine)"),
     ("--warmup", "train", "warmup", int, "warm-up steps"),
     ("--clip", "train", "clip", float, "global gradient-norm clip (0: off)"),
+    ("--timeout", "train", "timeout", float, "seconds a collective may wait before the job fails with the rank "
+                                             "named (default 100; up to the first step at least 300)"),
     ("--seed", "train", "seed", int, "seed of weights and batches"),
     ("--device", "train", "device", str, "|".join(DEVICES) + " (auto: CUDA when present, one GPU per local rank)"),
     ("--out", "train", "out", str, "output folder (metrics.jsonl, loss.png, model)"),
@@ -244,6 +249,7 @@ def fill_dp(lay: LayoutConfig, world_size: int | None) -> None:
         lay.dp = world_size // rest
 
 
+START_TIMEOUT_S = 300.0  # the collective timeout up to the first step (at least)
 STRICT_P2P_ENV = "MESHTRAIN_STRICT_P2P"
 
 
@@ -277,6 +283,8 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         raise ConfigError(f"--lr {tr.lr}: must be positive")
     if not lay.bucket_mb > 0:
         raise ConfigError(f"--bucket-mb {lay.bucket_mb}: must be positive")
+    if not tr.timeout > 0:
+        raise ConfigError(f"--timeout {tr.timeout}: must be a positive number of seconds")
     if tr.warmup < 0 or tr.clip < 0:
         raise ConfigError(f"--warmup and --clip must not be negative (got {tr.warmup}, {tr.clip})")
     if m.name not in PRESETS:

@@ -17,7 +17,8 @@ import uuid
 from dataclasses import dataclass
 from datetime import timedelta
 
-# A collective that waits longer than this ends the job with an error instead of hanging.
+# A collective that waits longer than this ends the job with an error instead of hanging
+# (`--timeout` shortens it once the first step is done: `set_collective_timeout`).
 COLLECTIVE_TIMEOUT = timedelta(minutes=5)
 # A rank leaves with this code when a collective failed because another rank died: the parent
 # then names the rank that really failed, not this one.
@@ -119,10 +120,14 @@ def spawn(nproc: int, argv: list[str]) -> int:
 def culprit(failures: dict):
     """The (rank, failure) that ended the job. When one rank dies, the engine stops the others
     with SIGTERM and a survivor whose collective broke leaves with PEER_LOST_EXIT; their
-    timestamps (one-second resolution) can equal the culprit's. So a failure of neither kind
-    comes first; among equals the earliest, then the lowest rank (the first the poll saw)."""
-    def caused_by_another(f) -> bool:
-        return f.exitcode in (-signal.SIGTERM, PEER_LOST_EXIT)
+    timestamps (one-second resolution) can equal the culprit's. On NCCL a survivor whose
+    collective timed out is aborted by the watchdog (SIGABRT), after the dead peer. So a
+    failure of none of those kinds comes first, then a SIGABRT (a real abort has nothing
+    before it), then the others; among equals the earliest, then the lowest rank."""
+    def caused_by_another(f) -> int:
+        if f.exitcode in (-signal.SIGTERM, PEER_LOST_EXIT):
+            return 2
+        return 1 if f.exitcode == -signal.SIGABRT else 0
 
     return min(failures.items(), key=lambda kv: (caused_by_another(kv[1]), kv[1].timestamp, kv[0]))
 
@@ -167,8 +172,11 @@ def choose_device(request: str, local_rank: int, local_world_size: int):
                       f"ranks per node, give each task its own GPU (srun --gpus-per-task=1), or use --device cpu")
 
 
-def init_distributed(renv: RankEnv, device):
-    """Join the process group on `device` (gloo on CPU, NCCL on CUDA)."""
+def init_distributed(renv: RankEnv, device, *, timeout_s: float | None = None, trace_dir: str | None = None):
+    """Join the process group on `device` (gloo on CPU, NCCL on CUDA), its collectives bound
+    by `timeout_s` (default `COLLECTIVE_TIMEOUT`). On NCCL the flight recorder is on (unless
+    the environment says otherwise): on a timeout each rank dumps its last collectives to
+    `trace_dir`/nccl-flight-recorder-rank-N, which names the one that did not match."""
     import torch
     import torch.distributed as dist
 
@@ -178,12 +186,31 @@ def init_distributed(renv: RankEnv, device):
     if device.type == "cuda":
         torch.cuda.set_device(device)
         backend, options["device_id"] = "nccl", device
+        os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
+        os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+        if trace_dir:
+            prefix = os.path.join(os.path.abspath(trace_dir), "nccl-flight-recorder-rank-")
+            os.environ.setdefault("TORCH_FR_DUMP_TEMP_FILE", prefix)
+            os.environ.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", prefix)  # its name before torch 2.6
     else:
         torch.set_num_threads(threads_per_rank(renv.local_world_size))
         backend = "gloo"
+    timeout = timedelta(seconds=timeout_s) if timeout_s else COLLECTIVE_TIMEOUT
     dist.init_process_group(backend, init_method="env://", rank=renv.rank, world_size=renv.world_size,
-                            timeout=COLLECTIVE_TIMEOUT, **options)
+                            timeout=timeout, **options)
     return device
+
+
+def set_collective_timeout(mesh, seconds: float) -> None:
+    """Bound every collective of this rank's groups (the world's, each mesh axis's, and its
+    channels) by `seconds` from now on. Collective in effect only: each rank sets its own."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    if not dist.is_initialized():
+        return
+    for group in [None, *mesh.groups()]:
+        c10d._set_pg_timeout(timedelta(seconds=seconds), group)
 
 
 def shutdown_distributed() -> None:

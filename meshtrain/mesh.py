@@ -87,6 +87,12 @@ class Mesh:
             mine, _ = dist.new_subgroups_by_enumeration(self.axis_ranks(axis), backend=backend)
             self._channels[(axis, name)] = mine
 
+    def groups(self) -> list:
+        """Every process group this rank belongs to but the world's: each axis's of more
+        than one rank, and the channels."""
+        axes = [self.group(axis) for axis in AXES if self.size(axis) > 1 and self._dm is not None]
+        return axes + list(self._channels.values())
+
     def device_mesh(self, axis: str):
         """torch's one-dimensional DeviceMesh along `axis` (for PyTorch-native peers: DTensor)."""
         if self._dm is None:

@@ -15,6 +15,7 @@ import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 
+from meshtrain import launch
 from meshtrain.comm import METRICS, Comm
 from meshtrain.config import Config, lr_at, tokens_per_sample
 from meshtrain.data.datasets import open_dataset
@@ -150,6 +151,7 @@ def train(cfg: Config, comm: Comm, *, observer: StepObserver | None = None, prog
         loss, stepped = train_step(p, data, step, cfg, observer=observer, meter=meter if step == 0 else None)
         if step == 0:
             probe.close()
+            launch.set_collective_timeout(mesh, tr.timeout)  # built and stepped once: the steady bound
         dt = time.perf_counter() - t0
         comm_detail = _per_axis({k: v - sent_before.get(k, 0.0) for k, v in comm.detailed_totals().items()})
         comm_per_step = {axis: sum(kinds.values()) for axis, kinds in comm_detail.items()}

@@ -58,6 +58,7 @@ def cfg(**sections):
     ({"model": {"dropout": -0.1}}, None, "--dropout -0.1"),
     ({"model": {"attention": "flash"}}, None, "--attention sdpa | math"),
     ({"train": {"seed": -1}}, None, "--seed -1"),
+    ({"train": {"timeout": 0}}, None, "--timeout 0"),
     ({"train": {"device": "tpu"}}, None, "--device auto | cpu | cuda"),
     ({"layout": {"tp": 2}}, 3, "not a multiple of tp×pp"),
 ])
@@ -143,6 +144,7 @@ def _bad_inputs(tmp: Path) -> list[tuple[list, str]]:
         (["verify", "--dp", "3", "--batch-size", "8"], "not divisible"),
         (["bench", "--vs", "horovod"], "unknown peer"),
         (["train", "--seed", "-1"], "--seed -1"),
+        (["train", "--timeout", "-5"], "--timeout -5.0: must be a positive number of seconds"),
         (["train", "--device", "tpu"], "unknown device 'tpu'"),
         (["train", "--model", "gpt-tiny", "--vocab-size", "256", "--device", "cpu", "--data", tmp / "binary.txt"],
          "not UTF-8 text"),

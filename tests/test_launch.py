@@ -78,6 +78,10 @@ class _Failure:
     # only consequences seen: the first by the clock, then by rank
     ({2: _Failure(-signal.SIGTERM, 101), 3: _Failure(PEER_LOST_EXIT, 100)}, 3),
     ({0: _Failure(1, 100), 1: _Failure(1, 100)}, 0),
+    # NCCL: rank 1 died; rank 0's watchdog aborted it when its collective timed out, later
+    ({0: _Failure(-signal.SIGABRT, 160), 1: _Failure(-signal.SIGKILL, 100)}, 1),
+    # a rank that aborts with nothing before it is the culprit
+    ({0: _Failure(-signal.SIGTERM, 100), 1: _Failure(-signal.SIGABRT, 100)}, 1),
 ])
 def test_the_culprit_is_not_a_rank_the_engine_or_a_peer_stopped(failures, culprit_rank):
     assert culprit(failures)[0] == culprit_rank
@@ -115,3 +119,34 @@ def test_local_rank_to_gpu(monkeypatch, visible, narrowed, local_rank, local_wor
             choose_device("cuda", local_rank, local_world)
     else:
         assert choose_device("auto", local_rank, local_world) == torch.device(expected)
+
+
+def _one_rank_stops_answering(mesh, seconds):
+    """After the steady bound is set, rank 1 sleeps through a collective rank 0 waits in (on a
+    channel of its own: a timed-out gloo group is closed for good)."""
+    import time
+
+    import torch
+
+    from meshtrain.launch import is_peer_failure, set_collective_timeout
+    mesh.open_channel("dp", "probe")
+    set_collective_timeout(mesh, seconds)
+    result = None
+    if mesh.rank == 1:
+        time.sleep(seconds + 2)
+    else:
+        start = time.perf_counter()
+        try:
+            torch.distributed.all_reduce(torch.ones(4), group=mesh.group("dp", "probe"))
+        except RuntimeError as e:
+            result = time.perf_counter() - start, is_peer_failure(e)
+    set_collective_timeout(mesh, 300)  # for the shutdown's barrier
+    return result
+
+
+def test_the_collective_timeout_bounds_a_wait_on_every_mesh_group():
+    """`--timeout S` (from the first step on): a collective whose peer stops answering fails
+    after about S seconds, as a peer failure, instead of waiting the start's 300."""
+    from distributed import run_ranks
+    waited, peer_failure = run_ranks(_one_rank_stops_answering, 2, 3, timeout=60)[0]
+    assert 2.5 < waited < 8 and peer_failure, waited
