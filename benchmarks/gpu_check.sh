@@ -7,7 +7,9 @@
 #   3. with two or more GPUs, `verify --dp N` over NCCL.
 # The JSON line of each lands in $OUT (the device tool's output folder) or ./gpu-check.
 # DEVICE=cpu MODEL=gpt-test SEQ_LEN=32 rehearses the script on a machine without a GPU.
-set -euo pipefail
+# Every step runs whatever the others did; the end lists each step's outcome, and the script
+# exits non-zero if any failed.
+set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 DATA=${DATA:-benchmarks/data/hamlet.txt}
@@ -24,27 +26,40 @@ torch.cuda.device_count(), '|', torch.cuda.get_device_name(0) if torch.cuda.is_a
   | tee "$RESULTS/machine.txt"
 NGPU=$($PY -c "import torch; print(torch.cuda.device_count())")
 
-echo "== 1. train $MODEL on one $DEVICE device" >&2
-$PY -m meshtrain train --model "$MODEL" --data "$DATA" --device "$DEVICE" --dp 1 --steps "$STEPS" --warmup 5 \
-  --batch-size 8 --seq-len "$SEQ_LEN" --out "$RESULTS/run" --json | tail -n 1 > "$RESULTS/train.json"
-$PY -m meshtrain train --model "$MODEL" --data "$DATA" --device "$DEVICE" --dp 1 --steps "$STEPS" --warmup 5 \
-  --batch-size 8 --seq-len "$SEQ_LEN" --precision bf16 --out "$RESULTS/run-bf16" --json | tail -n 1 \
-  > "$RESULTS/train-bf16.json"
+OUTCOMES=()
+step() {  # step NAME JSON-FILE COMMAND...: run it, keep its JSON line, note how it ended
+  local name=$1 json=$2; shift 2
+  echo "== $name" >&2
+  if "$@" | tail -n 1 > "$json" && [ -s "$json" ]; then OUTCOMES+=("ok      $name"); else OUTCOMES+=("FAILED  $name"); fi
+}
+
+step "1a. train $MODEL fp32 on one $DEVICE device" "$RESULTS/train.json" \
+  $PY -m meshtrain train --model "$MODEL" --data "$DATA" --device "$DEVICE" --dp 1 --steps "$STEPS" --warmup 5 \
+  --batch-size 8 --seq-len "$SEQ_LEN" --out "$RESULTS/run" --json
+step "1b. train $MODEL bf16 on one $DEVICE device" "$RESULTS/train-bf16.json" \
+  $PY -m meshtrain train --model "$MODEL" --data "$DATA" --device "$DEVICE" --dp 1 --steps "$STEPS" --warmup 5 \
+  --batch-size 8 --seq-len "$SEQ_LEN" --precision bf16 --out "$RESULTS/run-bf16" --json
 for f in "$RESULTS"/train*.json; do
   $PY -c "import json; j = json.load(open('$f')); print('$f', 'tokens/s', round(j['tokens_per_s']),
-'| median step', round(j['step_time_median_s'], 4), 's | MFU', j['mfu'], '|', j['device'])"
+'| median step', round(j['step_time_median_s'], 4), 's | MFU', j['mfu'], '|', j['device'],
+'| peak device MiB', j.get('peak_device_mib_per_rank'))" || true
 done
 
-echo "== 2. verify a $DEVICE run against the CPU reference" >&2
-$PY -m meshtrain verify --model gpt-small --data "$DATA" --device "$DEVICE" --dp 1 --steps 6 --json \
-  | tail -n 1 > "$RESULTS/verify.json"
+step "2a. verify a $DEVICE run against the CPU reference" "$RESULTS/verify.json" \
+  $PY -m meshtrain verify --model gpt-small --data "$DATA" --device "$DEVICE" --dp 1 --steps 6 --json
+step "2b. verify with dropout 0.1 (masks drawn on the CPU generator)" "$RESULTS/verify-dropout.json" \
+  $PY -m meshtrain verify --model gpt-small --data "$DATA" --device "$DEVICE" --dp 1 --steps 6 --dropout 0.1 --json
 
 if [ "$NGPU" -ge 2 ] && [ "$DEVICE" = cuda ]; then
-  echo "== 3. verify --dp $NGPU over NCCL" >&2
-  $PY -m meshtrain verify --model gpt-small --data "$DATA" --device cuda --dp "$NGPU" --batch-size $((4 * NGPU)) \
-    --steps 6 --json | tail -n 1 > "$RESULTS/verify-nccl.json"
+  step "3. verify --dp $NGPU over NCCL" "$RESULTS/verify-nccl.json" \
+    $PY -m meshtrain verify --model gpt-small --data "$DATA" --device cuda --dp "$NGPU" --batch-size $((4 * NGPU)) \
+    --steps 6 --json
 fi
 for f in "$RESULTS"/verify*.json; do
   $PY -c "import json; j = json.load(open('$f')); print('$f', 'PASS' if j['passed'] else 'FAIL', 'grad',
-'%.1e' % j['max_grad_rel_diff'], 'update', '%.1e' % j['max_update_rel_diff'], j['first_failure'] or '')"
+'%.1e' % j['max_grad_rel_diff'], 'update', '%.1e' % j['max_update_rel_diff'], j['first_failure'] or '')" || true
 done
+
+echo "== outcomes" >&2
+printf '%s\n' "${OUTCOMES[@]}" | tee "$RESULTS/outcomes.txt"
+! printf '%s\n' "${OUTCOMES[@]}" | grep -q '^FAILED'

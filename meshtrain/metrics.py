@@ -141,6 +141,12 @@ def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
+def peak_device_mib(device) -> float | None:
+    """The most this process's CUDA allocator held on `device` (None off CUDA)."""
+    import torch
+    return torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
+
+
 class StepLog:
     """Appends one JSON object per step to OUT/metrics.jsonl, flushed as it goes."""
 

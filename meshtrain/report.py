@@ -17,7 +17,7 @@ from meshtrain.checkpoint import save_model
 from meshtrain.comm import Comm
 from meshtrain.config import Config, tokens_per_sample
 from meshtrain.generate import sample
-from meshtrain.metrics import peak_rss_mib, plot_losses
+from meshtrain.metrics import peak_device_mib, peak_rss_mib, plot_losses
 from meshtrain.models import build_model
 from meshtrain.models.presets import GPTSpec
 from meshtrain.plan.cost import gpt_flops_per_step, mlp_flops_per_step, peak_flops
@@ -32,9 +32,10 @@ def gather(result: RunResult, comm: Comm) -> dict | None:
     """Collective: each rank's model-state bytes, activation peak and peak RSS (rank order),
     and the full weights; rank 0 gets them, the others None."""
     mine = {"model_state": result.model_state, "activation_bytes": result.activation_bytes,
-            "activation_bytes_per_layer": result.activation_bytes_per_layer, "peak_rss_mib": round(peak_rss_mib(), 1)}
+            "activation_bytes_per_layer": result.activation_bytes_per_layer, "peak_rss_mib": round(peak_rss_mib(), 1),
+            "peak_device_mib": peak_device_mib(comm.mesh.device)}
     per_rank = comm.all_gather_object(mine)
-    state = result.parallel.full_state_dict()["model"]
+    state = result.parallel.full_state_dict(with_optimizer=False)["model"]  # rank 0's; the optimizer's not needed
     return {"per_rank": per_rank, "state": state} if comm.mesh.is_main else None
 
 
@@ -63,6 +64,8 @@ def summary_json(cfg: Config, result: RunResult, per_rank: list[dict], device: t
         # what one block's forward leaves alive (block 0, first micro-batch): the formulas' per-layer figure
         "activation_bytes_per_layer_per_rank": [r["activation_bytes_per_layer"] for r in per_rank],
         "peak_rss_mib_per_rank": [r["peak_rss_mib"] for r in per_rank],
+        **({"peak_device_mib_per_rank": [r["peak_device_mib"] for r in per_rank]}
+           if per_rank[0].get("peak_device_mib") is not None else {}),  # CUDA: the allocator's peak
         "comm_bytes_per_step": result.comm_per_step,
         "comm_bytes_detail": result.comm_detail_per_step,  # each axis by collective
         "skipped_steps": result.skipped_steps,

@@ -69,8 +69,21 @@ def build(cfg: Config, device):
     return data, model
 
 
+def exact_fp32_on_cuda() -> None:
+    """fp32 on a GPU as on the CPU: no TF32 in matrix products or cuDNN (verify holds a CUDA
+    run to the CPU reference). torch ≥ 2.9 says it with `fp32_precision`, older with `allow_tf32`."""
+    import torch
+    for backend in (torch.backends.cuda.matmul, torch.backends.cudnn):
+        if hasattr(backend, "fp32_precision"):
+            backend.fp32_precision = "ieee"
+        else:
+            backend.allow_tf32 = False
+
+
 def setup(cfg: Config, comm: Comm, **dp_options) -> tuple[object, Parallelized]:
     """Data, and the model with the layout's strategies applied and its optimizer."""
+    if comm.mesh.device.type == "cuda" and cfg.layout.precision == "fp32":
+        exact_fp32_on_cuda()
     data, model = build(cfg, comm.mesh.device)
     return data, parallelize(model, comm, cfg.layout, cfg.train, plan=plan_for(cfg.model.name),
                              pipeline=stages.plan_for(cfg.model.spec()), rows_per_sample=tokens_per_sample(cfg),

@@ -107,7 +107,7 @@ class _LayoutRecorder(StepObserver):
 
     def after_step(self, p, step, loss):
         if step in self.steps:
-            post = p.full_state_dict()["model"]
+            post = p.full_state_dict(with_optimizer=False)["model"]
             self._keep(step, post=post, loss=loss)
             self.problems += _check_pieces(p, post, "weights", step, use_grad=False)
 
@@ -156,7 +156,7 @@ class _TrajectoryRecorder(StepObserver):
 
     def after_step(self, p, step, loss):
         if step in self.steps:
-            self.params[step] = p.full_state_dict()["model"]
+            self.params[step] = p.full_state_dict(with_optimizer=False)["model"]
 
 
 class _GradRecorder(StepObserver):
@@ -178,7 +178,7 @@ def run_reference(cfg: Config, layout: dict) -> dict:
         p.load_full_state_dict(layout["steps"][step]["pre"])
         grads = _GradRecorder()
         loss, _ = train_step(p, data, step - 1, ref, observer=grads)
-        lockstep[step] = {"loss": loss, "grads": grads.grads, "post": p.full_state_dict()["model"]}
+        lockstep[step] = {"loss": loss, "grads": grads.grads, "post": p.full_state_dict(with_optimizer=False)["model"]}
     return {"losses": losses, "trajectory": trajectory.params, "steps": lockstep}
 
 

@@ -193,3 +193,39 @@ def test_collectives_move_data_and_count_their_bytes():
     assert a["sent"] == {"dp": 8 + 8 + 6 + 20}
     assert b["sent"] == {"dp": 8 + 8 + 6}
     assert a["neighbours"] == (None, 1, 1) and b["neighbours"] == (0, None, 0)
+
+
+def _full_state_peaks(mesh, cfg):
+    """The bytes this rank allocates at most while the full state is taken (the meter sees
+    every storage an operator makes), the largest tensor's, and what rank 0 got."""
+    from meshtrain.metrics import ActivationMeter
+    data, p = setup(cfg, Comm(mesh))
+    train_step(p, data, 0, cfg)  # Adam's moments exist
+    meter = ActivationMeter()
+    with meter:
+        state = p.full_state_dict()
+    tensors = [*state["model"].values(), *(t for entry in state["optim"].values() for t in entry.values())]
+    return {"peak": meter.peak, "state": sum(t.numel() * t.element_size() for t in tensors),
+            "largest": max((t.numel() * t.element_size() for t in tensors), default=0), "names": sorted(state["model"])}
+
+
+@pytest.mark.parametrize("sizes, layout", [
+    ({"pp": 2}, {"dp": 2, "pp": 2, "zero": 3}),
+    ({"pp": 2, "tp": 2}, {"dp": 1, "pp": 2, "tp": 2}),
+], ids=["dp2-pp2-zero3", "tp2-pp2"])
+def test_the_full_state_moves_one_tensor_at_a_time_to_rank_0_only(sizes, layout):
+    """Rank 0 holds the full state (its share: all of it) and about one tensor more; every
+    other rank at most twice the largest tensor (a tensor-parallel gather along a dim other
+    than the first reorders it once) plus 64 KiB, whatever the model's size — where each
+    rank used to hold the whole state, and pipelines pickled it to every stage."""
+    cfg = _cfg(dp=layout["dp"])
+    cfg.layout.pp, cfg.layout.tp, cfg.layout.zero = layout["pp"], layout.get("tp", 1), layout.get("zero", 0)
+    results = run_ranks(_full_state_peaks, 4, cfg, **sizes)
+    main = results[0]
+    full_names = {n for n, _ in build_model("gpt-test", 0, vocab_size=256).named_parameters()}
+    assert full_names <= set(main["names"])
+    largest = main["largest"]
+    assert main["peak"] <= main["state"] + 2 * largest + 64 * 1024, (main["peak"], main["state"])
+    for rank, r in enumerate(results[1:], start=1):
+        assert r["state"] == 0 and r["names"] == []
+        assert r["peak"] <= 2 * largest + 64 * 1024, (rank, r["peak"], largest, main["state"])

@@ -25,6 +25,11 @@ def zero_config(zero, dp, microbatches=1, tp=1, pp=1, steps=3, batch=8, model="g
                         precision=precision, grad_dtype=grad_dtype)
 
 
+def _scheduled(cfg: Config, schedule: str, chunks: int) -> Config:
+    cfg.layout.schedule, cfg.layout.chunks = schedule, chunks
+    return cfg
+
+
 def _records(mesh, cfgs):
     return [verify.record(cfg, Comm(mesh), "layout") for cfg in cfgs]
 
@@ -33,7 +38,10 @@ def _records(mesh, cfgs):
     (2, {}, [zero_config(z, 2, microbatches=2) for z in (1, 2, 3)] + [zero_config(3, 2, model="mlp", batch=16)]),
     (4, {}, [zero_config(z, 4) for z in (1, 2, 3)]),
     (8, {"pp": 2, "tp": 2}, [zero_config(1, 2, 2, tp=2, pp=2), zero_config(3, 2, 2, tp=2, pp=2)]),
-], ids=["dp2-mb2-every-stage-and-mlp", "dp4-every-stage", "dp2-tp2-pp2-zero1-and-zero3"])
+    (4, {"pp": 2}, [_scheduled(zero_config(z, 2, 2, pp=2), sched, chunks) for z in (1, 3)
+                    for sched, chunks in (("zb", 1), ("interleaved", 2))] + [zero_config(2, 2, 4, pp=2)]),
+], ids=["dp2-mb2-every-stage-and-mlp", "dp4-every-stage", "dp2-tp2-pp2-zero1-and-zero3",
+        "dp2-pp2-zero1-3-with-zb-and-interleaved-zero2-1f1b"])
 def test_zero_layouts_pass_verify(world, sizes, cfgs):
     for cfg, rec in zip(cfgs, run_ranks(_records, world, cfgs, **sizes)[0]):
         result = verify.compare(rec, verify.run_reference(cfg, rec))

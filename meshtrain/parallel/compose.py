@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from meshtrain.comm import Comm
+from meshtrain.comm import METRICS, Comm
 from meshtrain.config import LayoutConfig, TrainConfig, strict_p2p_requested
 from meshtrain.loss import cross_entropy_sum
 from meshtrain.models import find_block_list
@@ -33,7 +33,7 @@ from meshtrain.parallel.pipeline.stages import PipelinePlan, Stage
 from meshtrain.parallel.precision import COMPUTE_DTYPES, MasterWeights, fp32_loss, grad_holder
 from meshtrain.parallel.recompute import apply_recompute
 from meshtrain.parallel.runner import PlainRunner
-from meshtrain.parallel.state import ParamHoldings, Piece
+from meshtrain.parallel.state import ParamHoldings, Piece, is_collector
 from meshtrain.parallel.tensor import TensorParallelSync, TensorPlan, apply_plan, vocab_parallel_cross_entropy_sum
 from meshtrain.parallel.zero import Zero, ZeroHoldings
 
@@ -106,19 +106,46 @@ class Parallelized:
         """Parameters, gradients, master weights, optimizer states (and gathered buffers) held here."""
         return self.holdings.state_bytes()
 
-    def full_state_dict(self) -> dict:
-        """{"model": weights by name, "optim": each parameter's optimizer state by name}."""
-        model = self.holdings.full_model()
-        model.update({n: b.detach().to("cpu", copy=True) for n, b in self.module.named_buffers()})
-        return {"model": self._union_over_stages(model),
-                "optim": self._union_over_stages(self.holdings.full_optimizer())}
+    def full_state_dict(self, with_optimizer: bool = True) -> dict:
+        """Collective: {"model": weights (and buffers) by name, "optim": each parameter's
+        optimizer state by name (left empty without `with_optimizer`)}, at full shape on the
+        CPU of the mesh's rank 0; {} of both elsewhere. Tensors move one at a time, only to
+        rank 0 (`to_main`)."""
+        optim: dict[str, dict] = {}
+        for (name, key), t in (self.to_main("optim") if with_optimizer else {}).items():
+            optim.setdefault(name, {})[key] = t
+        return {"model": {name: t for (name, _), t in self.to_main("model").items()}, "optim": optim}
 
-    def _union_over_stages(self, part: dict) -> dict:
-        """Pipeline stages hold different parameters: every stage gets all of them."""
-        whole = {}
-        for stage_part in self.comm.all_gather_object(part, axis="pp"):
-            whole.update(stage_part)
-        return whole
+    def full_grads(self) -> dict[str, torch.Tensor]:
+        """Collective: every parameter's gradient at full shape, as synchronised, on rank 0
+        ({} elsewhere)."""
+        return {name: t for (name, _), t in self.to_main("grads").items()}
+
+    def to_main(self, kind: str) -> dict[tuple[str, str | None], torch.Tensor]:
+        """Collective: the full tensors of `kind` ("model", "grads", "optim") by (name, state
+        key), on rank 0's CPU. Each stage assembles one tensor at a time on its collector
+        (dp and tp coordinate 0; `holdings.stream`), which sends it to rank 0 and lets it go
+        before the next: no rank but rank 0 ever holds more than one full tensor, and rank 0
+        holds the state it returns. Only the entries' names, shapes and dtypes go to every
+        stage (objects, over pp)."""
+        mesh, stage = self.comm.mesh, self.comm.mesh.coord("pp")
+        entries = self.comm.all_gather_object(self.holdings.entries(kind), axis="pp")
+        collector, out = is_collector(self.comm), {}
+        for s in range(mesh.size("pp")):
+            if s == stage:
+                for entry, full in self.holdings.stream(kind):
+                    if collector and s == 0:
+                        out[(entry.name, entry.key)] = full
+                    elif collector:
+                        for work in self.comm.exchange([(True, full.to(mesh.device), -s, 0)], "pp", purpose=METRICS):
+                            work.wait()
+            elif stage == 0 and collector:
+                for entry in entries[s]:
+                    into = torch.empty(entry.shape, dtype=entry.dtype, device=mesh.device)
+                    for work in self.comm.exchange([(False, into, s, 0)], "pp", purpose=METRICS):
+                        work.wait()
+                    out[(entry.name, entry.key)] = into.to("cpu")
+        return out
 
     def load_full_state_dict(self, state: dict) -> None:
         """Take weights and optimizer state from a full state (each rank keeps its part)."""
@@ -126,10 +153,6 @@ class Parallelized:
         with torch.no_grad():
             for name, b in self.module.named_buffers():
                 b.copy_(state["model"][name])
-
-    def full_grads(self) -> dict[str, torch.Tensor]:
-        """Every parameter's gradient at full shape, as synchronised."""
-        return self._union_over_stages(self.holdings.full_grads())
 
     def local_pieces(self) -> list[Piece]:
         """What this rank holds of each tensor. Every rank's piece must equal that part of

@@ -60,14 +60,16 @@ class SeededDropout(nn.Module):
             raise RuntimeError(f"dropout at {self.site}: {x.shape[0]} samples but the keys name {len(rows)}")
         masks = []
         for row in rows:
-            g = torch.Generator(device=x.device)
+            # Drawn on the CPU generator whatever the device: CUDA's Philox draws other bits,
+            # and a GPU run must drop what the CPU reference drops (verify --device cuda).
+            g = torch.Generator()
             g.manual_seed(self.keys.key(row, self.site))
-            keep = torch.rand(shape, generator=g, device=x.device) >= self.p
+            keep = torch.rand(shape, generator=g) >= self.p
             if self.shard is not None:
                 n = x.shape[dim]
                 keep = keep.narrow(dim - 1, comm.mesh.coord("tp") * n, n)
             masks.append(keep)
-        return x * torch.stack(masks) / (1 - self.p)
+        return x * torch.stack(masks).to(x.device, non_blocking=True) / (1 - self.p)
 
     def extra_repr(self) -> str:
         return f"p={self.p}, site={self.site}"

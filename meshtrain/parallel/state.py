@@ -51,6 +51,54 @@ def cpu_copy(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to("cpu", copy=True)
 
 
+@dataclass(frozen=True)
+class Entry:
+    """One tensor of the full state, as every rank of a stage agrees on it: the parameter's
+    (or buffer's) name, `key` (None: the value, or the gradient; else the optimizer state's
+    key), and the full tensor's shape and dtype."""
+    name: str
+    key: str | None
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+KINDS = ("model", "grads", "optim")  # what a full state is read of
+
+
+def full_shape(p: torch.Tensor, comm: Comm, shape: torch.Size | None = None) -> tuple[int, ...]:
+    """The full tensor's shape of `p` (its piece's `shape`, by default its own)."""
+    shape = list(shape or p.shape)
+    spec = getattr(p, SHARD, None)
+    if spec is not None:
+        shape[spec[1]] *= comm.mesh.size(spec[0])
+    return tuple(shape)
+
+
+def is_collector(comm: Comm) -> bool:
+    """The rank of its pipeline stage that assembles the stage's full tensors (dp and tp
+    coordinates 0): it alone keeps them, one at a time."""
+    return comm.mesh.coord("dp") == 0 and comm.mesh.coord("tp") == 0
+
+
+def assemble_split(local: torch.Tensor, spec: tuple[str, int] | None, comm: Comm) -> torch.Tensor | None:
+    """Collective among the ranks that assemble (coordinate 0 on the axes other than pp and
+    the spec's): the full tensor, a CPU copy on the collector, None elsewhere. A replica is
+    copied by the collector alone; a split tensor is gathered over its axis."""
+    mesh = comm.mesh
+    axis = spec[0] if spec is not None and mesh.size(spec[0]) > 1 else None
+    if any(mesh.coord(a) != 0 for a in ("dp", "tp") if a != axis):
+        return None
+    if axis is None:
+        return cpu_copy(local) if is_collector(comm) else None
+    full = gather_full(local, spec, comm)  # a new tensor
+    return full if is_collector(comm) else None
+
+
+def buffer_entries(module: nn.Module) -> list[tuple[Entry, torch.Tensor]]:
+    """The module's buffers (whole on every rank) as entries of the model's state."""
+    return [(Entry(n, None, tuple(b.shape), b.dtype), b) for n, b in module.named_buffers()]
+
+
 def digest(t: torch.Tensor) -> bytes:
     """A fingerprint of a tensor's exact bytes (bit-identical tensors, equal digests)."""
     raw = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
@@ -59,20 +107,6 @@ def digest(t: torch.Tensor) -> bytes:
 
 def _is_per_element(v, p: nn.Parameter) -> bool:
     return torch.is_tensor(v) and v.shape == p.shape
-
-
-def optimizer_state(optimizer: torch.optim.Optimizer, names: dict[nn.Parameter, str], comm: Comm) -> dict[str, dict]:
-    """Collective: each parameter's optimizer state (Adam's step and moments) at full shape,
-    keyed by its name, on the CPU."""
-    out = {}
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            state = optimizer.state.get(p)
-            if state:
-                spec = getattr(p, SHARD, None)
-                out[names[p]] = {k: gather_full(v, spec, comm) if _is_per_element(v, p) else
-                                 cpu_copy(v) if torch.is_tensor(v) else v for k, v in state.items()}
-    return out
 
 
 def load_optimizer_state(optimizer: torch.optim.Optimizer, params: dict[str, nn.Parameter],
@@ -133,18 +167,36 @@ class ParamHoldings:
         return [Piece(n, p, grad_of(self.optimizer, p), Where(shard_index(p, self.comm)))
                 for n, p in self.module.named_parameters()]
 
-    def full_model(self) -> dict[str, torch.Tensor]:
-        """The weights (the fp32 masters under mixed precision)."""
-        return {n: gather_full(master_of(self.optimizer, p), getattr(p, SHARD, None), self.comm)
-                for n, p in self.module.named_parameters()}
+    def _locals(self, kind: str) -> list[tuple[Entry, torch.Tensor, tuple | None]]:
+        """This rank's tensor of each entry of `kind`, and its shard spec."""
+        out = []
+        for n, p in self.module.named_parameters():
+            spec = getattr(p, SHARD, None)
+            if kind == "model":
+                t = master_of(self.optimizer, p)
+                out.append((Entry(n, None, full_shape(p, self.comm), t.dtype), t, spec))
+            elif kind == "grads":
+                t = grad_of(self.optimizer, p)
+                if t is not None:
+                    out.append((Entry(n, None, full_shape(p, self.comm), t.dtype), t, spec))
+            else:
+                for key, v in self.optimizer.state.get(master_of(self.optimizer, p), {}).items():
+                    if torch.is_tensor(v):
+                        whole = _is_per_element(v, p)
+                        out.append((Entry(n, key, full_shape(p, self.comm) if whole else tuple(v.shape), v.dtype), v,
+                                    spec if whole else None))
+        if kind == "model":
+            out += [(entry, b, None) for entry, b in buffer_entries(self.module)]
+        return out
 
-    def full_grads(self) -> dict[str, torch.Tensor]:
-        return {n: gather_full(grad_of(self.optimizer, p), getattr(p, SHARD, None), self.comm)
-                for n, p in self.module.named_parameters() if grad_of(self.optimizer, p) is not None}
+    def entries(self, kind: str) -> list[Entry]:
+        return [entry for entry, _, _ in self._locals(kind)]
 
-    def full_optimizer(self) -> dict[str, dict]:
-        names = {master_of(self.optimizer, p): n for n, p in self.module.named_parameters()}
-        return optimizer_state(self.optimizer, names, self.comm)
+    def stream(self, kind: str):
+        """Collective within the stage: each entry's full tensor in turn (`entries` order), a
+        CPU copy on the collector, None elsewhere; only one is ever assembled at a time."""
+        for entry, local, spec in self._locals(kind):
+            yield entry, assemble_split(local, spec, self.comm)
 
     def load(self, model: dict[str, torch.Tensor], optim: dict[str, dict]) -> None:
         params = dict(self.module.named_parameters())  # this stage's (the state holds every stage's)

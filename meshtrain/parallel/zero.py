@@ -52,7 +52,8 @@ from meshtrain.optim import SHARDED_OVER
 from meshtrain.parallel.data import check_replicas_agree, keep_grad_in, split_by_size
 from meshtrain.parallel.recompute import is_recomputed, passes_through
 from meshtrain.parallel.precision import grad_holder, grad_of, master_bytes, master_of
-from meshtrain.parallel.state import SHARD, Piece, Where, gather_full, model_state_bytes, shard_index
+from meshtrain.parallel.state import (SHARD, Entry, Piece, Where, assemble_split, buffer_entries, cpu_copy,
+                                      full_shape, is_collector, model_state_bytes, shard_index)
 
 
 def _buffer(numel: int, like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -537,42 +538,84 @@ class ZeroHoldings:
             held += [Piece(n, p, None, Where(shard_index(p, self.comm))) for n, p in self.module.named_parameters()]
         return held
 
-    def _full(self, shard_of: Callable[[FlatGroup], torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Collective: each group's shards gathered over dp (reading state: counted under
-        metrics), cut into parameters, and those gathered over the axes they are split on."""
-        out = {}
+    def _piece_tensor(self, value: torch.Tensor, kind: str, key: str | None) -> torch.Tensor | None:
+        """What this rank holds of `kind` for one of its pieces (None: nothing yet)."""
+        if kind == "model":
+            return master_of(self.optimizer, value)
+        if kind == "grads":
+            return self.zero.piece_grads[value]
+        return self.optimizer.state.get(master_of(self.optimizer, value), {}).get(key)
+
+    def _keys(self) -> list[tuple[str, bool]]:
+        """The optimizer state's keys (and whether each is per element), alike on every rank."""
+        first = next(iter(self.optimizer.state.values()), None)
+        if first is None:  # before the first step, on every rank alike
+            return []
+        return [(k, v.dim() > 0) for k, v in first.items() if torch.is_tensor(v)]
+
+    def _plan(self, kind: str) -> list[tuple[Entry, FlatGroup, int, str | None]]:
+        """Each entry of `kind`, with its group, its parameter's number and the state key."""
+        out = []
         for g in self.zero.groups:
-            shard = shard_of(g)
-            flat = _buffer(g.padded, shard)
-            self.comm.all_gather(flat, shard.contiguous(), self.zero.axis, purpose=METRICS)
-            for name, p, off, shape in zip(g.names, g.params, g.offsets, g.shapes):
-                out[name] = gather_full(flat[off:off + shape.numel()].view(shape), getattr(p, SHARD, None), self.comm)
+            for i, (name, p, shape) in enumerate(zip(g.names, g.params, g.shapes)):
+                if kind == "optim":
+                    for key, per_element in self._keys():
+                        dtype = torch.float32 if getattr(self.optimizer, "masters", None) else g.shard.dtype
+                        out.append((Entry(name, key, full_shape(p, self.comm, shape) if per_element else (), dtype),
+                                    g, i, key))
+                else:
+                    dtype = (torch.float32 if kind == "model" and getattr(self.optimizer, "masters", None)
+                             else self.zero.grad_dtype if kind == "grads" else g.shard.dtype)
+                    out.append((Entry(name, None, full_shape(p, self.comm, shape), dtype), g, i, None))
         return out
 
-    def full_model(self) -> dict[str, torch.Tensor]:
-        """The weights (the fp32 masters under mixed precision)."""
-        if getattr(self.optimizer, "masters", None) is None:
-            return self._full(lambda g: g.shard)
-        return self._full(lambda g: _assemble(g, lambda value: master_of(self.optimizer, value), torch.float32))
+    def entries(self, kind: str) -> list[Entry]:
+        plan = [entry for entry, _, _, _ in self._plan(kind)]
+        return plan + [entry for entry, _ in buffer_entries(self.module)] if kind == "model" else plan
 
-    def full_grads(self) -> dict[str, torch.Tensor]:
-        return self._full(lambda g: g.grad_shard)
+    def stream(self, kind: str):
+        """Collective within the stage: each entry's full tensor in turn (`entries` order), a
+        CPU copy on the collector, None elsewhere. A parameter's flat pieces go from the dp
+        ranks that hold them to dp coordinate 0, by point-to-point (counted under metrics),
+        which assembles the tensor-parallel part and gathers it over tp if split: one
+        parameter at a time, never a whole group."""
+        comm, z = self.comm, self.zero
+        dp, me = comm.mesh.size(z.axis), comm.mesh.coord(z.axis)
+        for entry, g, i, key in self._plan(kind):
+            if entry.shape == ():  # Adam's step counter: the same everywhere
+                yield entry, cpu_copy(self._first_step()) if is_collector(comm) else None
+                continue
+            off, numel = g.offsets[i], g.shapes[i].numel()
+            spans = [(max(off, r * g.shard_size), min(off + numel, (r + 1) * g.shard_size)) for r in range(dp)]
+            mine = next((v for (j, _, _), v in zip(g.pieces, g.values) if j == i), None)
+            local = None
+            if me == 0:
+                local = torch.zeros(numel, dtype=entry.dtype, device=g.shard.device)
+                if mine is not None:
+                    piece = self._piece_tensor(mine, kind, key)
+                    if piece is not None:
+                        a, b = spans[0]
+                        local[a - off:b - off] = piece
+                recvs = [(False, local[a - off:b - off], r, 0) for r, (a, b) in enumerate(spans) if r > 0 and a < b]
+                for work in comm.exchange(recvs, z.axis, purpose=METRICS):
+                    work.wait()
+            elif mine is not None and spans[me][0] < spans[me][1]:
+                piece = self._piece_tensor(mine, kind, key)
+                piece = torch.zeros(spans[me][1] - spans[me][0], dtype=entry.dtype, device=g.shard.device) \
+                    if piece is None else piece.to(entry.dtype)
+                for work in comm.exchange([(True, piece, -me, 0)], z.axis, purpose=METRICS):
+                    work.wait()
+            if me == 0:
+                shape = g.shapes[i]
+                yield entry, assemble_split(local.view(shape), getattr(g.params[i], SHARD, None), comm)
+            else:
+                yield entry, None
+        if kind == "model":
+            for entry, b in buffer_entries(self.module):
+                yield entry, cpu_copy(b) if is_collector(comm) else None
 
-    def full_optimizer(self) -> dict[str, dict]:
-        states = self.optimizer.state
-        if not states:  # before the first step, on every rank alike
-            return {}
-        first = next(iter(states.values()))
-        keys = [k for k, v in first.items() if torch.is_tensor(v) and v.dim() > 0]
-        out = {name: {"step": first["step"].detach().to("cpu", copy=True)} for g in self.zero.groups for name in g.names}
-        def moment(g: FlatGroup, key: str) -> torch.Tensor:
-            return _assemble(g, lambda value: states.get(master_of(self.optimizer, value), {}).get(key),
-                             torch.float32)
-        for key in keys:
-            full = self._full(lambda g: moment(g, key))
-            for name, t in full.items():
-                out[name][key] = t
-        return out
+    def _first_step(self) -> torch.Tensor:
+        return next(iter(self.optimizer.state.values()))["step"]
 
     def load(self, model: dict[str, torch.Tensor], optim: dict[str, dict]) -> None:
         with torch.no_grad():
@@ -605,13 +648,3 @@ class ZeroHoldings:
         grads = [g.grad_full if z.stage == 1 else g.grad_shard for g in z.groups]
         return model_state_bytes(held, self.optimizer, grads=grads, master=master_bytes(self.optimizer),
                                  gathered=z.peak_gathered)
-
-
-def _assemble(g: FlatGroup, piece_of: Callable[[torch.Tensor], torch.Tensor | None], dtype: torch.dtype) -> torch.Tensor:
-    """A shard-shaped tensor from one tensor per piece (a master, an Adam moment; None: zeros)."""
-    shard = _buffer(g.shard_size, g.shard, dtype)
-    for (_, _, span), value in zip(g.pieces, g.values):
-        t = piece_of(value)
-        if t is not None:
-            shard[span] = t
-    return shard

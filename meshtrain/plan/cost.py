@@ -13,8 +13,11 @@ from meshtrain.models.presets import GPTSpec, MLPSpec
 
 # Dense peak FLOP/s per device by (device-name fragment, precision): the vendor's figures.
 # fp32 is the plain (non-tensor-core) rate: meshtrain keeps TF32 off so fp32 matches the CPU.
+# The first fragment found in the device's name wins: H100 PCIe and NVL before SXM ("H100").
 PEAK_FLOPS = {
     ("H200", "bf16"): 989e12, ("H200", "fp32"): 67e12,
+    ("H100 PCIe", "bf16"): 756e12, ("H100 PCIe", "fp32"): 51e12,
+    ("H100 NVL", "bf16"): 835e12, ("H100 NVL", "fp32"): 60e12,
     ("H100", "bf16"): 989e12, ("H100", "fp32"): 67e12,
     ("A100", "bf16"): 312e12, ("A100", "fp32"): 19.5e12,
 }
