@@ -580,35 +580,37 @@ class ZeroHoldings:
         which assembles the tensor-parallel part and gathers it over tp if split: one
         parameter at a time, never a whole group."""
         comm, z = self.comm, self.zero
-        dp, me = comm.mesh.size(z.axis), comm.mesh.coord(z.axis)
+        me = comm.mesh.coord(z.axis)
+        # Where every dp rank's pieces sit in their parameters, as each says (small objects).
+        claims: dict[tuple[int, int], dict[int, tuple[int, int]]] = {}
+        for r, pieces in enumerate(comm.all_gather_object([(g.index, i, where.flat) for g in z.groups
+                                                          for i, where, _ in g.pieces], axis=z.axis)):
+            for group, i, flat in pieces:
+                claims.setdefault((group, i), {})[r] = flat
         for entry, g, i, key in self._plan(kind):
             if entry.shape == ():  # Adam's step counter: the same everywhere
                 yield entry, cpu_copy(self._first_step()) if is_collector(comm) else None
                 continue
-            off, numel = g.offsets[i], g.shapes[i].numel()
-            spans = [(max(off, r * g.shard_size), min(off + numel, (r + 1) * g.shard_size)) for r in range(dp)]
-            mine = next((v for (j, _, _), v in zip(g.pieces, g.values) if j == i), None)
-            local = None
+            held = claims.get((g.index, i), {})
+            piece = None
+            if me in held:
+                value = next(v for (j, _, _), v in zip(g.pieces, g.values) if j == i)
+                a, b = held[me]
+                piece = self._piece_tensor(value, kind, key)
+                piece = torch.zeros(b - a, dtype=entry.dtype, device=g.shard.device) if piece is None else \
+                    piece.to(entry.dtype)
             if me == 0:
-                local = torch.zeros(numel, dtype=entry.dtype, device=g.shard.device)
-                if mine is not None:
-                    piece = self._piece_tensor(mine, kind, key)
-                    if piece is not None:
-                        a, b = spans[0]
-                        local[a - off:b - off] = piece
-                recvs = [(False, local[a - off:b - off], r, 0) for r, (a, b) in enumerate(spans) if r > 0 and a < b]
+                local = torch.zeros(g.shapes[i].numel(), dtype=entry.dtype, device=g.shard.device)
+                if piece is not None:
+                    local[held[0][0]:held[0][1]] = piece
+                recvs = [(False, local[a:b], r, 0) for r, (a, b) in held.items() if r > 0]
                 for work in comm.exchange(recvs, z.axis, purpose=METRICS):
                     work.wait()
-            elif mine is not None and spans[me][0] < spans[me][1]:
-                piece = self._piece_tensor(mine, kind, key)
-                piece = torch.zeros(spans[me][1] - spans[me][0], dtype=entry.dtype, device=g.shard.device) \
-                    if piece is None else piece.to(entry.dtype)
-                for work in comm.exchange([(True, piece, -me, 0)], z.axis, purpose=METRICS):
-                    work.wait()
-            if me == 0:
-                shape = g.shapes[i]
-                yield entry, assemble_split(local.view(shape), getattr(g.params[i], SHARD, None), comm)
+                yield entry, assemble_split(local.view(g.shapes[i]), getattr(g.params[i], SHARD, None), comm)
             else:
+                if piece is not None:
+                    for work in comm.exchange([(True, piece, -me, 0)], z.axis, purpose=METRICS):
+                        work.wait()
                 yield entry, None
         if kind == "model":
             for entry, b in buffer_entries(self.module):
