@@ -35,7 +35,8 @@ from meshtrain.parallel.recompute import apply_recompute
 from meshtrain.parallel.runner import PlainRunner
 from meshtrain.parallel.state import ParamHoldings, Piece, is_collector
 from meshtrain.parallel.tensor import TensorParallelSync, TensorPlan, apply_plan, vocab_parallel_cross_entropy_sum
-from meshtrain.parallel.zero import Zero, ZeroHoldings
+from meshtrain.parallel.zero import Zero
+from meshtrain.parallel.zero_holdings import ZeroHoldings
 
 
 class GradSyncs:

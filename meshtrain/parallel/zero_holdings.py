@@ -1,0 +1,144 @@
+"""What a rank holds under ZeRO (`zero.py`), read and written by parameter name at full
+shape: the pieces of its shards (values, gradients, optimizer states), the full state
+streamed one parameter at a time, and loading a full state back into the shards."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from meshtrain.comm import METRICS, Comm
+from meshtrain.parallel.precision import grad_holder, grad_of, master_bytes, master_of
+from meshtrain.parallel.state import (SHARD, Entry, Piece, Where, assemble_split, buffer_entries, cpu_copy,
+                                      full_shape, is_collector, model_state_bytes, shard_index)
+from meshtrain.parallel.zero import FlatGroup, Zero
+
+
+class ZeroHoldings:
+    """What a rank holds under ZeRO: the pieces of its shards (values, gradients, optimizer
+    states) and, under stages 1 and 2, the full parameters as replicas."""
+
+    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, comm: Comm, zero: Zero):
+        self.module, self.optimizer, self.comm, self.zero = module, optimizer, comm, zero
+
+    def trained(self) -> list[torch.Tensor]:
+        return [grad_holder(self.optimizer, value) for _, value, _, _ in self.zero.pieces]
+
+    def pieces(self) -> list[Piece]:
+        held = [Piece(name, value, grad_of(self.optimizer, value), where) for name, value, where, _ in self.zero.pieces]
+        if self.zero.stage < 3:  # the full parameters: the same on every dp rank
+            held += [Piece(n, p, None, Where(shard_index(p, self.comm))) for n, p in self.module.named_parameters()]
+        return held
+
+    def _piece_tensor(self, value: torch.Tensor, kind: str, key: str | None) -> torch.Tensor | None:
+        """What this rank holds of `kind` for one of its pieces (None: nothing yet)."""
+        if kind == "model":
+            return master_of(self.optimizer, value)
+        if kind == "grads":
+            return self.zero.piece_grads[value]
+        return self.optimizer.state.get(master_of(self.optimizer, value), {}).get(key)
+
+    def _keys(self) -> list[tuple[str, bool]]:
+        """The optimizer state's keys (and whether each is per element), alike on every rank."""
+        first = next(iter(self.optimizer.state.values()), None)
+        if first is None:  # before the first step, on every rank alike
+            return []
+        return [(k, v.dim() > 0) for k, v in first.items() if torch.is_tensor(v)]
+
+    def _plan(self, kind: str) -> list[tuple[Entry, FlatGroup, int, str | None]]:
+        """Each entry of `kind`, with its group, its parameter's number and the state key."""
+        out = []
+        for g in self.zero.groups:
+            for i, (name, p, shape) in enumerate(zip(g.names, g.params, g.shapes)):
+                if kind == "optim":
+                    for key, per_element in self._keys():
+                        dtype = torch.float32 if getattr(self.optimizer, "masters", None) else g.shard.dtype
+                        out.append((Entry(name, key, full_shape(p, self.comm, shape) if per_element else (), dtype),
+                                    g, i, key))
+                else:
+                    dtype = (torch.float32 if kind == "model" and getattr(self.optimizer, "masters", None)
+                             else self.zero.grad_dtype if kind == "grads" else g.shard.dtype)
+                    out.append((Entry(name, None, full_shape(p, self.comm, shape), dtype), g, i, None))
+        return out
+
+    def entries(self, kind: str) -> list[Entry]:
+        plan = [entry for entry, _, _, _ in self._plan(kind)]
+        return plan + [entry for entry, _ in buffer_entries(self.module)] if kind == "model" else plan
+
+    def stream(self, kind: str):
+        """Collective within the stage: each entry's full tensor in turn (`entries` order), a
+        CPU copy on the collector, None elsewhere. A parameter's flat pieces go from the dp
+        ranks that hold them to dp coordinate 0, by point-to-point (counted under metrics),
+        which assembles the tensor-parallel part and gathers it over tp if split: one
+        parameter at a time, never a whole group."""
+        comm, z = self.comm, self.zero
+        me = comm.mesh.coord(z.axis)
+        # Where every dp rank's pieces sit in their parameters, as each says (small objects).
+        claims: dict[tuple[int, int], dict[int, tuple[int, int]]] = {}
+        for r, pieces in enumerate(comm.all_gather_object([(g.index, i, where.flat) for g in z.groups
+                                                          for i, where, _ in g.pieces], axis=z.axis)):
+            for group, i, flat in pieces:
+                claims.setdefault((group, i), {})[r] = flat
+        for entry, g, i, key in self._plan(kind):
+            if entry.shape == ():  # Adam's step counter: the same everywhere
+                yield entry, cpu_copy(self._first_step()) if is_collector(comm) else None
+                continue
+            held = claims.get((g.index, i), {})
+            piece = None
+            if me in held:
+                value = next(v for (j, _, _), v in zip(g.pieces, g.values) if j == i)
+                a, b = held[me]
+                piece = self._piece_tensor(value, kind, key)
+                piece = torch.zeros(b - a, dtype=entry.dtype, device=g.shard.device) if piece is None else \
+                    piece.to(entry.dtype)
+            if me == 0:
+                local = torch.zeros(g.shapes[i].numel(), dtype=entry.dtype, device=g.shard.device)
+                if piece is not None:
+                    local[held[0][0]:held[0][1]] = piece
+                recvs = [(False, local[a:b], r, 0) for r, (a, b) in held.items() if r > 0]
+                for work in comm.exchange(recvs, z.axis, purpose=METRICS):
+                    work.wait()
+                yield entry, assemble_split(local.view(g.shapes[i]), getattr(g.params[i], SHARD, None), comm)
+            else:
+                if piece is not None:
+                    for work in comm.exchange([(True, piece, -me, 0)], z.axis, purpose=METRICS):
+                        work.wait()
+                yield entry, None
+        if kind == "model":
+            for entry, b in buffer_entries(self.module):
+                yield entry, cpu_copy(b) if is_collector(comm) else None
+
+    def _first_step(self) -> torch.Tensor:
+        return next(iter(self.optimizer.state.values()))["step"]
+
+    def load(self, model: dict[str, torch.Tensor], optim: dict[str, dict]) -> None:
+        with torch.no_grad():
+            for g in self.zero.groups:
+                local = [Where(shard_index(p, self.comm, shape)).take(model[name])
+                         for name, p, shape in zip(g.names, g.params, g.shapes)]
+                flat = g.flat_from(local)
+                if g.full is not None and self.zero.stage < 3:
+                    g.full.copy_(flat)
+                else:
+                    g.shard.copy_(flat[g.lo:g.hi])
+            for name, value, where, _ in self.zero.pieces:
+                if master_of(self.optimizer, value) is not value:  # mixed precision: the fp32 masters
+                    master_of(self.optimizer, value).copy_(where.take(model[name]))
+        for _, value, _, _ in self.zero.pieces:
+            self.optimizer.state.pop(master_of(self.optimizer, value), None)
+        for name, value, where, _ in self.zero.pieces:
+            entry = optim.get(name)
+            if entry:
+                self.optimizer.state[master_of(self.optimizer, value)] = {
+                    k: (where.take(v).to(value.device, copy=True) if k != "step" and torch.is_tensor(v)
+                        else v.clone() if torch.is_tensor(v) else v) for k, v in entry.items()}
+
+    def zero_grad(self) -> None:
+        self.zero.zero_grad()
+
+    def state_bytes(self) -> dict:
+        z = self.zero
+        held = [g.full if z.stage < 3 else g.shard for g in z.groups]
+        grads = [g.grad_full if z.stage == 1 else g.grad_shard for g in z.groups]
+        return model_state_bytes(held, self.optimizer, grads=grads, master=master_bytes(self.optimizer),
+                                 gathered=z.peak_gathered)
