@@ -120,3 +120,36 @@ def test_a_traced_run_and_its_simulation_agree_on_the_order_of_operations(tmp_pa
     j = last_json(r.stdout)
     assert j["same_order"] and j["predicted_makespan_s"] > 0 and j["measured_makespan_s"] > 0
     assert (tmp_path / "both.png").stat().st_size > 0
+
+
+def _bucket_launches(mesh, cfg):
+    """When each data-parallel bucket went out: the number of backward instructions this
+    stage had started by then, and how many the step has."""
+    from unittest import mock
+
+    from meshtrain.parallel.data import DataParallel
+    from meshtrain.parallel.pipeline import schedules as S
+    from meshtrain.parallel.pipeline.engine import PipelineRunner
+    started, launched = [0], []
+    real_launch, real_backward = DataParallel._launch, PipelineRunner._Backward
+
+    def launch(self, bucket):
+        launched.append(started[0])
+        return real_launch(self, bucket)
+
+    def backward(self, op):
+        started[0] += 1
+        return real_backward(self, op)
+    with mock.patch.object(DataParallel, "_launch", launch), mock.patch.object(PipelineRunner, "_Backward", backward):
+        r = train(cfg, Comm(mesh))
+        backwards = sum(isinstance(op, S.Backward) for op in r.parallel.runner.instructions)
+    return {"launched": launched, "backwards": backwards}
+
+
+def test_interleaved_chunks_launch_their_buckets_when_they_are_done():
+    """dp 2 × pp 2, two chunks a stage: the later chunk's buckets go out in its own last
+    backward, while the stage still has backwards of the other chunk to run."""
+    cfg = pp_config(2, "interleaved", 4, chunks=2, dp=2, steps=1)
+    for stage_rank in run_ranks(_bucket_launches, 4, cfg, pp=2):
+        early = [n for n in stage_rank["launched"] if n < stage_rank["backwards"]]
+        assert early and len(early) < len(stage_rank["launched"]), stage_rank

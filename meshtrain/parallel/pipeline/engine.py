@@ -8,9 +8,10 @@ when a later group is waited for or at the step's end). Every received tensor ge
 of its own (a buffer reused while an earlier micro-batch still needs it for its weight
 gradient would silently corrupt that gradient). A stage's output is freed once its send has
 completed (the autograd graph keeps what backward needs). The loss is computed on the last
-stage only. Data-parallel gradient sync fires only on the stage's last backward instruction
-(the last weight gradient under zero-bubble); every earlier one runs under the
-synchroniser's `no_sync`. On gloo transfers also carry a tag naming (kind, micro-batch,
+stage only. Data-parallel gradient sync fires only on each chunk's last backward instruction
+(the last weight gradient under zero-bubble; under interleaving a chunk's buckets so go out
+while the other chunks still compute); every other one runs under the synchroniser's
+`no_sync`. On gloo transfers also carry a tag naming (kind, micro-batch,
 chunk); NCCL ignores tags, and the simulator proves that order alone pairs them right."""
 
 from __future__ import annotations
@@ -37,8 +38,10 @@ class PipelineRunner:
         self.transport = Transport(comm, PP, strict=strict_p2p)
         self.activation_shape, self.dtype = activation_shape, dtype
         self.recorder = None  # a trace.Recorder: `train --trace` times every compute instruction
-        backwards = [i for i, op in enumerate(instructions) if isinstance(op, (S.Backward, S.BackwardWeight))]
-        self._last_backward = backwards[-1] if backwards else -1
+        # Each chunk's last backward (its last weight gradient under zero-bubble) syncs: its
+        # buckets go out when that chunk is done, not all at the stage's very end.
+        last = {op.chunk: i for i, op in enumerate(instructions) if isinstance(op, (S.Backward, S.BackwardWeight))}
+        self._syncing = set(last.values())
 
     def run(self, p, micro_batch, count: int, normalizer: float) -> torch.Tensor:
         """Run this stage's instructions for one step; returns the summed loss ÷ normalizer of
@@ -51,7 +54,7 @@ class PipelineRunner:
             self.recorder.start_step()
         try:
             for index, op in enumerate(self.instructions):
-                sync = index == self._last_backward
+                sync = index in self._syncing
                 with nullcontext() if sync else p.grad_sync.no_sync(), self._timing(op):
                     getattr(self, "_" + type(op).__name__)(op)
             self.transport.drain()
