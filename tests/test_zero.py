@@ -344,3 +344,25 @@ def test_a_block_the_batch_skips_on_one_rank_trains_as_on_one_process(zero):
         assert "mismatch" in str(e) or "Connection" in str(e) or "exit codes" in str(e), e
     else:
         assert not same_as_reference(mutant), "the completion-order mutant trained the same model"
+
+
+def _gathered_peak(mesh, cfg, across_chunks):
+    """Stage 3's peak of gathered bytes; `across_chunks`: the old prefetch, index ± 1
+    whatever chunk the next unit belongs to."""
+    from contextlib import nullcontext
+    from unittest import mock
+    real = Zero.__init__
+
+    def one_run(self, *args, runs=None, **kwargs):
+        real(self, *args, **kwargs)
+    with mock.patch.object(Zero, "__init__", one_run) if across_chunks else nullcontext():
+        return train(cfg, Comm(mesh)).model_state["gathered"]
+
+
+def test_stage_3_under_interleaving_prefetches_within_a_chunk():
+    """The next unit by index may be the next chunk's first, which does not run next: the
+    prefetch stays inside the chunk, and each stage holds less gathered at its peak."""
+    cfg = _scheduled(zero_config(3, 2, 4, pp=2, steps=1), "interleaved", 2)
+    within = run_ranks(_gathered_peak, 4, cfg, False, pp=2)
+    across = run_ranks(_gathered_peak, 4, cfg, True, pp=2)
+    assert all(w < a for w, a in zip(within, across)), (within, across)

@@ -215,9 +215,10 @@ def parallelize(model: nn.Module, comm: Comm, layout: LayoutConfig, train: Train
     linear = _linear_gather(model, comm, layout, train.batch_size * rows_per_sample, grad_dtype, compute_dtype, notes)
     zero = None
     if layout.zero and comm.mesh.size("dp") > 1:  # ZeRO with one dp rank has nothing to shard: plain DP
+        chunks = [len(ids) for ids in stage.block_ids] if comm.mesh.size("pp") > 1 else None
         sync = zero = Zero(model, comm, layout.zero, bucket_mb=layout.bucket_mb, grad_dtype=grad_dtype,
                            reshard_after_forward=not layout.keep_gathered,
-                           blocks=pipeline.blocks if pipeline is not None else None, **dp_options)
+                           blocks=pipeline.blocks if pipeline is not None else None, runs=chunks, **dp_options)
         trained = [(name, value) for name, value, _, _ in zero.pieces]
     else:
         sync = DataParallel(model, comm, axis="dp", bucket_mb=layout.bucket_mb, grad_dtype=grad_dtype,

@@ -142,11 +142,14 @@ class Zero:
     `reset`), the parameter gathering, and `pieces`, the (name, tensor, where, parameter) the
     optimizer steps. Stage 3 groups by the children of the block list named `blocks` (any
     module's: the largest `nn.ModuleList` when None), plus one group for the rest.
-    `on_event(kind, group_index)` hears every "gather" launched and every "forward" done."""
+    `on_event(kind, group_index)` hears every "gather" launched and every "forward" done.
+    `runs`: the sizes of the runs of consecutive units that run together (a pipeline stage's
+    chunks); a prefetch stays inside its unit's run (the next chunk does not run next)."""
 
     def __init__(self, model: nn.Module, comm: Comm, stage: int, *, axis: str = "dp", bucket_mb: float = 25.0,
                  blocks: str | None = None, reshard_after_forward: bool = True,
-                 on_event: Callable[[str, int], None] | None = None, grad_dtype: torch.dtype | None = None):
+                 on_event: Callable[[str, int], None] | None = None, grad_dtype: torch.dtype | None = None,
+                 runs: list[int] | None = None):
         if stage not in (1, 2, 3):
             raise ValueError(f"ZeRO stage {stage}: use 1, 2 or 3")
         self.comm, self.stage, self.axis = comm, stage, axis
@@ -159,6 +162,8 @@ class Zero:
             self.n_units = 0
         else:
             grouped, self.n_units = _units(model, named, blocks)
+        sizes = runs or [self.n_units]
+        self._run_of = [r for r, size in enumerate(sizes) for _ in range(size)]
         check_replicas_agree(comm, axis, named, [g for _, g, _ in grouped])
         self.groups = [FlatGroup(i, label, [(name_of[p], p) for p in params], comm, axis, keep_full=stage < 3)
                        for i, (label, params, _) in enumerate(grouped)]
@@ -381,6 +386,12 @@ class Zero:
     def _is_unit(self, index: int) -> bool:
         return 0 <= index < self.n_units
 
+    def _prefetch(self, unit: int, step: int) -> None:
+        """Launch the gather of the unit `step` away, if it is one of the same run."""
+        other = unit + step
+        if self._is_unit(unit) and self._is_unit(other) and self._run_of[unit] == self._run_of[other]:
+            self._launch_gather(self.groups[other])
+
     def _model_forward_begins(self, module, args) -> None:
         if not _in_backward():  # (a checkpoint's recomputation runs forwards inside backward)
             self._forward_at, self._tracking = 0, True
@@ -419,8 +430,7 @@ class Zero:
         if tracked:
             self._catch_up_forward(g.index)
         self._gather(g)
-        if self._is_unit(g.index + 1):
-            self._launch_gather(self.groups[g.index + 1])  # prefetch: overlaps this unit's forward
+        self._prefetch(g.index, +1)  # overlaps this unit's forward
         if tracked:
             self._forward_at = g.index + 1
             self._ran.add(g.index)
@@ -461,8 +471,7 @@ class Zero:
             self._catch_up_backward(g.index)
             self._backward_at = min(self._backward_at, g.index - 1)
         self._gather_for_backward(g)
-        if self._is_unit(g.index) and self._is_unit(g.index - 1):
-            self._launch_gather(self.groups[g.index - 1])
+        self._prefetch(g.index, -1)
 
     def _gather_for_backward(self, g: FlatGroup) -> None:
         """Its own seam: the mutant that frees a block before its backward leaves it out."""
