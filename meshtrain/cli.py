@@ -19,6 +19,8 @@ from pathlib import Path
 
 from meshtrain import config as C
 from meshtrain import launch
+from meshtrain.models.presets import MLPSpec
+from meshtrain.plan.shapes import shape_of
 
 BENCH_PEERS = ("ddp", "zero1", "fsdp2", "dtensor-tp", "torch-pp")  # meshtrain.bench.PEERS, named here so a bad --vs fails without torch
 COMMAND_STEPS = {"verify": 10, "bench": 20}  # their default --steps, unless TOML or a flag says
@@ -135,6 +137,38 @@ def _check_command(cfg: C.Config, args) -> None:
                                 "--dp 1 and --tp 1")
 
 
+def _check_build_fits_the_host(cfg: C.Config, local_ranks: int) -> None:
+    """Each rank builds the whole model in fp32 before it is cut (the meta-device build is
+    still to come: issue 19), so the host needs at least 4 bytes a parameter per local rank;
+    a model that cannot fit is refused here, not by the kernel's OOM killer mid-build."""
+    spec = cfg.model.spec()
+    if isinstance(spec, MLPSpec):
+        if cfg.train.data != "digits":
+            return
+        widths = (64, *spec.hidden, 10)  # the digits' 8×8 pixels, 10 classes
+        n_params = sum((a + 1) * b for a, b in zip(widths, widths[1:]))
+    else:
+        n_params = shape_of(cfg.model.name, cfg.train.vocab_size).n_params()
+    need, have = 4 * n_params * local_ranks, _available_host_bytes()
+    if have is not None and need > have:
+        what = f"--mlp-hidden {cfg.model.mlp_hidden}" if isinstance(spec, MLPSpec) else f"--model {cfg.model.name}"
+        raise C.ConfigError(f"{what}: building it takes 4 bytes × {n_params / 1e9:.2f} B parameters on each of "
+                            f"{local_ranks} local rank(s), {need / 2**30:.1f} GiB; this host has {have / 2**30:.1f} GiB "
+                            f"available; use a smaller model or fewer ranks per host")
+
+
+def _available_host_bytes() -> int | None:
+    """MemAvailable of /proc/meminfo (Linux), None where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
 def _check_out_writable(out: str) -> None:
     """Before any work: a run whose results cannot be saved is refused, not lost at the end."""
     try:
@@ -177,6 +211,8 @@ def main(argv: list[str] | None = None) -> int:
         # From a shell the local ranks are all ours: check the GPUs before starting them.
         local_rank, local_world = (renv.local_rank, renv.local_world_size) if renv else (0, cfg.layout.world_size)
         device = launch.choose_device(cfg.train.device, local_rank, local_world)
+        if device.type == "cpu":
+            _check_build_fits_the_host(cfg, local_world)
         # From a shell: once, before any rank starts. Under a launcher: every rank, before
         # joining the group (one builds the cache under a file lock, the others wait), so a
         # large corpus never meets the collective timeout.
