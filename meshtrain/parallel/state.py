@@ -62,9 +62,6 @@ class Entry:
     dtype: torch.dtype
 
 
-KINDS = ("model", "grads", "optim")  # what a full state is read of
-
-
 def full_shape(p: torch.Tensor, comm: Comm, shape: torch.Size | None = None) -> tuple[int, ...]:
     """The full tensor's shape of `p` (its piece's `shape`, by default its own)."""
     shape = list(shape or p.shape)

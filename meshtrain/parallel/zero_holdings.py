@@ -38,32 +38,34 @@ class ZeroHoldings:
             return self.zero.piece_grads[value]
         return self.optimizer.state.get(master_of(self.optimizer, value), {}).get(key)
 
-    def _keys(self) -> list[tuple[str, bool]]:
-        """The optimizer state's keys (and whether each is per element), alike on every rank."""
+    def _keys(self) -> list[tuple[str, tuple | None, torch.dtype]]:
+        """The optimizer state's keys, alike on every rank: each with None for a per-element
+        state (the parameter's shape) or its own shape (Adam's step), and its dtype."""
         first = next(iter(self.optimizer.state.values()), None)
         if first is None:  # before the first step, on every rank alike
             return []
-        return [(k, v.dim() > 0) for k, v in first.items() if torch.is_tensor(v)]
+        return [(k, None if v.dim() > 0 else tuple(v.shape), v.dtype) for k, v in first.items() if torch.is_tensor(v)]
 
     def _plan(self, kind: str) -> list[tuple[Entry, FlatGroup, int, str | None]]:
         """Each entry of `kind`, with its group, its parameter's number and the state key."""
+        masters = getattr(self.optimizer, "masters", None) is not None
+        value_dtype = {"model": torch.float32 if masters else None, "grads": self.zero.grad_dtype}.get(kind)
         out = []
         for g in self.zero.groups:
             for i, (name, p, shape) in enumerate(zip(g.names, g.params, g.shapes)):
+                full = full_shape(p, self.comm, shape)
                 if kind == "optim":
-                    for key, per_element in self._keys():
-                        dtype = torch.float32 if getattr(self.optimizer, "masters", None) else g.shard.dtype
-                        out.append((Entry(name, key, full_shape(p, self.comm, shape) if per_element else (), dtype),
-                                    g, i, key))
+                    out += [(Entry(name, key, full if own is None else own, dtype), g, i, key)
+                            for key, own, dtype in self._keys()]
                 else:
-                    dtype = (torch.float32 if kind == "model" and getattr(self.optimizer, "masters", None)
-                             else self.zero.grad_dtype if kind == "grads" else g.shard.dtype)
-                    out.append((Entry(name, None, full_shape(p, self.comm, shape), dtype), g, i, None))
+                    out.append((Entry(name, None, full, value_dtype or g.shard.dtype), g, i, None))
         return out
 
     def entries(self, kind: str) -> list[Entry]:
-        plan = [entry for entry, _, _, _ in self._plan(kind)]
-        return plan + [entry for entry, _ in buffer_entries(self.module)] if kind == "model" else plan
+        entries = [entry for entry, _, _, _ in self._plan(kind)]
+        if kind == "model":
+            entries += [entry for entry, _ in buffer_entries(self.module)]
+        return entries
 
     def stream(self, kind: str):
         """Collective within the stage: each entry's full tensor in turn (`entries` order), a
