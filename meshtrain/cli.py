@@ -132,6 +132,9 @@ def _check_command(cfg: C.Config, args) -> None:
         if args.vs == "dtensor-tp" and (lay.tp < 2 or lay.dp > 1 or cfg.model.name == "mlp" or cfg.model.dropout):
             raise C.ConfigError("bench --vs dtensor-tp compares tensor parallelism of a GPT alone, without dropout; "
                                 "use --tp 2 or more, --dp 1 and --dropout 0")
+        if lay.precision != "fp32" and args.vs not in ("ddp", "fsdp2"):
+            raise C.ConfigError(f"bench --vs {args.vs} runs in fp32 only (its peer has no bf16 mode with fp32 master "
+                                "weights here); use --precision fp32, or --vs ddp | fsdp2 for bf16")
         if args.vs == "torch-pp" and (lay.pp < 2 or lay.dp > 1 or lay.tp > 1 or cfg.model.name == "mlp"):
             raise C.ConfigError("bench --vs torch-pp compares pipeline parallelism of a GPT alone; use --pp 2 or more, "
                                 "--dp 1 and --tp 1")

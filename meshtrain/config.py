@@ -54,7 +54,9 @@ class LayoutConfig:
     microbatches: int = 1
     recompute: str = "none"
     precision: str = "fp32"
-    grad_dtype: str = "compute"  # "fp32": gradients accumulated (and reduced) in fp32 under bf16
+    # Under bf16: "fp32" accumulates gradients over micro-batches and reduces them over dp in
+    # fp32 (Megatron's and torchtitan's default); "compute" keeps them in bf16 (half the bytes).
+    grad_dtype: str = "fp32"
     bucket_mb: float = 25.0
     keep_gathered: bool = False  # ZeRO-3: keep each block's parameters gathered from forward to backward
     dp_linear_sync: str = "allreduce"  # per linear layer: all-reduce its weight gradient, or all-gather its rows
@@ -143,8 +145,9 @@ FLAGS = [
      "input) | selective (the attention core is recomputed) | segments[:K] (every K-th block boundary kept; "
      "K = ceil(sqrt(blocks)) by default)"),
     ("--precision", "layout", "precision", str, "|".join(PRECISIONS) + " (bf16: fp32 master weights and moments)"),
-    ("--grad-dtype", "layout", "grad_dtype", str, "compute (gradients in the compute precision) | fp32 "
-     "(accumulated and reduced in fp32 across micro-batches: 2 more bytes per parameter under bf16)"),
+    ("--grad-dtype", "layout", "grad_dtype", str, "fp32 (default: under bf16, gradients accumulated over "
+     "micro-batches and reduced over dp in fp32) | compute (in bf16: 2 bytes a parameter and half the "
+     "gradient traffic, less exact)"),
     ("--dp-linear-sync", "layout", "dp_linear_sync", str, "|".join(LINEAR_SYNCS) + ": per linear layer, how data "
      "parallelism makes its weight gradient whole: all-reduce it, or all-gather the layer's inputs and "
      "output-gradients and form it locally (fewer bytes when the global rows B < 2·n_in·n_out/(n_in+n_out)); "

@@ -96,6 +96,19 @@ def test_bench_vs_ddp_smoke():
     assert j["ours_model_state_bytes"]["total"] == j["peer_model_state_bytes"]["total"]
 
 
+@pytest.mark.parametrize("peer, flags, bound", [
+    ("ddp", ["--grad-dtype", "compute"], 0.0),  # the same bf16 arithmetic, step for step
+    ("fsdp2", ["--zero", "3"], 1e-3),  # fp32 reduce-scatters; its masters are the unrounded fp32 init
+])
+def test_bench_peers_run_in_our_precision(peer, flags, bound):
+    """Under bf16 the peers run and train the same model. DDP with bf16 gradients repeats our
+    arithmetic exactly, which an fp32 peer could not; FSDP2's bound is a sanity check only
+    (two steps from the same init are too few to tell its precision from the losses)."""
+    r = run_cli("bench", "--vs", peer, *TINY, "--dp", "2", *flags, "--precision", "bf16", "--steps", "2", "--json")
+    assert r.returncode == 0, r.stderr
+    assert last_json(r.stdout)["max_loss_rel_diff"] <= bound
+
+
 @pytest.mark.parametrize("sp", ["--no-sp", "--sp"])
 def test_bench_vs_dtensor_tp_smoke(sp):
     r = run_cli("bench", "--vs", "dtensor-tp", *TINY, "--dp", "1", "--tp", "2", sp, "--steps", "2", "--json")

@@ -157,6 +157,7 @@ def _bad_inputs(tmp: Path) -> list[tuple[list, str]]:
         (["train", "--trace", tmp / "t.json"], "use --pp 2 or more"),
         (["bench", "--vs", "torch-pp", "--dp", "2"], "use --pp 2 or more, --dp 1 and --tp 1"),
         (["bench", "--vs", "fsdp2", "--dp", "2"], "use --zero 3, --dp 2 or more"),
+        (["bench", "--vs", "zero1", "--zero", "1", "--dp", "2", "--precision", "bf16"], "runs in fp32 only"),
         (["schedule"], "give --pp and --microbatches"),
         (["schedule", "--trace", tmp / "no-such.json"], "cannot read it"),
         (["schedule", "--trace", tmp / "binary.toml"], "not a trace written by `meshtrain train --trace`"),

@@ -130,14 +130,14 @@ def _brute_force(work, gpus, machine, memory, base):
 
 
 def test_search_finds_the_best_layout_of_a_brute_force_enumeration():
-    """torch accounting: on 8 GPUs of 0.5 GiB, a GPT of 12 blocks, width 1024 and a 32k
+    """torch accounting: on 8 GPUs of 0.6 GiB, a GPT of 12 blocks, width 1024 and a 32k
     vocabulary (some layouts do not fit), the search's best predicted step time is the least
     of every combination of the choices planned one by one."""
     work = Workload(Shape(12, 1024, 16, 32768, 1024), 32, 1024)
-    base, memory = LayoutConfig(precision="bf16"), 0.5 * 2 ** 30
+    base, memory = LayoutConfig(precision="bf16"), 0.6 * 2 ** 30  # 11 of 1146 layouts fit
     machine = GpuRates(H100, "bf16")
     found = search(work, 8, machine, memory_bytes=memory, base=base)
-    assert found["fit"] < found["tried"]  # the memory limit matters here
+    assert 0 < found["fit"] < found["tried"]  # the memory limit matters here
     expected_time, _ = _brute_force(work, 8, machine, memory, base)
     lay, best = found["best"][0]
     assert best["fits"] and best["predicted_step_time_s"] == pytest.approx(expected_time, rel=1e-12)

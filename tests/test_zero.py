@@ -20,7 +20,7 @@ from meshtrain.train import train
 
 
 def zero_config(zero, dp, microbatches=1, tp=1, pp=1, steps=3, batch=8, model="gpt-test", precision="fp32",
-                grad_dtype="compute") -> Config:
+                grad_dtype="fp32") -> Config:
     return small_config(model, steps, batch, dp=dp, tp=tp, pp=pp, zero=zero, microbatches=microbatches,
                         precision=precision, grad_dtype=grad_dtype)
 
@@ -65,15 +65,15 @@ def dp4_figures():
     """gpt-test on dp = 4, two steps: stages 0-3 with one micro-batch, 1-3 with two, and
     stages 0-3 in bf16, with bf16 and with fp32 gradients."""
     cfgs = ([zero_config(z, 4, steps=2) for z in (0, 1, 2, 3)] + [zero_config(z, 4, 2, steps=2) for z in (1, 2, 3)]
-            + [zero_config(z, 4, steps=2, precision="bf16") for z in (0, 1, 2, 3)]
-            + [zero_config(z, 4, steps=2, precision="bf16", grad_dtype="fp32") for z in (0, 1, 2, 3)])
+            + [zero_config(z, 4, steps=2, precision="bf16", grad_dtype="compute") for z in (0, 1, 2, 3)]
+            + [zero_config(z, 4, steps=2, precision="bf16") for z in (0, 1, 2, 3)])
     return run_ranks(_measure, 4, cfgs)
 
 
 N = 4
 FORMULAS = {  # bytes per parameter at stages 0-3
-    "bf16": [16, 2 + 2 + 12 / N, 2 + 14 / N, 16 / N],  # the ZeRO paper's: fp32 masters and moments
-    "bf16, fp32 gradients": [18, 2 + 4 + 12 / N, 2 + 16 / N, 18 / N],  # 2 more per parameter, sharded with them
+    "bf16": [16, 2 + 2 + 12 / N, 2 + 14 / N, 16 / N],  # --grad-dtype compute: the ZeRO paper's 16
+    "bf16, fp32 gradients": [18, 2 + 4 + 12 / N, 2 + 16 / N, 18 / N],  # the default: 2 more, sharded with them
     "fp32": [16, 4 + 4 + 8 / N, 4 + 12 / N, 16 / N],  # no master copy
 }
 RUNS = {"fp32": slice(0, 4), "bf16": slice(7, 11), "bf16, fp32 gradients": slice(11, 15)}
@@ -131,13 +131,13 @@ def test_bf16_halves_the_traffic_and_fp32_gradients_reduce_in_fp32(dp4_figures):
 
 @pytest.mark.parametrize("world, sizes, cfgs", [
     (2, {}, [zero_config(z, 2, steps=50, precision="bf16") for z in (0, 3)]
-     + [zero_config(3, 2, 2, steps=50, precision="bf16", grad_dtype="fp32")]),
+     + [zero_config(3, 2, 2, steps=50, precision="bf16", grad_dtype="compute")]),
     pytest.param(2, {}, [zero_config(z, 2, steps=50, precision="bf16") for z in (1, 2)]
-                 + [zero_config(z, 2, 2, steps=50, precision="bf16", grad_dtype="fp32") for z in (0, 1, 2)],
+                 + [zero_config(z, 2, 2, steps=50, precision="bf16", grad_dtype="compute") for z in (0, 1, 2)],
                  marks=pytest.mark.slow),
     pytest.param(8, {"pp": 2, "tp": 2}, [zero_config(z, 2, 2, tp=2, pp=2, steps=50, precision="bf16") for z in (1, 3)],
                  marks=pytest.mark.slow),
-], ids=["dp2-zero0-zero3-and-fp32-grads", "dp2-the-other-stages", "dp2-tp2-pp2-zero1-and-zero3"])
+], ids=["dp2-zero0-zero3-and-bf16-grads", "dp2-the-other-stages", "dp2-tp2-pp2-zero1-and-zero3"])
 def test_bf16_loss_curves_stay_within_2_percent_of_fp32_one_process(world, sizes, cfgs):
     for cfg, rec in zip(cfgs, run_ranks(_records, world, cfgs, **sizes)[0]):
         result = verify.compare(rec, verify.run_reference(cfg, rec))

@@ -1,15 +1,17 @@
-"""Mixed precision (`--precision bf16`): parameters, activations and gradients in bf16 for
-compute and communication; fp32 master weights and fp32 AdamW moments for the update; the
-loss in fp32. That is the ZeRO paper's 16 bytes per parameter: 2 (bf16 weights) + 2 (bf16
-gradients) + 4 (fp32 master) + 4 + 4 (moments). The masters are made from the bf16 weights
-(the seeded fp32 initialisation rounded once), as DeepSpeed does.
+"""Mixed precision (`--precision bf16`): parameters and activations in bf16 for compute and
+communication; fp32 master weights and fp32 AdamW moments for the update; the loss in fp32.
+The masters are made from the bf16 weights (the seeded fp32 initialisation rounded once), as
+DeepSpeed does. Gradients are accumulated and reduced in fp32 by default (18 bytes per
+parameter: 2 + 4 + 4 + 4 + 4, as Megatron and torchtitan keep them); `--grad-dtype compute`
+keeps them in bf16, the ZeRO paper's 16.
 
 `MasterWeights` is the optimizer the loop drives: AdamW on fp32 copies of the tensors it is
 given — the parameters, or ZeRO's pieces of a shard, so the masters are sharded with them.
 Each step upcasts the (synchronised, clipped) bf16 gradients into the masters' `.grad` for
-the update only, steps, and rounds the masters back into the bf16 tensors. Under
-`--grad-dtype fp32` the gradients are accumulated in fp32 buffers instead (the bf16 gradient
-of each backward is added into them and freed), which are the masters' `.grad` for good."""
+the update only (`--grad-dtype compute`), steps, and rounds the masters back into the bf16
+tensors. Under `--grad-dtype fp32` the gradients are accumulated in fp32 buffers instead (the
+bf16 gradient of each backward is added into them and freed), which are the masters' `.grad`
+for good."""
 
 from __future__ import annotations
 

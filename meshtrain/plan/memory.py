@@ -34,7 +34,7 @@ from functools import lru_cache
 PAPER_K = 12  # the ZeRO paper's optimizer bytes per parameter under mixed precision (fp32 master, m, v)
 
 
-def model_state_bytes(n_params: float, zero: int, dp: int, *, precision: str = "bf16", grad_dtype: str = "compute",
+def model_state_bytes(n_params: float, zero: int, dp: int, *, precision: str = "bf16", grad_dtype: str = "fp32",
                       accounting: str = "torch", gathered_params: float = 0) -> dict[str, float]:
     """Bytes one device holds for `n_params` parameters (its share after tp and pp), by part,
     with a `total`. Under ZeRO-3 with dp > 1, `gathered_params` are held whole at their
