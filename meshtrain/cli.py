@@ -141,9 +141,10 @@ def _check_command(cfg: C.Config, args) -> None:
 
 
 def _check_build_fits_the_host(cfg: C.Config, local_ranks: int) -> None:
-    """Each rank builds the whole model in fp32 before it is cut (the meta-device build is
-    still to come: issue 19), so the host needs at least 4 bytes a parameter per local rank;
-    a model that cannot fit is refused here, not by the kernel's OOM killer mid-build."""
+    """Each rank draws only its part of the model (`models.init`): 1/(tp·pp) of the
+    parameters, 1/(tp·pp·dp) under ZeRO-3, in fp32 at least while drawing — so the host needs
+    4 bytes a parameter of each local rank's part (a lower bound: gradients and moments come
+    on top). A model that cannot fit is refused here, not by the kernel's OOM killer mid-build."""
     spec = cfg.model.spec()
     if isinstance(spec, MLPSpec):
         if cfg.train.data != "digits":
@@ -152,12 +153,15 @@ def _check_build_fits_the_host(cfg: C.Config, local_ranks: int) -> None:
         n_params = sum((a + 1) * b for a, b in zip(widths, widths[1:]))
     else:
         n_params = shape_of(cfg.model.name, cfg.train.vocab_size).n_params()
-    need, have = 4 * n_params * local_ranks, _available_host_bytes()
+    lay = cfg.layout
+    part = n_params / (lay.tp * lay.pp * (lay.dp if lay.zero == 3 else 1))
+    need, have = 4 * part * local_ranks, _available_host_bytes()
     if have is not None and need > have:
         what = f"--mlp-hidden {cfg.model.mlp_hidden}" if isinstance(spec, MLPSpec) else f"--model {cfg.model.name}"
-        raise C.ConfigError(f"{what}: building it takes 4 bytes × {n_params / 1e9:.2f} B parameters on each of "
+        raise C.ConfigError(f"{what}: building its part takes 4 bytes × {part / 1e9:.2f} B parameters on each of "
                             f"{local_ranks} local rank(s), {need / 2**30:.1f} GiB; this host has {have / 2**30:.1f} GiB "
-                            f"available; use a smaller model or fewer ranks per host")
+                            f"available; use a smaller model, more sharding (--tp, --pp, --zero 3) or fewer ranks "
+                            f"per host")
 
 
 def _available_host_bytes() -> int | None:

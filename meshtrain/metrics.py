@@ -53,6 +53,8 @@ class ActivationMeter(TorchDispatchMode):
         # Some operators declare a fresh result that is a view (`_unsafe_view`): a storage
         # already counted is not counted again. (PyTorch keeps a storage's Python object alive
         # as long as the storage, so its id names it until the finalizer runs.)
+        if t.is_meta:  # a shape without memory
+            return
         storage = t.untyped_storage()
         nbytes = storage.nbytes()
         if nbytes == 0 or id(storage) in self._tracked:
@@ -80,6 +82,30 @@ class ActivationMeter(TorchDispatchMode):
     def live_since(self, mark: int) -> int:
         """Bytes alive now of the storages counted after `mark` (= `count` at some moment)."""
         return sum(nbytes for number, nbytes in self._tracked.values() if number >= mark)
+
+
+_BUILD_METERS: list["BuildMeter"] = []  # entered build meters, which also hear of buffers made outside modes
+
+
+class BuildMeter(ActivationMeter):
+    """The peak of every byte a rank allocates while it builds its part of the model: what
+    operators allocate, and the buffers strategies allocate outside dispatch modes (ZeRO's,
+    `note_buffer`), which the activation meter must not see."""
+
+    def __enter__(self):
+        _BUILD_METERS.append(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        _BUILD_METERS.remove(self)
+        return super().__exit__(*exc)
+
+
+def note_buffer(t: torch.Tensor) -> torch.Tensor:
+    """Count a buffer allocated outside dispatch modes in any build meter that is entered."""
+    for meter in _BUILD_METERS:
+        meter._track(t)
+    return t
 
 
 def _storage_key(t: torch.Tensor):

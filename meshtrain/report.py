@@ -33,7 +33,7 @@ def gather(result: RunResult, comm: Comm) -> dict | None:
     and the full weights; rank 0 gets them, the others None."""
     mine = {"model_state": result.model_state, "activation_bytes": result.activation_bytes,
             "activation_bytes_per_layer": result.activation_bytes_per_layer, "peak_rss_mib": round(peak_rss_mib(), 1),
-            "peak_device_mib": peak_device_mib(comm.mesh.device)}
+            "peak_device_mib": peak_device_mib(comm.mesh.device), "build_peak_bytes": result.parallel.build_peak_bytes}
     per_rank = comm.all_gather_object(mine)
     state = result.parallel.full_state_dict(with_optimizer=False)["model"]  # rank 0's; the optimizer's not needed
     return {"per_rank": per_rank, "state": state} if comm.mesh.is_main else None
@@ -64,6 +64,9 @@ def summary_json(cfg: Config, result: RunResult, per_rank: list[dict], device: t
         # what one block's forward leaves alive (block 0, first micro-batch): the formulas' per-layer figure
         "activation_bytes_per_layer_per_rank": [r["activation_bytes_per_layer"] for r in per_rank],
         "peak_rss_mib_per_rank": [r["peak_rss_mib"] for r in per_rank],
+        # every byte a rank allocated while it built its part of the model (models.init: no
+        # rank builds the whole model)
+        "build_peak_bytes_per_rank": [r["build_peak_bytes"] for r in per_rank],
         **({"peak_device_mib_per_rank": [r["peak_device_mib"] for r in per_rank]}
            if per_rank[0].get("peak_device_mib") is not None else {}),  # CUDA: the allocator's peak
         "comm_bytes_per_step": result.comm_per_step,

@@ -19,8 +19,9 @@ from meshtrain import launch
 from meshtrain.comm import METRICS, Comm
 from meshtrain.config import Config, lr_at, tokens_per_sample
 from meshtrain.data.datasets import open_dataset
-from meshtrain.metrics import ActivationMeter, LayerProbe, StepLog
+from meshtrain.metrics import ActivationMeter, BuildMeter, LayerProbe, StepLog
 from meshtrain.models import build_model
+from meshtrain.models.init import init_spec
 from meshtrain.optim import clip_grad_norm_, set_lr
 from meshtrain.parallel.compose import Parallelized, parallelize
 from meshtrain.parallel.pipeline import stages
@@ -57,16 +58,24 @@ class StepObserver:
 
 
 def build(cfg: Config, device):
-    """The dataset and the full, unsharded model built from the seed."""
+    """The dataset and the full, unsharded model with its initial weights (one process's)."""
+    data = _dataset(cfg)
+    return data, model_for(cfg, data, device)
+
+
+def _dataset(cfg: Config):
     tr = cfg.train
-    data = open_dataset(tr.data, cfg.model.name, tr.vocab_size, tr.seq_len, tr.seed)
+    return open_dataset(tr.data, cfg.model.name, tr.vocab_size, tr.seq_len, tr.seed)
+
+
+def model_for(cfg: Config, data, device):
+    """The configured model for `data`: with its initial weights, or on `meta` its structure."""
+    tr = cfg.train
     if cfg.model.name == "mlp":
-        model = build_model("mlp", tr.seed, n_inputs=data.n_inputs, n_classes=data.n_classes,
-                            mlp_hidden=cfg.model.mlp_hidden, device=device)
-    else:
-        model = build_model(cfg.model.name, tr.seed, vocab_size=data.vocab_size, dropout=cfg.model.dropout,
-                            attention=cfg.model.attention, device=device)
-    return data, model
+        return build_model("mlp", tr.seed, n_inputs=data.n_inputs, n_classes=data.n_classes,
+                           mlp_hidden=cfg.model.mlp_hidden, device=device)
+    return build_model(cfg.model.name, tr.seed, vocab_size=data.vocab_size, dropout=cfg.model.dropout,
+                       attention=cfg.model.attention, device=device)
 
 
 def exact_fp32_on_cuda() -> None:
@@ -84,10 +93,17 @@ def setup(cfg: Config, comm: Comm, **dp_options) -> tuple[object, Parallelized]:
     """Data, and the model with the layout's strategies applied and its optimizer."""
     if comm.mesh.device.type == "cuda" and cfg.layout.precision == "fp32":
         exact_fp32_on_cuda()
-    data, model = build(cfg, comm.mesh.device)
-    return data, parallelize(model, comm, cfg.layout, cfg.train, plan=plan_for(cfg.model.name),
-                             pipeline=stages.plan_for(cfg.model.spec()), rows_per_sample=tokens_per_sample(cfg),
-                             **dp_options)
+    data = _dataset(cfg)
+    # No rank builds the whole model: the structure on `meta`, cut and sharded by the
+    # strategies, then each rank draws only its part (`models.init`), under a meter of every
+    # byte it allocates meanwhile.
+    with BuildMeter() as meter:
+        model = model_for(cfg, data, "meta")
+        p = parallelize(model, comm, cfg.layout, cfg.train, plan=plan_for(cfg.model.name),
+                        pipeline=stages.plan_for(cfg.model.spec()), rows_per_sample=tokens_per_sample(cfg),
+                        init=init_spec(model, cfg.train.seed), **dp_options)
+    p.build_peak_bytes = meter.peak
+    return data, p
 
 
 def loss_terms_per_step(cfg: Config) -> int:

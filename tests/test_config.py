@@ -146,7 +146,7 @@ def _bad_inputs(tmp: Path) -> list[tuple[list, str]]:
         (["train", "--seed", "-1"], "--seed -1"),
         (["train", "--timeout", "-5"], "--timeout -5.0: must be a positive number of seconds"),
         (["train", "--model", "mlp", "--data", "digits", "--mlp-hidden", "200000,200000", "--dp", "1"],
-         "building it takes 4 bytes × 40.02 B parameters"),
+         "building its part takes 4 bytes × 40.02 B parameters"),
         (["train", "--device", "tpu"], "unknown device 'tpu'"),
         (["train", "--model", "gpt-tiny", "--vocab-size", "256", "--device", "cpu", "--data", tmp / "binary.txt"],
          "not UTF-8 text"),

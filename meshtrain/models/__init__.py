@@ -1,5 +1,7 @@
-"""Plain PyTorch models. Weights come from the seed, identically on every rank: the full
-model is built on the CPU from the seed and only then moved (and, by strategies, sharded).
+"""Plain PyTorch models. Weights are a function of (seed, parameter name) (`models.init`):
+`build_model` builds the structure on the `meta` device and draws every parameter; training
+builds on `meta`, lets the strategies cut and shard the structure, and each rank draws only
+what it holds (the same values).
 
 torch is imported inside the functions: `config` reads the presets below this package, and
 a bad flag must be refused without the second it takes to import torch."""
@@ -18,11 +20,14 @@ if TYPE_CHECKING:
 def build_model(name: str, seed: int, *, vocab_size: int = 256, n_inputs: int = 64, n_classes: int = 10,
                 dropout: float = 0.0, attention: str = "sdpa", mlp_hidden: str = "",
                 device: torch.device | str = "cpu") -> torch.nn.Module:
-    """The preset `name` from `seed` (`mlp_hidden`: the MLP's hidden widths, e.g. "1024,1024")."""
+    """The preset `name` with its initial weights from `seed` (`mlp_hidden`: the MLP's hidden
+    widths, e.g. "1024,1024"); on `device="meta"`, its structure only (`models.init.init_spec`
+    says how to draw it)."""
     import torch
+
+    from meshtrain.models.init import init_spec, materialize, to_placeholders
     spec = spec_of(name, mlp_hidden)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+    with torch.device("meta"):
         if isinstance(spec, GPTSpec):
             from meshtrain.models.gpt import GPT
             model = GPT(dataclasses.replace(spec, dropout=dropout, attention=attention), vocab_size)
@@ -31,7 +36,12 @@ def build_model(name: str, seed: int, *, vocab_size: int = 256, n_inputs: int = 
             model = MLP(spec, n_inputs, n_classes)
         else:
             raise ValueError(f"unknown model {name}")
-    return model.to(device)
+    if str(device) == "meta":
+        return model
+    init = init_spec(model, seed)
+    to_placeholders(model, device)
+    materialize(model, lambda name, p: init.full_value(name).to(device=p.device, dtype=p.dtype))
+    return model
 
 
 def replace_submodule(model: torch.nn.Module, name: str, new: torch.nn.Module) -> None:

@@ -94,18 +94,8 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(spec) for _ in range(spec.n_layers))
         self.norm = nn.LayerNorm(spec.d_model)
         self.head = nn.Linear(spec.d_model, vocab_size, bias=False)
-        self._init_weights()
-
-    def _init_weights(self) -> None:
-        """GPT-2's initialisation: N(0, 0.02), residual projections scaled by 1/sqrt(2L)."""
-        for name, p in self.named_parameters():
-            if p.dim() == 1:
-                continue  # LayerNorm and biases keep PyTorch's ones/zeros
-            std = 0.02 / math.sqrt(2 * self.spec.n_layers) if name.endswith("proj.weight") else 0.02
-            nn.init.normal_(p, mean=0.0, std=std)
-        for m in self.modules():
-            if isinstance(m, nn.Linear) and m.bias is not None:
-                nn.init.zeros_(m.bias)
+        # Its initial weights (GPT-2's) are drawn per parameter name by `build_model`:
+        # models/init.py, `gpt_rules`.
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         x = self.embed(idx)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Callable
 
 import torch
@@ -23,6 +24,7 @@ from meshtrain.comm import METRICS, Comm
 from meshtrain.config import LayoutConfig, TrainConfig, strict_p2p_requested
 from meshtrain.loss import cross_entropy_sum
 from meshtrain.models import find_block_list
+from meshtrain.models.init import InitSpec, materialize, to_placeholders
 from meshtrain.optim import build_optimizer
 from meshtrain.parallel.data import DataParallel
 from meshtrain.parallel.dropout import DropoutKeys, seed_dropout
@@ -33,7 +35,7 @@ from meshtrain.parallel.pipeline.stages import PipelinePlan, Stage
 from meshtrain.parallel.precision import COMPUTE_DTYPES, MasterWeights, fp32_loss, grad_holder
 from meshtrain.parallel.recompute import apply_recompute
 from meshtrain.parallel.runner import PlainRunner
-from meshtrain.parallel.state import ParamHoldings, Piece, is_collector
+from meshtrain.parallel.state import ParamHoldings, Piece, is_collector, shard_index
 from meshtrain.parallel.tensor import TensorParallelSync, TensorPlan, apply_plan, vocab_parallel_cross_entropy_sum
 from meshtrain.parallel.zero import Zero
 from meshtrain.parallel.zero_holdings import ZeroHoldings
@@ -86,6 +88,7 @@ class Parallelized:
     holdings: object = None  # ParamHoldings unless a strategy (ZeRO) says otherwise
     compute_dtype: torch.dtype = torch.float32  # floating inputs are cast to it (bf16 under mixed precision)
     notes: list[str] = field(default_factory=list)  # what the strategies decided, to say once at start
+    build_peak_bytes: int | None = None  # the most this rank held while it built its part (train.setup)
 
     def __post_init__(self):
         if self.holdings is None:
@@ -163,9 +166,11 @@ class Parallelized:
 
 def parallelize(model: nn.Module, comm: Comm, layout: LayoutConfig, train: TrainConfig, *,
                 plan: TensorPlan | None = None, pipeline: PipelinePlan | None = None, loss_fn=cross_entropy_sum,
-                rows_per_sample: int = 1, **dp_options) -> Parallelized:
+                rows_per_sample: int = 1, init: InitSpec | None = None, **dp_options) -> Parallelized:
     """Apply the layout's strategies to `model` (in place; it must hold the full weights, the
-    same on every rank) and build the optimizer on the result. Tensor parallelism needs the
+    same on every rank — or, with `init`, be built on the `meta` device: each rank then draws
+    only what it holds, after the strategies have cut and sharded the structure) and build
+    the optimizer on the result. Tensor parallelism needs the
     model's `plan` (module names to styles); pipeline parallelism its `pipeline` (the parts
     before, the block list, the parts after). `rows_per_sample`: the rows a sample gives each
     linear layer (its tokens; 1 for an image), for `--dp-linear-sync auto`'s byte counts."""
@@ -177,6 +182,8 @@ def parallelize(model: nn.Module, comm: Comm, layout: LayoutConfig, train: Train
     if compute_dtype != torch.float32:
         model.to(compute_dtype)
         loss_fn = fp32_loss(loss_fn)
+    if init is not None:  # parameters without storage until this rank's part is drawn
+        to_placeholders(model, comm.mesh.device)
     # Dropout masks from (seed, step, sample, site), so that every layout drops the same elements.
     keys = None
     if any(isinstance(m, nn.Dropout) and m.p > 0 for m in model.modules()):
@@ -211,18 +218,27 @@ def parallelize(model: nn.Module, comm: Comm, layout: LayoutConfig, train: Train
     # Gradients in the compute dtype, or (--grad-dtype fp32) in fp32 buffers apart from the
     # bf16 tensors, which the fp32 masters then hold as their `.grad`.
     grad_dtype = torch.float32 if layout.grad_dtype == "fp32" else compute_dtype
+    zero_sharded = layout.zero and comm.mesh.size("dp") > 1
+    draw, fingerprint = None, None
+    if init is not None:
+        draw, fingerprint = partial(_draw_piece, init, comm), init.fingerprint()
+        if not zero_sharded:  # ZeRO draws each group's part as it builds it
+            materialize(model, draw)
     notes = []
     linear = _linear_gather(model, comm, layout, train.batch_size * rows_per_sample, grad_dtype, compute_dtype, notes)
     zero = None
-    if layout.zero and comm.mesh.size("dp") > 1:  # ZeRO with one dp rank has nothing to shard: plain DP
+    if zero_sharded:  # ZeRO with one dp rank has nothing to shard: plain DP
         chunks = [len(ids) for ids in stage.block_ids] if comm.mesh.size("pp") > 1 else None
         sync = zero = Zero(model, comm, layout.zero, bucket_mb=layout.bucket_mb, grad_dtype=grad_dtype,
                            reshard_after_forward=not layout.keep_gathered,
-                           blocks=pipeline.blocks if pipeline is not None else None, runs=chunks, **dp_options)
+                           blocks=pipeline.blocks if pipeline is not None else None, runs=chunks, draw=draw,
+                           init_fingerprint=fingerprint, **dp_options)
+        if draw is not None:  # any parameter ZeRO does not train
+            materialize(model, draw)
         trained = [(name, value) for name, value, _, _ in zero.pieces]
     else:
         sync = DataParallel(model, comm, axis="dp", bucket_mb=layout.bucket_mb, grad_dtype=grad_dtype,
-                            elsewhere=linear.params if linear else [], **dp_options)
+                            elsewhere=linear.params if linear else [], init_fingerprint=fingerprint, **dp_options)
         trained = [(n, q) for n, q in model.named_parameters() if q.requires_grad]
     if compute_dtype == torch.float32:
         optimizer = build_optimizer(trained, decay, train, zero_buffers=zero.zero_grad if zero is not None else None)
@@ -245,6 +261,15 @@ def parallelize(model: nn.Module, comm: Comm, layout: LayoutConfig, train: Train
     grad_sync = syncs[0] if len(syncs) == 1 else GradSyncs(*syncs)
     return Parallelized(model, loss_fn, grad_sync, optimizer, runner, comm, n_params, dropout_keys=keys,
                         holdings=holdings, compute_dtype=compute_dtype, notes=notes)
+
+
+def _draw_piece(init: InitSpec, comm: Comm, name: str, p: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of parameter `name` (`p`: its placeholder, tensor-parallel shard spec
+    and all): the full one-process value drawn, sliced, cast and moved — one at a time."""
+    full = init.full_value(name)
+    index = shard_index(p, comm)
+    piece = full[index] if index is not None else full
+    return torch.empty(p.shape, dtype=p.dtype, device=p.device).copy_(piece)
 
 
 def _linear_gather(model: nn.Module, comm: Comm, layout: LayoutConfig, rows: int, grad_dtype: torch.dtype,

@@ -52,9 +52,11 @@ class DataParallel:
 
     def __init__(self, model: nn.Module, comm: Comm, *, axis: str = "dp", bucket_mb: float = 25.0,
                  on_launch: Callable[[int], None] | None = None, grad_dtype: torch.dtype | None = None,
-                 elsewhere: list[nn.Parameter] = ()):
+                 elsewhere: list[nn.Parameter] = (), init_fingerprint: int | None = None):
         """`elsewhere`: parameters another synchroniser makes whole (the linear layers on the
-        all-gather path); they get no bucket, but are checked to agree like the rest."""
+        all-gather path); they get no bucket, but are checked to agree like the rest.
+        `init_fingerprint`: the weights were drawn from an init spec (`models.init`), and
+        replicas agree when their specs do."""
         self.comm, self.axis, self.on_launch = comm, axis, on_launch
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         skip = set(elsewhere)
@@ -62,7 +64,8 @@ class DataParallel:
         self.buckets = [Bucket(i, group, grad_dtype) for i, group in
                         enumerate(split_by_size(bucketed, int(bucket_mb * 2**20)))]
         self._bucket_of = {p: b for b in self.buckets for p in b.params}
-        check_replicas_agree(comm, axis, named, [b.params for b in self.buckets] + [list(elsewhere)])
+        check_replicas_agree(comm, axis, named, [b.params for b in self.buckets] + [list(elsewhere)],
+                             init_fingerprint)
         for b in self.buckets:
             for p in b.params:
                 if b.buffer.dtype == p.dtype:  # else each backward's gradient is added in (grad_dtype)
@@ -149,25 +152,31 @@ def keep_grad_in(p: nn.Parameter, view: torch.Tensor) -> None:
 
 
 def check_replicas_agree(comm: Comm, axis: str, named: list[tuple[str, nn.Parameter]],
-                         groups: list[list[nn.Parameter]]) -> None:
+                         groups: list[list[nn.Parameter]], init_fingerprint: int | None = None) -> None:
     """One small all-gather: every rank of `axis` must hold the same grouping of parameters
     into buckets (or their collectives would not match) and the same initial weights (or
-    they train different models)."""
+    they train different models) — or, before the weights exist (`init_fingerprint`: they
+    will be drawn from an init spec), the same spec and seed."""
     if comm.mesh.size(axis) == 1:
         return
     name_of = {p: n for n, p in named}
     layout = hashlib.blake2b(repr([[(name_of[p], tuple(p.shape), str(p.dtype)) for p in g]
                                    for g in groups]).encode(), digest_size=7)
-    weights = hashlib.blake2b(digest_size=7)
-    for _, p in named:
-        weights.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-    mine = torch.tensor([int.from_bytes(layout.digest(), "little"), int.from_bytes(weights.digest(), "little")],
+    if init_fingerprint is not None:
+        weights = init_fingerprint
+    else:
+        digest = hashlib.blake2b(digest_size=7)
+        for _, p in named:
+            digest.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        weights = int.from_bytes(digest.digest(), "little")
+    mine = torch.tensor([int.from_bytes(layout.digest(), "little"), weights],
                         dtype=torch.int64, device=comm.mesh.device)
     every = torch.empty(comm.mesh.size(axis) * 2, dtype=torch.int64, device=mine.device)
     comm.all_gather(every, mine, axis, purpose=METRICS)
     every = every.view(-1, 2).tolist()
     for what, column in (("bucket layouts (parameter names, shapes or bucket size)", 0),
-                         ("initial weights (build the model from the same seed on every rank)", 1)):
+                         ("initial weights (build the model from the same seed on every rank)"
+                          if init_fingerprint is None else "initialisation specs (model or seed)", 1)):
         if len({row[column] for row in every}) > 1:
             raise RuntimeError(f"data-parallel ranks disagree on their {what}")
 

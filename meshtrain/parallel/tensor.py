@@ -35,6 +35,7 @@ import torch.nn.functional as F
 
 from meshtrain.comm import Comm
 from meshtrain.models import replace_submodule
+from meshtrain.models.init import is_placeholder, placeholder
 from meshtrain.parallel.dropout import SeededDropout
 from meshtrain.parallel.recompute import is_recomputed
 from meshtrain.parallel.state import SHARD, set_shard
@@ -177,7 +178,13 @@ class _RegatherSaved:
 def _chunk(full: torch.Tensor, dim: int, comm: Comm) -> torch.Tensor:
     """This rank's contiguous 1/tp of `full` along `dim`, as a new parameter tensor."""
     n = full.shape[dim] // comm.mesh.size(TP)
-    return full.detach().narrow(dim, comm.mesh.coord(TP) * n, n).clone()
+    return _own_copy(full.detach().narrow(dim, comm.mesh.coord(TP) * n, n))
+
+
+def _own_copy(t: torch.Tensor) -> torch.Tensor:
+    """A copy for a new parameter; a placeholder's copy is a placeholder (its values are drawn
+    later, for this piece only: see models/init.py)."""
+    return placeholder(t.shape, t.dtype, t.device) if is_placeholder(t) else t.clone()
 
 
 class ColumnParallelLinear(nn.Module):
@@ -208,7 +215,7 @@ class RowParallelLinear(nn.Module):
         self.in_features, self.out_features = full.in_features // comm.mesh.size(TP), full.out_features
         self.weight = nn.Parameter(_chunk(full.weight, 1, comm))
         set_shard(self.weight, TP, 1)
-        self.bias = nn.Parameter(full.bias.detach().clone()) if full.bias is not None else None
+        self.bias = nn.Parameter(_own_copy(full.bias.detach())) if full.bias is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = _reduce_output(F.linear(x, self.weight), self.comm, self.sp)

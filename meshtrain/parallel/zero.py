@@ -47,7 +47,9 @@ import torch.nn as nn
 from torch.utils._python_dispatch import _disable_current_modes
 
 from meshtrain.comm import Comm
+from meshtrain.metrics import note_buffer
 from meshtrain.models import find_block_list
+from meshtrain.models.init import is_placeholder
 from meshtrain.optim import SHARDED_OVER
 from meshtrain.parallel.data import check_replicas_agree, keep_grad_in, split_by_size
 from meshtrain.parallel.recompute import is_recomputed, passes_through
@@ -58,14 +60,16 @@ def _buffer(numel: int, like: torch.Tensor, dtype: torch.dtype | None = None) ->
     """A communication buffer: allocated outside any dispatch mode, so that the activation
     meter does not count parameters and gradients in transit as activations."""
     with _disable_current_modes():
-        return torch.zeros(numel, dtype=dtype or like.dtype, device=like.device)
+        return note_buffer(torch.zeros(numel, dtype=dtype or like.dtype, device=like.device))
 
 
 class FlatGroup:
     """Parameters flattened into one buffer of n·S elements, of which this rank owns [lo, hi)."""
 
     def __init__(self, index: int, label: str, named: list[tuple[str, nn.Parameter]], comm: Comm, axis: str,
-                 keep_full: bool):
+                 keep_full: bool, draw: Callable[[str, nn.Parameter], torch.Tensor] | None = None):
+        """`draw(name, p)`: this rank's values of a placeholder parameter (`models.init`),
+        drawn as the group is built, so no rank holds more than its part plus one parameter."""
         self.index, self.label = index, label
         self.names, self.params = [n for n, _ in named], [p for _, p in named]
         self.shapes = [p.shape for p in self.params]
@@ -78,10 +82,6 @@ class FlatGroup:
         self.padded = n * self.shard_size
         self.lo = comm.mesh.coord(axis) * self.shard_size
         self.hi = self.lo + self.shard_size
-        full = _buffer(self.padded, self.params[0])
-        with torch.no_grad():
-            for p, off in zip(self.params, self.offsets):
-                full[off:off + p.numel()].copy_(p.detach().reshape(-1))
         # Where each parameter's piece of the shard sits (its tensor-parallel part, then the
         # flat range of it), decided while the parameters still have their shapes.
         self.pieces: list[tuple[int, Where, slice]] = []  # (param number, where, range in the shard)
@@ -91,12 +91,24 @@ class FlatGroup:
                 self.pieces.append((i, Where(shard_index(p, comm), (a - off, b - off)), slice(a - self.lo, b - self.lo)))
         self.full: torch.Tensor | None = None
         self.work = None  # an all-gather in flight into `full`
-        if keep_full:  # stages 1 and 2: the parameters are views of the full buffer
-            self.shard = full[self.lo:self.hi]
-            self.point_params_at(full)
-        else:
-            self.shard = full[self.lo:self.hi].clone()
-            self.release_params()
+
+        def source(i: int) -> torch.Tensor:
+            """Parameter i's values: drawn now if it is a placeholder (one at a time)."""
+            p = self.params[i]
+            return draw(self.names[i], p) if draw is not None and is_placeholder(p) else p.detach()
+
+        with torch.no_grad():
+            if keep_full:  # stages 1 and 2: the parameters are views of the full buffer
+                full = _buffer(self.padded, self.params[0])
+                for i, off in enumerate(self.offsets):
+                    full[off:off + self.params[i].numel()].copy_(source(i).reshape(-1))
+                self.shard = full[self.lo:self.hi]
+                self.point_params_at(full)
+            else:  # stage 3: only the shard is ever built
+                self.shard = _buffer(self.shard_size, self.params[0])
+                for i, where, span in self.pieces:
+                    self.shard[span].copy_(source(i).reshape(-1)[where.flat[0]:where.flat[1]])
+                self.release_params()
         # Set by `Zero`: the gradients (stage 1's full buffer and its views; the shard's), the
         # tensors the optimizer steps (one per piece), and the bookkeeping of a sync.
         self.grad_full: torch.Tensor | None = None
@@ -149,7 +161,10 @@ class Zero:
     def __init__(self, model: nn.Module, comm: Comm, stage: int, *, axis: str = "dp", bucket_mb: float = 25.0,
                  blocks: str | None = None, reshard_after_forward: bool = True,
                  on_event: Callable[[str, int], None] | None = None, grad_dtype: torch.dtype | None = None,
-                 runs: list[int] | None = None):
+                 runs: list[int] | None = None, draw: Callable[[str, nn.Parameter], torch.Tensor] | None = None,
+                 init_fingerprint: int | None = None):
+        """`draw`, `init_fingerprint`: the parameters are placeholders, drawn as their groups
+        are built (`FlatGroup`), from an init spec the replicas are checked to share."""
         if stage not in (1, 2, 3):
             raise ValueError(f"ZeRO stage {stage}: use 1, 2 or 3")
         self.comm, self.stage, self.axis = comm, stage, axis
@@ -164,8 +179,9 @@ class Zero:
             grouped, self.n_units = _units(model, named, blocks)
         sizes = runs or [self.n_units]
         self._run_of = [r for r, size in enumerate(sizes) for _ in range(size)]
-        check_replicas_agree(comm, axis, named, [g for _, g, _ in grouped])
-        self.groups = [FlatGroup(i, label, [(name_of[p], p) for p in params], comm, axis, keep_full=stage < 3)
+        check_replicas_agree(comm, axis, named, [g for _, g, _ in grouped], init_fingerprint)
+        self.groups = [FlatGroup(i, label, [(name_of[p], p) for p in params], comm, axis, keep_full=stage < 3,
+                                 draw=draw)
                        for i, (label, params, _) in enumerate(grouped)]
         self._group_of = {p: g for g in self.groups for p in g.params}
         self.grad_dtype = grad_dtype or self.groups[0].shard.dtype
