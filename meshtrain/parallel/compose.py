@@ -53,6 +53,17 @@ class GradSyncs:
                 stack.enter_context(s.no_sync())
             yield
 
+    @contextmanager
+    def input_pass(self):
+        with ExitStack() as stack:
+            for s in self.syncs:
+                stack.enter_context(s.input_pass())
+            yield
+
+    def weight_grads_ready(self, grads) -> None:
+        for s in self.syncs:
+            s.weight_grads_ready(grads)
+
     def finish_grad_sync(self) -> None:
         for s in self.syncs:
             s.finish_grad_sync()
@@ -201,6 +212,10 @@ def parallelize(model: nn.Module, comm: Comm, layout: LayoutConfig, train: Train
         whole = apply_plan(model, plan, comm, sp=layout.sp)
         if plan.vocab_parallel_loss:
             loss_fn = vocab_parallel_cross_entropy_sum(comm)
+    # Zero-bubble: the stage's linear layers (as the plan made them) keep their weight
+    # gradients for the weight pass.
+    if comm.mesh.size("pp") > 1 and layout.schedule == "zb":
+        runner.split_backward()
     # Activation checkpointing, on the blocks as cut into stages and sharded above.
     if layout.recompute != "none":
         if comm.mesh.size("pp") > 1:

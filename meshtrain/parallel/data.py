@@ -19,7 +19,7 @@ runner when a step fails half-way) waits for collectives in flight and starts cl
 from __future__ import annotations
 
 import hashlib
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Callable
 
 import torch
@@ -72,8 +72,27 @@ class DataParallel:
         self._next_launch = 0
 
     def _on_grad_ready(self, p: nn.Parameter) -> None:
+        keep_grad_in(p, self._bucket_of[p].views[p])
+        self._mark_ready(p)
+
+    def input_pass(self):
+        """Zero-bubble's input pass: nothing to hold back (a bucket waits for its weights anyway)."""
+        return nullcontext()
+
+    def weight_grads_ready(self, grads: list[tuple[nn.Parameter, torch.Tensor]]) -> None:
+        """Zero-bubble's weight pass formed these gradients by hand, so no hook saw them: each
+        is added into its bucket and marked ready, as the hook would."""
+        for p, grad in grads:
+            view = self._bucket_of[p].views[p]
+            view.add_(grad)
+            if view.dtype == p.dtype:
+                p.grad = view
+            self._mark_ready(p)
+
+    def _mark_ready(self, p: nn.Parameter) -> None:
+        """`p`'s gradient is complete for this sync (unless under `no_sync`); a complete
+        bucket is launched, in index order."""
         bucket = self._bucket_of[p]
-        keep_grad_in(p, bucket.views[p])
         if not self._sync:
             return
         if p in bucket.ready:

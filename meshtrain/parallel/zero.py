@@ -192,6 +192,8 @@ class Zero:
         for p in self._group_of:
             p.register_post_accumulate_grad_hook(self._on_grad_ready)
         self._sync, self._pending, self._callback_queued = True, [], False
+        self._holding = False  # inside zero-bubble's input pass: the backward ends with the weight pass
+        self._by_hand: dict[nn.Parameter, torch.Tensor] = {}  # the weight pass's gradients (stages 2, 3)
         # The fixed order of reduce-scatters, and how far this backward (or sync) has gone.
         self._order = self.groups if stage < 3 else self.groups[:self.n_units][::-1] + self.groups[self.n_units:]
         self._next, self._reduced_this_step = 0, False
@@ -222,19 +224,68 @@ class Zero:
     # ---- gradients ---------------------------------------------------------------------
 
     def _on_grad_ready(self, p: nn.Parameter) -> None:
+        if self.stage == 1:
+            keep_grad_in(p, self._group_of[p].grad_views[p])
+        if self._mark_ready(p) and not self._holding:
+            self._queue_end_of_backward()
+            self._reduce_in_order()
+
+    def _mark_ready(self, p: nn.Parameter) -> bool:
+        """Note `p`'s gradient as complete; False when it only accumulates (stage 1 under `no_sync`)."""
         g = self._group_of[p]
         if self.stage == 1:
-            keep_grad_in(p, g.grad_views[p])
             if not self._sync:
-                return
+                return False
             if p in g.ready or g.reduced:
                 self.reset()
                 raise RuntimeError("a second backward before finish_grad_sync(): gradients would be summed into a "
                                    "buffer already being reduced. Run all but the last micro-batch under no_sync(); "
                                    "the gradients were reset")
         g.ready.add(p)
-        self._queue_end_of_backward()
-        self._reduce_in_order()
+        return True
+
+    @contextmanager
+    def input_pass(self):
+        """Zero-bubble's input pass: a backward that forms every gradient but the linear
+        layers' weights'. The micro-batch's backward ends with its weight pass
+        (`weight_grads_ready`), not here; under stage 3 the units gathered for it are freed
+        after it — the weight pass needs the layers' inputs and output gradients, not their
+        weights, so the free is apart from the reduce-scatter."""
+        self._holding = True
+        try:
+            yield
+        finally:
+            self._holding = False
+            for g in self.groups:
+                self._free(g)
+
+    def weight_grads_ready(self, grads: list[tuple[nn.Parameter, torch.Tensor]]) -> None:
+        """Zero-bubble's weight pass formed these gradients by hand, so no hook saw them: each
+        is added where this stage keeps it (stage 1's full buffer; else beside `.grad`, as a
+        freed stage-3 parameter cannot hold one) and marked ready; then the micro-batch's
+        backward ends as the end-of-backward callback would end it."""
+        for p, grad in grads:
+            if self.stage == 1:
+                view = self._group_of[p].grad_views[p]
+                view.add_(grad)
+                if view.dtype == p.dtype:
+                    p.grad = view
+            else:
+                self._by_hand[p] = grad if p not in self._by_hand else self._by_hand[p].add_(grad)
+            self._mark_ready(p)
+        if self.stage == 1:
+            self._reduce_in_order()
+        else:
+            self._end_of_backward()
+
+    def _take_grads(self, g: FlatGroup) -> list[torch.Tensor | None]:
+        """Stages 2 and 3: a group's gradients (from hooks, and from a weight pass), let go."""
+        grads = []
+        for p in g.params:
+            grad, extra = p.grad, self._by_hand.pop(p, None)
+            grads.append(extra if grad is None else grad if extra is None else grad + extra)
+            p.grad = None
+        return grads
 
     def _queue_end_of_backward(self) -> None:
         if self.stage > 1 and not self._callback_queued:
@@ -259,9 +310,7 @@ class Zero:
         if self.stage == 1:
             source = g.grad_full
         else:
-            source = g.flat_from([p.grad for p in g.params], self.grad_dtype)
-            for p in g.params:
-                p.grad = None
+            source = g.flat_from(self._take_grads(g), self.grad_dtype)
         out = _buffer(g.shard_size, g.shard, self.grad_dtype)
         work = self.comm.reduce_scatter(out, source, self.axis, async_op=True, channel=self._channel)
         self._pending.append((g, work, out, source))
@@ -310,6 +359,8 @@ class Zero:
         self._callback_queued, self._sync = False, True
         self._next, self._reduced_this_step, self._forward_at, self._backward_at = 0, False, None, None
         self._skipped.clear()
+        self._by_hand.clear()
+        self._holding = False
         for g in self.groups:
             g.ready.clear()
             g.reduced = False
