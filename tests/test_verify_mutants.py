@@ -255,7 +255,9 @@ def weight_pass_tells_no_synchroniser():
     def weight_pass(self, op):
         if self.stage.is_first(op.chunk):
             return real(self, op)
-        self.store.weight_grads((op.mb, op.chunk))
+        for _ in self.store.weight_grads((op.mb, op.chunk)):
+            pass
+        self._p.grad_sync.end_weight_pass()
     return [mock.patch.object(PipelineRunner, "_BackwardWeight", weight_pass)]
 
 

@@ -60,9 +60,13 @@ class GradSyncs:
                 stack.enter_context(s.input_pass())
             yield
 
-    def weight_grads_ready(self, grads) -> None:
+    def weight_grad_ready(self, p, grad) -> None:
         for s in self.syncs:
-            s.weight_grads_ready(grads)
+            s.weight_grad_ready(p, grad)
+
+    def end_weight_pass(self) -> None:
+        for s in self.syncs:
+            s.end_weight_pass()
 
     def finish_grad_sync(self) -> None:
         for s in self.syncs:

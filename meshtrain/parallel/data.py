@@ -79,15 +79,17 @@ class DataParallel:
         """Zero-bubble's input pass: nothing to hold back (a bucket waits for its weights anyway)."""
         return nullcontext()
 
-    def weight_grads_ready(self, grads: list[tuple[nn.Parameter, torch.Tensor]]) -> None:
-        """Zero-bubble's weight pass formed these gradients by hand, so no hook saw them: each
-        is added into its bucket and marked ready, as the hook would."""
-        for p, grad in grads:
-            view = self._bucket_of[p].views[p]
-            view.add_(grad)
-            if view.dtype == p.dtype:
-                p.grad = view
-            self._mark_ready(p)
+    def weight_grad_ready(self, p: nn.Parameter, grad: torch.Tensor) -> None:
+        """Zero-bubble's weight pass formed `p`'s gradient by hand, so no hook saw it: it is
+        added into its bucket and marked ready, as the hook would."""
+        view = self._bucket_of[p].views[p]
+        view.add_(grad)
+        if view.dtype == p.dtype:
+            p.grad = view
+        self._mark_ready(p)
+
+    def end_weight_pass(self) -> None:
+        pass  # a bucket went out when its last gradient was marked
 
     def _mark_ready(self, p: nn.Parameter) -> None:
         """`p`'s gradient is complete for this sync (unless under `no_sync`); a complete

@@ -339,8 +339,11 @@ class TensorParallelSync:
     def input_pass(self):
         return nullcontext()
 
-    def weight_grads_ready(self, grads) -> None:
+    def weight_grad_ready(self, p, grad) -> None:
         pass  # the sum is taken where the gradients live, at the step's end
+
+    def end_weight_pass(self) -> None:
+        pass
 
     def finish_grad_sync(self) -> None:
         grads = [p.grad for p in self.params if p.grad is not None]

@@ -248,7 +248,7 @@ class Zero:
     def input_pass(self):
         """Zero-bubble's input pass: a backward that forms every gradient but the linear
         layers' weights'. The micro-batch's backward ends with its weight pass
-        (`weight_grads_ready`), not here; under stage 3 the units gathered for it are freed
+        (`weight_grad_ready`, `end_weight_pass`), not here; under stage 3 the units gathered for it are freed
         after it — the weight pass needs the layers' inputs and output gradients, not their
         weights, so the free is apart from the reduce-scatter."""
         self._holding = True
@@ -259,23 +259,24 @@ class Zero:
             for g in self.groups:
                 self._free(g)
 
-    def weight_grads_ready(self, grads: list[tuple[nn.Parameter, torch.Tensor]]) -> None:
-        """Zero-bubble's weight pass formed these gradients by hand, so no hook saw them: each
-        is added where this stage keeps it (stage 1's full buffer; else beside `.grad`, as a
-        freed stage-3 parameter cannot hold one) and marked ready; then the micro-batch's
-        backward ends as the end-of-backward callback would end it."""
-        for p, grad in grads:
-            if self.stage == 1:
-                view = self._group_of[p].grad_views[p]
-                view.add_(grad)
-                if view.dtype == p.dtype:
-                    p.grad = view
-            else:
-                self._by_hand[p] = grad if p not in self._by_hand else self._by_hand[p].add_(grad)
-            self._mark_ready(p)
+    def weight_grad_ready(self, p: nn.Parameter, grad: torch.Tensor) -> None:
+        """Zero-bubble's weight pass formed `p`'s gradient by hand, so no hook saw it: it is
+        added where this stage keeps it (stage 1's full buffer; else beside `.grad`, as a
+        freed stage-3 parameter cannot hold one) and marked ready, as the hook would."""
         if self.stage == 1:
-            self._reduce_in_order()
+            view = self._group_of[p].grad_views[p]
+            view.add_(grad)
+            if view.dtype == p.dtype:
+                p.grad = view
         else:
+            self._by_hand[p] = grad if p not in self._by_hand else self._by_hand[p].add_(grad)
+        if self._mark_ready(p) and self.stage == 1:
+            self._reduce_in_order()
+
+    def end_weight_pass(self) -> None:
+        """The micro-batch's backward ends with its weight pass: stages 2 and 3 reduce-scatter
+        every group, in order, as the end-of-backward callback would."""
+        if self.stage > 1:
             self._end_of_backward()
 
     def _take_grads(self, g: FlatGroup) -> list[torch.Tensor | None]:

@@ -170,8 +170,11 @@ class PipelineRunner:
         if self.stage.is_first(op.chunk):
             self._backward(op)
         else:
+            sync = self._p.grad_sync
             with torch.no_grad():
-                self._p.grad_sync.weight_grads_ready(self.store.weight_grads((op.mb, op.chunk)))
+                for weight, grad in self.store.weight_grads((op.mb, op.chunk)):
+                    sync.weight_grad_ready(weight, grad)
+                sync.end_weight_pass()
 
     def _release(self, op) -> None:
         """After a micro-batch's backward: its output and the gradient received for it."""

@@ -7,8 +7,9 @@ gradient δ·W (and its bias's Σδ) and keeps (x, δ) in the store, under the m
 every other parameter (norms, biases, embeddings) gets its gradient in that pass as usual,
 through its hooks, and the graph is freed after it. The weight pass computes ∇W = δᵀ·x of
 each kept pair, and nothing else: no input gradient is computed twice. Its gradients are
-formed by hand, so no post-accumulate hook sees them: the synchroniser is handed them
-(`weight_grads_ready`), and adds them where it keeps each gradient.
+formed by hand, so no post-accumulate hook sees them: the synchroniser is handed each
+(`weight_grad_ready`: it adds it where it keeps that gradient and marks it ready), then told
+the pass is over (`end_weight_pass`: ZeRO 2 and 3 reduce-scatter there).
 
 A linear layer is any module owning a 2-D weight (no other module shares it): whatever
 `F.linear` of that weight its forward calls — `nn.Linear`'s, the tensor-parallel column and
@@ -22,6 +23,7 @@ the gathered sequence, which the store keeps whole until the weight pass."""
 from __future__ import annotations
 
 from contextlib import contextmanager
+from typing import Iterator
 
 import torch
 import torch.nn as nn
@@ -53,15 +55,20 @@ class WeightGradStore:
     def keep(self, weight: nn.Parameter, x: torch.Tensor, grad: torch.Tensor) -> None:
         self._kept.setdefault(self._key, []).append((weight, x.detach(), grad.detach()))
 
-    def weight_grads(self, key) -> list[tuple[nn.Parameter, torch.Tensor]]:
-        """The weight pass of micro-batch `key`: ∇W = δᵀ·x of every pair it kept (summed per
-        weight: a layer run on chunks of rows kept one pair a chunk); the pairs are let go."""
-        grads: dict[nn.Parameter, torch.Tensor] = {}
-        with torch.no_grad():
-            for weight, x, grad in self._kept.pop(key, []):
-                dw = weight_grad(x, grad)
-                grads[weight] = dw if weight not in grads else grads[weight].add_(dw)
-        return list(grads.items())
+    def weight_grads(self, key) -> Iterator[tuple[nn.Parameter, torch.Tensor]]:
+        """The weight pass of micro-batch `key`: ∇W = δᵀ·x of each weight's kept pairs (summed:
+        a layer run on chunks of rows kept one pair a chunk), one weight at a time, its pairs
+        let go as it is formed — so the pass holds one ∇W at a time beyond what it hands on."""
+        by_weight: dict[nn.Parameter, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        for weight, x, grad in self._kept.pop(key, []):
+            by_weight.setdefault(weight, []).append((x, grad))
+        while by_weight:
+            weight, pairs = by_weight.popitem()
+            with torch.no_grad():
+                dw = weight_grad(*pairs.pop())
+                while pairs:
+                    dw.add_(weight_grad(*pairs.pop()))
+            yield weight, dw
 
     def held_bytes(self) -> int:
         """The bytes of the pairs kept now (each storage once: q, k and v share their input)."""

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Our zero-bubble schedule against our 1F1B: gpt-small, pp 2, m 4, RUNS alternating train
+# runs (which goes first alternates), the median of the per-run ratios of median step
+# times; then one traced zb run, whose median F, B (input pass) and W (weight pass) per
+# stage calibrate the planner's zero-bubble split (`plan/planner.py`, ZB_INPUT_SHARE).
+source "$(dirname "$0")/common.sh"
+RUNS=${RUNS:-5}
+PYTHON=${PYTHON:-.venv/bin/python}
+for i in $(seq 1 "$RUNS"); do
+  order="1f1b zb"; [ $((i % 2)) -eq 0 ] && order="zb 1f1b"
+  for schedule in $order; do
+    record "zb-vs-1f1b-gpt-small-pp2-m4-$schedule-run$i" train --model gpt-small --dp 1 --pp 2 --microbatches 4 \
+      --schedule "$schedule" --steps 20 --out "/tmp/meshtrain-bench-$schedule"
+  done
+done
+"$MESHTRAIN" train --model gpt-small --dp 1 --pp 2 --microbatches 4 --schedule zb --steps 8 \
+  --out /tmp/meshtrain-trace-zb --trace benchmarks/results/trace-pp2-zb.json > /dev/null
+"$PYTHON" - <<'PY'
+import json, statistics
+from pathlib import Path
+r = Path("benchmarks/results")
+times = {s: [json.loads(p.read_text())["step_time_median_s"]
+             for p in sorted(r.glob(f"zb-vs-1f1b-gpt-small-pp2-m4-{s}-run*.json"))] for s in ("1f1b", "zb")}
+pairs = [z / o for z, o in zip(times["zb"], times["1f1b"])]
+print("zb / 1f1b step time:", [round(x, 3) for x in pairs], "median", round(statistics.median(pairs), 3),
+      "| 1f1b s", [round(x, 3) for x in times["1f1b"]], "zb s", [round(x, 3) for x in times["zb"]])
+trace = json.loads((r / "trace-pp2-zb.json").read_text())
+for stage, spans in enumerate(zip(*trace["steps"][1:])):
+    by = {}
+    for step in spans:
+        for sp in step:
+            by.setdefault(sp["op"], []).append(sp["end"] - sp["start"])
+    print(f"stage {stage}:", {op: f"{statistics.median(ts) * 1e3:.1f} ms" for op, ts in sorted(by.items())})
+PY
