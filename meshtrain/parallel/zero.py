@@ -34,7 +34,11 @@ is, with zeros where no gradient came. Under stage 3 a unit that a forward or ba
 by is gathered anyway, where its peers gather it (between its neighbours: `_catch_up_*`,
 driven by hooks on the whole model, so not under pipelines, whose stages run their parts
 themselves), and its zeros reduced; and reduce-scatters go on a channel of their own
-(`Mesh.open_channel`), so that their order relative to the gathers may differ between ranks."""
+(`Mesh.open_channel`), so that their order relative to the gathers may differ between ranks.
+
+Zero-bubble's split backward (`pipeline/split.py`): the input pass runs under `input_pass()`
+(no end of backward there; stage 3 frees its units after it), the weight pass hands its
+gradients in by `weight_grad_ready` and ends the micro-batch's backward by `end_weight_pass`."""
 
 from __future__ import annotations
 

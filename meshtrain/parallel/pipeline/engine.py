@@ -9,9 +9,11 @@ of its own (a buffer reused while an earlier micro-batch still needs it for its 
 gradient would silently corrupt that gradient). A stage's output is freed once its send has
 completed (the autograd graph keeps what backward needs). The loss is computed on the last
 stage only. Data-parallel gradient sync fires only on each chunk's last backward instruction
-(the last weight gradient under zero-bubble; under interleaving a chunk's buckets so go out
-while the other chunks still compute); every other one runs under the synchroniser's
-`no_sync`. On gloo transfers also carry a tag naming (kind, micro-batch,
+(under zero-bubble its last input pass and its last weight pass; under interleaving a chunk's
+buckets so go out while the other chunks still compute); every other one runs under the
+synchroniser's `no_sync`. Zero-bubble's two passes split the backward for real (`split.py`):
+the input pass is one backward that keeps the linear layers' (input, output gradient), the
+weight pass forms only their ∇W and hands it to the synchroniser. On gloo transfers also carry a tag naming (kind, micro-batch,
 chunk); NCCL ignores tags, and the simulator proves that order alone pairs them right."""
 
 from __future__ import annotations

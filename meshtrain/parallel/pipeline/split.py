@@ -16,9 +16,10 @@ A linear layer is any module owning a 2-D weight (no other module shares it): wh
 row layers' — is taken over, through a `TorchFunctionMode` entered around that forward only.
 A module that does something else with its weight (an embedding's lookup) is left as it is.
 Every backward of such a layer must run inside an input pass (one outside raises: its ∇W
-would have nowhere to go), so only the stages that split their backward are wrapped. Under activation checkpointing the input pass recomputes the block and
-the store keeps the recomputed input; under sequence parallelism the column layers' input is
-the gathered sequence, which the store keeps whole until the weight pass."""
+would have nowhere to go), so only the stages that split their backward are wrapped. Under
+activation checkpointing the input pass recomputes the block and the store keeps the
+recomputed input; under sequence parallelism the column layers' input is the gathered
+sequence, which the store keeps whole until the weight pass."""
 
 from __future__ import annotations
 
@@ -58,12 +59,14 @@ class WeightGradStore:
     def weight_grads(self, key) -> Iterator[tuple[nn.Parameter, torch.Tensor]]:
         """The weight pass of micro-batch `key`: ∇W = δᵀ·x of each weight's kept pairs (summed:
         a layer run on chunks of rows kept one pair a chunk), one weight at a time, its pairs
-        let go as it is formed — so the pass holds one ∇W at a time beyond what it hands on."""
+        let go as it is formed — so the pass holds one ∇W at a time beyond what it hands on.
+        In the order the input pass kept them (backward's), so data-parallel buckets, filled in
+        that order, complete and go out in index order during the pass."""
         by_weight: dict[nn.Parameter, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         for weight, x, grad in self._kept.pop(key, []):
             by_weight.setdefault(weight, []).append((x, grad))
-        while by_weight:
-            weight, pairs = by_weight.popitem()
+        for weight in list(by_weight):
+            pairs = by_weight.pop(weight)
             with torch.no_grad():
                 dw = weight_grad(*pairs.pop())
                 while pairs:
