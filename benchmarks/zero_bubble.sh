@@ -5,8 +5,9 @@
 # stage calibrate the planner's zero-bubble split (`plan/planner.py`, ZB_INPUT_SHARE).
 source "$(dirname "$0")/common.sh"
 RUNS=${RUNS:-5}
+FIRST=${FIRST:-1}  # to add runs to those already in benchmarks/results
 PYTHON=${PYTHON:-.venv/bin/python}
-for i in $(seq 1 "$RUNS"); do
+for i in $(seq "$FIRST" $((FIRST + RUNS - 1))); do
   order="1f1b zb"; [ $((i % 2)) -eq 0 ] && order="zb 1f1b"
   for schedule in $order; do
     record "zb-vs-1f1b-gpt-small-pp2-m4-$schedule-run$i" train --model gpt-small --dp 1 --pp 2 --microbatches 4 \
@@ -20,7 +21,8 @@ import json, statistics
 from pathlib import Path
 r = Path("benchmarks/results")
 times = {s: [json.loads(p.read_text())["step_time_median_s"]
-             for p in sorted(r.glob(f"zb-vs-1f1b-gpt-small-pp2-m4-{s}-run*.json"))] for s in ("1f1b", "zb")}
+             for p in sorted(r.glob(f"zb-vs-1f1b-gpt-small-pp2-m4-{s}-run*.json"),
+                             key=lambda p: int(p.stem.rsplit("run", 1)[1]))] for s in ("1f1b", "zb")}
 pairs = [z / o for z, o in zip(times["zb"], times["1f1b"])]
 print("zb / 1f1b step time:", [round(x, 3) for x in pairs], "median", round(statistics.median(pairs), 3),
       "| 1f1b s", [round(x, 3) for x in times["1f1b"]], "zb s", [round(x, 3) for x in times["zb"]])
