@@ -256,3 +256,35 @@ def test_the_weight_gradient_store_gives_autograds_gradients():
     torch.testing.assert_close(x_split.grad, x_plain.grad)
     for a, b in zip(split.parameters(), plain.parameters()):
         torch.testing.assert_close(a.grad, b.grad)
+
+
+def _gathered_after_input_passes(mesh, cfgs):
+    """Under ZeRO-3, per layout: the units still gathered after each input pass of this
+    stage, and the gathered bytes' peak of the step."""
+    from unittest import mock
+
+    from meshtrain.parallel.pipeline.engine import PipelineRunner
+    out, real = [], PipelineRunner._BackwardInput
+    for cfg in cfgs:
+        left = []
+
+        def input_pass(self, op):
+            real(self, op)
+            if not self.stage.is_first(op.chunk):
+                left.append([g.label for g in self._p.grad_sync.groups if g.full is not None])
+        with mock.patch.object(PipelineRunner, "_BackwardInput", input_pass):
+            r = train(cfg, Comm(mesh))
+        out.append({"left": left, "peak": r.parallel.grad_sync.peak_gathered})
+    return out
+
+
+def test_zero_3_frees_after_the_input_pass_not_at_the_weight_passs_reduce_scatter():
+    """dp 2 × pp 2, zb, ZeRO-3: the weight pass needs the layers' inputs and output gradients,
+    not their weights, so every unit gathered for an input pass is freed when it ends, before
+    the reduce-scatter of the weight pass; the gathered peak stays 1F1B's."""
+    from helpers import small_config
+    cfgs = [small_config("gpt-test", 1, 8, dp=2, pp=2, zero=3, microbatches=4, schedule=s) for s in ("zb", "1f1b")]
+    for rank, (zb, one_f_one_b) in enumerate(run_ranks(_gathered_after_input_passes, 4, cfgs, pp=2)):
+        stage = rank // 2  # pp outermost
+        assert zb["left"] == ([[]] * 4 if stage == 1 else []), zb["left"]  # the first stage runs no input pass
+        assert zb["peak"] <= one_f_one_b["peak"], (rank, zb["peak"], one_f_one_b["peak"])

@@ -252,9 +252,10 @@ class Zero:
     def input_pass(self):
         """Zero-bubble's input pass: a backward that forms every gradient but the linear
         layers' weights'. The micro-batch's backward ends with its weight pass
-        (`weight_grad_ready`, `end_weight_pass`), not here; under stage 3 the units gathered for it are freed
-        after it — the weight pass needs the layers' inputs and output gradients, not their
-        weights, so the free is apart from the reduce-scatter."""
+        (`weight_grad_ready`, `end_weight_pass`), not here. Under stage 3 a unit is freed as
+        soon as its backward is over (`_free_next`) and the rest when the pass ends — the
+        weight pass needs the layers' inputs and output gradients, not their weights, so the
+        free is apart from the reduce-scatter."""
         self._holding = True
         try:
             yield
@@ -526,8 +527,24 @@ class Zero:
                 self._queue_end_of_backward()
             self._catch_up_backward(g.index)
             self._backward_at = min(self._backward_at, g.index - 1)
+        if self._holding:  # an input pass: the unit after this one is done with its weights
+            self._free_next(g.index)
         self._gather_for_backward(g)
         self._prefetch(g.index, -1)
+
+    def _free_next(self, unit: int) -> None:
+        """In zero-bubble's input pass, where no reduce-scatter frees a unit: what consumed
+        unit `unit`'s output has its input's gradient, so its backward is over — the next
+        unit of the run, or after the last unit the parameters outside the blocks (on a
+        split stage those run after the blocks: the last stage's norm and head; the
+        embedding is the first stage's, which runs its backward whole)."""
+        if not self._is_unit(unit):
+            return
+        if self._is_unit(unit + 1) and self._run_of[unit] == self._run_of[unit + 1]:
+            self._free(self.groups[unit + 1])
+        elif unit == self.n_units - 1:
+            for g in self.groups[self.n_units:]:
+                self._free(g)
 
     def _gather_for_backward(self, g: FlatGroup) -> None:
         """Its own seam: the mutant that frees a block before its backward leaves it out."""
