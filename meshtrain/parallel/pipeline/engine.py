@@ -13,8 +13,9 @@ stage only. Data-parallel gradient sync fires only on each chunk's last backward
 buckets so go out while the other chunks still compute); every other one runs under the
 synchroniser's `no_sync`. Zero-bubble's two passes split the backward for real (`split.py`):
 the input pass is one backward that keeps the linear layers' (input, output gradient), the
-weight pass forms only their ∇W and hands it to the synchroniser. On gloo transfers also carry a tag naming (kind, micro-batch,
-chunk); NCCL ignores tags, and the simulator proves that order alone pairs them right."""
+weight pass forms only their ∇W and hands it to the synchroniser. On gloo transfers also
+carry a tag naming (kind, micro-batch, chunk); NCCL ignores tags, and the simulator proves
+that order alone pairs them right."""
 
 from __future__ import annotations
 
