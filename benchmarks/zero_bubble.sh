@@ -16,6 +16,7 @@ for i in $(seq "$FIRST" $((FIRST + RUNS - 1))); do
 done
 "$MESHTRAIN" train --model gpt-small --dp 1 --pp 2 --microbatches 4 --schedule zb --steps 8 \
   --out /tmp/meshtrain-trace-zb --trace benchmarks/results/trace-pp2-zb.json > /dev/null
+record trace-pp2-zb-compare schedule --trace benchmarks/results/trace-pp2-zb.json --png docs/img/trace-pp2-zb.png
 "$PYTHON" - <<'PY'
 import json, statistics
 from pathlib import Path
@@ -26,11 +27,9 @@ times = {s: [json.loads(p.read_text())["step_time_median_s"]
 pairs = [z / o for z, o in zip(times["zb"], times["1f1b"])]
 print("zb / 1f1b step time:", [round(x, 3) for x in pairs], "median", round(statistics.median(pairs), 3),
       "| 1f1b s", [round(x, 3) for x in times["1f1b"]], "zb s", [round(x, 3) for x in times["zb"]])
-trace = json.loads((r / "trace-pp2-zb.json").read_text())
-for stage, spans in enumerate(zip(*trace["steps"][1:])):
-    by = {}
-    for step in spans:
-        for sp in step:
-            by.setdefault(sp["op"], []).append(sp["end"] - sp["start"])
-    print(f"stage {stage}:", {op: f"{statistics.median(ts) * 1e3:.1f} ms" for op, ts in sorted(by.items())})
+compared = json.loads((r / "trace-pp2-zb-compare.json").read_text())
+for stage, ops in enumerate(compared["op_median_s_per_stage"]):
+    print(f"stage {stage}, median ms:", {op: round(t * 1e3, 1) for op, t in ops.items()})
+last = compared["op_median_s_per_stage"][-1]
+print("input share of the last stage's backward:", round(last["I"] / (last["I"] + last["W"]), 3))
 PY

@@ -119,6 +119,8 @@ def test_a_traced_run_and_its_simulation_agree_on_the_order_of_operations(tmp_pa
     assert r.returncode == 0, r.stderr
     j = last_json(r.stdout)
     assert j["same_order"] and j["predicted_makespan_s"] > 0 and j["measured_makespan_s"] > 0
+    first, last = j["op_median_s_per_stage"]  # F, I and W per stage: the first stage's backward is all W
+    assert set(first) == set(last) == {"F", "I", "W"} and first["I"] < 1e-3 < first["W"] and last["I"] > 0 < last["W"]
     assert (tmp_path / "both.png").stat().st_size > 0
 
 
