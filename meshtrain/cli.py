@@ -414,6 +414,8 @@ def _schedule_against_trace(args) -> int:
           f"{result['measured_makespan_s'] * 1e3:.1f} ms (median of {len(trace['steps']) - 1 or 1} steps), "
           f"ratio {result['predicted_over_measured']:.3f}; p2p {trace['p2p_s'] * 1e3:.2f} ms per transfer; "
           f"same order of operations on every stage: {'yes' if result['same_order'] else 'NO'}", file=out)
+    for stage, ops in enumerate(result["op_median_s_per_stage"]):
+        print(f"stage {stage}, median ms: " + ", ".join(f"{k} {t * 1e3:.1f}" for k, t in ops.items()), file=out)
     if args.png:
         draw_panels([(measured, f"measured: {title}"), (predicted, "simulated from the measured costs")], args.png,
                     "seconds from the step's start")

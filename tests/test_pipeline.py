@@ -119,6 +119,8 @@ def test_a_traced_run_and_its_simulation_agree_on_the_order_of_operations(tmp_pa
     assert r.returncode == 0, r.stderr
     j = last_json(r.stdout)
     assert j["same_order"] and j["predicted_makespan_s"] > 0 and j["measured_makespan_s"] > 0
+    first, last = j["op_median_s_per_stage"]  # F, I and W per stage: the first stage's backward is all W
+    assert set(first) == set(last) == {"F", "I", "W"} and first["I"] < 1e-3 < first["W"] and last["I"] > 0 < last["W"]
     assert (tmp_path / "both.png").stat().st_size > 0
 
 
@@ -153,3 +155,138 @@ def test_interleaved_chunks_launch_their_buckets_when_they_are_done():
     for stage_rank in run_ranks(_bucket_launches, 4, cfg, pp=2):
         early = [n for n in stage_rank["launched"] if n < stage_rank["backwards"]]
         assert early and len(early) < len(stage_rank["launched"]), stage_rank
+
+
+def zb_config(dp=1, tp=1, microbatches=4, **layout) -> Config:
+    from helpers import small_config
+    return small_config("gpt-test", 3, 8, dp=dp, tp=tp, pp=2, schedule="zb", microbatches=microbatches, **layout)
+
+
+@pytest.mark.parametrize("world, sizes, cfgs", [
+    (2, {"pp": 2}, [zb_config(precision="bf16"), zb_config(precision="bf16", grad_dtype="fp32"),
+                    zb_config(recompute="full"), zb_config(recompute="selective"), zb_config(recompute="segments:2")]),
+    (4, {"pp": 2}, [zb_config(dp=2, microbatches=2), zb_config(dp=2, microbatches=2, zero=2),
+                    zb_config(dp=2, microbatches=2, precision="bf16", grad_dtype="fp32"),
+                    zb_config(dp=2, microbatches=2, zero=3, recompute="full")]),
+    (4, {"pp": 2, "tp": 2}, [zb_config(tp=2, sp=True), zb_config(tp=2, sp=True, recompute="full")]),
+], ids=["pp2-bf16-and-recompute", "dp2-pp2-zero-and-bf16", "tp2-sp-pp2"])
+def test_zero_bubble_layouts_pass_verify(world, sizes, cfgs):
+    """The split backward (linear layers' weight gradients kept for the weight pass) under
+    data parallelism, ZeRO 2 and 3 (1 and 3 also in test_zero), bf16 with either gradient
+    dtype, every recompute policy and TP with SP. ZeRO 1-3 with zb and dp 2 are in test_zero."""
+    for cfg, rec in zip(cfgs, run_ranks(_records, world, cfgs, **sizes)[0]):
+        result = verify.compare(rec, verify.run_reference(cfg, rec))
+        assert result["passed"], (cfg.layout.short(), result["failures"])
+
+
+def _input_gradients_by_pass(mesh, cfg):
+    """How many linear input gradients (δ·W) and autograd backwards each kind of backward
+    instruction of this stage ran, over one step."""
+    from unittest import mock
+
+    from meshtrain.parallel.pipeline import split
+    from meshtrain.parallel.pipeline.engine import PipelineRunner
+    counts, current = {}, [None]
+    real_input_grad, real_backward = split.input_grad, torch.autograd.backward
+
+    def count(what):
+        key = (current[0], what)
+        counts[key] = counts.get(key, 0) + 1
+
+    def input_grad(grad, weight):
+        count("input_grad")
+        return real_input_grad(grad, weight)
+
+    def backward(*args, **kwargs):
+        count("autograd")
+        return real_backward(*args, **kwargs)
+
+    def during(kind, real):
+        def run(self, op):
+            current[0] = kind
+            try:
+                return real(self, op)
+            finally:
+                current[0] = None
+        return run
+    with mock.patch.object(split, "input_grad", input_grad), mock.patch.object(torch.autograd, "backward", backward), \
+            mock.patch.object(PipelineRunner, "_BackwardInput", during("I", PipelineRunner._BackwardInput)), \
+            mock.patch.object(PipelineRunner, "_BackwardWeight", during("W", PipelineRunner._BackwardWeight)):
+        train(cfg, Comm(mesh))
+    return counts
+
+
+def test_the_weight_pass_computes_no_input_gradient():
+    """Stage 1 of p = 2, m = 4: each input pass runs one backward, computing every linear
+    layer's δ·W once; the weight passes run no autograd and no δ·W at all. (Stage 0 has no
+    input gradient to send: it runs each backward whole in its weight pass.)"""
+    cfg = pp_config(2, "zb", 4, steps=1)
+    stage0, stage1 = run_ranks(_input_gradients_by_pass, 2, cfg, pp=2)
+    linears = 4 * 6 + 1  # four blocks of q, k, v, proj, fc, proj; the head
+    assert stage1 == {("I", "autograd"): 4, ("I", "input_grad"): 4 * linears}, stage1
+    assert stage0 == {("W", "autograd"): 4}, stage0
+
+
+def test_the_weight_gradient_store_gives_autograds_gradients():
+    """A split model's input pass gives the input's, norms' and biases' gradients and keeps
+    the linear layers' pairs; the weight pass gives their ∇W: together, autograd's gradients
+    (also through a checkpoint, and for a layer called twice, whose pairs are summed)."""
+    from torch.utils.checkpoint import checkpoint
+
+    from meshtrain.parallel.pipeline.split import WeightGradStore, split_linears
+
+    def build():
+        torch.manual_seed(0)
+        return torch.nn.ModuleList([torch.nn.Linear(4, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 8, bias=False)])
+
+    def run(m, x):
+        h = checkpoint(lambda t: m[1](torch.nn.functional.gelu(m[0](t))), x, use_reentrant=False)
+        return (m[2](m[2](h)) ** 2).sum()
+    x = torch.randn(2, 5, 4)
+    plain, split = build(), build()
+    x_plain, x_split = x.clone().requires_grad_(), x.clone().requires_grad_()
+    run(plain, x_plain).backward()
+    store = WeightGradStore()
+    assert split_linears(split, store) == ["0", "2"]
+    loss = run(split, x_split)
+    with store.input_pass("mb"):
+        loss.backward()
+    assert split[0].weight.grad is None and split[2].weight.grad is None and split[0].bias.grad is not None
+    for weight, grad in store.weight_grads("mb"):
+        weight.grad = grad
+    assert store.held_bytes() == 0
+    torch.testing.assert_close(x_split.grad, x_plain.grad)
+    for a, b in zip(split.parameters(), plain.parameters()):
+        torch.testing.assert_close(a.grad, b.grad)
+
+
+def _gathered_after_input_passes(mesh, cfgs):
+    """Under ZeRO-3, per layout: the units still gathered after each input pass of this
+    stage, and the gathered bytes' peak of the step."""
+    from unittest import mock
+
+    from meshtrain.parallel.pipeline.engine import PipelineRunner
+    out, real = [], PipelineRunner._BackwardInput
+    for cfg in cfgs:
+        left = []
+
+        def input_pass(self, op):
+            real(self, op)
+            if not self.stage.is_first(op.chunk):
+                left.append([g.label for g in self._p.grad_sync.groups if g.full is not None])
+        with mock.patch.object(PipelineRunner, "_BackwardInput", input_pass):
+            r = train(cfg, Comm(mesh))
+        out.append({"left": left, "peak": r.parallel.grad_sync.peak_gathered})
+    return out
+
+
+def test_zero_3_frees_after_the_input_pass_not_at_the_weight_passs_reduce_scatter():
+    """dp 2 × pp 2, zb, ZeRO-3: the weight pass needs the layers' inputs and output gradients,
+    not their weights, so every unit gathered for an input pass is freed when it ends, before
+    the reduce-scatter of the weight pass; the gathered peak stays 1F1B's."""
+    from helpers import small_config
+    cfgs = [small_config("gpt-test", 1, 8, dp=2, pp=2, zero=3, microbatches=4, schedule=s) for s in ("zb", "1f1b")]
+    for rank, (zb, one_f_one_b) in enumerate(run_ranks(_gathered_after_input_passes, 4, cfgs, pp=2)):
+        stage = rank // 2  # pp outermost
+        assert zb["left"] == ([[]] * 4 if stage == 1 else []), zb["left"]  # the first stage runs no input pass
+        assert zb["peak"] <= one_f_one_b["peak"], (rank, zb["peak"], one_f_one_b["peak"])

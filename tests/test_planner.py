@@ -341,3 +341,34 @@ def test_calibrating_into_a_folder_that_is_not_there_is_one_line_before_measurin
     r = run_cli("plan", "--calibrate", "--machine", tmp_path / "missing" / "m.json")
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert "is not a folder" in r.stderr and time.time() - started < 30  # no minute of measuring first
+
+
+def test_zero_bubble_is_timed_with_the_measured_split_of_its_backward():
+    """On a measured machine the zero-bubble schedule runs with each stage's own split: the
+    first stage's whole backward in its weight pass (it sends no input gradient), the others'
+    by the measured input share; `pipeline_time` with (forward, input, weight) per stage is
+    the simulator's makespan with those costs."""
+    from fractions import Fraction
+
+    from meshtrain.parallel.pipeline.schedules import schedule
+    from meshtrain.parallel.pipeline.simulate import Costs, simulate
+    from meshtrain.plan.planner import ZB_INPUT_SHARE, zero_bubble_split
+    from meshtrain.plan.sharing import pipeline_time
+
+    assert zero_bubble_split(0, 1.0, 2.0) == (1.0, 0.0, 2.0)
+    assert zero_bubble_split(1, 1.0, 2.0) == pytest.approx((1.0, 2 * ZB_INPUT_SHARE, 2 * (1 - ZB_INPUT_SHARE)))
+    share = Fraction(ZB_INPUT_SHARE).limit_denominator(100)
+
+    class Split(Costs):
+        def of(self, op, chunks, stage=0):
+            from meshtrain.parallel.pipeline import schedules as S
+            if isinstance(op, (S.BackwardInput, S.BackwardWeight)):
+                first = 0 if stage == 0 else share
+                return 2 * (first if isinstance(op, S.BackwardInput) else 1 - first)
+            return super().of(op, chunks, stage)
+
+    for p, m in [(2, 4), (4, 8)]:
+        costs = tuple(zero_bubble_split(s, 1.0, 2.0) for s in range(p))
+        got, busy = pipeline_time("zb", m, 1, costs, 1, 64)
+        assert got == pytest.approx(float(simulate(schedule("zb", p, m), 1, Split()).makespan))
+        assert busy == pytest.approx([m * 3.0] * p)

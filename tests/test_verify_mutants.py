@@ -34,16 +34,17 @@ def mutant_config(**layout) -> Config:
 
 
 # The layouts the mutants run in: data parallelism; tensor parallelism with and without SP;
-# pipelines (1F1B, GPipe) and a pipeline with data parallelism; ZeRO stages 1 and 3; data
-# parallelism with every linear layer on the all-gather path; a pipeline that recomputes its
-# blocks, with dropout.
+# pipelines (1F1B, GPipe, zero-bubble) and a pipeline with data parallelism; ZeRO stages 1
+# and 3; data parallelism with every linear layer on the all-gather path; a pipeline that
+# recomputes its blocks, with dropout.
 LAYOUTS = {"dp": mutant_config(), "tp": mutant_config(dp=1, tp=2, microbatches=1),
            "tp-sp": mutant_config(dp=1, tp=2, sp=True, microbatches=1),
            "pp": mutant_config(dp=1, pp=2, microbatches=4), "pp-gpipe": mutant_config(dp=1, pp=2, microbatches=4,
                                                                                        schedule="gpipe"),
            "dp-pp": mutant_config(pp=2, microbatches=2), "zero1": mutant_config(zero=1),
            "zero3": mutant_config(zero=3), "dp-allgather": mutant_config(dp_linear_sync="allgather"),
-           "pp-recompute": mutant_config(dp=1, pp=2, microbatches=4, recompute="full")}
+           "pp-recompute": mutant_config(dp=1, pp=2, microbatches=4, recompute="full"),
+           "pp-zb": mutant_config(dp=1, pp=2, microbatches=4, schedule="zb")}
 LAYOUTS["pp-recompute"].model.dropout = 0.1
 
 
@@ -245,6 +246,34 @@ def mlp_chunks_drop_with_the_first_chunks_rows():
     return [mock.patch.object(R, "_rows_from", lambda run, keys, first: rows_from(run, keys, 0))]
 
 
+def weight_pass_tells_no_synchroniser():
+    """Zero-bubble: the weight pass forms the linear layers' ∇W but, as no hook fires for a
+    gradient formed by hand, never hands it to the synchroniser."""
+    from meshtrain.parallel.pipeline.engine import PipelineRunner
+    real = PipelineRunner._BackwardWeight
+
+    def weight_pass(self, op):
+        if self.stage.is_first(op.chunk):
+            return real(self, op)
+        for _ in self.store.weight_grads((op.mb, op.chunk)):
+            pass
+        self._p.grad_sync.end_weight_pass()
+    return [mock.patch.object(PipelineRunner, "_BackwardWeight", weight_pass)]
+
+
+def store_keeps_one_micro_batch_per_layer():
+    """Zero-bubble: a linear layer's kept (input, output gradient) replaces the pair of any
+    earlier micro-batch still waiting for its weight pass (one slot per layer)."""
+    from meshtrain.parallel.pipeline.split import WeightGradStore
+    real = WeightGradStore.keep
+
+    def keep(self, weight, x, grad):
+        for pairs in self._kept.values():
+            pairs[:] = [pair for pair in pairs if pair[0] is not weight]
+        real(self, weight, x, grad)
+    return [mock.patch.object(WeightGradStore, "keep", keep)]
+
+
 # name -> (the mutant, the layout it runs in)
 MUTANTS = {f.__name__: (f, layout) for f, layout in (
     (local_loss_normalizer, "dp"), (averaged_on_top_of_the_sum, "dp"), (bucket_skipped_on_a_middle_step, "dp"),
@@ -254,7 +283,8 @@ MUTANTS = {f.__name__: (f, layout) for f, layout in (
     (a_stage_skips_its_data_parallel_sync, "dp-pp"), (first_microbatch_gradients_dropped, "pp"),
     (a_rank_updates_another_ranks_partition, "zero1"), (reduce_scatter_without_the_sum, "zero3"),
     (errors_not_gathered, "dp-allgather"), (recomputed_with_the_current_dropout_keys, "pp-recompute"),
-    (mlp_chunks_drop_with_the_first_chunks_rows, "pp-recompute"))}
+    (mlp_chunks_drop_with_the_first_chunks_rows, "pp-recompute"), (weight_pass_tells_no_synchroniser, "pp-zb"),
+    (store_keeps_one_micro_batch_per_layer, "pp-zb"))}
 # The step at which each mutant first does harm.
 FIRST_BAD_STEP = {name: MIDDLE if name == "bucket_skipped_on_a_middle_step" else 1 for name in MUTANTS}
 
@@ -276,7 +306,7 @@ def _records_of_every_mutant(mesh, layouts):
 def verdicts():
     records = run_ranks(_records_of_every_mutant, 2, ["dp", "zero1", "zero3", "dp-allgather"])[0]
     records.update(run_ranks(_records_of_every_mutant, 2, ["tp", "tp-sp"], tp=2)[0])
-    records.update(run_ranks(_records_of_every_mutant, 2, ["pp", "pp-gpipe", "pp-recompute"], pp=2)[0])
+    records.update(run_ranks(_records_of_every_mutant, 2, ["pp", "pp-gpipe", "pp-recompute", "pp-zb"], pp=2)[0])
     records.update(run_ranks(_records_of_every_mutant, 4, ["dp-pp"], pp=2)[0])
     return {name: verify.compare(rec, verify.run_reference(LAYOUTS[layout], rec))
             for name, (layout, rec) in records.items()}

@@ -55,6 +55,21 @@ class GradSyncs:
                 stack.enter_context(s.no_sync())
             yield
 
+    @contextmanager
+    def input_pass(self):
+        with ExitStack() as stack:
+            for s in self.syncs:
+                stack.enter_context(s.input_pass())
+            yield
+
+    def weight_grad_ready(self, p, grad) -> None:
+        for s in self.syncs:
+            s.weight_grad_ready(p, grad)
+
+    def end_weight_pass(self) -> None:
+        for s in self.syncs:
+            s.end_weight_pass()
+
     def finish_grad_sync(self) -> None:
         for s in self.syncs:
             s.finish_grad_sync()
@@ -208,6 +223,10 @@ def parallelize(model: nn.Module, comm: Comm, layout: LayoutConfig, train: Train
         whole = apply_plan(model, plan, comm, sp=layout.sp)
         if plan.vocab_parallel_loss:
             loss_fn = vocab_parallel_cross_entropy_sum(comm)
+    # Zero-bubble: the stage's linear layers (as the plan made them) keep their weight
+    # gradients for the weight pass.
+    if comm.mesh.size("pp") > 1 and layout.schedule == "zb":
+        runner.split_backward()
     # Activation checkpointing, on the blocks as cut into stages and sharded above.
     if layout.recompute != "none":
         if comm.mesh.size("pp") > 1:

@@ -19,7 +19,7 @@ runner when a step fails half-way) waits for collectives in flight and starts cl
 from __future__ import annotations
 
 import hashlib
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Callable
 
 import torch
@@ -75,8 +75,29 @@ class DataParallel:
         self._next_launch = 0
 
     def _on_grad_ready(self, p: nn.Parameter) -> None:
+        keep_grad_in(p, self._bucket_of[p].views[p])
+        self._mark_ready(p)
+
+    def input_pass(self):
+        """Zero-bubble's input pass: nothing to hold back (a bucket waits for its weights anyway)."""
+        return nullcontext()
+
+    def weight_grad_ready(self, p: nn.Parameter, grad: torch.Tensor) -> None:
+        """Zero-bubble's weight pass formed `p`'s gradient by hand, so no hook saw it: it is
+        added into its bucket and marked ready, as the hook would."""
+        view = self._bucket_of[p].views[p]
+        view.add_(grad)
+        if view.dtype == p.dtype:
+            p.grad = view
+        self._mark_ready(p)
+
+    def end_weight_pass(self) -> None:
+        pass  # a bucket went out when its last gradient was marked
+
+    def _mark_ready(self, p: nn.Parameter) -> None:
+        """`p`'s gradient is complete for this sync (unless under `no_sync`); a complete
+        bucket is launched, in index order."""
         bucket = self._bucket_of[p]
-        keep_grad_in(p, bucket.views[p])
         if not self._sync:
             return
         if p in bucket.ready:

@@ -343,6 +343,15 @@ class TensorParallelSync:
     def no_sync(self):
         return nullcontext()  # a sum: reducing once, after the last micro-batch, is enough
 
+    def input_pass(self):
+        return nullcontext()
+
+    def weight_grad_ready(self, p, grad) -> None:
+        pass  # the sum is taken where the gradients live, at the step's end
+
+    def end_weight_pass(self) -> None:
+        pass
+
     def finish_grad_sync(self) -> None:
         grads = [p.grad for p in self.params if p.grad is not None]
         if not grads:

@@ -34,7 +34,11 @@ is, with zeros where no gradient came. Under stage 3 a unit that a forward or ba
 by is gathered anyway, where its peers gather it (between its neighbours: `_catch_up_*`,
 driven by hooks on the whole model, so not under pipelines, whose stages run their parts
 themselves), and its zeros reduced; and reduce-scatters go on a channel of their own
-(`Mesh.open_channel`), so that their order relative to the gathers may differ between ranks."""
+(`Mesh.open_channel`), so that their order relative to the gathers may differ between ranks.
+
+Zero-bubble's split backward (`pipeline/split.py`): the input pass runs under `input_pass()`
+(no end of backward there; stage 3 frees its units after it), the weight pass hands its
+gradients in by `weight_grad_ready` and ends the micro-batch's backward by `end_weight_pass`."""
 
 from __future__ import annotations
 
@@ -208,6 +212,8 @@ class Zero:
         for p in self._group_of:
             p.register_post_accumulate_grad_hook(self._on_grad_ready)
         self._sync, self._pending, self._callback_queued = True, [], False
+        self._holding = False  # inside zero-bubble's input pass: the backward ends with the weight pass
+        self._by_hand: dict[nn.Parameter, torch.Tensor] = {}  # the weight pass's gradients (stages 2, 3)
         # The fixed order of reduce-scatters, and how far this backward (or sync) has gone.
         self._order = self.groups if stage < 3 else self.groups[:self.n_units][::-1] + self.groups[self.n_units:]
         self._next, self._reduced_this_step = 0, False
@@ -238,19 +244,70 @@ class Zero:
     # ---- gradients ---------------------------------------------------------------------
 
     def _on_grad_ready(self, p: nn.Parameter) -> None:
+        if self.stage == 1:
+            keep_grad_in(p, self._group_of[p].grad_views[p])
+        if self._mark_ready(p) and not self._holding:
+            self._queue_end_of_backward()
+            self._reduce_in_order()
+
+    def _mark_ready(self, p: nn.Parameter) -> bool:
+        """Note `p`'s gradient as complete; False when it only accumulates (stage 1 under `no_sync`)."""
         g = self._group_of[p]
         if self.stage == 1:
-            keep_grad_in(p, g.grad_views[p])
             if not self._sync:
-                return
+                return False
             if p in g.ready or g.reduced:
                 self.reset()
                 raise RuntimeError("a second backward before finish_grad_sync(): gradients would be summed into a "
                                    "buffer already being reduced. Run all but the last micro-batch under no_sync(); "
                                    "the gradients were reset")
         g.ready.add(p)
-        self._queue_end_of_backward()
-        self._reduce_in_order()
+        return True
+
+    @contextmanager
+    def input_pass(self):
+        """Zero-bubble's input pass: a backward that forms every gradient but the linear
+        layers' weights'. The micro-batch's backward ends with its weight pass
+        (`weight_grad_ready`, `end_weight_pass`), not here. Under stage 3 a unit is freed as
+        soon as its backward is over (`_free_next`) and the rest when the pass ends — the
+        weight pass needs the layers' inputs and output gradients, not their weights, so the
+        free is apart from the reduce-scatter."""
+        self._holding = True
+        try:
+            yield
+        finally:
+            self._holding = False
+            for g in self.groups:
+                self._free(g)
+
+    def weight_grad_ready(self, p: nn.Parameter, grad: torch.Tensor) -> None:
+        """Zero-bubble's weight pass formed `p`'s gradient by hand, so no hook saw it: it is
+        added where this stage keeps it (stage 1's full buffer; else beside `.grad`, as a
+        freed stage-3 parameter cannot hold one) and marked ready, as the hook would."""
+        if self.stage == 1:
+            view = self._group_of[p].grad_views[p]
+            view.add_(grad)
+            if view.dtype == p.dtype:
+                p.grad = view
+        else:
+            self._by_hand[p] = grad if p not in self._by_hand else self._by_hand[p].add_(grad)
+        if self._mark_ready(p) and self.stage == 1:
+            self._reduce_in_order()
+
+    def end_weight_pass(self) -> None:
+        """The micro-batch's backward ends with its weight pass: stages 2 and 3 reduce-scatter
+        every group, in order, as the end-of-backward callback would."""
+        if self.stage > 1:
+            self._end_of_backward()
+
+    def _take_grads(self, g: FlatGroup) -> list[torch.Tensor | None]:
+        """Stages 2 and 3: a group's gradients (from hooks, and from a weight pass), let go."""
+        grads = []
+        for p in g.params:
+            grad, extra = p.grad, self._by_hand.pop(p, None)
+            grads.append(extra if grad is None else grad if extra is None else grad + extra)
+            p.grad = None
+        return grads
 
     def _queue_end_of_backward(self) -> None:
         if self.stage > 1 and not self._callback_queued:
@@ -275,9 +332,7 @@ class Zero:
         if self.stage == 1:
             source = g.grad_full
         else:
-            source = g.flat_from([p.grad for p in g.params], self.grad_dtype)
-            for p in g.params:
-                p.grad = None
+            source = g.flat_from(self._take_grads(g), self.grad_dtype)
         out = _buffer(g.shard_size, g.shard, self.grad_dtype)
         work = self.comm.reduce_scatter(out, source, self.axis, async_op=True, channel=self._channel)
         self._pending.append((g, work, out, source))
@@ -326,6 +381,8 @@ class Zero:
         self._callback_queued, self._sync = False, True
         self._next, self._reduced_this_step, self._forward_at, self._backward_at = 0, False, None, None
         self._skipped.clear()
+        self._by_hand.clear()
+        self._holding = False
         for g in self.groups:
             g.ready.clear()
             g.reduced = False
@@ -486,8 +543,24 @@ class Zero:
                 self._queue_end_of_backward()
             self._catch_up_backward(g.index)
             self._backward_at = min(self._backward_at, g.index - 1)
+        if self._holding:  # an input pass: the unit after this one is done with its weights
+            self._free_next(g.index)
         self._gather_for_backward(g)
         self._prefetch(g.index, -1)
+
+    def _free_next(self, unit: int) -> None:
+        """In zero-bubble's input pass, where no reduce-scatter frees a unit: what consumed
+        unit `unit`'s output has its input's gradient, so its backward is over — the next
+        unit of the run, or after the last unit the parameters outside the blocks (on a
+        split stage those run after the blocks: the last stage's norm and head; the
+        embedding is the first stage's, which runs its backward whole)."""
+        if not self._is_unit(unit):
+            return
+        if self._is_unit(unit + 1) and self._run_of[unit] == self._run_of[unit + 1]:
+            self._free(self.groups[unit + 1])
+        elif unit == self.n_units - 1:
+            for g in self.groups[self.n_units:]:
+                self._free(g)
 
     def _gather_for_backward(self, g: FlatGroup) -> None:
         """Its own seam: the mutant that frees a block before its backward leaves it out."""

@@ -298,21 +298,23 @@ def recompute_kept_bytes(blocks: int, parts: dict[str, int], recompute: str = "n
 
 @lru_cache(maxsize=4096)
 def _chunks_at_backwards(schedule: str, pp: int, stage: int, microbatches: int,
-                         chunks: int) -> tuple[tuple[int, tuple[int, ...], int, int], ...]:
+                         chunks: int) -> tuple[tuple[int, tuple[int, ...], int, int, int], ...]:
     """For each backward of the stage, in order, by walking the stage's instruction list: its
     chunk; the micro-batches each chunk holds then (forwarded and not yet backwarded, the one
-    being backwarded included; under the zero-bubble schedule a micro-batch is held until
-    its weight gradient); the activations received and still held (a chunk's input, but the
-    first virtual stage's); the outputs not yet sent (interleaved sends a step's forward
-    output after its backward) and the messages sent and not yet known complete — outputs
-    and input gradients, which the engine frees when a later group with a receive (or the
-    step's end) has waited for them (`transport.py`)."""
+    being backwarded included); under the zero-bubble schedule the micro-batches whose input
+    pass is done and whose weight pass is not (holding only the weight-gradient store's
+    pairs; on the first virtual stage, which runs its backward whole in the weight pass, a
+    micro-batch is held until then); the activations received and still held (a chunk's
+    input, but the first virtual stage's); the outputs not yet sent (interleaved sends a
+    step's forward output after its backward) and the messages sent and not yet known
+    complete — outputs and input gradients, which the engine frees when a later group with
+    a receive (or the step's end) has waited for them (`transport.py`)."""
     from meshtrain.parallel.pipeline import schedules as S
 
     if pp == 1:
-        return ((0, (1,), 0, 0),) * microbatches
+        return ((0, (1,), 0, 0, 0, False),) * microbatches
     last = pp * chunks - 1
-    held, received, unsent, in_flight, found = [0] * chunks, 0, 0, 0, []
+    held, stored, received, unsent, in_flight, found = [0] * chunks, 0, 0, 0, 0, []
     steps = S.compute_steps(schedule, stage, pp, microbatches, chunks)
     for op in S.with_communication(stage, steps, pp, chunks):
         if isinstance(op, S.Transfers):
@@ -329,11 +331,30 @@ def _chunks_at_backwards(schedule: str, pp: int, stage: int, microbatches: int,
             received += receives
             unsent += op.chunk * pp + stage < last  # an output to send (in the same step as a backward)
         elif isinstance(op, (S.Backward, S.BackwardInput)):
-            found.append((op.chunk, tuple(held), received, unsent + in_flight))
-        if isinstance(op, (S.Backward, S.BackwardWeight)):
+            found.append((op.chunk, tuple(held), stored, received, unsent + in_flight, False))
+        elif receives and isinstance(op, S.BackwardWeight):  # a split backward's weight pass
+            found.append((op.chunk, tuple(held), stored, received, unsent + in_flight, True))
+        whole = isinstance(op, S.Backward) or (not receives and isinstance(op, S.BackwardWeight))
+        if whole or (receives and isinstance(op, S.BackwardInput)):
             held[op.chunk] -= 1
             received -= receives
+        if receives and isinstance(op, (S.BackwardInput, S.BackwardWeight)):  # a split backward's store
+            stored += 1 if isinstance(op, S.BackwardInput) else -1
     return tuple(found)
+
+
+def weight_store_bytes(seq: int, micro_batch: int, hidden: int, *, element_bytes: int, ffn: int | None = None,
+                       tp: int = 1) -> int:
+    """What zero-bubble's weight-gradient store keeps of one block for one micro-batch between
+    its input and weight passes (`pipeline/split.py`): each linear layer's input and output
+    gradient, b·s·e·(4h + 4h/t + 2f/t): q, k and v share their input (the first LayerNorm's
+    output, whole — under SP the gathered sequence, kept whole) and keep an output gradient
+    of h/t each; the attention's projection its input (h/t) and output gradient (h, whole
+    before the sum over tp); the MLP's fc its input (h) and output gradient (f/t), its
+    projection its input (f/t) and output gradient (h)."""
+    e, b, s, h, t = element_bytes, micro_batch, seq, hidden, tp
+    f = ffn or 4 * h
+    return b * s * e * (4 * h + 4 * h // t + 2 * f // t)
 
 
 def torch_stage_activation_bytes(layers: int, seq: int, micro_batch: int, hidden: int, heads: int, vocab: int, *,
@@ -364,9 +385,7 @@ def torch_stage_activation_bytes(layers: int, seq: int, micro_batch: int, hidden
         - the loss (last stage): two fp32 tensors of the logits' size, the logits kept for
           backward and, in its forward, their shifted exponentials (in backward: the
           logits' gradient), four fp32 numbers per token, and under bf16 the bf16 logits,
-          which the caller holds until the loss returns (`meshtrain.loss`; under the
-          zero-bubble schedule the logits and their gradient stay for the weight pass,
-          which adds the head's weight gradient, h·V/t fp32); under tp three of the local
+          which the caller holds until the loss returns (`meshtrain.loss`); under tp three of the local
           logits' size (split by the vocabulary: the vocabulary-parallel cross-entropy keeps
           its probabilities, and holds their copy and the logits' gradient), with each
           token's local target and mask, 9 bytes, and five fp32 numbers at its peak;
@@ -378,7 +397,17 @@ def torch_stage_activation_bytes(layers: int, seq: int, micro_batch: int, hidden
           at the last block's softmax (`forward_peak`, the earlier blocks of the unit
           recomputed);
     - under math, the forward of the last block at its softmax (`forward_peak`), the earlier
-      blocks' K share alive.
+      blocks' K share alive;
+    - under the zero-bubble schedule, on every stage but the first (which runs each backward
+      whole, in its weight pass): a micro-batch between its input and weight passes holds
+      only its pairs in the weight-gradient store (`weight_store_bytes` a block, and on the
+      last stage the head's input and the logits' gradient, b·s·(h + V/t)·e); during its
+      input pass it holds the head's pair, and a recomputed unit's moment the pairs of the
+      units after it; and each weight pass is a moment of its own: every pair still kept
+      (its own micro-batch's included), the other micro-batches' K and one ∇W (the largest
+      weight's). Measured on gpt-test at pp 2, m 4: exact with no recompute; 2–5 % low on
+      the last stage under recompute, whose input pass frees recomputed tensors while the
+      store fills, a moment the formula does not follow.
 
     What is left out: scalars (the loss), the loss's transients of the targets, the bias
     gradients' sums, dropout's transients in the forward."""
@@ -403,6 +432,9 @@ def torch_stage_activation_bytes(layers: int, seq: int, micro_batch: int, hidden
     loss = ((2 * b * s * (vocab // t) * 4 + 20 * b * s) if t > 1 else
             b * s * vocab * 4 + 16 * b * s + (b * s * vocab * e if e < 4 else 0))
 
+    split = schedule == "zb" and stage > 0  # the first stage runs each backward whole
+    pairs = weight_store_bytes(s, b, h, element_bytes=e, ffn=ffn, tp=t)  # a block's, in the store
+
     def micro_batch(blocks: int, first: bool, last: bool) -> tuple[int, int]:
         """(what a micro-batch keeps through `blocks` blocks, its live bytes at its backward's
         largest moment); `first`: they start from the embedding, `last`: end at the loss."""
@@ -415,24 +447,24 @@ def torch_stage_activation_bytes(layers: int, seq: int, micro_batch: int, hidden
         if not last:
             per_mb -= out  # its output is freed once sent (counted apart while the send is in flight)
         if units:
-            moments, earlier = [], 0
+            moments, earlier, later = [], 0, blocks
             chunked_mlp = recompute_mode == "full"  # recompute.py runs its MLP in two chunks of rows
             for size in units:
                 redo = (parts["recomputed_peak"] if chunked_mlp else
                         size * parts["recomputed"] - out + parts["backward_extra"])
                 again = (size - 1) * parts["recomputed"] + parts["forward_peak"]
-                moments.append(earlier * out + max(redo, again))
+                later -= size  # a split backward has kept the later units' pairs by then
+                moments.append(earlier * out + max(redo, again) + (later * pairs if split else 0))
                 earlier += 1
             current = before + max(moments) + grad
         else:
             current = before + kept_blocks - out + grad + parts["backward_extra"]
-        # under the zero-bubble schedule the loss's backward keeps the graph (and the logits) for
-        # the weight pass, which computes the head's weight gradient from the logits' gradient;
-        # the logits are still held while the micro-batch's blocks backward
-        if schedule == "zb" and last:
-            current += b * s * (vocab // t) * 4
-        head_weight_grad = hidden * (vocab // t) * 4 if schedule == "zb" else 0
-        current = max(current, per_mb + ((loss + head_weight_grad) if last else 0))
+        # a split backward (zero-bubble, but on the first stage) keeps the head's pair in the
+        # store from the loss's backward on: the logits' gradient is still held while the
+        # micro-batch's blocks backward
+        if split and last:
+            current += b * s * (vocab // t) * e
+        current = max(current, per_mb + (loss if last else 0))
         if attention == "math":  # the forward of the last block, at its softmax
             share = (len(units) - 1) * out if units else recompute_kept_bytes(blocks - 1, parts, recompute)
             current = max(current, before + share + parts["forward_peak"])
@@ -441,12 +473,20 @@ def torch_stage_activation_bytes(layers: int, seq: int, micro_batch: int, hidden
     # each chunk of the stage (one, but under the interleaved schedule), as a run of its own
     chunk = [micro_batch(n, stage == 0 and c == 0, stage == pp - 1 and c == len(runs) - 1)
              for c, n in enumerate(runs)]
+    # zero-bubble's store: per micro-batch between its passes, every block's linear layers'
+    # pairs and, on the last stage, the head's (its input, whole under SP, and the logits' gradient)
+    last_stage = stage == pp - 1
+    store = sum(runs) * pairs + (b * s * (h + vocab // t) * e if last_stage else 0)
+    f = ffn or 4 * h
+    weight_grad = max(h * f, h * (vocab // t) if last_stage else 0) * e // t  # the largest ∇W a weight pass forms
     peak = 0
-    for c, held, received, sent in _chunks_at_backwards(schedule, pp, stage, microbatches, chunks):
-        # the micro-batches in flight keep theirs, the one backwarded is at its largest; the
-        # received activations in flight and the messages sent and not yet waited for
-        kept = sum(n * chunk[i][0] for i, n in enumerate(held)) - chunk[c][0]
-        peak = max(peak, kept + chunk[c][1] + (received + sent) * out)
+    for c, held, stored, received, sent, weight in _chunks_at_backwards(schedule, pp, stage, microbatches, chunks):
+        # the micro-batches in flight keep theirs, the one backwarded is at its largest; those
+        # waiting for their weight pass their pairs; the received activations in flight and
+        # the messages sent and not yet waited for. At a weight pass: every pair still kept
+        # (its own micro-batch's included) and one ∇W.
+        kept = sum(n * chunk[i][0] for i, n in enumerate(held)) + stored * store + (received + sent) * out
+        peak = max(peak, kept + weight_grad if weight else kept - chunk[c][0] + chunk[c][1])
     return peak
 
 

@@ -217,6 +217,22 @@ class Device:
         return fwd, bwd
 
 
+# Zero-bubble's input pass's share of a split stage's backward, B ÷ (B + W), as `train
+# --trace` measures it (`benchmarks/zero_bubble.sh`: gpt-small, pp 2, m 4, the last stage's
+# median input and weight passes, 55.6 and 38.9 ms in one run, 136.5 and 98.9 under load in
+# another: 0.59 and 0.58): the input pass runs every non-linear operator's backward and the
+# linear layers' δ·W, the weight pass only their δᵀ·x.
+ZB_INPUT_SHARE = 0.59
+
+
+def zero_bubble_split(stage: int, forward: float, backward: float) -> tuple[float, float, float]:
+    """(forward, input pass, weight pass) of a zero-bubble stage: the first stage has no input
+    gradient to send and runs each backward whole in its weight pass (`engine.py`); the
+    others split it by the measured share."""
+    share = 0.0 if stage == 0 else ZB_INPUT_SHARE
+    return forward, backward * share, backward * (1 - share)
+
+
 OPS_PER_BLOCK = 30  # eager operators of one block's forward (its backward: twice as many nodes)
 OPS_OUTSIDE = 10  # the embedding's, or the head's and the loss's
 
@@ -264,7 +280,8 @@ def _shared_pipeline(d: Device, lay: LayoutConfig, times: dict, per_micro: dict,
     for stage in range(lay.pp):
         k = _kind(d, stage)
         scale = per_micro[k] / sum(times[k])
-        costs.append((times[k][0] * scale, times[k][1] * scale))
+        forward, backward = times[k][0] * scale, times[k][1] * scale
+        costs.append((forward, backward) if lay.schedule != "zb" else zero_bubble_split(stage, forward, backward))
     return sharing.pipeline_time(lay.schedule, lay.microbatches, lay.chunks, tuple(costs), lay.dp * lay.tp, cores)
 
 

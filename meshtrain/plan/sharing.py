@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from meshtrain.parallel.pipeline.schedules import (COMPUTE, Backward, Forward, RecvActivation, RecvGrad,
-                                                   SendActivation, SendGrad, flat, schedule)
+from meshtrain.parallel.pipeline.schedules import (COMPUTE, Backward, BackwardInput, Forward, RecvActivation,
+                                                   RecvGrad, SendActivation, SendGrad, flat, schedule)
 from meshtrain.parallel.pipeline.simulate import message_key
 
 
@@ -23,8 +23,9 @@ def pipeline_time(schedule_name: str, microbatches: int, chunks: int, stage_cost
                   ranks_per_stage: int, cores: float) -> tuple[float, tuple[float, ...]]:
     """(makespan, each stage's time spent computing) of one step's micro-batches.
     `stage_costs[s]`: (forward, backward) seconds of one micro-batch through all of stage s
-    at full speed; a chunk of an interleaved stage takes 1/chunks of it, and a zero-bubble
-    stage's input and weight gradients half of the backward each."""
+    at full speed, or (forward, input pass, weight pass) for a zero-bubble stage whose split
+    is known (else each pass takes half of the backward); a chunk of an interleaved stage
+    takes 1/chunks of it."""
     p = len(stage_costs)
     lists = [flat(ops) for ops in schedule(schedule_name, p, microbatches, chunks)]  # sends buffered
     at, left = [0] * p, [None] * p  # next instruction; work left of the computation running
@@ -33,8 +34,10 @@ def pipeline_time(schedule_name: str, microbatches: int, chunks: int, stage_cost
     now = 0.0
 
     def work(s: int, op) -> float:
-        forward, backward = stage_costs[s]
-        full = forward if isinstance(op, Forward) else backward if isinstance(op, Backward) else backward / 2
+        forward, *backward = stage_costs[s]
+        split = backward if len(backward) == 2 else [backward[0] / 2] * 2
+        full = (forward if isinstance(op, Forward) else sum(split) if isinstance(op, Backward)
+                else split[0] if isinstance(op, BackwardInput) else split[1])
         return full / chunks
 
     while True:

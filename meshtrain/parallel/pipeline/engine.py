@@ -9,10 +9,13 @@ of its own (a buffer reused while an earlier micro-batch still needs it for its 
 gradient would silently corrupt that gradient). A stage's output is freed once its send has
 completed (the autograd graph keeps what backward needs). The loss is computed on the last
 stage only. Data-parallel gradient sync fires only on each chunk's last backward instruction
-(the last weight gradient under zero-bubble; under interleaving a chunk's buckets so go out
-while the other chunks still compute); every other one runs under the synchroniser's
-`no_sync`. On gloo transfers also carry a tag naming (kind, micro-batch,
-chunk); NCCL ignores tags, and the simulator proves that order alone pairs them right."""
+(under zero-bubble its last input pass and its last weight pass; under interleaving a chunk's
+buckets so go out while the other chunks still compute); every other one runs under the
+synchroniser's `no_sync`. Zero-bubble's two passes split the backward for real (`split.py`):
+the input pass is one backward that keeps the linear layers' (input, output gradient), the
+weight pass forms only their ∇W and hands it to the synchroniser. On gloo transfers also
+carry a tag naming (kind, micro-batch, chunk); NCCL ignores tags, and the simulator proves
+that order alone pairs them right."""
 
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ import torch
 
 from meshtrain.comm import Comm
 from meshtrain.parallel.pipeline import schedules as S
+from meshtrain.parallel.pipeline.split import WeightGradStore, split_linears
 from meshtrain.parallel.pipeline.stages import Stage
 from meshtrain.parallel.pipeline.transport import Transfer, Transport
 
@@ -38,10 +42,23 @@ class PipelineRunner:
         self.transport = Transport(comm, PP, strict=strict_p2p)
         self.activation_shape, self.dtype = activation_shape, dtype
         self.recorder = None  # a trace.Recorder: `train --trace` times every compute instruction
-        # Each chunk's last backward (its last weight gradient under zero-bubble) syncs: its
-        # buckets go out when that chunk is done, not all at the stage's very end.
-        last = {op.chunk: i for i, op in enumerate(instructions) if isinstance(op, (S.Backward, S.BackwardWeight))}
+        # Each chunk's last backward syncs: its buckets go out when that chunk is done, not
+        # all at the stage's very end. Under zero-bubble that is its last input pass (the
+        # norms' and biases' gradients) and its last weight pass (the linear layers').
+        last = {(op.chunk, type(op)): i for i, op in enumerate(instructions)
+                if isinstance(op, (S.Backward, S.BackwardInput, S.BackwardWeight))}
         self._syncing = set(last.values())
+        self.store: WeightGradStore | None = None  # zero-bubble's weight gradients (`split_backward`)
+
+    def split_backward(self) -> list[str]:
+        """Zero-bubble: the linear layers of this stage keep their weight gradients for the
+        weight pass (`split.py`); called once the stage's layers are final (after the TP plan).
+        The first stage has no input gradient to send, so it runs each backward whole, in its
+        weight pass, and is left as it is. Returns the layers split."""
+        if self.stage.is_first(0) and self.stage.chunks == 1:
+            return []
+        self.store = WeightGradStore()
+        return split_linears(self.stage.model, self.store)
 
     def run(self, p, micro_batch, count: int, normalizer: float) -> torch.Tensor:
         """Run this stage's instructions for one step; returns the summed loss ÷ normalizer of
@@ -60,6 +77,8 @@ class PipelineRunner:
             self.transport.drain()
         except BaseException:
             self.transport.abandon()
+            if self.store is not None:
+                self.store.clear()
             p.grad_sync.reset()
             raise
         return self._total
@@ -130,26 +149,35 @@ class PipelineRunner:
             self._total += out.detach()
         self._outputs[(op.mb, op.chunk)] = out
 
-    def _backward(self, op, inputs) -> None:
+    def _backward(self, op) -> None:
         out = self._outputs[(op.mb, op.chunk)]
         grad = None if self.stage.is_last(op.chunk) else self._grads[(op.mb, op.chunk)]
-        keep = isinstance(op, S.BackwardInput)  # the weight gradient will walk the graph again
-        torch.autograd.backward(out, grad, inputs=inputs, retain_graph=keep)
-
-    def _input_of(self, op) -> list[torch.Tensor]:
-        return [] if self.stage.is_first(op.chunk) else [self._inputs[(op.mb, op.chunk)]]
+        torch.autograd.backward(out, grad)
+        self._release(op)
 
     def _Backward(self, op):
-        self._backward(op, None)
-        self._release(op)
+        self._backward(op)
 
     def _BackwardInput(self, op):
-        if not self.stage.is_first(op.chunk):  # the first stage's input is token ids: nothing to send
-            self._backward(op, self._input_of(op))
+        """Every gradient but the linear layers' weights' (kept for the weight pass): the
+        input's, sent back next, and the norms', biases' and embeddings', through their hooks.
+        The first stage's input is token ids: it has nothing to send, and runs its backward
+        whole in the weight pass."""
+        if not self.stage.is_first(op.chunk):
+            with self.store.input_pass((op.mb, op.chunk)), self._p.grad_sync.input_pass():
+                self._backward(op)
 
     def _BackwardWeight(self, op):
-        self._backward(op, [q for q in self.stage.model.parameters() if q.requires_grad])
-        self._release(op)
+        """∇W of the linear layers from what the input pass kept — no autograd, so the
+        synchroniser is told of the gradients explicitly."""
+        if self.stage.is_first(op.chunk):
+            self._backward(op)
+        else:
+            sync = self._p.grad_sync
+            with torch.no_grad():
+                for weight, grad in self.store.weight_grads((op.mb, op.chunk)):
+                    sync.weight_grad_ready(weight, grad)
+                sync.end_weight_pass()
 
     def _release(self, op) -> None:
         """After a micro-batch's backward: its output and the gradient received for it."""

@@ -106,12 +106,24 @@ def order(sim: Simulation, stage: int) -> list[tuple]:
             if sp.stage == stage]
 
 
+def per_stage(costs: MeasuredCosts, stages: int) -> list[dict[str, float]]:
+    """Each stage's median duration of each kind of operation (F, B; I and W, the input and
+    weight passes, under zero-bubble), its chunks summed — the F, B and W a planner is
+    calibrated from (`planner.ZB_INPUT_SHARE` is the last stage's I ÷ (I + W))."""
+    out = [{} for _ in range(stages)]
+    for (stage, _, kind), t in sorted(costs.durations.items()):
+        out[stage][kind] = out[stage].get(kind, 0.0) + t
+    return out
+
+
 def compare(trace: dict) -> dict:
     """The simulator fed with the trace's measured costs against the traced run itself: the
     predicted makespan, the median measured one (steps after the first), whether each stage
-    ran its operations in the predicted order, and the pictures' inputs."""
+    ran its operations in the predicted order, each stage's median operations, and the
+    pictures' inputs."""
     lists = S.schedule(trace["schedule"], trace["pp"], trace["microbatches"], trace["chunks"])
-    predicted = simulate(lists, trace["chunks"], MeasuredCosts.from_trace(trace), trace["microbatches"])
+    costs = MeasuredCosts.from_trace(trace)
+    predicted = simulate(lists, trace["chunks"], costs, trace["microbatches"])
     steps = range(1, len(trace["steps"])) if len(trace["steps"]) > 1 else range(1)
     measured = [measured_simulation(trace, i) for i in steps]
     makespans = [m.makespan for m in measured]
@@ -123,5 +135,6 @@ def compare(trace: dict) -> dict:
         "predicted_makespan_s": float(predicted.makespan), "measured_makespan_s": measured_makespan,
         "predicted_over_measured": float(predicted.makespan) / measured_makespan,
         "same_order": all(order(m, s) == order(predicted, s) for m in measured for s in range(trace["pp"])),
+        "op_median_s_per_stage": per_stage(costs, trace["pp"]),
         "predicted": predicted, "measured": median_step,
     }
