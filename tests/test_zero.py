@@ -359,9 +359,49 @@ def _gathered_peak(mesh, cfg, across_chunks):
         return train(cfg, Comm(mesh)).model_state["gathered"]
 
 
-def test_stage_3_under_interleaving_prefetches_within_a_chunk():
+def _gathers_around_instructions(mesh, cfg):
+    """One step of a ZeRO-3 pipeline stage: the events of its `Zero` (gathers launched, unit
+    forwards done) with a marker at each instruction's start; its instructions and units."""
+    from meshtrain.train import setup, train_step
+    events = []
+    data, p = setup(cfg, Comm(mesh), on_event=lambda kind, i: events.append((kind, i)))
+    runner, hear = p.runner, p.runner.upcoming
+    marks = iter(range(len(runner.instructions)))
+    runner.upcoming = lambda nxt: (events.append(("op", next(marks))), hear(nxt))
+    train_step(p, data, 0, cfg)
+    first_units, start = [], 0
+    for ids in runner.stage.block_ids:
+        first_units.append(start)
+        start += len(ids)
+    return {"events": events, "ops": [(type(op).__name__, getattr(op, "chunk", None)) for op in runner.instructions],
+            "first_units": first_units}
+
+
+def test_stage_3_prefetches_the_block_the_next_instruction_runs_first():
+    """Under interleaving a forward is often followed by the other chunk's forward: the
+    gather of that chunk's first block goes out during the instruction before, not when the
+    forward starts (the prefetch follows the instruction list, not the block index)."""
+    cfg = _scheduled(zero_config(3, 2, 4, pp=2, steps=1), "interleaved", 2)
+    checked = 0
+    for r in run_ranks(_gathers_around_instructions, 4, cfg, pp=2):
+        events, ops = r["events"], r["ops"]
+        forwards = [i for i, (kind, _) in enumerate(ops) if kind in ("Forward", "Backward")]
+        for before, i in zip(forwards, forwards[1:]):
+            if ops[before][0] != "Forward" or ops[i][0] != "Forward":
+                continue
+            unit = r["first_units"][ops[i][1]]
+            mark = events.index(("op", i))
+            ran = events.index(("forward", unit), mark)
+            launched = max(j for j in range(ran) if events[j] == ("gather", unit))
+            assert launched < mark, (i, ops[i], events[mark - 3:ran + 1])
+            checked += ops[before][1] != ops[i][1]
+    assert checked > 0  # forwards of one chunk followed by the other's were there to check
+
+
+def test_stage_3_under_interleaving_does_not_prefetch_by_index():
     """The next unit by index may be the next chunk's first, which does not run next: the
-    prefetch stays inside the chunk, and each stage holds less gathered at its peak."""
+    prefetch follows the instruction list instead, and each stage holds less gathered at
+    its peak."""
     cfg = _scheduled(zero_config(3, 2, 4, pp=2, steps=1), "interleaved", 2)
     within = run_ranks(_gathered_peak, 4, cfg, False, pp=2)
     across = run_ranks(_gathered_peak, 4, cfg, True, pp=2)

@@ -252,6 +252,8 @@ def parallelize(model: nn.Module, comm: Comm, layout: LayoutConfig, train: Train
                            reshard_after_forward=not layout.keep_gathered,
                            blocks=pipeline.blocks if pipeline is not None else None, runs=chunks, draw=draw,
                            init_fingerprint=fingerprint, **dp_options)
+        if layout.zero == 3 and isinstance(runner, PipelineRunner):
+            runner.upcoming = zero.expect  # prefetch what the stage's next instruction runs first
         if draw is not None:  # any parameter ZeRO does not train
             materialize(model, draw)
         trained = [(name, value) for name, value, _, _ in zero.pieces]

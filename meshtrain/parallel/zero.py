@@ -183,6 +183,7 @@ class Zero:
             grouped, self.n_units = _units(model, named, blocks)
         sizes = runs or [self.n_units]
         self._run_of = [r for r, size in enumerate(sizes) for _ in range(size)]
+        self._expected: tuple[bool, int] | None = None  # the next instruction (`expect`), under pipelines
         check_replicas_agree(comm, axis, named, [g for _, g, _ in grouped], init_fingerprint)
         self.groups = [FlatGroup(i, label, [(name_of[p], p) for p in params], comm, axis, keep_full=stage < 3,
                                  draw=draw)
@@ -460,10 +461,31 @@ class Zero:
         return 0 <= index < self.n_units
 
     def _prefetch(self, unit: int, step: int) -> None:
-        """Launch the gather of the unit `step` away, if it is one of the same run."""
+        """Launch the gather of the unit `step` away, if it is one of the same run; at a run's
+        edge, of the unit the next instruction starts with (`expect`), if one was said and no
+        unit but the current one is gathered (one whose gradients wait for their
+        reduce-scatter may be): two units at most, as within a run."""
+        if not self._is_unit(unit):
+            return
         other = unit + step
-        if self._is_unit(unit) and self._is_unit(other) and self._run_of[unit] == self._run_of[other]:
+        if self._is_unit(other) and self._run_of[unit] == self._run_of[other]:
             self._launch_gather(self.groups[other])
+        elif self._expected is not None and self._units_gathered() < 2:  # at most the current and the next
+            forward, run = self._expected
+            units = [i for i, r in enumerate(self._run_of) if r == run]
+            if units:
+                self._launch_gather(self.groups[units[0] if forward else units[-1]])
+
+    def _units_gathered(self) -> int:
+        return sum(g.full is not None for g in self.groups[:self.n_units])
+
+    def expect(self, upcoming: tuple[bool, int] | None) -> None:
+        """A pipeline's next instruction that computes with the weights, after the one starting
+        now: (forward?, run) — a forward (or backward) of that run (its chunk), which starts
+        with the run's first (or last) unit; None: none this step. The current run's edge
+        prefetches that unit, rather than the next unit by index, which under interleaving is
+        another chunk's, one that does not run next."""
+        self._expected = upcoming
 
     def _model_forward_begins(self, module, args) -> None:
         if not _in_backward():  # (a checkpoint's recomputation runs forwards inside backward)

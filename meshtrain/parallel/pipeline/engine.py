@@ -20,6 +20,7 @@ that order alone pairs them right."""
 from __future__ import annotations
 
 from contextlib import nullcontext
+from typing import Callable
 
 import torch
 
@@ -49,6 +50,10 @@ class PipelineRunner:
                 if isinstance(op, (S.Backward, S.BackwardInput, S.BackwardWeight))}
         self._syncing = set(last.values())
         self.store: WeightGradStore | None = None  # zero-bubble's weight gradients (`split_backward`)
+        # `upcoming((forward, chunk) or None)` hears, as each instruction starts, the next one
+        # that computes with this stage's weights (ZeRO-3 prefetches its first block there).
+        self.upcoming: Callable[[tuple[bool, int] | None], None] | None = None
+        self._next_use = _next_weight_use(instructions, stage)
 
     def split_backward(self) -> list[str]:
         """Zero-bubble: the linear layers of this stage keep their weight gradients for the
@@ -71,6 +76,8 @@ class PipelineRunner:
             self.recorder.start_step()
         try:
             for index, op in enumerate(self.instructions):
+                if self.upcoming is not None:
+                    self.upcoming(self._next_use[index])
                 sync = index in self._syncing
                 with nullcontext() if sync else p.grad_sync.no_sync(), self._timing(op):
                     getattr(self, "_" + type(op).__name__)(op)
@@ -190,6 +197,28 @@ class PipelineRunner:
 
     def _OptimizerStep(self, op):
         pass  # the training step clips and steps
+
+
+def _uses_weights(op: S.Instruction, stage: Stage) -> bool:
+    """Whether an instruction computes with the stage's weights: forwards and backwards, but
+    not zero-bubble's weight pass (formed from what the input pass kept) — except on the
+    first stage, which runs its whole backward there and nothing in its input pass."""
+    if isinstance(op, (S.Forward, S.Backward)):
+        return True
+    if isinstance(op, S.BackwardInput):
+        return not stage.is_first(op.chunk)
+    return isinstance(op, S.BackwardWeight) and stage.is_first(op.chunk)
+
+
+def _next_weight_use(instructions: list, stage: Stage) -> list[tuple[bool, int] | None]:
+    """For each instruction, (forward?, chunk) of the next one after it that uses the weights."""
+    out, upcoming = [None] * len(instructions), None
+    for i in range(len(instructions) - 1, -1, -1):
+        out[i] = upcoming
+        op = instructions[i]
+        if _uses_weights(op, stage):
+            upcoming = (isinstance(op, S.Forward), op.chunk)
+    return out
 
 
 def _free_values(out: torch.Tensor) -> None:
