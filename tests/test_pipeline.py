@@ -184,10 +184,10 @@ def _input_gradients_by_pass(mesh, cfg):
     instruction of this stage ran, over one step."""
     from unittest import mock
 
-    from meshtrain.parallel.pipeline import split
+    from meshtrain.parallel import deferred_linear
     from meshtrain.parallel.pipeline.engine import PipelineRunner
     counts, current = {}, [None]
-    real_input_grad, real_backward = split.input_grad, torch.autograd.backward
+    real_input_grad, real_backward = deferred_linear.input_grad, torch.autograd.backward
 
     def count(what):
         key = (current[0], what)
@@ -209,7 +209,7 @@ def _input_gradients_by_pass(mesh, cfg):
             finally:
                 current[0] = None
         return run
-    with mock.patch.object(split, "input_grad", input_grad), mock.patch.object(torch.autograd, "backward", backward), \
+    with mock.patch.object(deferred_linear, "input_grad", input_grad), mock.patch.object(torch.autograd, "backward", backward), \
             mock.patch.object(PipelineRunner, "_BackwardInput", during("I", PipelineRunner._BackwardInput)), \
             mock.patch.object(PipelineRunner, "_BackwardWeight", during("W", PipelineRunner._BackwardWeight)):
         train(cfg, Comm(mesh))

@@ -48,18 +48,18 @@ class GradSyncs:
     def __init__(self, *syncs):
         self.syncs = syncs
 
-    @contextmanager
     def no_sync(self):
-        with ExitStack() as stack:
-            for s in self.syncs:
-                stack.enter_context(s.no_sync())
-            yield
+        return self._entered("no_sync")
+
+    def input_pass(self):
+        return self._entered("input_pass")
 
     @contextmanager
-    def input_pass(self):
+    def _entered(self, context: str):
+        """Every synchroniser's context manager `context`, entered together."""
         with ExitStack() as stack:
             for s in self.syncs:
-                stack.enter_context(s.input_pass())
+                stack.enter_context(getattr(s, context)())
             yield
 
     def weight_grad_ready(self, p, grad) -> None:

@@ -29,9 +29,9 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from meshtrain.comm import Comm, cheaper_linear_sync, linear_sync_bytes
+from meshtrain.parallel.deferred_linear import DeferredWeightLinear
 
 LINEAR = "meshtrain_linear"
 
@@ -94,24 +94,6 @@ def choose_linear_syncs(model: nn.Module, mode: str, rows: int, n: int, *, grad_
     return choices
 
 
-class _RowsGatheredLinear(torch.autograd.Function):
-    """y = x Wᵀ + b, whose backward gives only the input-gradient and hands the rows [x | δ]
-    to the layer's all-gather (the weight and bias gradients are formed from every rank's rows)."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, layer):
-        ctx.save_for_backward(x, weight)
-        ctx.layer = layer
-        return F.linear(x, weight, bias)
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        x, weight = ctx.saved_tensors
-        grad_x = grad_out @ weight if ctx.needs_input_grad[0] else None
-        ctx.layer.sync.send_rows(ctx.layer, x.reshape(-1, x.shape[-1]), grad_out.reshape(-1, grad_out.shape[-1]))
-        return grad_x, None, None, None
-
-
 class _GatheredLayer:
     """One linear layer on the all-gather path: its parameters and where their gradients live."""
 
@@ -129,8 +111,13 @@ class _GatheredLayer:
         def forward(x, *args, **kwargs):
             if not torch.is_grad_enabled():  # evaluation: the layer's own forward
                 return inner(x, *args, **kwargs)
-            return _RowsGatheredLinear.apply(x, self.weight, self.bias, self)
+            return DeferredWeightLinear.apply(x, self.weight, self.bias, self)
         module.forward = forward
+
+    def defer(self, x: torch.Tensor, grad: torch.Tensor, wants_bias: bool) -> None:
+        """The backward's rows [x | δ] go to the layer's all-gather; the weight and bias
+        gradients are formed from every rank's rows."""
+        self.sync.send_rows(self, x.reshape(-1, x.shape[-1]), grad.reshape(-1, grad.shape[-1]))
 
     def add_grads(self, xs: torch.Tensor, ds: torch.Tensor) -> None:
         """Add the whole batch's gradients into the buffers (re-attached as `.grad` if a

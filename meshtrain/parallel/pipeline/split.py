@@ -31,6 +31,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from meshtrain.parallel.deferred_linear import DeferredWeightLinear
+
 
 class WeightGradStore:
     """(weight, input, output gradient) of each linear layer's backward in an input pass,
@@ -92,47 +94,28 @@ def weight_grad(x: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     return grad.reshape(-1, grad.shape[-1]).t().mm(x.reshape(-1, x.shape[-1]))
 
 
-def input_grad(grad: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """δ·W: what the input pass computes of a linear layer (its own seam: a test counts it)."""
-    return grad.matmul(weight)
-
-
-class _SplitLinear(torch.autograd.Function):
-    """y = x Wᵀ + b whose backward keeps (x, δ) for the weight pass. The weight comes in
-    detached: no edge leads to its gradient accumulator, whose post-accumulate hooks would
-    fire even for no gradient (and tell a synchroniser a gradient was complete)."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, layer):
-        ctx.save_for_backward(x, weight)
-        ctx.layer = layer
-        return F.linear(x, weight, bias)
-
-    @staticmethod
-    def backward(ctx, grad):
-        x, weight = ctx.saved_tensors
-        store = ctx.layer.store
-        if not store.keeping:
-            raise RuntimeError("a zero-bubble stage's linear layer ran a backward outside an input pass: its weight "
-                               "gradient would be lost (run it under WeightGradStore.input_pass)")
-        store.keep(ctx.layer.weight, x, grad)
-        dx = input_grad(grad, weight) if ctx.needs_input_grad[0] else None
-        db = grad.reshape(-1, grad.shape[-1]).sum(0) if ctx.needs_input_grad[2] else None
-        return dx, None, db, None
-
-
 class _TakeLinear(TorchFunctionMode):
-    """Inside one module's forward: its `F.linear` of `weight` becomes `_SplitLinear`."""
+    """Inside one module's forward: its `F.linear` of `weight` becomes a `DeferredWeightLinear`
+    whose backward keeps (x, δ) in the store for the weight pass. The weight goes in detached:
+    no edge leads to its gradient accumulator, whose post-accumulate hooks would fire even
+    for no gradient (and tell a synchroniser a gradient was complete)."""
 
     def __init__(self, weight: nn.Parameter, store: WeightGradStore):
         super().__init__()
         self.weight, self.store = weight, store
 
+    def defer(self, x: torch.Tensor, grad: torch.Tensor, wants_bias: bool) -> torch.Tensor | None:
+        if not self.store.keeping:
+            raise RuntimeError("a zero-bubble stage's linear layer ran a backward outside an input pass: its weight "
+                               "gradient would be lost (run it under WeightGradStore.input_pass)")
+        self.store.keep(self.weight, x, grad)
+        return grad.reshape(-1, grad.shape[-1]).sum(0) if wants_bias else None
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is F.linear and len(args) > 1 and args[1] is self.weight and torch.is_grad_enabled():
             bias = args[2] if len(args) > 2 else kwargs.get("bias")
-            return _SplitLinear.apply(args[0], self.weight.detach(), bias, self)
+            return DeferredWeightLinear.apply(args[0], self.weight.detach(), bias, self)
         return func(*args, **kwargs)
 
 
