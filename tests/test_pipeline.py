@@ -163,7 +163,7 @@ def zb_config(dp=1, tp=1, microbatches=4, **layout) -> Config:
 
 
 @pytest.mark.parametrize("world, sizes, cfgs", [
-    (2, {"pp": 2}, [zb_config(precision="bf16"), zb_config(precision="bf16", grad_dtype="fp32"),
+    (2, {"pp": 2}, [zb_config(precision="bf16", grad_dtype="compute"), zb_config(precision="bf16"),
                     zb_config(recompute="full"), zb_config(recompute="selective"), zb_config(recompute="segments:2")]),
     (4, {"pp": 2}, [zb_config(dp=2, microbatches=2), zb_config(dp=2, microbatches=2, zero=2),
                     zb_config(dp=2, microbatches=2, precision="bf16", grad_dtype="fp32"),
