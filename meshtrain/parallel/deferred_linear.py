@@ -7,7 +7,18 @@ returns the bias gradient if it forms it now, else None). Zero-bubble's weight p
 from __future__ import annotations
 
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
+
+
+def owner_counts(model: nn.Module) -> dict[nn.Parameter, int]:
+    """How many modules own each parameter directly: a weight owned by more than one (tied)
+    has gradients from elsewhere too, so its layer cannot form them alone later."""
+    owners: dict[nn.Parameter, int] = {}
+    for m in model.modules():
+        for p in m.parameters(recurse=False):
+            owners[p] = owners.get(p, 0) + 1
+    return owners
 
 
 def input_grad(grad: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

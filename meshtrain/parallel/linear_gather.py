@@ -31,7 +31,7 @@ import torch
 import torch.nn as nn
 
 from meshtrain.comm import Comm, cheaper_linear_sync, linear_sync_bytes
-from meshtrain.parallel.deferred_linear import DeferredWeightLinear
+from meshtrain.parallel.deferred_linear import DeferredWeightLinear, owner_counts
 
 LINEAR = "meshtrain_linear"
 
@@ -64,10 +64,7 @@ def linear_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """The layers that may take the all-gather path: `nn.Linear`s and marked modules whose
     weight is trained and not shared with another module (a tied weight's gradient has
     other sources, which only the all-reduce sums)."""
-    owners: dict[nn.Parameter, int] = {}
-    for m in model.modules():
-        for p in m.parameters(recurse=False):
-            owners[p] = owners.get(p, 0) + 1
+    owners = owner_counts(model)
     found = []
     for name, m in model.named_modules():
         if not (isinstance(m, nn.Linear) or getattr(m, LINEAR, False)):

@@ -31,7 +31,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from meshtrain.parallel.deferred_linear import DeferredWeightLinear
+from meshtrain.parallel.deferred_linear import DeferredWeightLinear, owner_counts
 
 
 class WeightGradStore:
@@ -122,10 +122,7 @@ class _TakeLinear(TorchFunctionMode):
 def split_linears(model: nn.Module, store: WeightGradStore) -> list[str]:
     """Wrap the forward of every linear layer of `model` in place (names, parameters and
     state dict stay) so that its weight gradient waits in `store`; returns their names."""
-    owners: dict[nn.Parameter, int] = {}
-    for m in model.modules():
-        for p in m.parameters(recurse=False):
-            owners[p] = owners.get(p, 0) + 1
+    owners = owner_counts(model)
     names = []
     for name, m in model.named_modules():
         w = m._parameters.get("weight")
