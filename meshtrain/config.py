@@ -13,12 +13,9 @@ import tomllib
 from dataclasses import dataclass, field
 
 from meshtrain.models.presets import PRESETS, GPTSpec, MLPSpec, parse_widths, spec_of
+from meshtrain.parallel.options import GRAD_DTYPES, LINEAR_SYNCS, PRECISIONS, SCHEDULES, Strategies, parse_recompute
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
 RECOMPUTE = ("none", "full", "selective", "segments[:K]")
-PRECISIONS = ("fp32", "bf16")
-GRAD_DTYPES = ("compute", "fp32")
-LINEAR_SYNCS = ("allreduce", "allgather", "auto")
 ATTENTIONS = ("sdpa", "math")
 DEVICES = ("auto", "cpu", "cuda")
 BUILTIN_DATA = ("shakespeare", "digits")
@@ -75,6 +72,15 @@ class LayoutConfig:
         pp = f" {self.schedule}" + (f" chunks={self.chunks}" if self.chunks > 1 else "") if self.pp > 1 else ""
         zero = f" zero={self.zero}" if self.zero else ""
         return f"dp={self.dp}{zero} tp={self.tp}{sp} pp={self.pp}{pp} microbatches={self.microbatches} {self.precision}"
+
+    def strategies(self, strict_p2p: bool = False) -> Strategies:
+        """The strategies' own options for this layout (the axis sizes live on the mesh)."""
+        return Strategies(zero=self.zero, precision=self.precision, grad_dtype=self.grad_dtype,
+                          recompute=self.recompute, sp=self.sp, schedule=self.schedule, chunks=self.chunks,
+                          microbatches=self.microbatches,
+                          stage_layers=tuple(self.stage_layer_counts() or ()) or None,
+                          bucket_mb=self.bucket_mb, keep_gathered=self.keep_gathered,
+                          dp_linear_sync=self.dp_linear_sync, strict_p2p=strict_p2p)
 
     def summary(self) -> dict:
         """The `layout` object of the JSON contract."""
@@ -443,19 +449,6 @@ def _reject_unbuilt(lay: LayoutConfig, tr: TrainConfig) -> None:
     for bad, flag, what, fix in unbuilt:
         if bad:
             raise ConfigError(f"{flag}: {what} is not in this version of meshtrain yet; use {fix}")
-
-
-def parse_recompute(policy: str) -> tuple[str, int | None]:
-    """'segments:3' -> ('segments', 3); 'segments' -> ('segments', None); 'full' -> ('full',
-    None); ValueError for anything else."""
-    mode, colon, k = policy.partition(":")
-    if mode not in ("none", "full", "selective", "segments") or (colon and mode != "segments"):
-        raise ValueError(policy)
-    if colon:
-        if not k.isdigit() or int(k) < 1:
-            raise ValueError(policy)
-        return mode, int(k)
-    return mode, None
 
 
 def tokens_per_sample(cfg: Config) -> int:

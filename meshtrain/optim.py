@@ -13,7 +13,6 @@ import torch
 import torch.nn as nn
 
 from meshtrain.comm import METRICS, Comm
-from meshtrain.config import TrainConfig
 from meshtrain.mesh import AXES
 
 SHARDED_OVER = "meshtrain_sharded_over"
@@ -27,36 +26,50 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     return to_local() if to_local is not None else t
 
 
-class AdamWOnViews(torch.optim.AdamW):
-    """AdamW over tensors whose `.grad` is a view of buffers a synchroniser fills (ZeRO's
-    shards): `zero_grad()` zeroes those buffers in place (`zero_buffers`) whatever
-    `set_to_none` says. torch's default (None) would cut the views, and from then on AdamW
-    would skip every tensor — and clipping see a norm of 0 — while the synchroniser went on
-    filling the buffers; and zeroing only the views would leave the rest of a full gradient
-    buffer (ZeRO-1's) to add last step's gradients into the next."""
+# The shape of the one-process tensor that a trained tensor is (a part of): set on tensor-
+# parallel shards and ZeRO's flat pieces, read through `full_shape`.
+FULL_SHAPE = "meshtrain_full_shape"
 
-    def __init__(self, params, *, zero_buffers: Callable[[], None], **options):
-        super().__init__(params, **options)
-        self._zero_buffers = zero_buffers
+OptimizerFactory = Callable[[list[tuple[str, torch.Tensor]]], torch.optim.Optimizer]
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self._zero_buffers()
+# Optimizers whose update of each element reads only that element's gradient and state: they
+# step a shard (tensor-parallel) or a flat piece (ZeRO) exactly as they would the whole tensor.
+# Others (Adafactor's factored moments, LBFGS, LAMB's and Shampoo's per-tensor norms or
+# preconditioners) would step a piece differently from the whole, so they are refused there.
+ELEMENTWISE = tuple(getattr(torch.optim, name) for name in
+                    ("SGD", "Adam", "AdamW", "Adagrad", "RMSprop", "Adamax", "NAdam", "RAdam", "ASGD", "Rprop",
+                     "Adadelta") if hasattr(torch.optim, name))
 
 
-def build_optimizer(named_params: list[tuple[str, nn.Parameter]], decay: set[str],
-                    cfg: TrainConfig, *, zero_buffers: Callable[[], None] | None = None) -> torch.optim.Optimizer:
-    """AdamW; the parameters named in `decay` (matrices, as in GPT-2 and nanoGPT: decided on
-    the full parameters, since a shard's shape says nothing) decay, biases and norms do not.
-    The tensors are stepped as given: parameters, or ZeRO's pieces of them, whose gradients
-    are views of the buffers `zero_buffers` zeroes (`AdamWOnViews`)."""
-    params = named_params
-    groups = [{"params": [p for n, p in params if n in decay], "weight_decay": cfg.weight_decay},
-              {"params": [p for n, p in params if n not in decay], "weight_decay": 0.0}]
-    options = dict(lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
-    groups = [g for g in groups if g["params"]]
-    if zero_buffers is not None:
-        return AdamWOnViews(groups, zero_buffers=zero_buffers, **options)
-    return torch.optim.AdamW(groups, **options)
+def full_shape(t: torch.Tensor) -> torch.Size:
+    """The full (one-process) shape of the parameter `t` is, or is a part of: a tensor-parallel
+    shard's or a ZeRO piece's whole parameter, else `t`'s own shape. An optimizer factory reads
+    it to decide per parameter (no weight decay when `len(full_shape(p)) < 2`)."""
+    shape = getattr(t, FULL_SHAPE, None)
+    return torch.Size(shape) if shape is not None else t.shape
+
+
+def adamw(lr: float, weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.95),
+          eps: float = 1e-8) -> OptimizerFactory:
+    """The command line's optimizer, as a factory: AdamW where matrices decay (GPT-2's and
+    nanoGPT's rule, decided on full shapes) and biases and norms do not."""
+    def make(named: list[tuple[str, torch.Tensor]]) -> torch.optim.Optimizer:
+        decayed = [p for _, p in named if len(full_shape(p)) >= 2]
+        rest = [p for _, p in named if len(full_shape(p)) < 2]
+        groups = [g for g in ({"params": decayed, "weight_decay": weight_decay},
+                              {"params": rest, "weight_decay": 0.0}) if g["params"]]
+        return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps)
+    return make
+
+
+def keep_grad_views(optimizer: torch.optim.Optimizer, zero_buffers: Callable[[], None]) -> None:
+    """Make `optimizer.zero_grad()` zero, in place, the buffers a synchroniser fills (ZeRO's
+    shards, whose `.grad` are views of them), whatever `set_to_none` says. torch's default
+    (None) would cut the views, and from then on the optimizer would skip every tensor — and
+    clipping see a norm of 0 — while the synchroniser went on filling the buffers; and zeroing
+    only the views would leave the rest of a full gradient buffer (ZeRO-1's) to add last
+    step's gradients into the next."""
+    optimizer.zero_grad = lambda set_to_none=True: zero_buffers()
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
@@ -91,3 +104,35 @@ def clip_grad_norm_(params, max_norm: float, comm: Comm) -> float:
             if p.grad is not None:
                 p.grad.mul_(scale)
     return norm
+
+
+def optimizer_from(factory: OptimizerFactory, named: list[tuple[str, torch.Tensor]]) -> torch.optim.Optimizer:
+    """The optimizer `factory` makes for the (name, tensor) pairs; a factory that returns
+    something else is refused with one line."""
+    optimizer = factory(named)
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer: the factory returned {type(optimizer).__name__}, not a torch.optim.Optimizer "
+                        f"(write it as `lambda named_params: torch.optim.AdamW((p for _, p in named_params), ...)`)")
+    return optimizer
+
+
+def check_optimizer(factory: OptimizerFactory, model: nn.Module, *, elementwise: bool) -> None:
+    """Before any strategy touches the model: the factory, tried on one small stand-in per
+    parameter (same names, full shapes through `full_shape`), makes a torch optimizer — and,
+    where tensors are stepped in pieces (`elementwise`: ZeRO's shards, tensor-parallel
+    splits), one of `ELEMENTWISE`. Nothing is half applied when it is refused."""
+    if not callable(factory):
+        raise TypeError("optimizer: pass a factory taking (name, parameter) pairs, e.g. "
+                        "`lambda named_params: torch.optim.AdamW((p for _, p in named_params), lr=1e-3)`")
+    stand_ins = []
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            t = torch.zeros(1, requires_grad=True)
+            setattr(t, FULL_SHAPE, tuple(p.shape))
+            stand_ins.append((name, t))
+    optimizer = optimizer_from(factory, stand_ins)
+    if elementwise and not isinstance(optimizer, ELEMENTWISE):
+        allowed = ", ".join(c.__name__ for c in ELEMENTWISE)
+        raise ValueError(f"optimizer: {type(optimizer).__name__} does not step each element on its own, so it cannot "
+                         f"step ZeRO's or tensor parallelism's pieces of a tensor as it would the whole; use one of "
+                         f"{allowed}, or zero=0 and tp=1")

@@ -17,12 +17,12 @@ from dataclasses import dataclass, field
 
 from meshtrain import launch
 from meshtrain.comm import METRICS, Comm
-from meshtrain.config import Config, lr_at, tokens_per_sample
+from meshtrain.config import Config, LayoutConfig, TrainConfig, lr_at, strict_p2p_requested, tokens_per_sample
 from meshtrain.data.datasets import open_dataset
 from meshtrain.metrics import ActivationMeter, BuildMeter, LayerProbe, StepLog
 from meshtrain.models import build_model
 from meshtrain.models.init import init_spec
-from meshtrain.optim import clip_grad_norm_, set_lr
+from meshtrain.optim import adamw, clip_grad_norm_, set_lr
 from meshtrain.parallel.compose import Parallelized, parallelize
 from meshtrain.parallel.pipeline import stages
 from meshtrain.parallel.pipeline import trace as pipeline_trace
@@ -99,11 +99,23 @@ def setup(cfg: Config, comm: Comm, **dp_options) -> tuple[object, Parallelized]:
     # byte it allocates meanwhile.
     with BuildMeter() as meter:
         model = model_for(cfg, data, "meta")
-        p = parallelize(model, comm, cfg.layout, cfg.train, plan=plan_for(cfg.model.name),
-                        pipeline=stages.plan_for(cfg.model.spec()), rows_per_sample=tokens_per_sample(cfg),
-                        init=init_spec(model, cfg.train.seed), **dp_options)
+        p = parallelize_config(model, comm, cfg.layout, cfg.train, plan=plan_for(cfg.model.name),
+                               pipeline=stages.plan_for(cfg.model.spec()), rows_per_sample=tokens_per_sample(cfg),
+                               init=init_spec(model, cfg.train.seed), **dp_options)
     p.build_peak_bytes = meter.peak
     return data, p
+
+
+def parallelize_config(model, comm: Comm, layout: LayoutConfig, train: TrainConfig, *, rows_per_sample: int = 1,
+                       **options) -> Parallelized:
+    """`parallelize` as the command line's configuration asks: the layout's strategies, its
+    AdamW (betas 0.9/0.95; the loop sets the learning rate each step), the seed's dropout
+    masks, the pipeline's transfers sized for the configured batch."""
+    micro_rows = train.batch_size // (layout.dp or 1) // layout.microbatches
+    return parallelize(model, comm, layout.strategies(strict_p2p=strict_p2p_requested()),
+                       optimizer=adamw(train.lr, train.weight_decay), seed=train.seed,
+                       micro_shape=(micro_rows, train.seq_len), rows_per_step=train.batch_size * rows_per_sample,
+                       **options)
 
 
 def loss_terms_per_step(cfg: Config) -> int:

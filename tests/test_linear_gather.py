@@ -14,7 +14,7 @@ from helpers import small_config
 from meshtrain import verify
 from meshtrain.comm import Comm, cheaper_linear_sync, linear_sync_bytes, linear_sync_crossover
 from meshtrain.config import Config, ConfigError, LayoutConfig, TrainConfig, load, validate, warnings
-from meshtrain.parallel.compose import parallelize
+from meshtrain.train import parallelize_config as parallelize
 from meshtrain.parallel.linear_gather import LinearGather, linear_layers, mark_linear
 from meshtrain.train import train
 

@@ -14,7 +14,7 @@ from meshtrain.metrics import ActivationMeter
 from meshtrain.models import build_model
 from meshtrain.models.presets import PRESETS
 from meshtrain.optim import SHARDED_OVER, clip_grad_norm_
-from meshtrain.parallel.compose import parallelize
+from meshtrain.train import parallelize_config as parallelize
 from meshtrain.plan.cost import gpt_flops_per_step
 
 

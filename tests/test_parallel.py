@@ -13,7 +13,7 @@ from meshtrain.config import Config, LayoutConfig, TrainConfig
 from meshtrain.mesh import Mesh
 from meshtrain.models import build_model
 from meshtrain.optim import SHARDED_OVER, clip_grad_norm_
-from meshtrain.parallel.compose import parallelize
+from meshtrain.train import parallelize_config as parallelize
 from meshtrain.train import setup, train_step
 
 CPU = torch.device("cpu")

@@ -13,8 +13,9 @@ from meshtrain.comm import Comm
 from meshtrain.config import Config, LayoutConfig, TrainConfig
 from meshtrain.mesh import Mesh
 from meshtrain.models import build_model
-from meshtrain.optim import build_optimizer
-from meshtrain.parallel.compose import parallelize
+from meshtrain.optim import adamw
+from meshtrain.parallel.compose import mark_full_shapes
+from meshtrain.train import parallelize_config as parallelize
 from meshtrain.parallel.zero import Zero
 from meshtrain.train import train
 
@@ -193,9 +194,9 @@ def test_stage_3_takes_any_model_with_a_block_list_and_trains_it_as_the_plain_on
     for zero in (0, 3):
         model = _UsersModel()
         if zero:
-            decay = {n for n, q in model.named_parameters() if q.dim() >= 2}  # as parallelize decides
             sync = z = Zero(model, comm, 3)
-            opt = build_optimizer([(n, v) for n, v, _, _ in z.pieces], decay, train_cfg)
+            mark_full_shapes(model, [(n, v) for n, v, _, _ in z.pieces], comm)  # as parallelize does
+            opt = adamw(train_cfg.lr, train_cfg.weight_decay)([(n, v) for n, v, _, _ in z.pieces])
         else:
             plain = parallelize(model, comm, LayoutConfig(dp=1), train_cfg)
             sync, opt = plain.grad_sync, plain.optimizer

@@ -18,7 +18,7 @@ from torch.nn.parallel import DistributedDataParallel
 from meshtrain.comm import Comm
 from meshtrain.config import Config
 from meshtrain.loss import cross_entropy_sum
-from meshtrain.optim import build_optimizer
+from meshtrain.optim import adamw
 from meshtrain.parallel.compose import Parallelized
 from meshtrain.parallel.precision import COMPUTE_DTYPES, MasterWeights, fp32_loss
 from meshtrain.parallel.runner import PlainRunner
@@ -66,16 +66,15 @@ def ddp_setup(cfg: Config, comm: Comm) -> Parallelized:
     mesh = comm.mesh
     compute, reduce = peer_dtypes(cfg)
     _, model = build(cfg, mesh.device)
-    decay = {n for n, p in model.named_parameters() if p.dim() >= 2}
     model.to(compute)
     ddp = DistributedDataParallel(model, process_group=mesh.group("dp"), bucket_cap_mb=cfg.layout.bucket_mb,
                                   gradient_as_bucket_view=True,
                                   device_ids=[mesh.device.index] if mesh.device.type == "cuda" else None)
     named = list(model.named_parameters())
     if compute == torch.float32:
-        optimizer = build_optimizer(named, decay, cfg.train)
+        optimizer = adamw(cfg.train.lr, cfg.train.weight_decay)(named)
     else:
-        optimizer = MasterWeights(named, decay, cfg.train)
+        optimizer = MasterWeights(named, adamw(cfg.train.lr, cfg.train.weight_decay))
         if reduce != compute:
             ddp.register_comm_hook(mesh.group("dp"), _all_reduce_in(reduce))
     # DDP averages gradients over ranks; our loss is already divided by the global token

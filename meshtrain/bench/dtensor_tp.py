@@ -25,7 +25,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
 
 from meshtrain.comm import Comm
 from meshtrain.config import Config
-from meshtrain.optim import SHARDED_OVER, build_optimizer
+from meshtrain.optim import SHARDED_OVER, adamw
 from meshtrain.parallel.compose import GradSyncs, Parallelized
 from meshtrain.parallel.runner import PlainRunner
 from meshtrain.train import build
@@ -79,11 +79,10 @@ def dtensor_tp_setup(cfg: Config, comm: Comm) -> Parallelized:
     mesh = comm.mesh
     _, model = build(cfg, mesh.device)
     n_params = sum(p.numel() for p in model.parameters())
-    decay = {n for n, p in model.named_parameters() if p.dim() >= 2}
     parallelize_module(model, mesh.device_mesh("tp"), dtensor_plan(len(model.blocks), cfg.layout.sp))
     for p in model.parameters():  # our clipping sums the squared norms of shards over tp
         if any(isinstance(pl, Shard) for pl in getattr(p, "placements", ())):
             setattr(p, SHARDED_OVER, ("tp",))
-    optimizer = build_optimizer(list(model.named_parameters()), decay, cfg.train)
+    optimizer = adamw(cfg.train.lr, cfg.train.weight_decay)(list(model.named_parameters()))
     return Parallelized(model, _loss_parallel_cross_entropy_sum, GradSyncs(), optimizer, _LossParallelRunner(), comm,
                         n_params)

@@ -15,7 +15,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from meshtrain.bench.ddp import PeerSync, peer_dtypes, peer_loss
 from meshtrain.comm import Comm
 from meshtrain.config import Config
-from meshtrain.optim import SHARDED_OVER, build_optimizer
+from meshtrain.optim import SHARDED_OVER, adamw
 from meshtrain.parallel.compose import Parallelized
 from meshtrain.parallel.runner import PlainRunner
 from meshtrain.train import build
@@ -35,7 +35,6 @@ def fsdp2_setup(cfg: Config, comm: Comm) -> Parallelized:
     mesh = comm.mesh
     _, model = build(cfg, mesh.device)
     n_params = sum(p.numel() for p in model.parameters())
-    decay = {n for n, p in model.named_parameters() if p.dim() >= 2}
     dp_mesh = mesh.device_mesh("dp")
     compute, reduce = peer_dtypes(cfg)
     policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=reduce)
@@ -44,7 +43,7 @@ def fsdp2_setup(cfg: Config, comm: Comm) -> Parallelized:
     fully_shard(model, mesh=dp_mesh, mp_policy=policy)
     for p in model.parameters():  # our clipping sums the squared norms of the shards over dp
         setattr(p, SHARDED_OVER, ("dp",))
-    optimizer = build_optimizer(list(model.named_parameters()), decay, cfg.train)
+    optimizer = adamw(cfg.train.lr, cfg.train.weight_decay)(list(model.named_parameters()))
     # FSDP2 averages gradients over ranks; our loss is already divided by the global token count.
     return Parallelized(model, peer_loss(cfg), PeerSync(partial(_no_gradient_sync, model)), optimizer, PlainRunner(),
                         comm, n_params, loss_scale=mesh.size("dp"), compute_dtype=compute)

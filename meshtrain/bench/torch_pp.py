@@ -19,7 +19,7 @@ from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleG
 from meshtrain.comm import Comm
 from meshtrain.config import Config
 from meshtrain.loss import cross_entropy_sum
-from meshtrain.optim import build_optimizer
+from meshtrain.optim import adamw
 from meshtrain.parallel.compose import GradSyncs, Parallelized
 from meshtrain.parallel.pipeline.stages import Stage, plan_for
 from meshtrain.train import build
@@ -69,7 +69,6 @@ def torch_pp_setup(cfg: Config, comm: Comm) -> Parallelized:
     mesh, lay = comm.mesh, cfg.layout
     _, model = build(cfg, mesh.device)
     n_params = sum(q.numel() for q in model.parameters())
-    decay = {n for n, q in model.named_parameters() if q.dim() >= 2}
     stage = Stage(model, plan_for(cfg.model.spec()), mesh.coord("pp"), lay.pp, lay.chunks,
                   lay.stage_layer_counts())
     torch_stages = [PipelineStage(_VirtualStage(stage, c), stage.virtual(c), lay.pp * lay.chunks, mesh.device,
@@ -80,5 +79,5 @@ def torch_pp_setup(cfg: Config, comm: Comm) -> Parallelized:
     else:
         schedule = MULTI[lay.schedule](torch_stages, lay.microbatches, runner.loss, scale_grads=False)
     runner.schedule = schedule
-    optimizer = build_optimizer(list(model.named_parameters()), decay, cfg.train)
+    optimizer = adamw(cfg.train.lr, cfg.train.weight_decay)(list(model.named_parameters()))
     return Parallelized(model, cross_entropy_sum, GradSyncs(), optimizer, runner, comm, n_params)

@@ -30,7 +30,7 @@ def zero1_setup(cfg: Config, comm: Comm) -> Parallelized:
     mesh, tr = comm.mesh, cfg.train
     _, model = build(cfg, mesh.device)
     n_params = sum(p.numel() for p in model.parameters())
-    decay = [p for p in model.parameters() if p.dim() >= 2]  # as build_optimizer decides
+    decay = [p for p in model.parameters() if p.dim() >= 2]  # as optim.adamw decides
     rest = [p for p in model.parameters() if p.dim() < 2]
     ddp = DistributedDataParallel(model, process_group=mesh.group("dp"), bucket_cap_mb=cfg.layout.bucket_mb,
                                   gradient_as_bucket_view=True,

@@ -21,13 +21,13 @@ import torch
 import torch.nn as nn
 
 from meshtrain.comm import METRICS, Comm
-from meshtrain.config import LayoutConfig, TrainConfig, strict_p2p_requested
 from meshtrain.loss import cross_entropy_sum
 from meshtrain.models import find_block_list
 from meshtrain.models.init import InitSpec, materialize, to_placeholders
-from meshtrain.optim import build_optimizer
+from meshtrain.optim import FULL_SHAPE, OptimizerFactory, check_optimizer, keep_grad_views, optimizer_from
 from meshtrain.parallel.data import DataParallel
 from meshtrain.parallel.dropout import DropoutKeys, seed_dropout
+from meshtrain.parallel.options import Strategies
 from meshtrain.parallel.linear_gather import LinearGather, choose_linear_syncs
 from meshtrain.parallel.pipeline.engine import PipelineRunner
 from meshtrain.parallel.pipeline.schedules import schedule
@@ -35,7 +35,7 @@ from meshtrain.parallel.pipeline.stages import PipelinePlan, Stage
 from meshtrain.parallel.precision import COMPUTE_DTYPES, MasterWeights, fp32_loss, grad_holder
 from meshtrain.parallel.recompute import apply_recompute
 from meshtrain.parallel.runner import PlainRunner
-from meshtrain.parallel.state import ParamHoldings, Piece, is_collector, shard_index
+from meshtrain.parallel.state import ParamHoldings, Piece, full_shape, is_collector, shard_index
 from meshtrain.parallel.tensor import TensorParallelSync, TensorPlan, apply_plan, vocab_parallel_cross_entropy_sum
 from meshtrain.parallel.zero import Zero
 from meshtrain.parallel.zero_holdings import ZeroHoldings
@@ -179,100 +179,105 @@ class Parallelized:
         return self.holdings.pieces()
 
 
-def parallelize(model: nn.Module, comm: Comm, layout: LayoutConfig, train: TrainConfig, *,
-                plan: TensorPlan | None = None, pipeline: PipelinePlan | None = None, loss_fn=cross_entropy_sum,
-                rows_per_sample: int = 1, init: InitSpec | None = None, **dp_options) -> Parallelized:
-    """Apply the layout's strategies to `model` (in place; it must hold the full weights, the
-    same on every rank — or, with `init`, be built on the `meta` device: each rank then draws
-    only what it holds, after the strategies have cut and sharded the structure) and build
-    the optimizer on the result. Tensor parallelism needs the
-    model's `plan` (module names to styles); pipeline parallelism its `pipeline` (the parts
-    before, the block list, the parts after). `rows_per_sample`: the rows a sample gives each
-    linear layer (its tokens; 1 for an image), for `--dp-linear-sync auto`'s byte counts."""
+def parallelize(model: nn.Module, comm: Comm, options: Strategies, *, optimizer: OptimizerFactory, seed: int = 0,
+                plan: TensorPlan | None = None, pipeline: PipelinePlan | None = None,
+                micro_shape: tuple[int, int] | None = None, loss_fn=cross_entropy_sum, rows_per_step: int | None = None,
+                init: InitSpec | None = None, **dp_options) -> Parallelized:
+    """Apply the strategies `options` to `model` on `comm`'s mesh (in place; it must hold the
+    full weights, the same on every rank — or, with `init`, be built on the `meta` device:
+    each rank then draws only what it holds, after the strategies have cut and sharded the
+    structure) and build the optimizer on the result with `optimizer` (a factory given
+    (name, tensor) pairs, full shapes through `optim.full_shape`). Tensor parallelism needs
+    the model's `plan` (module names to styles); pipeline parallelism its `pipeline` (the
+    parts before, the block list, the parts after) and, to size its transfers, `micro_shape`
+    (rows of a micro-batch, sequence length; set later with `set_micro_shape` when None).
+    `loss_fn(output, targets)` returns the micro-batch's summed loss; `seed` keys the dropout
+    masks; `rows_per_step`: the rows a step's global batch gives each linear layer (its
+    tokens), for `dp_linear_sync="auto"`'s byte counts."""
+    mesh, factory = comm.mesh, optimizer
     n_params = sum(p.numel() for p in model.parameters())
-    # Decided on the full parameters, before any strategy reshapes them: matrices decay.
-    decay = {n for n, p in model.named_parameters() if p.dim() >= 2}
+    check_optimizer(factory, model, elementwise=bool(options.zero and mesh.size("dp") > 1) or mesh.size("tp") > 1)
     # Mixed precision first: every strategy below then holds, sends and shards bf16 tensors.
-    compute_dtype = COMPUTE_DTYPES[layout.precision]
+    compute_dtype = COMPUTE_DTYPES[options.precision]
     if compute_dtype != torch.float32:
         model.to(compute_dtype)
         loss_fn = fp32_loss(loss_fn)
     if init is not None:  # parameters without storage until this rank's part is drawn
-        to_placeholders(model, comm.mesh.device)
+        to_placeholders(model, mesh.device)
     # Dropout masks from (seed, step, sample, site), so that every layout drops the same elements.
     keys = None
     if any(isinstance(m, nn.Dropout) and m.p > 0 for m in model.modules()):
-        keys = DropoutKeys(train.seed)
+        keys = DropoutKeys(seed)
         seed_dropout(model, keys)
     runner = PlainRunner()
-    if comm.mesh.size("pp") > 1:
+    if mesh.size("pp") > 1:
         if pipeline is None:
             raise ValueError("pipeline parallelism needs a pipeline plan for this model (before, blocks, after)")
-        stage = Stage(model, pipeline, comm.mesh.coord("pp"), comm.mesh.size("pp"), layout.chunks,
-                      layout.stage_layer_counts())
-        micro_rows = train.batch_size // layout.dp // layout.microbatches
-        seq = train.seq_len // comm.mesh.size("tp") if layout.sp else train.seq_len
-        lists = schedule(layout.schedule, comm.mesh.size("pp"), layout.microbatches, layout.chunks)
+        stage = Stage(model, pipeline, mesh.coord("pp"), mesh.size("pp"), options.chunks,
+                      list(options.stage_layers) if options.stage_layers else None)
+        lists = schedule(options.schedule, mesh.size("pp"), options.microbatches, options.chunks)
         dtype = next(model.parameters()).dtype
-        runner = PipelineRunner(stage, lists[comm.mesh.coord("pp")], comm, pipeline.activation_shape(micro_rows, seq),
-                                dtype, strict_p2p=strict_p2p_requested())
+        runner = PipelineRunner(stage, lists[mesh.coord("pp")], comm, None, dtype, strict_p2p=options.strict_p2p)
     whole = []  # parameters that sequence parallelism leaves whole: their gradients are summed over tp
-    if comm.mesh.size("tp") > 1:
+    if mesh.size("tp") > 1:
         if plan is None:
             raise ValueError("tensor parallelism needs a plan for this model (module names to styles)")
-        whole = apply_plan(model, plan, comm, sp=layout.sp)
+        whole = apply_plan(model, plan, comm, sp=options.sp)
         if plan.vocab_parallel_loss:
             loss_fn = vocab_parallel_cross_entropy_sum(comm)
     # Zero-bubble: the stage's linear layers (as the plan made them) keep their weight
     # gradients for the weight pass.
-    if comm.mesh.size("pp") > 1 and layout.schedule == "zb":
+    if mesh.size("pp") > 1 and options.schedule == "zb":
         runner.split_backward()
     # Activation checkpointing, on the blocks as cut into stages and sharded above.
-    if layout.recompute != "none":
-        if comm.mesh.size("pp") > 1:
+    if options.recompute != "none":
+        if mesh.size("pp") > 1:
             runs = [[stage.blocks._modules[str(i)] for i in ids] for ids in stage.block_ids]
         else:
             runs = [list(find_block_list(model, pipeline.blocks if pipeline is not None else None)[1])]
-        apply_recompute(runs, layout.recompute, keys)
-    # Gradients in the compute dtype, or (--grad-dtype fp32) in fp32 buffers apart from the
+        apply_recompute(runs, options.recompute, keys)
+    # Gradients in the compute dtype, or (grad_dtype fp32) in fp32 buffers apart from the
     # bf16 tensors, which the fp32 masters then hold as their `.grad`.
-    grad_dtype = torch.float32 if layout.grad_dtype == "fp32" else compute_dtype
-    zero_sharded = layout.zero and comm.mesh.size("dp") > 1
+    grad_dtype = torch.float32 if options.grad_dtype == "fp32" else compute_dtype
+    zero_sharded = options.zero and mesh.size("dp") > 1
     draw, fingerprint = None, None
     if init is not None:
         draw, fingerprint = partial(_draw_piece, init, comm), init.fingerprint()
         if not zero_sharded:  # ZeRO draws each group's part as it builds it
             materialize(model, draw)
     notes = []
-    linear = _linear_gather(model, comm, layout, train.batch_size * rows_per_sample, grad_dtype, compute_dtype, notes)
+    linear = _linear_gather(model, comm, options, rows_per_step, grad_dtype, compute_dtype, notes)
     zero = None
     if zero_sharded:  # ZeRO with one dp rank has nothing to shard: plain DP
-        chunks = [len(ids) for ids in stage.block_ids] if comm.mesh.size("pp") > 1 else None
-        sync = zero = Zero(model, comm, layout.zero, bucket_mb=layout.bucket_mb, grad_dtype=grad_dtype,
-                           reshard_after_forward=not layout.keep_gathered,
+        chunks = [len(ids) for ids in stage.block_ids] if mesh.size("pp") > 1 else None
+        sync = zero = Zero(model, comm, options.zero, bucket_mb=options.bucket_mb, grad_dtype=grad_dtype,
+                           reshard_after_forward=not options.keep_gathered,
                            blocks=pipeline.blocks if pipeline is not None else None, runs=chunks, draw=draw,
                            init_fingerprint=fingerprint, **dp_options)
-        if layout.zero == 3 and isinstance(runner, PipelineRunner):
+        if options.zero == 3 and isinstance(runner, PipelineRunner):
             runner.upcoming = zero.expect  # prefetch what the stage's next instruction runs first
         if draw is not None:  # any parameter ZeRO does not train
             materialize(model, draw)
         trained = [(name, value) for name, value, _, _ in zero.pieces]
     else:
-        sync = DataParallel(model, comm, axis="dp", bucket_mb=layout.bucket_mb, grad_dtype=grad_dtype,
+        sync = DataParallel(model, comm, axis="dp", bucket_mb=options.bucket_mb, grad_dtype=grad_dtype,
                             elsewhere=linear.params if linear else [], init_fingerprint=fingerprint, **dp_options)
         trained = [(n, q) for n, q in model.named_parameters() if q.requires_grad]
+    mark_full_shapes(model, trained, comm)
     if compute_dtype == torch.float32:
-        optimizer = build_optimizer(trained, decay, train, zero_buffers=zero.zero_grad if zero is not None else None)
+        optimizer = optimizer_from(factory, trained)
+        if zero is not None:
+            keep_grad_views(optimizer, zero.zero_grad)
     else:  # fp32 masters; they hold the gradients too when those live apart in fp32
         grads = None
         if grad_dtype != compute_dtype:
             grads = zero.piece_grads if zero is not None else {
                 t: (linear if linear and linear.owns(t) else sync).grad_view(t) for _, t in trained}
-        optimizer = MasterWeights(trained, decay, train, grads=grads,
+        optimizer = MasterWeights(trained, partial(optimizer_from, factory), grads=grads,
                                   zero_buffers=zero.zero_grad if zero is not None else None)
     holdings = None
     if zero is not None:
-        if layout.zero < 3:
+        if options.zero < 3:
             optimizer.register_step_post_hook(lambda *_: zero.gather_params())
         holdings = ZeroHoldings(model, optimizer, comm, zero)
     syncs = [sync, linear] if linear else [sync]
@@ -280,8 +285,28 @@ def parallelize(model: nn.Module, comm: Comm, layout: LayoutConfig, train: Train
         tensors = zero.pieces_of(whole) if zero is not None else whole
         syncs.append(TensorParallelSync([grad_holder(optimizer, t) for t in tensors], comm))
     grad_sync = syncs[0] if len(syncs) == 1 else GradSyncs(*syncs)
-    return Parallelized(model, loss_fn, grad_sync, optimizer, runner, comm, n_params, dropout_keys=keys,
+    p = Parallelized(model, loss_fn, grad_sync, optimizer, runner, comm, n_params, dropout_keys=keys,
                         holdings=holdings, compute_dtype=compute_dtype, notes=notes)
+    if micro_shape is not None:
+        set_micro_shape(p, pipeline, *micro_shape, options.sp)
+    return p
+
+
+def mark_full_shapes(model: nn.Module, trained: list[tuple[str, torch.Tensor]], comm: Comm) -> None:
+    """Give every tensor the optimizer will step (a parameter, a shard, a ZeRO piece) the full
+    shape of its parameter (`optim.full_shape`), for the user's optimizer factory."""
+    params = dict(model.named_parameters())
+    for name, t in trained:
+        if not hasattr(t, FULL_SHAPE):  # ZeRO's pieces have theirs
+            setattr(t, FULL_SHAPE, full_shape(params[name], comm))
+
+
+def set_micro_shape(p: "Parallelized", pipeline: PipelinePlan, rows: int, seq: int, sp: bool) -> None:
+    """Size a pipeline's transfers for micro-batches of `rows` samples of `seq` positions
+    (under sequence parallelism each rank sends its 1/tp of the sequence)."""
+    if isinstance(p.runner, PipelineRunner):
+        tp = p.comm.mesh.size("tp")
+        p.runner.activation_shape = pipeline.activation_shape(rows, seq // tp if sp else seq)
 
 
 def _draw_piece(init: InitSpec, comm: Comm, name: str, p: torch.Tensor) -> torch.Tensor:
@@ -293,14 +318,16 @@ def _draw_piece(init: InitSpec, comm: Comm, name: str, p: torch.Tensor) -> torch
     return torch.empty(p.shape, dtype=p.dtype, device=p.device).copy_(piece)
 
 
-def _linear_gather(model: nn.Module, comm: Comm, layout: LayoutConfig, rows: int, grad_dtype: torch.dtype,
+def _linear_gather(model: nn.Module, comm: Comm, options: Strategies, rows: int | None, grad_dtype: torch.dtype,
                    compute_dtype: torch.dtype, notes: list[str]) -> LinearGather | None:
-    """The linear layers `--dp-linear-sync` puts on the all-gather path, and their
+    """The linear layers `dp_linear_sync` puts on the all-gather path, and their
     synchroniser (None when none is). The choice of each layer goes into `notes`."""
-    mode, n = layout.dp_linear_sync, comm.mesh.size("dp")
+    mode, n = options.dp_linear_sync, comm.mesh.size("dp")
     if mode == "allreduce" or n == 1:
         return None
-    if layout.zero or comm.mesh.size("tp") > 1 or comm.mesh.size("pp") > 1:
+    if rows is None:
+        raise ValueError(f"dp_linear_sync={mode!r} needs the rows a step gives each linear layer (rows_per_step)")
+    if options.zero or comm.mesh.size("tp") > 1 or comm.mesh.size("pp") > 1:
         if mode == "allgather":
             raise ValueError("--dp-linear-sync allgather is built for plain data parallelism, not with ZeRO, "
                              "tensor or pipeline parallelism")

@@ -5,7 +5,7 @@ DeepSpeed does. Gradients are accumulated and reduced in fp32 by default (18 byt
 parameter: 2 + 4 + 4 + 4 + 4, as Megatron and torchtitan keep them); `--grad-dtype compute`
 keeps them in bf16, the ZeRO paper's 16.
 
-`MasterWeights` is the optimizer the loop drives: AdamW on fp32 copies of the tensors it is
+`MasterWeights` is the optimizer the loop drives: the user's optimizer on fp32 copies of the tensors it is
 given — the parameters, or ZeRO's pieces of a shard, so the masters are sharded with them.
 Each step upcasts the (synchronised, clipped) bf16 gradients into the masters' `.grad` for
 the update only (`--grad-dtype compute`), steps, and rounds the masters back into the bf16
@@ -19,8 +19,7 @@ from typing import Callable
 
 import torch
 
-from meshtrain.config import TrainConfig
-from meshtrain.optim import build_optimizer
+from meshtrain.optim import OptimizerFactory
 
 COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -34,16 +33,17 @@ def fp32_loss(loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
 
 
 class MasterWeights:
-    """AdamW on fp32 masters of low-precision tensors; looks like a torch optimizer to the
-    loop (`param_groups`, `state`, `step`, `zero_grad`, `register_step_post_hook`)."""
+    """An optimizer (`inner`, made by `factory` on the masters) stepping fp32 masters of
+    low-precision tensors; looks like a torch optimizer to the loop (`param_groups`,
+    `state`, `step`, `zero_grad`, `register_step_post_hook`)."""
 
-    def __init__(self, named: list[tuple[str, torch.Tensor]], decay: set[str], cfg: TrainConfig,
+    def __init__(self, named: list[tuple[str, torch.Tensor]], factory: OptimizerFactory,
                  grads: dict[torch.Tensor, torch.Tensor] | None = None,
                  zero_buffers: Callable[[], None] | None = None):
         """`grads`: where each tensor's gradient lives when it is kept apart from the tensor
         (`--grad-dtype fp32`: fp32 buffers, which become the masters' `.grad` for good);
         `zero_buffers`: what `zero_grad` zeroes when a synchroniser owns the gradient buffers
-        (ZeRO: `optim.AdamWOnViews` says why)."""
+        (ZeRO: `optim.keep_grad_views` says why)."""
         self._zero_buffers = zero_buffers
         self.tensors = [t for _, t in named]
         self.persistent_grads = grads is not None
@@ -57,7 +57,7 @@ class MasterWeights:
         if grads is not None:
             for t in self.tensors:
                 self.masters[t].grad = grads[t]
-        self.inner = build_optimizer([(n, self.masters[t]) for n, t in named], decay, cfg)
+        self.inner = factory([(n, self.masters[t]) for n, t in named])
         self._post_hooks: list[Callable] = []
 
     @property

@@ -37,7 +37,7 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-from meshtrain.config import parse_recompute
+from meshtrain.parallel.options import parse_recompute
 from meshtrain.parallel.dropout import DropoutKeys
 
 @contextmanager

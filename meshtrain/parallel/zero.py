@@ -51,11 +51,11 @@ import torch.nn as nn
 
 from meshtrain.comm import Comm
 from meshtrain.models import find_block_list
-from meshtrain.optim import SHARDED_OVER
+from meshtrain.optim import FULL_SHAPE, SHARDED_OVER
 from meshtrain.parallel.data import check_replicas_agree, keep_grad_in, split_by_size
 from meshtrain.parallel.flat_group import FlatGroup, _buffer
 from meshtrain.parallel.recompute import is_recomputed, passes_through
-from meshtrain.parallel.state import Where
+from meshtrain.parallel.state import Where, full_shape
 
 
 class _SavedParam(NamedTuple):
@@ -121,6 +121,7 @@ class Zero:
                 if value.dtype == self.grad_dtype:
                     value.grad = g.grad_shard[span]
                 setattr(value, SHARDED_OVER, (axis, *getattr(g.params[i], SHARDED_OVER, ())))
+                setattr(value, FULL_SHAPE, full_shape(g.params[i], comm, g.shapes[i]))  # for the optimizer factory
                 g.values.append(value)
                 self.pieces.append((g.names[i], value, where, g.params[i]))
         for p in self._group_of:

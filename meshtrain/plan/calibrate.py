@@ -308,18 +308,18 @@ def _optimizer_step(r: _Rank, elements: int) -> dict[str, float]:
     """Seconds per parameter and per tensor of the step after backward as `train_step` runs
     it: each gradient's squared norm summed and the gradients scaled (clipping, as
     `optim.clip_grad_norm_` does it, less its one-number all-reduce), then the trainer's
-    AdamW (`optim.build_optimizer`). Timed on 4 large fp32 tensors (per parameter, with the
+    AdamW (`optim.adamw`). Timed on 4 large fp32 tensors (per parameter, with the
     memory traffic of states far past the caches) and on 64 tiny ones (per tensor: the
     dispatch of each op, their 256 elements a rounding error), all ranks at once."""
     from meshtrain.config import TrainConfig
-    from meshtrain.optim import build_optimizer
+    from meshtrain.optim import adamw
     torch = r.torch
 
     def seconds(count: int, size: int) -> float:
         named = [(f"p{i}", torch.zeros(size, device=r.device, requires_grad=True)) for i in range(count)]
         for _, p in named:
             p.grad = torch.randn_like(p)
-        optimizer = build_optimizer(named, {name for name, _ in named}, TrainConfig())
+        optimizer = adamw(TrainConfig().lr, TrainConfig().weight_decay)(named)
         grads = [p.grad for _, p in named]
 
         def step():

@@ -36,7 +36,7 @@ PP = "pp"
 class PipelineRunner:
     """The step runner of a pipeline stage (it stands where `PlainRunner` stands)."""
 
-    def __init__(self, stage: Stage, instructions: list, comm: Comm, activation_shape: tuple[int, ...],
+    def __init__(self, stage: Stage, instructions: list, comm: Comm, activation_shape: tuple[int, ...] | None,
                  dtype: torch.dtype, *, strict_p2p: bool = False):
         """Collective (every rank of the world): it prepares the pp axis's transport."""
         self.stage, self.instructions, self.comm = stage, instructions, comm
