@@ -1,4 +1,53 @@
 """meshtrain: every strategy of distributed training, small, readable, and verified
-against one-process training."""
+against one-process training.
+
+The Python API (for your own model, optimizer and loop):
+
+    import meshtrain, torch
+    mesh = meshtrain.init(dp=None, tp=1, pp=1)          # joins torchrun/srun/mpirun ranks
+    job = meshtrain.parallelize(model, mesh, zero=3,
+                                optimizer=lambda named: torch.optim.AdamW((p for _, p in named), lr=1e-3),
+                                loss_fn=meshtrain.cross_entropy, clip_grad_norm=1.0)
+    for inputs, targets in batches:                       # the global batch, alike on every rank
+        out = job.step(inputs, targets)                   # out.loss, out.grad_norm, out.lr
+    report = meshtrain.verify(make_model, batches, optimizer=..., dp=2, zero=3)
+
+init            the device mesh (`Mesh`: sizes, coordinates, `rows(batch_size)`)
+parallelize     apply the strategies to a model; returns a `Job` (step, forward, save, load)
+verify          a layout against one process on your batches (`VerifyReport`)
+full_shape      the full shape of a parameter, shard or ZeRO piece (for optimizer factories)
+cross_entropy   the mean cross-entropy over non-ignored targets, classes last
+TensorPlan, COLUMN, ROW, VOCAB, REGION, SEQUENCE, Fused, Heads    tensor-parallel plans
+PipelinePlan    how a model is cut into pipeline stages
+
+Importing meshtrain loads none of these (nor torch) until one is used: the command line
+refuses a bad flag in a fraction of a second."""
 
 __version__ = "0.1.0"
+
+_API = {
+    "init": "meshtrain.session",
+    "Mesh": "meshtrain.mesh",
+    "parallelize": "meshtrain.job", "Job": "meshtrain.job", "StepOutput": "meshtrain.job",
+    "cross_entropy": "meshtrain.job",
+    "verify": "meshtrain.lockstep", "VerifyReport": "meshtrain.lockstep",
+    "full_shape": "meshtrain.optim",
+    "TensorPlan": "meshtrain.parallel.tensor", "COLUMN": "meshtrain.parallel.tensor",
+    "ROW": "meshtrain.parallel.tensor", "VOCAB": "meshtrain.parallel.tensor", "REGION": "meshtrain.parallel.tensor",
+    "SEQUENCE": "meshtrain.parallel.tensor", "Fused": "meshtrain.parallel.tensor", "Heads": "meshtrain.parallel.tensor",
+    "PipelinePlan": "meshtrain.parallel.pipeline.stages",
+}
+__all__ = sorted(_API)
+
+
+def __getattr__(name: str):
+    if name in _API:
+        import importlib
+        value = getattr(importlib.import_module(_API[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'meshtrain' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_API))

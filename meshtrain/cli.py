@@ -258,7 +258,7 @@ def _launch_local(cfg: C.Config, args, argv: list[str]) -> int:
         return launch.spawn(n, argv)
     import torch
 
-    from meshtrain import verify
+    from meshtrain import verifier as verify
     with tempfile.TemporaryDirectory(prefix="meshtrain-verify-") as tmp:
         code = launch.spawn(n, argv + ["--dump-dir", tmp])
         if code:
@@ -321,7 +321,7 @@ def _verify(cfg, comm, args):
     the reference), or — under torchrun/srun/mpirun or alone — run the reference here."""
     import torch
 
-    from meshtrain import verify
+    from meshtrain import verifier as verify
 
     rec = verify.record(cfg, comm, "layout")
     if not comm.mesh.is_main:

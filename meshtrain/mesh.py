@@ -21,6 +21,8 @@ class Mesh:
         # Global rank at every coordinate, read once (for point-to-point peers).
         self._ranks = device_mesh.mesh.tolist() if device_mesh is not None else [[[0]]]
         self._channels: dict[tuple[str, str], object] = {}  # (axis, name) -> a second group along the axis
+        self.seed = 0  # what `meshtrain.init` was given: dropout masks and drawn weights follow it
+        self._comm = None
 
     @classmethod
     def build(cls, pp: int, dp: int, tp: int, device) -> "Mesh":
@@ -105,6 +107,24 @@ class Mesh:
         if channel is not None:
             return self._channels[(axis, channel)]
         return self._dm.get_group(axis) if self._dm is not None else None
+
+    @property
+    def comm(self):
+        """This mesh's `Comm` (every collective, bytes counted per axis), made once."""
+        if self._comm is None:
+            from meshtrain.comm import Comm
+            self._comm = Comm(self)
+        return self._comm
+
+    def rows(self, batch_size: int) -> slice:
+        """The rows of a global batch of `batch_size` samples that this rank's data-parallel
+        replica trains on (contiguous, in dp coordinate order): what `job.step(...,
+        rows="local")` expects this rank to pass."""
+        n = self.size("dp")
+        if batch_size % n:
+            raise ValueError(f"a batch of {batch_size} rows does not split over dp={n}; use a multiple of {n}")
+        local = batch_size // n
+        return slice(self.coord("dp") * local, (self.coord("dp") + 1) * local)
 
     @property
     def is_main(self) -> bool:

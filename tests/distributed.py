@@ -25,7 +25,7 @@ ATTEMPTS = 3
 # What the fork server imports once for every rank it forks (this module, for `_rank_main`;
 # torch._dynamo, which a torch optimizer's first construction imports: ~2 s).
 PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "meshtrain.launch", "meshtrain.mesh", "meshtrain.train",
-           "meshtrain.verify", "distributed"]
+           "meshtrain.verifier", "distributed"]
 
 
 def _context():

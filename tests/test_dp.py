@@ -6,7 +6,7 @@ import pytest
 import torch
 from distributed import run_ranks
 
-from meshtrain import verify
+from meshtrain import verifier as verify
 from meshtrain.comm import Comm
 from meshtrain.config import Config
 from meshtrain.models import build_model

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from distributed import run_ranks
 from helpers import small_config
 
-from meshtrain import verify
+from meshtrain import verifier as verify
 from meshtrain.comm import Comm, cheaper_linear_sync, linear_sync_bytes, linear_sync_crossover
 from meshtrain.config import Config, ConfigError, LayoutConfig, TrainConfig, load, validate, warnings
 from meshtrain.train import parallelize_config as parallelize

@@ -8,7 +8,7 @@ import torch
 from distributed import run_ranks
 from helpers import small_config
 
-from meshtrain import verify
+from meshtrain import verifier as verify
 from meshtrain.comm import Comm
 from meshtrain.config import ConfigError, parse_recompute, validate
 from meshtrain.mesh import Mesh

@@ -11,7 +11,7 @@ from unittest import mock
 import pytest
 from distributed import run_ranks
 
-from meshtrain import verify
+from meshtrain import verifier as verify
 from meshtrain.comm import Comm
 from meshtrain.config import ConfigError, strict_p2p_requested
 from test_pipeline import pp_config

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from distributed import run_ranks
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from meshtrain import verify
+from meshtrain import verifier as verify
 from meshtrain.comm import Comm
 from meshtrain.config import Config
 from meshtrain.optim import clip_grad_norm_

@@ -8,7 +8,7 @@ import torch.nn as nn
 from distributed import run_ranks
 from helpers import small_config
 
-from meshtrain import verify
+from meshtrain import verifier as verify
 from meshtrain.comm import Comm
 from meshtrain.config import Config, LayoutConfig, TrainConfig
 from meshtrain.mesh import Mesh

@@ -52,14 +52,15 @@ def replace_submodule(model: torch.nn.Module, name: str, new: torch.nn.Module) -
 
 def find_block_list(model: torch.nn.Module, name: str | None = None) -> tuple[str, torch.nn.ModuleList]:
     """The model's list of blocks: the one called `name`, or else its largest `nn.ModuleList`
-    (by parameters) — what strategies that act per block (ZeRO-3, recompute) act on."""
+    or `nn.Sequential` (by parameters; the model itself may be one) — what strategies that
+    act per block (ZeRO-3, recompute) act on."""
     import torch
     if name is not None:
         return name, model.get_submodule(name)
-    lists = [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.ModuleList)]
+    lists = [(n, m) for n, m in model.named_modules() if isinstance(m, (torch.nn.ModuleList, torch.nn.Sequential))]
     if not lists:
-        raise ValueError("this strategy acts per block, and the model has no nn.ModuleList of blocks; "
-                         "name one (a pipeline plan's `blocks`)")
+        raise ValueError("this strategy acts per block, and the model has no nn.ModuleList or nn.Sequential of "
+                         "blocks; name the modules (wrap=[...]) or the block list (a pipeline plan's `blocks`)")
     return max(lists, key=lambda nm: sum(p.numel() for p in nm[1].parameters()))
 
 

@@ -182,7 +182,7 @@ class Parallelized:
 def parallelize(model: nn.Module, comm: Comm, options: Strategies, *, optimizer: OptimizerFactory, seed: int = 0,
                 plan: TensorPlan | None = None, pipeline: PipelinePlan | None = None,
                 micro_shape: tuple[int, int] | None = None, loss_fn=cross_entropy_sum, rows_per_step: int | None = None,
-                init: InitSpec | None = None, **dp_options) -> Parallelized:
+                init: InitSpec | None = None, wrap: list[str] | None = None, **dp_options) -> Parallelized:
     """Apply the strategies `options` to `model` on `comm`'s mesh (in place; it must hold the
     full weights, the same on every rank — or, with `init`, be built on the `meta` device:
     each rank then draws only what it holds, after the strategies have cut and sharded the
@@ -193,7 +193,8 @@ def parallelize(model: nn.Module, comm: Comm, options: Strategies, *, optimizer:
     (rows of a micro-batch, sequence length; set later with `set_micro_shape` when None).
     `loss_fn(output, targets)` returns the micro-batch's summed loss; `seed` keys the dropout
     masks; `rows_per_step`: the rows a step's global batch gives each linear layer (its
-    tokens), for `dp_linear_sync="auto"`'s byte counts."""
+    tokens), for `dp_linear_sync="auto"`'s byte counts. `wrap`: the modules ZeRO-3 gathers
+    one at a time (FSDP2-style); by default each child of the block list."""
     mesh, factory = comm.mesh, optimizer
     n_params = sum(p.numel() for p in model.parameters())
     check_optimizer(factory, model, elementwise=bool(options.zero and mesh.size("dp") > 1) or mesh.size("tp") > 1)
@@ -223,8 +224,8 @@ def parallelize(model: nn.Module, comm: Comm, options: Strategies, *, optimizer:
         if plan is None:
             raise ValueError("tensor parallelism needs a plan for this model (module names to styles)")
         whole = apply_plan(model, plan, comm, sp=options.sp)
-        if plan.vocab_parallel_loss:
-            loss_fn = vocab_parallel_cross_entropy_sum(comm)
+        if plan.vocab_parallel_loss:  # a cross-entropy (the caller checks), over logits sharded by vocabulary
+            loss_fn = vocab_parallel_cross_entropy_sum(comm, ignore_index=getattr(loss_fn, "ignore_index", -100))
     # Zero-bubble: the stage's linear layers (as the plan made them) keep their weight
     # gradients for the weight pass.
     if mesh.size("pp") > 1 and options.schedule == "zb":
@@ -252,7 +253,7 @@ def parallelize(model: nn.Module, comm: Comm, options: Strategies, *, optimizer:
         chunks = [len(ids) for ids in stage.block_ids] if mesh.size("pp") > 1 else None
         sync = zero = Zero(model, comm, options.zero, bucket_mb=options.bucket_mb, grad_dtype=grad_dtype,
                            reshard_after_forward=not options.keep_gathered,
-                           blocks=pipeline.blocks if pipeline is not None else None, runs=chunks, draw=draw,
+                           blocks=wrap or (pipeline.blocks if pipeline is not None else None), runs=chunks, draw=draw,
                            init_fingerprint=fingerprint, **dp_options)
         if options.zero == 3 and isinstance(runner, PipelineRunner):
             runner.upcoming = zero.expect  # prefetch what the stage's next instruction runs first

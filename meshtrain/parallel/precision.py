@@ -27,8 +27,9 @@ COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 def fp32_loss(loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
     """The loss computed in fp32 from low-precision logits (softmax over a vocabulary in bf16
     would lose the small probabilities)."""
-    def loss(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return loss_fn(output.float(), targets)
+    def loss(output, targets):
+        return loss_fn(output.float() if torch.is_tensor(output) else output, targets)
+    loss.ignore_index = getattr(loss_fn, "ignore_index", -100)
     return loss
 
 

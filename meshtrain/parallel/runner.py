@@ -16,14 +16,15 @@ class PlainRunner:
 
     def run(self, p, micro_batch: Callable[[int], tuple[torch.Tensor, torch.Tensor]], count: int,
             normalizer: float) -> torch.Tensor:
-        """Forward and backward of micro-batches 0..count-1 (`micro_batch(i)` gives inputs and
-        targets); returns this rank's summed loss ÷ `normalizer`, detached."""
+        """Forward and backward of micro-batches 0..count-1 (`micro_batch(i)` gives inputs — a
+        tensor, or a dict of keyword arguments — and targets); returns this rank's summed loss ÷ `normalizer`, detached."""
         total = torch.zeros((), device=p.comm.mesh.device)
         try:
             for i in range(count):
                 inputs, targets = micro_batch(i)
                 with p.grad_sync.no_sync() if i < count - 1 else nullcontext():
-                    loss = p.loss_fn(p.module(inputs), targets) / normalizer
+                    output = p.module(**inputs) if isinstance(inputs, dict) else p.module(inputs)
+                    loss = p.loss_fn(output, targets) / normalizer
                     (loss * p.loss_scale if p.loss_scale != 1 else loss).backward()
                 total += loss.detach()
         except BaseException:

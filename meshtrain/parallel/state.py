@@ -3,8 +3,10 @@ checkpoint and the text sample read, whatever the layout. Names are those of the
 model under every strategy, so two layouts' states match key by key.
 
 A parameter a strategy splits carries its shard spec (`set_shard`: the mesh axis and the
-dimension it is split along, in equal contiguous chunks in coordinate order); everything
-else is whole on every rank. Gathering a full tensor is a collective over that axis."""
+dimension it is split along, in equal contiguous chunks in coordinate order — or, for a
+fused layer, each of its `sections` along that dimension split so, the rank's chunks
+concatenated); everything else is whole on every rank. Gathering a full tensor is a
+collective over that axis."""
 
 from __future__ import annotations
 
@@ -21,30 +23,49 @@ from meshtrain.parallel.precision import grad_holder, grad_of, master_bytes, mas
 SHARD = "meshtrain_shard"
 
 
-def set_shard(p: nn.Parameter, axis: str, dim: int) -> None:
-    """Mark `p` as this rank's chunk of the full tensor along `dim`, split over `axis`."""
-    setattr(p, SHARD, (axis, dim))
+def set_shard(p: nn.Parameter, axis: str, dim: int, sections: tuple[int, ...] | None = None) -> None:
+    """Mark `p` as this rank's chunk of the full tensor along `dim`, split over `axis` (each
+    of the full tensor's `sections` along `dim` split alike, when given)."""
+    setattr(p, SHARD, (axis, dim) if sections is None else (axis, dim, tuple(sections)))
     setattr(p, SHARDED_OVER, (axis,))
 
 
+def shard_positions(spec: tuple, n_local: int, coord: int, size: int) -> slice | list[int]:
+    """The positions along the split dimension that the rank at `coord` holds (its piece is
+    `n_local` long): one slice, or for a fused spec the positions of its chunk of each section."""
+    if len(spec) < 3:
+        return slice(coord * n_local, (coord + 1) * n_local)
+    positions, start = [], 0
+    for width in spec[2]:
+        k = width // size
+        positions += range(start + coord * k, start + (coord + 1) * k)
+        start += width
+    return positions
+
+
 def shard_index(p: torch.Tensor, comm: Comm, shape: torch.Size | None = None) -> tuple | None:
-    """Where `p`'s piece (of `shape`, by default its own) sits in the full tensor (None: it
-    is the whole tensor)."""
+    """Where `p`'s piece (of `shape`, by default its own) sits in the full tensor, as an
+    index of it (None: it is the whole tensor)."""
     spec = getattr(p, SHARD, None)
     if spec is None:
         return None
-    axis, dim = spec
+    axis, dim = spec[0], spec[1]
     n = (shape or p.shape)[dim]
-    return (slice(None),) * dim + (slice(comm.mesh.coord(axis) * n, (comm.mesh.coord(axis) + 1) * n),)
+    return (slice(None),) * dim + (shard_positions(spec, n, comm.mesh.coord(axis), comm.mesh.size(axis)),)
 
 
-def gather_full(local: torch.Tensor, spec: tuple[str, int] | None, comm: Comm) -> torch.Tensor:
+def gather_full(local: torch.Tensor, spec: tuple | None, comm: Comm) -> torch.Tensor:
     """Collective over the spec's axis: the full tensor (a CPU copy) from every rank's chunk."""
     if spec is None or comm.mesh.size(spec[0]) == 1:
         return cpu_copy(local)
-    axis, dim = spec
+    axis, dim = spec[0], spec[1]
     # reading state is not the model's traffic: counted under metrics
-    return comm.gather_along(local.detach(), axis, dim, purpose=METRICS).to("cpu")
+    gathered = comm.gather_along(local.detach(), axis, dim, purpose=METRICS).to("cpu")
+    if len(spec) < 3:
+        return gathered
+    size, n = comm.mesh.size(axis), local.shape[dim]
+    order = [i for r in range(size) for i in shard_positions(spec, n, r, size)]  # rank-major, as gathered
+    return torch.empty_like(gathered).index_copy_(dim, torch.tensor(order), gathered)
 
 
 def cpu_copy(t: torch.Tensor) -> torch.Tensor:

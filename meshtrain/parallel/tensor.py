@@ -17,6 +17,12 @@ twin, sharding the *full, seeded* weights, so every layout starts from the same 
             (the position embedding), so it matches the sharded residual stream
     SEQUENCE_SHARDED, HEAD_SHARDED   a dropout site whose input is this rank's chunk of the
             sequence (under SP) or its heads (under TP): it keeps that chunk of the full mask
+    Fused(sections, unit)   COLUMN for a linear that computes several outputs in one (fused
+            QKV: q, k, v; SwiGLU's gate and up): each section of its output is split over tp
+            on its own, in multiples of `unit` (the head size: whole heads per rank)
+    Heads(*attrs)   the module's attributes that count heads (`n_heads`, `n_kv_heads`),
+            divided by tp on each rank, so the model's own `view(B, T, self.n_heads, hd)` and
+            `split` read this rank's heads
 
 Under SP every parameter the plan leaves whole (LayerNorms, row biases, positions) sees only
 this rank's part of the sequence, so its gradient is summed over tp (`TensorParallelSync`).
@@ -38,7 +44,7 @@ from meshtrain.models import replace_submodule
 from meshtrain.models.init import is_placeholder, placeholder
 from meshtrain.parallel.dropout import SeededDropout
 from meshtrain.parallel.recompute import is_recomputed
-from meshtrain.parallel.state import SHARD, set_shard
+from meshtrain.parallel.state import SHARD, set_shard, shard_positions
 
 COLUMN, ROW, VOCAB, REGION, SEQUENCE = "column", "row", "vocab", "region", "sequence"
 SEQUENCE_SHARDED, HEAD_SHARDED = "sequence-sharded", "head-sharded"
@@ -47,18 +53,36 @@ SEQ_DIM = 1  # activations are [batch, sequence, features]
 
 
 @dataclass(frozen=True)
+class Fused:
+    """The style of a fused linear: its output is the concatenation of `sections` (widths),
+    each split over tp in multiples of `unit`."""
+    sections: tuple[int, ...]
+    unit: int = 1
+
+
+class Heads:
+    """The style that divides a module's head-count attributes by tp."""
+
+    def __init__(self, *attrs: str):
+        self.attrs = attrs
+
+    def __repr__(self) -> str:
+        return f"Heads{self.attrs!r}"
+
+
+@dataclass(frozen=True)
 class TensorPlan:
     """Module-name patterns (fnmatch, '*' for a block index) to a style or a tuple of styles;
     `vocab_parallel_loss`: the output is sharded over the vocabulary, so the loss is the
     vocabulary-parallel cross-entropy."""
-    styles: dict[str, str | tuple[str, ...]] = field(default_factory=dict)
+    styles: dict[str, object] = field(default_factory=dict)
     vocab_parallel_loss: bool = False
 
-    def styles_of(self, name: str) -> tuple[str, ...]:
+    def styles_of(self, name: str) -> tuple:
         found = []
         for pattern, styles in self.styles.items():
             if fnmatch(name, pattern):
-                found += [styles] if isinstance(styles, str) else list(styles)
+                found += list(styles) if isinstance(styles, tuple) else [styles]
         return tuple(found)
 
 
@@ -204,6 +228,29 @@ class ColumnParallelLinear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
+class FusedColumnParallelLinear(ColumnParallelLinear):
+    """A column-parallel linear whose output is several outputs concatenated (`Fused`): rank
+    r holds chunk r of each section, its output the concatenation of those chunks."""
+
+    def __init__(self, full: nn.Linear, comm: Comm, style: Fused):
+        nn.Module.__init__(self)
+        size, coord = comm.mesh.size(TP), comm.mesh.coord(TP)
+        self.in_features, self.out_features = full.in_features, full.out_features // size
+        spec = (TP, 0, style.sections)
+        rows = shard_positions(spec, self.out_features, coord, size)
+        self.weight = nn.Parameter(_take_rows(full.weight, rows))
+        set_shard(self.weight, TP, 0, style.sections)
+        self.bias = None
+        if full.bias is not None:
+            self.bias = nn.Parameter(_take_rows(full.bias, rows))
+            set_shard(self.bias, TP, 0, style.sections)
+
+
+def _take_rows(full: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    shape = (len(rows), *full.shape[1:])
+    return placeholder(shape, full.dtype, full.device) if is_placeholder(full) else full.detach()[rows].clone()
+
+
 class RowParallelLinear(nn.Module):
     """y = Σ_i x_i B_iᵀ + b: columns of the weight (input features) split over tp; the
     partial products summed over tp (reduce-scattered along the sequence under SP); the
@@ -247,7 +294,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     sum of exponentials); no rank ever holds a [tokens × vocabulary] tensor."""
 
     @staticmethod
-    def forward(ctx, logits, targets, comm):
+    def forward(ctx, logits, targets, comm, ignore_index):
+        kept = targets != ignore_index  # an ignored target adds nothing, and no gradient
+        targets = targets.masked_fill(~kept, 0)
         vocab_local = logits.shape[-1]
         start = comm.mesh.coord(TP) * vocab_local
         logits = logits.float()
@@ -263,21 +312,24 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         sum_exp = exp.sum(dim=-1)
         comm.all_reduce(sum_exp, TP)
         probs = exp.div_(sum_exp.unsqueeze(-1))
-        ctx.save_for_backward(probs, local, inside)
-        return (sum_exp.log() - target_logit).sum()
+        ctx.save_for_backward(probs, local, inside, kept)
+        return ((sum_exp.log() - target_logit) * kept).sum()
 
     @staticmethod
     def backward(ctx, grad):
-        probs, local, inside = ctx.saved_tensors
+        probs, local, inside, kept = ctx.saved_tensors
         g = probs.clone()
         g.scatter_add_(-1, local.unsqueeze(-1), -inside.to(g.dtype).unsqueeze(-1))
-        return g.mul_(grad), None, None
+        return g.mul_(kept.to(g.dtype).unsqueeze(-1)).mul_(grad), None, None, None
 
 
-def vocab_parallel_cross_entropy_sum(comm: Comm):
-    """The loss function for logits sharded over the vocabulary (the plan's head)."""
+def vocab_parallel_cross_entropy_sum(comm: Comm, ignore_index: int = -100):
+    """The loss function for logits sharded over the vocabulary (the plan's head): the sum
+    over the targets that are not `ignore_index`."""
     def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return _VocabParallelCrossEntropy.apply(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), comm)
+        return _VocabParallelCrossEntropy.apply(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), comm,
+                                                ignore_index)
+    loss.ignore_index = ignore_index
     return loss
 
 
@@ -320,7 +372,13 @@ def apply_plan(model: nn.Module, plan: TensorPlan, comm: Comm, sp: bool) -> list
     for name, module in list(model.named_modules()):
         styles = plan.styles_of(name)
         for style in styles:
-            if style in builders:
+            if isinstance(style, Fused):
+                module = FusedColumnParallelLinear(module, comm, style)
+                replace_submodule(model, name, module)
+            elif isinstance(style, Heads):
+                for attr in style.attrs:
+                    setattr(module, attr, getattr(module, attr) // comm.mesh.size(TP))
+            elif style in builders:
                 module = builders[style](module)
                 replace_submodule(model, name, module)
         if REGION in styles:
@@ -331,6 +389,64 @@ def apply_plan(model: nn.Module, plan: TensorPlan, comm: Comm, sp: bool) -> list
             module.shard = (1, comm)  # the sequence of [b, s, h] and the heads of [b, heads, s, s]
     whole = [p for p in model.parameters() if not hasattr(p, SHARD)]
     return whole if sp else []
+
+
+def check_plan(model: nn.Module, plan: TensorPlan, tp: int) -> None:
+    """Before anything is split: every pattern of `plan` names a module, every style fits its
+    module (COLUMN, ROW, Fused on an nn.Linear, VOCAB on an nn.Embedding) and divides by `tp`,
+    and no fused linear is marked plain COLUMN (a column layer with more outputs than the row
+    layer beside it consumes is one: split plainly it would hand each rank a mix of q, k and
+    v, or of gate and up, and train another model). One line per problem, naming it."""
+    modules = dict(model.named_modules())
+    for pattern in plan.styles:
+        if not any(fnmatch(name, pattern) for name in modules):
+            raise ValueError(f"tp_plan: {pattern!r} names no module of the model")
+    for name, module in modules.items():
+        for style in plan.styles_of(name):
+            _check_style(name, module, style, tp)
+    for name, module in modules.items():
+        if COLUMN in plan.styles_of(name) and isinstance(module, nn.Linear):
+            parent = name.rpartition(".")[0]
+            for sibling, other in modules.items():
+                if (sibling.rpartition(".")[0] == parent and sibling != name and ROW in plan.styles_of(sibling)
+                        and isinstance(other, nn.Linear) and module.out_features > other.in_features):
+                    raise ValueError(f"tp_plan: {name} is marked COLUMN but has {module.out_features} outputs where "
+                                     f"{sibling} (ROW) takes {other.in_features}: a fused linear; mark it "
+                                     f"Fused(sections=...) so each rank keeps its part of every section")
+
+
+def _check_style(name: str, module: nn.Module, style, tp: int) -> None:
+    where = f"tp_plan: {name} ({type(module).__name__})"
+    if isinstance(style, Fused) or style in (COLUMN, ROW):
+        if not isinstance(module, nn.Linear):
+            raise ValueError(f"{where} is marked {style!r}, which splits an nn.Linear")
+        if isinstance(style, Fused):
+            if sum(style.sections) != module.out_features:
+                raise ValueError(f"{where}: Fused sections {style.sections} add up to {sum(style.sections)}, not "
+                                 f"its {module.out_features} outputs")
+            bad = [w for w in style.sections if w % (tp * style.unit)]
+            if bad:
+                raise ValueError(f"{where}: sections {bad} do not split into tp={tp} parts of whole units of "
+                                 f"{style.unit}; use a tp that divides each section's heads")
+        width = module.out_features if style == COLUMN else module.in_features
+        if style in (COLUMN, ROW) and width % tp:
+            raise ValueError(f"{where}: {width} {'outputs' if style == COLUMN else 'inputs'} do not split over "
+                             f"tp={tp}")
+    elif style == VOCAB:
+        if not isinstance(module, nn.Embedding):
+            raise ValueError(f"{where} is marked 'vocab', which splits an nn.Embedding")
+        if module.num_embeddings % tp:
+            raise ValueError(f"{where}: a vocabulary of {module.num_embeddings} does not split over tp={tp}; pad it "
+                             f"to a multiple of {tp}")
+    elif isinstance(style, Heads):
+        for attr in style.attrs:
+            value = getattr(module, attr, None)
+            if not isinstance(value, int):
+                raise ValueError(f"{where}: Heads({attr!r}): the module has no integer attribute {attr!r}")
+            if value % tp:
+                raise ValueError(f"{where}: {attr}={value} heads do not split over tp={tp}; use a tp that divides it")
+    elif style not in (REGION, SEQUENCE, SEQUENCE_SHARDED, HEAD_SHARDED):
+        raise ValueError(f"{where}: unknown style {style!r}")
 
 
 class TensorParallelSync:

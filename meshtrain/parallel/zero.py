@@ -534,18 +534,28 @@ def _tensors(output) -> list[torch.Tensor]:
     return []
 
 
-def _units(model: nn.Module, named: list[tuple[str, nn.Parameter]], blocks: str | None):
+def _units(model: nn.Module, named: list[tuple[str, nn.Parameter]], blocks: str | list[str] | None):
     """ZeRO-3's groups in forward order: (label, parameters, the modules whose forward uses
-    them): one per child of the block list (the units), then the rest, used by the modules
-    that own them; and the number of units."""
-    blocks, block_list = find_block_list(model, blocks)
+    them): one per unit — each child of the block list (`blocks` names it, or the largest
+    `ModuleList`/`Sequential`), or each module a list of names gives (FSDP2-style wrapping) —
+    then the rest, used by the modules that own them; and the number of units."""
+    if isinstance(blocks, (list, tuple)):
+        units = []
+        for name in blocks:
+            try:
+                units.append((name, model.get_submodule(name)))
+            except AttributeError:
+                raise ValueError(f"wrap: the model has no module {name!r}") from None
+    else:
+        prefix, block_list = find_block_list(model, blocks)
+        units = [(f"{prefix}.{key}" if prefix else key, unit) for key, unit in block_list._modules.items()]
     trainable = {p for _, p in named}
     claimed, grouped = set(), []
-    for key, unit in block_list._modules.items():
+    for label, unit in units:
         params = [p for p in unit.parameters() if p in trainable and p not in claimed]
         if params:
             claimed.update(params)
-            grouped.append((f"{blocks}.{key}" if blocks else key, params, [unit]))
+            grouped.append((label, params, [unit]))
     rest = [p for _, p in named if p not in claimed]
     if rest:
         rest_set = set(rest)

@@ -1,0 +1,430 @@
+"""`meshtrain.parallelize`: a user's own model, optimizer and loss under every strategy, and
+the `Job` that trains it one global batch at a time (`job.step`).
+
+What `job.step` does that a user should not have to: it cuts the global batch into this
+rank's rows and its micro-batches, casts floating inputs to the compute dtype, keys the
+dropout masks by (step, row) so that every layout drops the same elements, weights each
+micro-batch's mean loss by the number of terms it averages (so that the step's gradient is
+the full batch's mean, whatever the layout), synchronises gradients, clips, steps the
+optimizer and the scheduler, and zeroes the gradients."""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from meshtrain.comm import METRICS
+from meshtrain.mesh import Mesh
+from meshtrain.optim import OptimizerFactory, clip_grad_norm_
+from meshtrain.parallel.compose import Parallelized, parallelize as apply_strategies, set_micro_shape
+from meshtrain.parallel.options import Strategies
+from meshtrain.parallel.pipeline.stages import PipelinePlan
+from meshtrain.parallel.state import digest
+from meshtrain.parallel.tensor import TensorPlan, check_plan
+
+IGNORE_INDEX = -100
+
+
+def cross_entropy(output: torch.Tensor, targets: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """Cross-entropy with the classes in the last dimension (logits [..., V], targets [...]),
+    the mean over the targets that are not `ignore_index`: the loss of a language model or a
+    classifier. Under a vocabulary-parallel head meshtrain computes it without gathering the
+    logits."""
+    return F.cross_entropy(output.reshape(-1, output.shape[-1]), targets.reshape(-1), ignore_index=ignore_index)
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """What one `job.step` did: `loss`, the global batch's mean (the same on every rank);
+    `grad_norm`, the global gradient norm before clipping; `lr`, the learning rate the step
+    used (the first parameter group's); `stepped`, False when the norm was not finite and
+    the update was skipped."""
+    loss: float
+    grad_norm: float
+    lr: float | None
+    stepped: bool
+
+
+class _Loss:
+    """A user's loss as a sum over the micro-batch's terms plus the count of those terms, so
+    that Σ sums / Σ counts over the global batch is its mean, in any layout.
+
+    kinds: "ce" (meshtrain.cross_entropy, F.cross_entropy, nn.CrossEntropyLoss: the terms are
+    the targets that are not ignored, summed exactly); "mean" (any other function returning a
+    mean: weighted by rows, exact when every row has as many terms); "sum" (the function
+    returns a sum: divided by `normalizer`); "own" (no function: the model's output carries
+    its mean `.loss`, weighted by rows)."""
+
+    def __init__(self, loss_fn, reduction: str, normalizer):
+        if reduction not in ("mean", "sum"):
+            raise ValueError(f"loss_reduction={reduction!r}: use mean or sum")
+        self.fn, self.normalizer = loss_fn, normalizer
+        self.ignore_index, self.label_smoothing, self.flatten = IGNORE_INDEX, 0.0, False
+        if loss_fn is None:
+            self.kind = "own"
+        elif reduction == "sum":
+            self.kind = "sum"
+        elif loss_fn is cross_entropy or loss_fn is F.cross_entropy:
+            self.kind, self.flatten = "ce", loss_fn is cross_entropy
+        elif isinstance(loss_fn, nn.CrossEntropyLoss):
+            if loss_fn.weight is not None:
+                raise ValueError("loss_fn: a CrossEntropyLoss with class weights averages by their sum; pass "
+                                 "loss_reduction='sum' with a normalizer")
+            if loss_fn.reduction != "mean":
+                raise ValueError(f"loss_fn: CrossEntropyLoss(reduction={loss_fn.reduction!r}); use 'mean', or "
+                                 f"loss_reduction='sum' for a sum")
+            self.kind, self.ignore_index, self.label_smoothing = "ce", loss_fn.ignore_index, loss_fn.label_smoothing
+        elif callable(loss_fn):
+            self.kind = "mean"
+        else:
+            raise TypeError(f"loss_fn: {type(loss_fn).__name__} is not callable")
+        if self.kind != "sum" and normalizer is not None:
+            raise ValueError("normalizer: only with loss_reduction='sum' (a mean is normalised by its own terms)")
+
+    def summed(self, output, targets) -> torch.Tensor:
+        """The micro-batch's loss as a sum over its terms (`targets`: the row count for "own")."""
+        if self.kind == "ce":
+            if self.flatten:
+                output, targets = output.reshape(-1, output.shape[-1]), targets.reshape(-1)
+            value = F.cross_entropy(output, targets, ignore_index=self.ignore_index,
+                                    label_smoothing=self.label_smoothing, reduction="sum")
+        elif self.kind == "own":
+            value = _own_loss(output) * targets
+        else:
+            value = self.fn(output, targets)
+        if not torch.is_tensor(value) or value.dim() != 0:
+            shape = tuple(value.shape) if torch.is_tensor(value) else type(value).__name__
+            raise ValueError(f"loss_fn returned {shape}, not a scalar tensor: return the mean over the batch "
+                             f"(or, with loss_reduction='sum', the sum)")
+        return value if self.kind in ("ce", "sum", "own") else value * _rows(targets)
+
+    def count(self, targets, rows: int) -> float:
+        """The number of terms the global (or this rank's) batch's mean is over."""
+        if self.kind == "ce":
+            return float((targets != self.ignore_index).sum())
+        if self.kind == "sum":
+            n = self.normalizer(targets) if callable(self.normalizer) else self.normalizer
+            return float(n) if n is not None else 1.0
+        return float(rows)
+
+
+def _own_loss(output) -> torch.Tensor:
+    loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
+    if loss is None:
+        raise ValueError("loss_fn=None: the model's output must carry its loss (output.loss, HF style); pass a "
+                         "loss_fn otherwise")
+    return loss
+
+
+def _rows(t) -> int:
+    return t.shape[0] if torch.is_tensor(t) and t.dim() > 0 else 1
+
+
+def _split(batch, rows: slice):
+    if batch is None:
+        return None
+    if isinstance(batch, dict):
+        return {k: _split(v, rows) for k, v in batch.items()}
+    return batch[rows] if torch.is_tensor(batch) else batch
+
+
+def _batch_rows(batch) -> int:
+    """Rows of a tensor or of a dict's tensors (all alike); one line if they differ."""
+    if torch.is_tensor(batch):
+        return batch.shape[0]
+    sizes = {k: v.shape[0] for k, v in batch.items() if torch.is_tensor(v) and v.dim() > 0}
+    if not sizes or len(set(sizes.values())) != 1:
+        raise ValueError(f"the batch dict's tensors must share their first (row) dimension; they have {sizes}")
+    return next(iter(sizes.values()))
+
+
+class Job:
+    """A model parallelized on a mesh with its optimizer: `step` trains on a global batch,
+    `forward` evaluates, `save`/`load` write and read the full state. `module` is this rank's
+    part of the model (parameters under their full names), `optimizer` the user's optimizer
+    (over fp32 masters under bf16; over ZeRO's pieces under ZeRO), `lr_scheduler` the one the
+    factory made, `parallel` what the strategies built."""
+
+    def __init__(self, parallel: Parallelized, mesh: Mesh, loss: _Loss, options: Strategies,
+                 pipeline: PipelinePlan | None, clip_grad_norm: float | None, lr_scheduler):
+        self.parallel, self.mesh, self._loss, self.options, self._pipeline = parallel, mesh, loss, options, pipeline
+        self.clip_grad_norm = clip_grad_norm
+        self.optimizer = getattr(parallel.optimizer, "inner", parallel.optimizer)
+        self.lr_scheduler = lr_scheduler(self.optimizer) if lr_scheduler is not None else None
+        self.steps = 0  # optimizer steps taken (dropout masks are keyed by it)
+
+    @property
+    def module(self) -> nn.Module:
+        return self.parallel.module
+
+    # ---- training -----------------------------------------------------------------------
+
+    def step(self, inputs, targets=None, *, rows: str = "global") -> StepOutput:
+        """One optimizer step on a batch: `inputs` (a tensor, or a dict of the model's keyword
+        arguments) and `targets` (None when the model returns its own loss). `rows="global"`:
+        every rank passes the same global batch; `rows="local"`: each passes only its
+        data-parallel share, `inputs[mesh.rows(global_batch_size)]`."""
+        loss = self.backward(inputs, targets, rows=rows)
+        return self.update(loss)
+
+    def backward(self, inputs, targets=None, *, rows: str = "global") -> float:
+        """The first half of `step`: forward and backward over this rank's micro-batches and
+        the gradient sync; returns the global mean loss. `update` is the second half."""
+        p, mesh, m = self.parallel, self.mesh, self.options.microbatches
+        if isinstance(inputs, dict) and mesh.size("pp") > 1:
+            raise ValueError("a batch dict under pipeline parallelism: pass inputs and targets tensors (the stages "
+                             "send one tensor between them)")
+        n = _batch_rows(inputs)
+        offset, count = self._rows_of(inputs, targets, n, rows)
+        local = n if rows == "local" else n // mesh.size("dp")
+        micro = local // m
+        mine = slice(0, local) if rows == "local" else mesh.rows(n)
+        if self._pipeline is not None and mesh.size("pp") > 1:
+            x = inputs[:micro]
+            set_micro_shape(p, self._pipeline, micro, x.shape[1] if x.dim() > 1 else 1, self.options.sp)
+
+        def micro_batch(i: int):
+            at = slice(mine.start + i * micro, mine.start + (i + 1) * micro)
+            if p.dropout_keys is not None:
+                p.dropout_keys.use(self.steps, slice(offset + i * micro, offset + (i + 1) * micro))
+            x, y = self._to_device(_split(inputs, at)), self._to_device(_split(targets, at), cast=False)
+            return x, (micro if self._loss.kind == "own" else y)
+
+        total = p.runner.run(p, micro_batch, m, count)
+        p.grad_sync.finish_grad_sync()
+        for axis in ("pp", "dp"):  # the loss lives on the last pipeline stage of each replica
+            p.comm.all_reduce(total, axis, purpose=METRICS)
+        return total.item()
+
+    def update(self, loss: float) -> StepOutput:
+        """The second half of `step`: clip, step the optimizer and the scheduler, zero the
+        gradients. A step whose gradient norm is not finite is skipped, with a warning."""
+        p = self.parallel
+        norm = clip_grad_norm_(p.trained, self.clip_grad_norm or 0.0, p.comm)
+        lr = self.optimizer.param_groups[0].get("lr") if self.optimizer.param_groups else None
+        stepped = math.isfinite(norm)
+        if stepped:
+            p.optimizer.step()
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step()
+        elif self.mesh.is_main:
+            print(f"meshtrain: warning: step {self.steps + 1}: the gradient norm is not finite; step skipped",
+                  file=sys.stderr)
+        p.zero_grad()
+        self.steps += 1
+        return StepOutput(loss=loss, grad_norm=norm, lr=lr, stepped=stepped)
+
+    def _rows_of(self, inputs, targets, n: int, rows: str) -> tuple[int, float]:
+        """(this rank's first row in the global batch, the global count of loss terms), with
+        one line for a batch the layout cannot split."""
+        mesh, m = self.mesh, self.options.microbatches
+        dp = mesh.size("dp")
+        if rows == "global":
+            if n % (dp * m):
+                raise ValueError(f"a global batch of {n} rows does not split into dp·microbatches = {dp}·{m}; "
+                                 f"pass a multiple of {dp * m} rows")
+            return mesh.rows(n).start, self._loss.count(targets, n)
+        if rows != "local":
+            raise ValueError(f"rows={rows!r}: use 'global' (every rank passes the global batch) or 'local'")
+        if n % m:
+            raise ValueError(f"rows='local': this rank's {n} rows do not split into microbatches={m}")
+        shares = self.parallel.comm.all_gather_object((mesh.coord("dp"), n, _fingerprint(inputs)))
+        sizes = {s[1] for s in shares}
+        if len(sizes) != 1:
+            raise ValueError(f"rows='local': ranks passed shares of different sizes {sorted(sizes)}; pass "
+                             f"batch[mesh.rows(global_batch_size)] on every rank")
+        by_coord: dict[int, set] = {}
+        for coord, _, fp in shares:
+            by_coord.setdefault(coord, set()).add(fp)
+        if any(len(fps) > 1 for fps in by_coord.values()):
+            raise ValueError("rows='local': ranks of the same data-parallel replica (its tp and pp ranks) passed "
+                             "different rows; each must pass batch[mesh.rows(global_batch_size)]")
+        if dp > 1 and len({next(iter(fps)) for fps in by_coord.values()}) == 1:
+            raise ValueError("rows='local': every data-parallel rank passed the same rows; pass "
+                             "batch[mesh.rows(global_batch_size)], or rows='global' with the whole batch")
+        count = torch.tensor(self._loss.count(targets, n), dtype=torch.float64, device=mesh.device)
+        self.parallel.comm.all_reduce(count, "dp", purpose=METRICS)
+        return mesh.coord("dp") * n, count.item()
+
+    def _to_device(self, batch, cast: bool = True):
+        """On this rank's device; floating tensors in the compute dtype (inputs only)."""
+        if batch is None or isinstance(batch, int):
+            return batch
+        if isinstance(batch, dict):
+            return {k: self._to_device(v, cast) for k, v in batch.items()}
+        if not torch.is_tensor(batch):
+            return batch
+        if cast and batch.is_floating_point():
+            return batch.to(self.mesh.device, dtype=self.parallel.compute_dtype)
+        return batch.to(self.mesh.device)
+
+    # ---- evaluation -----------------------------------------------------------------------
+
+    @torch.no_grad()
+    def forward(self, inputs):
+        """The model's output on `inputs` in evaluation mode (dropout off), without gradients.
+        Under pipeline parallelism the output is on the last stage's ranks (None on the
+        others); under a vocabulary-parallel head the logits are gathered whole over tp."""
+        module, was_training = self.module, self.module.training
+        module.eval()
+        try:
+            x = self._to_device(inputs)
+            if self.mesh.size("pp") > 1:
+                out = self._pipeline_forward(x)
+            else:
+                out = module(**x) if isinstance(x, dict) else module(x)
+            if out is not None and getattr(self.parallel, "vocab_sharded", False) and self.mesh.size("tp") > 1:
+                out = self.parallel.comm.gather_along(out.contiguous(), "tp", out.dim() - 1, purpose=METRICS)
+            return out
+        finally:
+            module.train(was_training)
+
+    def _pipeline_forward(self, x: torch.Tensor):
+        """Each virtual stage in turn: its owner receives the activation, runs its chunk, and
+        sends it on (one grouped transfer at a time, which NCCL cannot deadlock)."""
+        runner, mesh = self.parallel.runner, self.mesh
+        stage = runner.stage
+        shape = self._pipeline.activation_shape(x.shape[0], x.shape[1] if x.dim() > 1 else 1)
+        if self.options.sp:
+            shape = self._pipeline.activation_shape(x.shape[0], (x.shape[1] if x.dim() > 1 else 1) // mesh.size("tp"))
+        out = None
+        pp = mesh.size("pp")
+        for v in range(stage.last_virtual + 1):
+            owner, chunk = v % pp, v // pp
+            if owner != mesh.coord("pp"):
+                continue
+            if v > 0:
+                h = torch.empty(shape, dtype=runner.dtype, device=mesh.device)
+                prev = (owner - 1) % pp - mesh.coord("pp")
+                for work in self.parallel.comm.exchange([(False, h, prev, 0)], "pp", purpose=METRICS):
+                    work.wait()
+            else:
+                h = x
+            h = stage.forward(chunk, h)
+            if v < stage.last_virtual:
+                nxt = (owner + 1) % pp - mesh.coord("pp")
+                for work in self.parallel.comm.exchange([(True, h.contiguous(), nxt, 0)], "pp", purpose=METRICS):
+                    work.wait()
+            else:
+                out = h
+        return out
+
+    # ---- state ------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """Collective: the full state ("model", "optim" by parameter name, "steps", and the
+        scheduler's) on the mesh's rank 0 ({} of each elsewhere)."""
+        state = self.parallel.full_state_dict()
+        state["steps"] = self.steps
+        if self.lr_scheduler is not None:
+            state["lr_scheduler"] = self.lr_scheduler.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        """Every rank passes the full state (`state_dict`'s); each keeps its part."""
+        self.parallel.load_full_state_dict(state)
+        self.steps = state.get("steps", 0)
+        if self.lr_scheduler is not None and "lr_scheduler" in state:
+            self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+
+    def save(self, directory) -> None:
+        """Collective: the full state into `directory` (written by rank 0; `checkpoint.save_job`)."""
+        from meshtrain.checkpoint import save_job
+        save_job(self, directory)
+
+    def load(self, directory) -> None:
+        """Collective: the state `save` wrote, in any layout (each rank keeps its part)."""
+        from meshtrain.checkpoint import load_job
+        load_job(self, directory)
+
+
+def _fingerprint(batch) -> bytes:
+    if isinstance(batch, dict):
+        return b"".join(_fingerprint(batch[k]) for k in sorted(batch))
+    return digest(batch) if torch.is_tensor(batch) else repr(batch).encode()
+
+
+def check_same_weights(model: nn.Module, mesh: Mesh) -> None:
+    """Collective over the world: every rank was given the same full model (the same values
+    of every parameter and buffer), before any strategy splits it. One line names the first
+    tensor that differs and a rank it differs on."""
+    if mesh.world_size == 1:
+        return
+    mine = [(n, digest(t)) for n, t in list(model.named_parameters()) + list(model.named_buffers())
+            if t.device.type != "meta"]
+    every = mesh.comm.all_gather_object(mine)
+    for rank, theirs in enumerate(every):
+        if theirs != every[0]:
+            names = dict(every[0])
+            bad = next((n for n, d in theirs if names.get(n) != d), "the parameter list")
+            raise ValueError(f"model: rank {rank}'s {bad} differs from rank 0's; build the model alike on every rank "
+                             f"(torch.manual_seed(same seed) before constructing it), or on the meta device with init=")
+
+
+def parallelize(model: nn.Module, mesh: Mesh, *, optimizer: OptimizerFactory, loss_fn=cross_entropy,
+                loss_reduction: str = "mean", normalizer=None, zero: int = 0, precision: str = "fp32",
+                grad_dtype: str | None = None, recompute: str = "none", sp: bool = False,
+                tp_plan: TensorPlan | None = None, pipeline: PipelinePlan | None = None, schedule: str = "1f1b",
+                chunks: int = 1, microbatches: int = 1, clip_grad_norm: float | None = None,
+                lr_scheduler: Callable | None = None, wrap: list[str] | None = None,
+                bucket_mb: float = 25.0) -> Job:
+    """Apply the strategies to `model` (in place) on `mesh` (`meshtrain.init`) and build the
+    optimizer on what each rank holds.
+
+    `model`: a plain module built alike on every rank (checked). `optimizer`: a factory
+    called with (name, tensor) pairs — parameters, their shards or ZeRO's flat pieces, with
+    full shapes through `meshtrain.full_shape` — returning a torch optimizer; under ZeRO or
+    tp > 1 one that steps each element on its own (SGD, Adam, AdamW, ...). `loss_fn(output,
+    targets)`: a mean over its terms (cross-entropy means are weighted by their non-ignored
+    targets, other means by rows); None when the model's output carries `.loss`; with
+    `loss_reduction="sum"`, a sum, divided by `normalizer` (a number or a function of the
+    targets). `zero`: ZeRO stage 1-3 over dp (`wrap`: the modules stage 3 gathers one at a
+    time; by default each child of the largest ModuleList or Sequential). `precision`:
+    "fp32" or "bf16" (fp32 masters; `grad_dtype` "fp32" (default) or "compute").
+    `recompute`: none | full | selective | segments[:K]. `tp_plan`: module names to styles
+    (`meshtrain.TensorPlan`), with `sp` for sequence parallelism. `pipeline`: the parts
+    before the blocks, the block list, the parts after (`meshtrain.PipelinePlan`), run by
+    `schedule` with `chunks` per rank. `microbatches`: per data-parallel rank and step.
+    `clip_grad_norm`: the global norm's bound. `lr_scheduler`: a factory taking the optimizer."""
+    options = Strategies(zero=zero, precision=precision, grad_dtype=grad_dtype or "fp32", recompute=recompute,
+                         sp=sp, schedule=schedule, chunks=chunks, microbatches=microbatches, bucket_mb=bucket_mb)
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model: {type(model).__name__} is not a torch.nn.Module")
+    if not isinstance(mesh, Mesh):
+        raise TypeError("mesh: pass what meshtrain.init() returned")
+    if lr_scheduler is not None and not callable(lr_scheduler):
+        raise TypeError("lr_scheduler: pass a factory taking the optimizer, e.g. "
+                        "`lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=10)`")
+    loss = _Loss(loss_fn, loss_reduction, normalizer)
+    if mesh.size("tp") > 1:
+        if tp_plan is None:
+            raise ValueError(f"tp_plan: tp={mesh.size('tp')} needs a plan of the model's module names to styles")
+        check_plan(model, tp_plan, mesh.size("tp"))
+        if tp_plan.vocab_parallel_loss and (loss.kind != "ce" or loss.label_smoothing):
+            raise ValueError("loss_fn: the tp_plan shards the head by vocabulary, so the loss is meshtrain's "
+                             "vocabulary-parallel cross-entropy (no logits gathered); pass loss_fn=meshtrain."
+                             "cross_entropy (no label smoothing), or keep the head whole in the plan")
+    if mesh.size("pp") > 1:
+        if pipeline is None:
+            raise ValueError(f"pipeline: pp={mesh.size('pp')} needs a PipelinePlan (before, blocks, after)")
+        pipeline.check(model, mesh.size("pp") * chunks)
+    check_same_weights(model, mesh)
+    parallel = apply_strategies(model, mesh.comm, options, optimizer=optimizer, seed=mesh.seed, plan=tp_plan,
+                                pipeline=pipeline, loss_fn=_summed(loss), wrap=wrap)
+    parallel.vocab_sharded = bool(tp_plan is not None and tp_plan.vocab_parallel_loss)
+    return Job(parallel, mesh, loss, options, pipeline, clip_grad_norm, lr_scheduler)
+
+
+def _summed(loss: _Loss):
+    """The loss in the form the runners add up; it names its ignored target (for the
+    vocabulary-parallel cross-entropy)."""
+    def summed(output, targets):
+        return loss.summed(output, targets)
+    summed.ignore_index = loss.ignore_index
+    return summed
