@@ -131,10 +131,13 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, params: dict[str, nn.
                          state: dict[str, dict], comm: Comm) -> None:
     """Replace the optimizer state of the named parameters by this rank's part of the full
     `state` (copies on each parameter's device; Adam's step counter stays where Adam keeps
-    it). A parameter absent from `state` starts with none, as before its first step."""
+    it). A parameter absent from `state` starts with none, as before its first step; the
+    entries of parameters this rank does not hold (another pipeline stage's) are passed by."""
     for p in params.values():
         optimizer.state.pop(p, None)
     for name, entry in state.items():
+        if name not in params:
+            continue
         p = params[name]
         index = shard_index(p, comm)
         loaded = {}
