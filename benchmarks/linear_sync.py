@@ -25,7 +25,7 @@ from meshtrain.comm import Comm, linear_sync_crossover
 from meshtrain.launch import detect, init_distributed, shutdown_distributed
 from meshtrain.mesh import Mesh
 from meshtrain.parallel.linear_gather import choose_linear_syncs
-from meshtrain.train import setup
+from meshtrain.train import job_for, setup
 
 SYNCS = ("allreduce", "allgather", "auto")
 
@@ -46,7 +46,7 @@ def measure(comm: Comm, batch: int, hidden: str, steps: int) -> dict:
     for sync in SYNCS:
         cfg = config(sync, dp, batch, hidden, steps)
         data, runs[sync] = setup(cfg, comm)
-    runs["ddp"] = ddp_setup(config("allreduce", dp, batch, hidden, steps), comm)
+    runs["ddp"] = job_for(ddp_setup(config("allreduce", dp, batch, hidden, steps), comm), cfg)
     measured = interleaved(runs, data, cfg, comm, f"B={batch}")
     layers = choose_linear_syncs(runs["allreduce"].module, "auto", batch, dp, grad_size=4, activation_size=4)
     return {

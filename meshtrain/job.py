@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import sys
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Callable
 
@@ -20,6 +21,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from meshtrain.comm import METRICS
+from meshtrain.loss import cross_entropy_sum
+from meshtrain.models.init import InitSpec, stable_seed
 from meshtrain.mesh import Mesh
 from meshtrain.optim import OptimizerFactory, clip_grad_norm_
 from meshtrain.parallel.compose import Parallelized, parallelize as apply_strategies, set_micro_shape
@@ -84,6 +87,8 @@ class _Loss:
             self.kind = "mean"
         else:
             raise TypeError(f"loss_fn: {type(loss_fn).__name__} is not callable")
+        # meshtrain's vocabulary-parallel cross-entropy can stand in for these
+        self.is_cross_entropy = self.kind == "ce" or (self.kind == "sum" and loss_fn is cross_entropy_sum)
         if self.kind != "sum" and normalizer is not None:
             raise ValueError("normalizer: only with loss_reduction='sum' (a mean is normalised by its own terms)")
 
@@ -173,7 +178,7 @@ class Job:
         loss = self.backward(inputs, targets, rows=rows)
         return self.update(loss)
 
-    def backward(self, inputs, targets=None, *, rows: str = "global") -> float:
+    def backward(self, inputs, targets=None, *, rows: str = "global", meter=None) -> float:
         """The first half of `step`: forward and backward over this rank's micro-batches and
         the gradient sync; returns the global mean loss. `update` is the second half."""
         p, mesh, m = self.parallel, self.mesh, self.options.microbatches
@@ -196,7 +201,8 @@ class Job:
             x, y = self._to_device(_split(inputs, at)), self._to_device(_split(targets, at), cast=False)
             return x, (micro if self._loss.kind == "own" else y)
 
-        total = p.runner.run(p, micro_batch, m, count)
+        with meter if meter is not None else nullcontext():  # the command line's activation meter
+            total = p.runner.run(p, micro_batch, m, count)
         p.grad_sync.finish_grad_sync()
         for axis in ("pp", "dp"):  # the loss lives on the last pipeline stage of each replica
             p.comm.all_reduce(total, axis, purpose=METRICS)
@@ -344,6 +350,31 @@ class Job:
         load_job(self, directory)
 
 
+class FunctionInit:
+    """A user's `init=fn(name, tensor, generator)` in the form the strategies draw from: each
+    parameter's full value from a CPU generator seeded by (seed, name), so every rank and the
+    one-process reference draw the same values, each only for what it keeps."""
+
+    def __init__(self, fn, shapes: dict[str, tuple[int, ...]], seed: int):
+        self.fn, self.shapes, self.seed = fn, shapes, seed
+
+    @classmethod
+    def of(cls, model: nn.Module, fn, seed: int) -> "FunctionInit":
+        if not callable(fn):
+            raise TypeError("init: pass fn(name, tensor, generator) that fills the parameter's tensor in place")
+        return cls(fn, {n: tuple(p.shape) for n, p in model.named_parameters()}, seed)
+
+    def full_value(self, name: str) -> torch.Tensor:
+        out = torch.empty(self.shapes[name], dtype=torch.float32)
+        with torch.no_grad():
+            self.fn(name, out, torch.Generator().manual_seed(stable_seed(self.seed, name)))
+        return out
+
+    def fingerprint(self) -> int:
+        text = repr((self.seed, sorted(self.shapes.items()), getattr(self.fn, "__qualname__", repr(self.fn))))
+        return stable_seed(0, text)
+
+
 def _fingerprint(batch) -> bytes:
     if isinstance(batch, dict):
         return b"".join(_fingerprint(batch[k]) for k in sorted(batch))
@@ -372,8 +403,10 @@ def parallelize(model: nn.Module, mesh: Mesh, *, optimizer: OptimizerFactory, lo
                 grad_dtype: str | None = None, recompute: str = "none", sp: bool = False,
                 tp_plan: TensorPlan | None = None, pipeline: PipelinePlan | None = None, schedule: str = "1f1b",
                 chunks: int = 1, microbatches: int = 1, clip_grad_norm: float | None = None,
-                lr_scheduler: Callable | None = None, wrap: list[str] | None = None,
-                bucket_mb: float = 25.0) -> Job:
+                lr_scheduler: Callable | None = None, wrap: list[str] | None = None, init=None,
+                bucket_mb: float = 25.0, keep_gathered: bool = False, dp_linear_sync: str = "allreduce",
+                stage_layers: list[int] | None = None, rows_per_step: int | None = None, strict_p2p: bool = False,
+                sync_options: dict | None = None) -> Job:
     """Apply the strategies to `model` (in place) on `mesh` (`meshtrain.init`) and build the
     optimizer on what each rank holds.
 
@@ -391,9 +424,21 @@ def parallelize(model: nn.Module, mesh: Mesh, *, optimizer: OptimizerFactory, lo
     (`meshtrain.TensorPlan`), with `sp` for sequence parallelism. `pipeline`: the parts
     before the blocks, the block list, the parts after (`meshtrain.PipelinePlan`), run by
     `schedule` with `chunks` per rank. `microbatches`: per data-parallel rank and step.
-    `clip_grad_norm`: the global norm's bound. `lr_scheduler`: a factory taking the optimizer."""
+    `clip_grad_norm`: the global norm's bound. `lr_scheduler`: a factory taking the optimizer.
+    `init`: for a model built on the meta device, `fn(name, tensor, generator)` that fills a
+    parameter's full tensor in place (the generator is seeded from the mesh's seed and the
+    name), so each rank draws only what it keeps.
+
+    Finer controls: `bucket_mb` (data parallelism's buckets), `keep_gathered` (ZeRO-3 keeps
+    a block gathered from forward to backward), `dp_linear_sync` ("allreduce", "allgather" or
+    "auto" per linear layer, which needs `rows_per_step`: the rows a step gives each linear
+    layer), `stage_layers` (blocks per virtual pipeline stage), `strict_p2p` (check pipeline
+    transfers under NCCL's rules on gloo), `sync_options` (passed to the gradient
+    synchroniser: the tests' probes)."""
     options = Strategies(zero=zero, precision=precision, grad_dtype=grad_dtype or "fp32", recompute=recompute,
-                         sp=sp, schedule=schedule, chunks=chunks, microbatches=microbatches, bucket_mb=bucket_mb)
+                         sp=sp, schedule=schedule, chunks=chunks, microbatches=microbatches, bucket_mb=bucket_mb,
+                         keep_gathered=keep_gathered, dp_linear_sync=dp_linear_sync,
+                         stage_layers=tuple(stage_layers) if stage_layers else None, strict_p2p=strict_p2p)
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: {type(model).__name__} is not a torch.nn.Module")
     if not isinstance(mesh, Mesh):
@@ -406,7 +451,7 @@ def parallelize(model: nn.Module, mesh: Mesh, *, optimizer: OptimizerFactory, lo
         if tp_plan is None:
             raise ValueError(f"tp_plan: tp={mesh.size('tp')} needs a plan of the model's module names to styles")
         check_plan(model, tp_plan, mesh.size("tp"))
-        if tp_plan.vocab_parallel_loss and (loss.kind != "ce" or loss.label_smoothing):
+        if tp_plan.vocab_parallel_loss and (not loss.is_cross_entropy or loss.label_smoothing):
             raise ValueError("loss_fn: the tp_plan shards the head by vocabulary, so the loss is meshtrain's "
                              "vocabulary-parallel cross-entropy (no logits gathered); pass loss_fn=meshtrain."
                              "cross_entropy (no label smoothing), or keep the head whole in the plan")
@@ -415,8 +460,11 @@ def parallelize(model: nn.Module, mesh: Mesh, *, optimizer: OptimizerFactory, lo
             raise ValueError(f"pipeline: pp={mesh.size('pp')} needs a PipelinePlan (before, blocks, after)")
         pipeline.check(model, mesh.size("pp") * chunks)
     check_same_weights(model, mesh)
+    if init is not None and not isinstance(init, InitSpec):
+        init = FunctionInit.of(model, init, mesh.seed)
     parallel = apply_strategies(model, mesh.comm, options, optimizer=optimizer, seed=mesh.seed, plan=tp_plan,
-                                pipeline=pipeline, loss_fn=_summed(loss), wrap=wrap)
+                                pipeline=pipeline, loss_fn=_summed(loss), wrap=wrap, init=init,
+                                rows_per_step=rows_per_step, **(sync_options or {}))
     parallel.vocab_sharded = bool(tp_plan is not None and tp_plan.vocab_parallel_loss)
     return Job(parallel, mesh, loss, options, pipeline, clip_grad_norm, lr_scheduler)
 

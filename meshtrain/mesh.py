@@ -116,6 +116,12 @@ class Mesh:
             self._comm = Comm(self)
         return self._comm
 
+    def attach(self, comm, seed: int | None = None) -> None:
+        """Use `comm` (made by the caller, whose byte counts it reads) as this mesh's `comm`."""
+        self._comm = comm
+        if seed is not None:
+            self.seed = seed
+
     def rows(self, batch_size: int) -> slice:
         """The rows of a global batch of `batch_size` samples that this rank's data-parallel
         replica trains on (contiguous, in dp coordinate order): what `job.step(...,

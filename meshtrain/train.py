@@ -9,21 +9,22 @@ gradients. A step whose gradient norm is not finite is skipped, with a warning."
 
 from __future__ import annotations
 
-import math
 import sys
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 from meshtrain import launch
-from meshtrain.comm import METRICS, Comm
+from meshtrain.comm import Comm
 from meshtrain.config import Config, LayoutConfig, TrainConfig, lr_at, strict_p2p_requested, tokens_per_sample
 from meshtrain.data.datasets import open_dataset
 from meshtrain.metrics import ActivationMeter, BuildMeter, LayerProbe, StepLog
 from meshtrain.models import build_model
 from meshtrain.models.init import init_spec
-from meshtrain.optim import adamw, clip_grad_norm_, set_lr
-from meshtrain.parallel.compose import Parallelized, parallelize
+from meshtrain.optim import adamw, set_lr
+from meshtrain.job import Job, _Loss, parallelize
+from meshtrain.loss import cross_entropy_sum
+from meshtrain.parallel.compose import Parallelized
+from meshtrain.parallel.compose import parallelize as apply_strategies
 from meshtrain.parallel.pipeline import stages
 from meshtrain.parallel.pipeline import trace as pipeline_trace
 from meshtrain.parallel.tensor import plan_for
@@ -89,33 +90,52 @@ def exact_fp32_on_cuda() -> None:
             backend.allow_tf32 = False
 
 
-def setup(cfg: Config, comm: Comm, **dp_options) -> tuple[object, Parallelized]:
-    """Data, and the model with the layout's strategies applied and its optimizer."""
+def setup(cfg: Config, comm: Comm, **sync_options) -> tuple[object, Job]:
+    """Data, and the model with the layout's strategies applied and its optimizer: the
+    configuration translated into `meshtrain.parallelize`'s arguments (`sync_options`: the
+    gradient synchroniser's, for the tests' probes)."""
     if comm.mesh.device.type == "cuda" and cfg.layout.precision == "fp32":
         exact_fp32_on_cuda()
     data = _dataset(cfg)
+    lay, tr = cfg.layout, cfg.train
+    comm.mesh.attach(comm, seed=tr.seed)
     # No rank builds the whole model: the structure on `meta`, cut and sharded by the
     # strategies, then each rank draws only its part (`models.init`), under a meter of every
     # byte it allocates meanwhile.
     with BuildMeter() as meter:
         model = model_for(cfg, data, "meta")
-        p = parallelize_config(model, comm, cfg.layout, cfg.train, plan=plan_for(cfg.model.name),
-                               pipeline=stages.plan_for(cfg.model.spec()), rows_per_sample=tokens_per_sample(cfg),
-                               init=init_spec(model, cfg.train.seed), **dp_options)
-    p.build_peak_bytes = meter.peak
-    return data, p
+        job = parallelize(model, comm.mesh, optimizer=adamw(tr.lr, tr.weight_decay), loss_fn=cross_entropy_sum,
+                          loss_reduction="sum", normalizer=loss_terms_per_step(cfg), init=init_spec(model, tr.seed),
+                          tp_plan=plan_for(cfg.model.name) if lay.tp > 1 else None,
+                          pipeline=stages.plan_for(cfg.model.spec()), clip_grad_norm=tr.clip,
+                          zero=lay.zero, precision=lay.precision, grad_dtype=lay.grad_dtype, recompute=lay.recompute,
+                          sp=lay.sp, schedule=lay.schedule, chunks=lay.chunks, microbatches=lay.microbatches,
+                          stage_layers=lay.stage_layer_counts(), bucket_mb=lay.bucket_mb,
+                          keep_gathered=lay.keep_gathered, dp_linear_sync=lay.dp_linear_sync,
+                          rows_per_step=tr.batch_size * tokens_per_sample(cfg), strict_p2p=strict_p2p_requested(),
+                          sync_options=sync_options)
+    job.parallel.build_peak_bytes = meter.peak
+    return data, job
+
+
+def job_for(p: Parallelized, cfg: Config) -> Job:
+    """A `Job` around strategies built elsewhere (the benchmarks' PyTorch-native peers), so
+    they run the very loop ours runs: the configured loss normaliser, clipping, micro-batches."""
+    p.comm.mesh.attach(p.comm, seed=cfg.train.seed)
+    return Job(p, p.comm.mesh, _Loss(cross_entropy_sum, "sum", loss_terms_per_step(cfg)),
+               cfg.layout.strategies(), None, cfg.train.clip, None)
 
 
 def parallelize_config(model, comm: Comm, layout: LayoutConfig, train: TrainConfig, *, rows_per_sample: int = 1,
                        **options) -> Parallelized:
-    """`parallelize` as the command line's configuration asks: the layout's strategies, its
-    AdamW (betas 0.9/0.95; the loop sets the learning rate each step), the seed's dropout
-    masks, the pipeline's transfers sized for the configured batch."""
+    """The strategies as the command line's configuration asks, on a model of the tests' own
+    (no Job: the caller drives the parts): the layout's strategies, its AdamW (betas
+    0.9/0.95), the seed's dropout masks, the pipeline's transfers sized for the batch."""
     micro_rows = train.batch_size // (layout.dp or 1) // layout.microbatches
-    return parallelize(model, comm, layout.strategies(strict_p2p=strict_p2p_requested()),
-                       optimizer=adamw(train.lr, train.weight_decay), seed=train.seed,
-                       micro_shape=(micro_rows, train.seq_len), rows_per_step=train.batch_size * rows_per_sample,
-                       **options)
+    return apply_strategies(model, comm, layout.strategies(strict_p2p=strict_p2p_requested()),
+                            optimizer=adamw(train.lr, train.weight_decay), seed=train.seed,
+                            micro_shape=(micro_rows, train.seq_len), rows_per_step=train.batch_size * rows_per_sample,
+                            **options)
 
 
 def loss_terms_per_step(cfg: Config) -> int:
@@ -125,49 +145,26 @@ def loss_terms_per_step(cfg: Config) -> int:
     return cfg.train.batch_size * tokens_per_sample(cfg)
 
 
-def micro_batch_rows(cfg: Config, dp_coord: int, dp_size: int, i: int) -> slice:
-    """Rows of the global batch in micro-batch `i` of the data-parallel rank `dp_coord`:
-    each rank takes a contiguous slice, split into equal micro-batches."""
-    local = cfg.train.batch_size // dp_size
-    micro = local // cfg.layout.microbatches
-    start = dp_coord * local + i * micro
-    return slice(start, start + micro)
-
-
-def train_step(p: Parallelized, data, step: int, cfg: Config, *, observer: StepObserver | None = None,
+def train_step(job: Job, data, step: int, cfg: Config, *, observer: StepObserver | None = None,
                meter: ActivationMeter | None = None) -> tuple[float, bool]:
     """One optimizer step on the global batch of `step` (0-based); returns the global mean
     loss and whether the optimizer stepped (not when the gradient norm is not finite)."""
-    comm, tr = p.comm, cfg.train
-    mesh = comm.mesh
-    set_lr(p.optimizer, lr_at(step, tr))
-
-    def micro_batch(i: int):
-        rows = micro_batch_rows(cfg, mesh.coord("dp"), mesh.size("dp"), i)
-        if p.dropout_keys is not None:
-            p.dropout_keys.use(step, rows)
-        return tuple(t.to(mesh.device, dtype=p.compute_dtype) if t.is_floating_point() else t.to(mesh.device)
-                     for t in data.batch(step, tr.batch_size, rows))
-
-    with meter if meter is not None else nullcontext():
-        total = p.runner.run(p, micro_batch, cfg.layout.microbatches, loss_terms_per_step(cfg))
-    p.grad_sync.finish_grad_sync()
+    tr = cfg.train
+    set_lr(job.optimizer, lr_at(step, tr))
+    job.steps = step  # dropout masks are keyed by the step
+    inputs, targets = data.batch(step, tr.batch_size, slice(0, tr.batch_size))
+    loss = job.backward(inputs, targets, meter=meter)
     if observer:
-        observer.grads_ready(p, step + 1)
-    norm = clip_grad_norm_(p.trained, tr.clip, comm)
-    stepped = math.isfinite(norm)
-    if stepped:
-        p.optimizer.step()
-    p.zero_grad()
-    for axis in ("pp", "dp"):  # the loss lives on the last pipeline stage of each data-parallel replica
-        comm.all_reduce(total, axis, purpose=METRICS)
-    return total.item(), stepped
+        observer.grads_ready(job.parallel, step + 1)
+    out = job.update(loss)
+    return out.loss, out.stepped
 
 
 def train(cfg: Config, comm: Comm, *, observer: StepObserver | None = None, progress: str | None = None,
-          step_log: StepLog | None = None, trace: bool = False, **dp_options) -> RunResult:
+          step_log: StepLog | None = None, trace: bool = False, **sync_options) -> RunResult:
     mesh, tr = comm.mesh, cfg.train
-    data, p = setup(cfg, comm, **dp_options)
+    data, job = setup(cfg, comm, **sync_options)
+    p = job.parallel
     if mesh.is_main:
         for note in p.notes:
             print(f"meshtrain: {note}", file=sys.stderr)
@@ -189,7 +186,7 @@ def train(cfg: Config, comm: Comm, *, observer: StepObserver | None = None, prog
         sent_before = comm.detailed_totals()
         t0 = time.perf_counter()
         # The activation peak is measured on the first step (the meter costs Python time per op).
-        loss, stepped = train_step(p, data, step, cfg, observer=observer, meter=meter if step == 0 else None)
+        loss, stepped = train_step(job, data, step, cfg, observer=observer, meter=meter if step == 0 else None)
         if step == 0:
             probe.close()
             launch.set_collective_timeout(mesh, tr.timeout)  # built and stepped once: the steady bound
@@ -198,11 +195,8 @@ def train(cfg: Config, comm: Comm, *, observer: StepObserver | None = None, prog
         comm_per_step = {axis: sum(kinds.values()) for axis, kinds in comm_detail.items()}
         losses.append(loss)
         times.append(dt)
-        if not stepped:
+        if not stepped:  # the job has said so
             skipped.append(step + 1)
-            if mesh.is_main:
-                print(f"meshtrain: warning: step {step + 1}: the gradient norm is not finite; step skipped",
-                      file=sys.stderr)
         if observer:
             observer.after_step(p, step + 1, loss)
         if bar is not None:

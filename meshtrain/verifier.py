@@ -172,13 +172,14 @@ def run_reference(cfg: Config, layout: dict) -> dict:
     sampled = sorted(layout["steps"])
     trajectory = _TrajectoryRecorder(sampled)
     losses = train(ref, comm, observer=trajectory, progress="reference").losses
-    data, p = setup(ref, comm)
+    data, job = setup(ref, comm)
     lockstep = {}
     for step in sampled:
-        p.load_full_state_dict(layout["steps"][step]["pre"])
+        job.parallel.load_full_state_dict(layout["steps"][step]["pre"])
         grads = _GradRecorder()
-        loss, _ = train_step(p, data, step - 1, ref, observer=grads)
-        lockstep[step] = {"loss": loss, "grads": grads.grads, "post": p.full_state_dict(with_optimizer=False)["model"]}
+        loss, _ = train_step(job, data, step - 1, ref, observer=grads)
+        lockstep[step] = {"loss": loss, "grads": grads.grads,
+                          "post": job.parallel.full_state_dict(with_optimizer=False)["model"]}
     return {"losses": losses, "trajectory": trajectory.params, "steps": lockstep}
 
 

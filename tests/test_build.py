@@ -48,7 +48,7 @@ def test_placeholders_cost_one_element_and_stay_placeholders_when_sliced():
 def _build_peaks(mesh, cfgs):
     out = []
     for cfg in cfgs:
-        _, p = setup(cfg, Comm(mesh))
+        p = setup(cfg, Comm(mesh))[1].parallel
         full = build_model(cfg.model.name, cfg.train.seed, vocab_size=256)
         out.append({"peak": p.build_peak_bytes, "kept": p.model_state_bytes()["total"],
                     "largest": max(q.numel() * 4 for q in full.parameters()),

@@ -43,15 +43,17 @@ def test_full_state_round_trip_continues_training_identically():
     the next step exactly as the original does."""
     cfg = _cfg()
     comm = Comm(Mesh.single(CPU))
-    data, a = setup(cfg, comm)
+    data, job_a = setup(cfg, comm)
+    a = job_a.parallel
     for step in range(2):
-        train_step(a, data, step, cfg)
+        train_step(job_a, data, step, cfg)
     state = a.full_state_dict()
     assert set(state["optim"]) == {n for n, _ in a.named_parameters()}
     assert {"step", "exp_avg", "exp_avg_sq"} <= state["optim"]["blocks.0.attn.q.weight"].keys()
-    _, b = setup(cfg, comm)
+    _, job_b = setup(cfg, comm)
+    b = job_b.parallel
     b.load_full_state_dict(state)
-    assert train_step(a, data, 2, cfg) == train_step(b, data, 2, cfg)
+    assert train_step(job_a, data, 2, cfg) == train_step(job_b, data, 2, cfg)
     for (n, x), (_, y) in zip(a.named_parameters(), b.named_parameters()):
         assert torch.equal(x, y), n
 
@@ -59,7 +61,8 @@ def test_full_state_round_trip_continues_training_identically():
 def _second_backward_then_a_clean_step(mesh):
     cfg = _cfg(dp=2)
     comm = Comm(mesh)
-    data, p = setup(cfg, comm)
+    data, job = setup(cfg, comm)
+    p = job.parallel
     x, y = data.batch(0, 8, slice(mesh.rank * 4, mesh.rank * 4 + 4))
     p.loss_fn(p.module(x), y).backward()
     message = None
@@ -68,7 +71,7 @@ def _second_backward_then_a_clean_step(mesh):
     except RuntimeError as e:
         message = str(e)
     grads_after_error = max(q.grad.abs().max().item() for q in p.trained)
-    loss, _ = train_step(p, data, 0, cfg)
+    loss, _ = train_step(job, data, 0, cfg)
     return {"message": message, "grads_after_error": grads_after_error, "loss": loss,
             "params": torch.cat([q.detach().flatten() for q in p.trained])}
 
@@ -89,7 +92,8 @@ def test_a_second_backward_before_sync_raises_and_leaves_clean_state():
 def _failure_mid_step_then_a_clean_step(mesh):
     cfg = _cfg(dp=2, microbatches=2)
     comm = Comm(mesh)
-    data, p = setup(cfg, comm)
+    data, job = setup(cfg, comm)
+    p = job.parallel
 
     def failing(i):
         if i == 1:
@@ -99,7 +103,7 @@ def _failure_mid_step_then_a_clean_step(mesh):
         p.runner.run(p, failing, 2, 256.0)
     except KeyError:
         pass
-    loss, _ = train_step(p, data, 0, cfg)
+    loss, _ = train_step(job, data, 0, cfg)
     return loss
 
 
@@ -157,11 +161,12 @@ def test_a_non_finite_norm_is_reported_and_nothing_is_scaled():
 
 def test_a_step_with_a_non_finite_gradient_is_skipped():
     cfg = _cfg()
-    data, p = setup(cfg, Comm(Mesh.single(CPU)))
+    data, job = setup(cfg, Comm(Mesh.single(CPU)))
+    p = job.parallel
     with torch.no_grad():
         p.module.head.weight[0, 0] = float("nan")  # poisons every gradient
     before = {n: q.detach().clone() for n, q in p.named_parameters()}
-    _, stepped = train_step(p, data, 0, cfg)
+    _, stepped = train_step(job, data, 0, cfg)
     assert not stepped
     assert all(torch.allclose(before[n], q, rtol=0, atol=0, equal_nan=True) for n, q in p.named_parameters())
 
@@ -199,8 +204,9 @@ def _full_state_peaks(mesh, cfg):
     """The bytes this rank allocates at most while the full state is taken (the meter sees
     every storage an operator makes), the largest tensor's, and what rank 0 got."""
     from meshtrain.metrics import ActivationMeter
-    data, p = setup(cfg, Comm(mesh))
-    train_step(p, data, 0, cfg)  # Adam's moments exist
+    data, job = setup(cfg, Comm(mesh))
+    train_step(job, data, 0, cfg)  # Adam's moments exist
+    p = job.parallel
     meter = ActivationMeter()
     with meter:
         state = p.full_state_dict()

@@ -90,13 +90,13 @@ def bucket_skipped_on_a_middle_step():
 
 def data_slice_shifted():
     """Data-parallel rank 1 reads its slice of the global batch one sample early."""
-    import meshtrain.train as T
-    real = T.micro_batch_rows
+    from meshtrain.mesh import Mesh
+    real = Mesh.rows
 
-    def rows(cfg, dp_coord, dp_size, i):
-        r = real(cfg, dp_coord, dp_size, i)
-        return slice(r.start - 1, r.stop - 1) if dp_coord == 1 else r
-    return [mock.patch.object(T, "micro_batch_rows", rows)]
+    def rows(self, batch_size):
+        r = real(self, batch_size)
+        return slice(r.start - 1, r.stop - 1) if self.coord("dp") == 1 else r
+    return [mock.patch.object(Mesh, "rows", rows)]
 
 
 def one_gradient_unsynchronised():

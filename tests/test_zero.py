@@ -365,11 +365,11 @@ def _gathers_around_instructions(mesh, cfg):
     forwards done) with a marker at each instruction's start; its instructions and units."""
     from meshtrain.train import setup, train_step
     events = []
-    data, p = setup(cfg, Comm(mesh), on_event=lambda kind, i: events.append((kind, i)))
-    runner, hear = p.runner, p.runner.upcoming
+    data, job = setup(cfg, Comm(mesh), on_event=lambda kind, i: events.append((kind, i)))
+    runner, hear = job.parallel.runner, job.parallel.runner.upcoming
     marks = iter(range(len(runner.instructions)))
     runner.upcoming = lambda nxt: (events.append(("op", next(marks))), hear(nxt))
-    train_step(p, data, 0, cfg)
+    train_step(job, data, 0, cfg)
     first_units, start = [], 0
     for ids in runner.stage.block_ids:
         first_units.append(start)

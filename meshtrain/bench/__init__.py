@@ -18,8 +18,8 @@ from meshtrain.bench.torch_pp import torch_pp_setup
 from meshtrain.bench.zero1 import zero1_setup
 from meshtrain.comm import Comm
 from meshtrain.config import Config
-from meshtrain.parallel.compose import Parallelized
-from meshtrain.train import setup, train_step
+from meshtrain.job import Job
+from meshtrain.train import job_for, setup, train_step
 
 PEERS = {"ddp": ddp_setup, "zero1": zero1_setup, "fsdp2": fsdp2_setup, "dtensor-tp": dtensor_tp_setup,
          "torch-pp": torch_pp_setup}
@@ -34,7 +34,7 @@ class Interleaved:
     sent: dict[str, list[dict[str, float]]]
 
 
-def interleaved(runs: dict[str, Parallelized], data, cfg: Config, comm: Comm, desc: str) -> Interleaved:
+def interleaved(runs: dict[str, Job], data, cfg: Config, comm: Comm, desc: str) -> Interleaved:
     """Collective: `cfg.train.steps` steps (after `WARMUP_STEPS`) of every set-up in the same
     ranks, one after the other, the order rotating every step, so that a noisy machine slows
     all alike."""
@@ -66,10 +66,10 @@ def interleaved(runs: dict[str, Parallelized], data, cfg: Config, comm: Comm, de
 def run_bench(cfg: Config, comm: Comm, peer: str) -> dict | None:
     """Collective: both setups in the same ranks, steps alternated; rank 0 gets the result."""
     data, ours = setup(cfg, comm)
-    theirs = PEERS[peer](cfg, comm)
+    theirs = job_for(PEERS[peer](cfg, comm), cfg)  # the same loop as ours
     measured = interleaved({"ours": ours, "peer": theirs}, data, cfg, comm, f"bench vs {peer}")
     times, losses = measured.times, measured.losses
-    ours_state, peer_state = ours.model_state_bytes(), theirs.model_state_bytes()
+    ours_state, peer_state = ours.parallel.model_state_bytes(), theirs.parallel.model_state_bytes()
     if not comm.mesh.is_main:
         return None
     ours_median, peer_median = statistics.median(times["ours"]), statistics.median(times["peer"])
