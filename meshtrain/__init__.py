@@ -19,6 +19,7 @@ full_shape      the full shape of a parameter, shard or ZeRO piece (for optimize
 cross_entropy   the mean cross-entropy over non-ignored targets, classes last
 TensorPlan, COLUMN, ROW, VOCAB, REGION, SEQUENCE, Fused, Heads    tensor-parallel plans
 PipelinePlan    how a model is cut into pipeline stages
+Recipe          a model of yours for `meshtrain train|verify --model pkg.module:factory`
 
 Importing meshtrain loads none of these (nor torch) until one is used: the command line
 refuses a bad flag in a fraction of a second."""
@@ -36,6 +37,7 @@ _API = {
     "ROW": "meshtrain.parallel.tensor", "VOCAB": "meshtrain.parallel.tensor", "REGION": "meshtrain.parallel.tensor",
     "SEQUENCE": "meshtrain.parallel.tensor", "Fused": "meshtrain.parallel.tensor", "Heads": "meshtrain.parallel.tensor",
     "PipelinePlan": "meshtrain.parallel.pipeline.stages",
+    "Recipe": "meshtrain.recipe",
 }
 __all__ = sorted(_API)
 

@@ -18,6 +18,7 @@ import tempfile
 from pathlib import Path
 
 from meshtrain import config as C
+from meshtrain.recipe import is_user_model
 from meshtrain import launch
 from meshtrain.models.presets import MLPSpec
 from meshtrain.plan.shapes import shape_of
@@ -117,6 +118,9 @@ def _config_from(args) -> C.Config:
 
 
 def _check_command(cfg: C.Config, args) -> None:
+    if args.command == "bench" and is_user_model(cfg.model.name):
+        raise C.ConfigError(f"bench compares the presets with their PyTorch peers; --model {cfg.model.name} is your "
+                            f"own: use train or verify")
     if args.command == "train" and args.trace and cfg.layout.pp < 2:
         raise C.ConfigError(f"--trace records a pipeline's timeline; use --pp 2 or more (this run has pp={cfg.layout.pp})")
     if args.command == "bench":
@@ -145,6 +149,8 @@ def _check_build_fits_the_host(cfg: C.Config, local_ranks: int) -> None:
     parameters, 1/(tp·pp·dp) under ZeRO-3, in fp32 at least while drawing — so the host needs
     4 bytes a parameter of each local rank's part (a lower bound: gradients and moments come
     on top). A model that cannot fit is refused here, not by the kernel's OOM killer mid-build."""
+    if is_user_model(cfg.model.name):
+        return  # built whole on every rank, by the user's code: nothing to estimate from flags
     spec = cfg.model.spec()
     if isinstance(spec, MLPSpec):
         if cfg.train.data != "digits":
@@ -247,7 +253,8 @@ def _log(msg: str) -> None:
 
 def _prepare_data(cfg: C.Config) -> None:
     from meshtrain.data.datasets import prepare
-    prepare(cfg.train.data, cfg.model.name, cfg.train.vocab_size, cfg.train.seq_len, log=_log)
+    kind = "mlp" if cfg.train.data == "digits" else cfg.model.name  # images need no preparing
+    prepare(cfg.train.data, kind, cfg.train.vocab_size, cfg.train.seq_len, log=_log)
 
 
 def _launch_local(cfg: C.Config, args, argv: list[str]) -> int:

@@ -13,6 +13,7 @@ import tomllib
 from dataclasses import dataclass, field
 
 from meshtrain.models.presets import PRESETS, GPTSpec, MLPSpec, parse_widths, spec_of
+from meshtrain.recipe import is_user_model
 from meshtrain.parallel.options import GRAD_DTYPES, LINEAR_SYNCS, PRECISIONS, SCHEDULES, Strategies, parse_recompute
 
 RECOMPUTE = ("none", "full", "selective", "segments[:K]")
@@ -296,21 +297,25 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         raise ConfigError(f"--timeout {tr.timeout}: must be a positive number of seconds")
     if tr.warmup < 0 or tr.clip < 0:
         raise ConfigError(f"--warmup and --clip must not be negative (got {tr.warmup}, {tr.clip})")
-    if m.name not in PRESETS:
-        raise ConfigError(f"unknown model '{m.name}'; use --model {' | '.join(PRESETS)}")
+    user_model = is_user_model(m.name)
+    if user_model and m.dropout:
+        raise ConfigError(f"--dropout applies to the preset models; {m.name} has its own nn.Dropout: drop the flag")
+    if not user_model and m.name not in PRESETS:
+        raise ConfigError(f"unknown model '{m.name}'; use --model {' | '.join(PRESETS)}, or pkg.module:factory "
+                          f"for your own")
     if not 0 <= m.dropout < 1:
         raise ConfigError(f"--dropout {m.dropout}: use a probability in [0, 1)")
     if m.attention not in ATTENTIONS:
         raise ConfigError(f"unknown attention '{m.attention}'; use --attention {' | '.join(ATTENTIONS)}")
     if m.mlp_hidden:
-        if not isinstance(PRESETS[m.name], MLPSpec):
+        if user_model or not isinstance(PRESETS[m.name], MLPSpec):
             raise ConfigError(f"--mlp-hidden sets the widths of --model mlp, not {m.name}; drop it")
         try:
             parse_widths(m.mlp_hidden)
         except ValueError:
             raise ConfigError(f"--mlp-hidden {m.mlp_hidden}: give positive comma-separated widths, "
                               f"e.g. 1024,1024") from None
-    if m.dropout and not isinstance(PRESETS[m.name], GPTSpec):
+    if m.dropout and not user_model and not isinstance(PRESETS[m.name], GPTSpec):
         raise ConfigError(f"--dropout applies to the GPT models, not {m.name}; drop it")
     if lay.schedule not in SCHEDULES:
         raise ConfigError(f"unknown schedule '{lay.schedule}'; use --schedule {' | '.join(SCHEDULES)}")
@@ -342,6 +347,11 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     problem = schedule_or_batch_problem(lay, tr.batch_size)
     if problem:
         raise ConfigError(problem)
+    if user_model:  # its own checks run where it is built (meshtrain.parallelize: one line each)
+        if tr.data not in BUILTIN_DATA and not os.path.exists(tr.data):
+            raise ConfigError(f"--data {tr.data}: no such file or folder; use --data shakespeare, digits or a text path")
+        _reject_unbuilt(lay, tr)
+        return
     _validate_data(cfg)
     spec = m.spec()
     _validate_tensor_parallel(cfg, spec)
@@ -452,8 +462,8 @@ def _reject_unbuilt(lay: LayoutConfig, tr: TrainConfig) -> None:
 
 
 def tokens_per_sample(cfg: Config) -> int:
-    """Loss terms per sample: one per token for text, one per image for the MLP."""
-    return 1 if cfg.model.name == "mlp" else cfg.train.seq_len
+    """Loss terms per sample: one per token for text, one per image (the MLP, or digits)."""
+    return 1 if cfg.model.name == "mlp" or cfg.train.data == "digits" else cfg.train.seq_len
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:

@@ -131,11 +131,12 @@ def _rows(t) -> int:
     return t.shape[0] if torch.is_tensor(t) and t.dim() > 0 else 1
 
 
-def _split(batch, rows: slice):
+def take_rows(batch, rows: slice):
+    """Those rows of a tensor, of each tensor of a dict; anything else (None) as it is."""
     if batch is None:
         return None
     if isinstance(batch, dict):
-        return {k: _split(v, rows) for k, v in batch.items()}
+        return {k: take_rows(v, rows) for k, v in batch.items()}
     return batch[rows] if torch.is_tensor(batch) else batch
 
 
@@ -198,7 +199,7 @@ class Job:
             at = slice(mine.start + i * micro, mine.start + (i + 1) * micro)
             if p.dropout_keys is not None:
                 p.dropout_keys.use(self.steps, slice(offset + i * micro, offset + (i + 1) * micro))
-            x, y = self._to_device(_split(inputs, at)), self._to_device(_split(targets, at), cast=False)
+            x, y = self._to_device(take_rows(inputs, at)), self._to_device(take_rows(targets, at), cast=False)
             return x, (micro if self._loss.kind == "own" else y)
 
         with meter if meter is not None else nullcontext():  # the command line's activation meter

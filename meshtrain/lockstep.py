@@ -30,7 +30,8 @@ _LAYOUT_ONLY = ("zero", "sp", "tp_plan", "pipeline", "schedule", "chunks", "micr
 class VerifyReport:
     """`passed`: every lockstep check within tolerance; `worst`: the largest relative
     difference of each check, with where it was (`{"grad": (value, "step 1: fc.weight
-    gradient"), ...}`); `failures`: what failed, first first; `result`: every figure."""
+    gradient"), ...}`; under bf16 only `loss_curve`, the loss curve against fp32 one
+    process); `failures`: what failed, first first; `result`: every figure."""
     passed: bool
     worst: dict[str, tuple[float, str | None]]
     failures: list[str] = field(default_factory=list)
@@ -73,7 +74,10 @@ def verify(make_model: Callable[[], nn.Module], batches: Iterable, *, optimizer,
         reference = _reference(make_model, batches, layout, seed, optimizer=optimizer, loss_fn=loss_fn,
                                **{k: v for k, v in options.items() if k not in _LAYOUT_ONLY})
         result = compare(layout, reference)
-        worst = {k: (result[f"max_{k}_rel_diff"], result.get(f"worst_{k}")) for k in ("grad", "update", "step_loss")}
+        if result["curve_only"]:  # low precision: the loss curve against fp32, no lockstep
+            worst = {"loss_curve": (result["max_loss_rel_diff"], None)}
+        else:
+            worst = {k: (result[f"max_{k}_rel_diff"], result.get(f"worst_{k}")) for k in ("grad", "update", "step_loss")}
         verdict = VerifyReport(result["passed"], worst, result["failures"], result)
     return mesh.comm.all_gather_object(verdict)[0]
 

@@ -16,6 +16,7 @@ import torch
 from meshtrain.checkpoint import save_model
 from meshtrain.comm import Comm
 from meshtrain.config import Config, tokens_per_sample
+from meshtrain.recipe import is_user_model
 from meshtrain.generate import sample
 from meshtrain.metrics import peak_device_mib, peak_rss_mib, plot_losses
 from meshtrain.models import build_model
@@ -39,8 +40,11 @@ def gather(result: RunResult, comm: Comm) -> dict | None:
     return {"per_rank": per_rank, "state": state} if comm.mesh.is_main else None
 
 
-def flops_per_step(cfg: Config, data) -> float:
-    """Model FLOPs of one step on the global batch (the formula the planner uses)."""
+def flops_per_step(cfg: Config, data) -> float | None:
+    """Model FLOPs of one step on the global batch (the formula the planner uses; None for a
+    user's own model, which has no formula)."""
+    if is_user_model(cfg.model.name):
+        return None
     spec = cfg.model.spec()
     if isinstance(spec, GPTSpec):
         return gpt_flops_per_step(spec, data.vocab_size, cfg.train.batch_size, cfg.train.seq_len)
@@ -75,7 +79,7 @@ def summary_json(cfg: Config, result: RunResult, per_rank: list[dict], device: t
         "device": device_name(device),
         "model_flops_per_step": flops,
         # Model FLOPs per second over the devices' dense peak; None where the peak is unknown (CPUs).
-        "mfu": flops / median / (peak * cfg.layout.world_size) if peak else None,
+        "mfu": flops / median / (peak * cfg.layout.world_size) if peak and flops else None,
     }
 
 
@@ -91,7 +95,7 @@ def write(cfg: Config, result: RunResult, gathered: dict, device: torch.device, 
           f"median step {summary['step_time_median_s']:.3f} s, {summary['tokens_per_s']:,.0f} tokens/s{mfu}; "
           f"{result.n_params:,} parameters", file=human)
     print(f"wrote {out}/metrics.jsonl, {out}/loss.png and the model ({out}/model.safetensors)", file=human)
-    if hasattr(result.data, "decode"):
+    if hasattr(result.data, "decode") and not is_user_model(cfg.model.name):
         model = build_model(cfg.model.name, cfg.train.seed, vocab_size=result.data.vocab_size,
                             dropout=cfg.model.dropout, attention=cfg.model.attention)
         model.load_state_dict(gathered["state"])

@@ -21,13 +21,14 @@ from meshtrain.metrics import ActivationMeter, BuildMeter, LayerProbe, StepLog
 from meshtrain.models import build_model
 from meshtrain.models.init import init_spec
 from meshtrain.optim import adamw, set_lr
-from meshtrain.job import Job, _Loss, parallelize
+from meshtrain.job import Job, _Loss, cross_entropy, parallelize
 from meshtrain.loss import cross_entropy_sum
 from meshtrain.parallel.compose import Parallelized
 from meshtrain.parallel.compose import parallelize as apply_strategies
 from meshtrain.parallel.pipeline import stages
 from meshtrain.parallel.pipeline import trace as pipeline_trace
 from meshtrain.parallel.tensor import plan_for
+from meshtrain.recipe import RecipeData, is_user_model, load_recipe
 
 
 @dataclass
@@ -66,7 +67,8 @@ def build(cfg: Config, device):
 
 def _dataset(cfg: Config):
     tr = cfg.train
-    return open_dataset(tr.data, cfg.model.name, tr.vocab_size, tr.seq_len, tr.seed)
+    kind = "mlp" if tr.data == "digits" else "gpt"  # images, or token ids
+    return open_dataset(tr.data, kind, tr.vocab_size, tr.seq_len, tr.seed)
 
 
 def model_for(cfg: Config, data, device):
@@ -96,9 +98,11 @@ def setup(cfg: Config, comm: Comm, **sync_options) -> tuple[object, Job]:
     gradient synchroniser's, for the tests' probes)."""
     if comm.mesh.device.type == "cuda" and cfg.layout.precision == "fp32":
         exact_fp32_on_cuda()
-    data = _dataset(cfg)
-    lay, tr = cfg.layout, cfg.train
+    tr = cfg.train
     comm.mesh.attach(comm, seed=tr.seed)
+    if is_user_model(cfg.model.name):
+        return _setup_recipe(cfg, comm, sync_options)
+    data = _dataset(cfg)
     # No rank builds the whole model: the structure on `meta`, cut and sharded by the
     # strategies, then each rank draws only its part (`models.init`), under a meter of every
     # byte it allocates meanwhile.
@@ -106,16 +110,37 @@ def setup(cfg: Config, comm: Comm, **sync_options) -> tuple[object, Job]:
         model = model_for(cfg, data, "meta")
         job = parallelize(model, comm.mesh, optimizer=adamw(tr.lr, tr.weight_decay), loss_fn=cross_entropy_sum,
                           loss_reduction="sum", normalizer=loss_terms_per_step(cfg), init=init_spec(model, tr.seed),
-                          tp_plan=plan_for(cfg.model.name) if lay.tp > 1 else None,
-                          pipeline=stages.plan_for(cfg.model.spec()), clip_grad_norm=tr.clip,
-                          zero=lay.zero, precision=lay.precision, grad_dtype=lay.grad_dtype, recompute=lay.recompute,
-                          sp=lay.sp, schedule=lay.schedule, chunks=lay.chunks, microbatches=lay.microbatches,
-                          stage_layers=lay.stage_layer_counts(), bucket_mb=lay.bucket_mb,
-                          keep_gathered=lay.keep_gathered, dp_linear_sync=lay.dp_linear_sync,
-                          rows_per_step=tr.batch_size * tokens_per_sample(cfg), strict_p2p=strict_p2p_requested(),
-                          sync_options=sync_options)
+                          tp_plan=plan_for(cfg.model.name) if cfg.layout.tp > 1 else None,
+                          pipeline=stages.plan_for(cfg.model.spec()), **_layout_arguments(cfg, sync_options))
     job.parallel.build_peak_bytes = meter.peak
     return data, job
+
+
+def _setup_recipe(cfg: Config, comm: Comm, sync_options: dict) -> tuple[object, Job]:
+    """A user's model (`--model pkg.module:factory`): built whole on every rank from the seed."""
+    import torch
+
+    recipe, tr = load_recipe(cfg.model.name), cfg.train
+    data = RecipeData(recipe.batch) if recipe.batch is not None else _dataset(cfg)
+    with BuildMeter() as meter:
+        torch.manual_seed(tr.seed)
+        job = parallelize(recipe.make_model(), comm.mesh, optimizer=recipe.optimizer or adamw(tr.lr, tr.weight_decay),
+                          loss_fn=cross_entropy if recipe.loss_fn == "cross_entropy" else recipe.loss_fn, tp_plan=recipe.tp_plan if cfg.layout.tp > 1 else None,
+                          pipeline=recipe.pipeline, wrap=recipe.wrap, lr_scheduler=recipe.lr_scheduler,
+                          **_layout_arguments(cfg, sync_options))
+    job.parallel.build_peak_bytes = meter.peak
+    return data, job
+
+
+def _layout_arguments(cfg: Config, sync_options: dict) -> dict:
+    """`meshtrain.parallelize`'s arguments from the layout and training flags."""
+    lay, tr = cfg.layout, cfg.train
+    return dict(clip_grad_norm=tr.clip, zero=lay.zero, precision=lay.precision, grad_dtype=lay.grad_dtype,
+                recompute=lay.recompute, sp=lay.sp, schedule=lay.schedule, chunks=lay.chunks,
+                microbatches=lay.microbatches, stage_layers=lay.stage_layer_counts(), bucket_mb=lay.bucket_mb,
+                keep_gathered=lay.keep_gathered, dp_linear_sync=lay.dp_linear_sync,
+                rows_per_step=tr.batch_size * tokens_per_sample(cfg), strict_p2p=strict_p2p_requested(),
+                sync_options=sync_options)
 
 
 def job_for(p: Parallelized, cfg: Config) -> Job:
@@ -150,7 +175,8 @@ def train_step(job: Job, data, step: int, cfg: Config, *, observer: StepObserver
     """One optimizer step on the global batch of `step` (0-based); returns the global mean
     loss and whether the optimizer stepped (not when the gradient norm is not finite)."""
     tr = cfg.train
-    set_lr(job.optimizer, lr_at(step, tr))
+    if job.lr_scheduler is None:  # a user's recipe may bring its own
+        set_lr(job.optimizer, lr_at(step, tr))
     job.steps = step  # dropout masks are keyed by the step
     inputs, targets = data.batch(step, tr.batch_size, slice(0, tr.batch_size))
     loss = job.backward(inputs, targets, meter=meter)

@@ -23,8 +23,9 @@ class PlainRunner:
             for i in range(count):
                 inputs, targets = micro_batch(i)
                 with p.grad_sync.no_sync() if i < count - 1 else nullcontext():
-                    output = p.module(**inputs) if isinstance(inputs, dict) else p.module(inputs)
-                    loss = p.loss_fn(output, targets) / normalizer
+                    # the output is not kept past the loss: backward frees what it no longer needs
+                    loss = p.loss_fn(p.module(**inputs) if isinstance(inputs, dict) else p.module(inputs),
+                                     targets) / normalizer
                     (loss * p.loss_scale if p.loss_scale != 1 else loss).backward()
                 total += loss.detach()
         except BaseException:

@@ -185,6 +185,9 @@ def run(args, cfg: C.Config) -> int:
 
 
 def _run(args, cfg: C.Config) -> int:
+    if ":" in cfg.model.name:
+        raise PlanError(f"plan models the presets and shapes; --model {cfg.model.name} is your own: give the planner "
+                        f"a preset of its shape (--model NAME)")
     if args.calibrate:
         from meshtrain.plan.measured import calibrate_to
         return calibrate_to(args.machine or "machine.json")
