@@ -232,3 +232,20 @@ def test_a_key_bias_whose_gradient_is_rounding_is_judged_by_its_gradient():
     passed, failures, grad = run_ranks(_key_bias, 2, timeout=300)[0]
     assert passed, failures
     assert grad < 1e-5
+
+
+def test_the_strategies_do_not_import_the_command_lines_config():
+    """parallel/ takes its own typed options (parallel/options.py): none of its modules imports
+    meshtrain.config, so the strategies can be used without the command line's dataclasses."""
+    import ast
+    from pathlib import Path
+    root = Path(meshtrain.__file__).parent / "parallel"
+    offenders = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] + [f"{node.module}.{a.name}" for a in node.names]
+                     if isinstance(node, ast.ImportFrom) else [])
+            if any(n == "meshtrain.config" or n.startswith("meshtrain.config.") for n in names):
+                offenders.append(str(path.relative_to(root)))
+    assert len(list(root.rglob("*.py"))) > 10 and offenders == []
