@@ -225,6 +225,7 @@ def compare(layout: dict, reference: dict) -> dict:
     named (step, then tensor in model order); trajectory drift is reported alongside."""
     worst = {kind: (0.0, None) for kind in ("grad", "plain_grad", "update", "step_loss", "param")}
     failures = list(layout["problems"])
+    by_gradient: set[str] = set()  # tensors whose update was not judged: their gradient is below the floor
 
     def note(kind: str, value: float, step: int, where: str, tolerance: float | None):
         if value >= worst[kind][0]:
@@ -250,8 +251,11 @@ def compare(layout: dict, reference: dict) -> dict:
                 below_floor = ref["grads"][name].double().norm().item() < floors[name]
             # A gradient below the floor (zero up to rounding: a key bias under softmax) is
             # judged by the gradient check alone: Adam would magnify its rounding to a full step.
-            note("update", _rel(lay["post"][name] - pre[name], ref["post"][name] - pre[name]), step,
-                 f"step {step}: {name} update", None if below_floor else UPDATE_TOLERANCE)
+            if below_floor:
+                by_gradient.add(name)
+            else:
+                note("update", _rel(lay["post"][name] - pre[name], ref["post"][name] - pre[name]), step,
+                     f"step {step}: {name} update", UPDATE_TOLERANCE)
         note("step_loss", _rel_scalar(lay["loss"], ref["loss"]), step, f"step {step}: loss", STEP_LOSS_TOLERANCE)
         for name, ref_t in reference["trajectory"].get(step, {}).items():
             if name in lay["post"] and lay["post"][name].shape == ref_t.shape:
@@ -267,6 +271,7 @@ def compare(layout: dict, reference: dict) -> dict:
         "max_grad_rel_diff": worst["grad"][0], "worst_grad": worst["grad"][1],
         "max_grad_plain_rel_diff": worst["plain_grad"][0], "worst_plain_grad": worst["plain_grad"][1],
         "max_update_rel_diff": worst["update"][0], "worst_update": worst["update"][1],
+        "judged_by_gradient": sorted(by_gradient),
         "max_step_loss_rel_diff": worst["step_loss"][0],
         "max_loss_rel_diff": max(loss_diffs), "max_param_rel_diff": worst["param"][0], "worst_param": worst["param"][1],
         "drifted": max(loss_diffs) > DRIFT_TOLERANCE or worst["param"][0] > DRIFT_TOLERANCE,
@@ -297,6 +302,9 @@ def report(cfg: Config, result: dict, json_mode: bool) -> int:
               f"{result['max_grad_plain_rel_diff']:.2e}), max_update_rel_diff {result['max_update_rel_diff']:.2e} "
               f"(≤ {tol['update']:g}; largest: {result['worst_update']}), step losses "
               f"{result['max_step_loss_rel_diff']:.2e} (≤ {tol['step_loss']:g})", file=out)
+    if result["judged_by_gradient"]:
+        print(f"judged by their gradients alone (below {GRAD_FLOOR:g} of their share of the gradient norm, where "
+              f"Adam's update is rounding's sign): {', '.join(result['judged_by_gradient'])}", file=out)
     drift = "drifted beyond" if result["drifted"] else "within"
     print(f"trajectories (information; correct runs drift apart by rounding under Adam): max_loss_rel_diff "
           f"{result['max_loss_rel_diff']:.2e}, max_param_rel_diff {result['max_param_rel_diff']:.2e} "
@@ -307,7 +315,7 @@ def report(cfg: Config, result: dict, json_mode: bool) -> int:
     print(f"{verdict}: {cfg.model.name} with {cfg.layout.short()} vs one process, {cfg.train.steps} steps", file=out)
     if json_mode:
         keys = ("curve_only", "lockstep_steps", "max_grad_rel_diff", "worst_grad", "max_grad_plain_rel_diff", "worst_plain_grad",
-                "max_update_rel_diff", "worst_update",
+                "max_update_rel_diff", "worst_update", "judged_by_gradient",
                 "max_step_loss_rel_diff", "max_loss_rel_diff", "max_param_rel_diff", "worst_param", "drifted",
                 "tolerances", "first_failure", "failures", "passed", "losses")
         print(json.dumps({"steps": cfg.train.steps, "layout": cfg.layout.summary(),

@@ -193,3 +193,56 @@ def test_batch_dict_own_loss_bf16_recompute_and_zero3_units():
     assert seq_loss == pytest.approx(seq(torch.ones(4, D)).pow(2).mean().item(), rel=1e-6)
     assert wrapped_loss == pytest.approx(meshtrain.cross_entropy(make_model()(batches(1)[0][0]), batches(1)[0][1]).item(),
                                          rel=1e-6)
+
+
+def _fill(name, tensor, generator):
+    """A user's init for a meta-device model: normals everywhere, ones for the norms' weights."""
+    if ".ln" in name or name.startswith("norm."):
+        tensor.fill_(1.0 if name.endswith("weight") else 0.0)
+    else:
+        tensor.normal_(0.0, 0.05, generator=generator)
+
+
+def _meta_and_vocab_head(_harness):
+    out = {}
+    for name, axes, options in [("dp2-zero3", {"dp": 2}, {"zero": 3}), ("tp2", {"tp": 2}, {"tp_plan": PLAN})]:
+        mesh = meshtrain.init(**axes)
+        with torch.device("meta"):
+            model = make_model()
+        job = meshtrain.parallelize(model, mesh, optimizer=SGD, init=_fill, **options)
+        losses = [job.step(x, y).loss for x, y in batches(2)]
+        if mesh.is_main:
+            out[name] = losses
+    vocab = meshtrain.TensorPlan({**PLAN.styles, "embed.tok": meshtrain.VOCAB, "head": (meshtrain.REGION, meshtrain.COLUMN)},
+                                 vocab_parallel_loss=True)
+    mesh = meshtrain.init(tp=2)
+    job = meshtrain.parallelize(make_model(), mesh, optimizer=SGD, tp_plan=vocab)
+    x, y = batches(1)[0]
+    out["vocab logits"] = job.forward(x)
+    out["vocab loss"] = job.step(x, y).loss
+    return out
+
+
+def test_a_meta_device_model_with_a_users_init_and_a_vocabulary_parallel_head():
+    got = run_ranks(_meta_and_vocab_head, 2, timeout=300)[0]
+    from meshtrain.job import FunctionInit  # the reference draws the same values, whole
+    model = make_model()
+    spec = FunctionInit.of(model, _fill, seed=0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(spec.full_value(name))
+    opt = SGD(list(model.named_parameters()))
+    plain = []
+    for x, y in batches(2):
+        loss = meshtrain.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        plain.append(loss.item())
+    for name in ("dp2-zero3", "tp2"):
+        assert got[name] == pytest.approx(plain, rel=1e-5), (name, got[name], plain)
+    fresh = make_model()
+    x, y = batches(1)[0]
+    with torch.no_grad():
+        assert torch.allclose(got["vocab logits"], fresh(x), rtol=1e-4, atol=1e-5)  # gathered whole over tp
+    assert got["vocab loss"] == pytest.approx(meshtrain.cross_entropy(fresh(x), y).item(), rel=1e-5)
