@@ -278,6 +278,8 @@ class Job:
         """The model's output on `inputs` in evaluation mode (dropout off), without gradients.
         Under pipeline parallelism the output is on the last stage's ranks (None on the
         others); under a vocabulary-parallel head the logits are gathered whole over tp."""
+        if isinstance(inputs, dict) and self.mesh.size("pp") > 1:
+            raise ValueError("job.forward: a batch dict under pipeline parallelism; pass the input tensor")
         module, was_training = self.module, self.module.training
         module.eval()
         try:
@@ -460,6 +462,9 @@ def parallelize(model: nn.Module, mesh: Mesh, *, optimizer: OptimizerFactory, lo
         if pipeline is None:
             raise ValueError(f"pipeline: pp={mesh.size('pp')} needs a PipelinePlan (before, blocks, after)")
         pipeline.check(model, mesh.size("pp") * chunks)
+    if init is None and any(p.device.type == "meta" for p in model.parameters()):
+        raise ValueError("init: the model is on the meta device (no weights); pass init=fn(name, tensor, generator) "
+                         "that fills each parameter, or build the model on a real device")
     check_same_weights(model, mesh)
     if init is not None and not isinstance(init, InitSpec):
         init = FunctionInit.of(model, init, mesh.seed)

@@ -50,6 +50,9 @@ def _bad_inputs(_harness):
     refused("fused marked column", tp, optimizer=SGD,
             tp_plan=meshtrain.TensorPlan({**PLAN.styles, "blocks.*.attn.qkv": meshtrain.COLUMN}))
     refused("no tp plan", tp, optimizer=SGD)
+    with torch.device("meta"):
+        on_meta = make_model()
+    out["meta without init"] = (_refusal(meshtrain.parallelize, on_meta, tp, optimizer=SGD, tp_plan=PLAN), True)
     refused("vocab head, opaque loss", tp, optimizer=SGD, loss_fn=lambda o, y: o.sum(),
             tp_plan=meshtrain.TensorPlan({**PLAN.styles, "head": (meshtrain.REGION, meshtrain.COLUMN)},
                                          vocab_parallel_loss=True))
@@ -80,6 +83,7 @@ EXPECTED = {  # what each refusal must say (the argument it names, and the reaso
     "unsplittable": ["tp_plan: embed.tok", "nn.Linear"],
     "fused marked column": ["tp_plan: blocks.0.attn.qkv", "Fused"],
     "no tp plan": ["tp_plan:"],
+    "meta without init": ["init:", "meta device"],
     "vocab head, opaque loss": ["loss_fn:", "vocabulary-parallel"],
     "factory returns no optimizer": ["optimizer:", "NoneType"],
     "not element-wise under tp": ["optimizer: LBFGS"],
