@@ -92,6 +92,9 @@ class _Loss:
         if self.kind != "sum" and normalizer is not None:
             raise ValueError("normalizer: only with loss_reduction='sum' (a mean is normalised by its own terms)")
 
+    def __call__(self, output, targets) -> torch.Tensor:
+        return self.summed(output, targets)
+
     def summed(self, output, targets) -> torch.Tensor:
         """The micro-batch's loss as a sum over its terms (`targets`: the row count for "own")."""
         if self.kind == "ce":
@@ -186,11 +189,8 @@ class Job:
         if isinstance(inputs, dict) and mesh.size("pp") > 1:
             raise ValueError("a batch dict under pipeline parallelism: pass inputs and targets tensors (the stages "
                              "send one tensor between them)")
-        n = _batch_rows(inputs)
-        offset, count = self._rows_of(inputs, targets, n, rows)
-        local = n if rows == "local" else n // mesh.size("dp")
-        micro = local // m
-        mine = slice(0, local) if rows == "local" else mesh.rows(n)
+        mine, offset, count = self._rows_of(inputs, targets, _batch_rows(inputs), rows)
+        micro = (mine.stop - mine.start) // m
         if self._pipeline is not None and mesh.size("pp") > 1:
             x = inputs[:micro]
             set_micro_shape(p, self._pipeline, micro, x.shape[1] if x.dim() > 1 else 1, self.options.sp)
@@ -227,16 +227,17 @@ class Job:
         self.steps += 1
         return StepOutput(loss=loss, grad_norm=norm, lr=lr, stepped=stepped)
 
-    def _rows_of(self, inputs, targets, n: int, rows: str) -> tuple[int, float]:
-        """(this rank's first row in the global batch, the global count of loss terms), with
-        one line for a batch the layout cannot split."""
+    def _rows_of(self, inputs, targets, n: int, rows: str) -> tuple[slice, int, float]:
+        """(this rank's rows of what it was passed, where they start in the global batch, the
+        global count of loss terms), with one line for a batch the layout cannot split."""
         mesh, m = self.mesh, self.options.microbatches
         dp = mesh.size("dp")
         if rows == "global":
             if n % (dp * m):
                 raise ValueError(f"a global batch of {n} rows does not split into dp·microbatches = {dp}·{m}; "
                                  f"pass a multiple of {dp * m} rows")
-            return mesh.rows(n).start, self._loss.count(targets, n)
+            mine = mesh.rows(n)
+            return mine, mine.start, self._loss.count(targets, n)
         if rows != "local":
             raise ValueError(f"rows={rows!r}: use 'global' (every rank passes the global batch) or 'local'")
         if n % m:
@@ -257,7 +258,7 @@ class Job:
                              "batch[mesh.rows(global_batch_size)], or rows='global' with the whole batch")
         count = torch.tensor(self._loss.count(targets, n), dtype=torch.float64, device=mesh.device)
         self.parallel.comm.all_reduce(count, "dp", purpose=METRICS)
-        return mesh.coord("dp") * n, count.item()
+        return slice(0, n), mesh.coord("dp") * n, count.item()
 
     def _to_device(self, batch, cast: bool = True):
         """On this rank's device; floating tensors in the compute dtype (inputs only)."""
@@ -299,9 +300,8 @@ class Job:
         sends it on (one grouped transfer at a time, which NCCL cannot deadlock)."""
         runner, mesh = self.parallel.runner, self.mesh
         stage = runner.stage
-        shape = self._pipeline.activation_shape(x.shape[0], x.shape[1] if x.dim() > 1 else 1)
-        if self.options.sp:
-            shape = self._pipeline.activation_shape(x.shape[0], (x.shape[1] if x.dim() > 1 else 1) // mesh.size("tp"))
+        seq = x.shape[1] if x.dim() > 1 else 1
+        shape = self._pipeline.activation_shape(x.shape[0], seq // mesh.size("tp") if self.options.sp else seq)
         out = None
         pp = mesh.size("pp")
         for v in range(stage.last_virtual + 1):
@@ -469,16 +469,7 @@ def parallelize(model: nn.Module, mesh: Mesh, *, optimizer: OptimizerFactory, lo
     if init is not None and not isinstance(init, InitSpec):
         init = FunctionInit.of(model, init, mesh.seed)
     parallel = apply_strategies(model, mesh.comm, options, optimizer=optimizer, seed=mesh.seed, plan=tp_plan,
-                                pipeline=pipeline, loss_fn=_summed(loss), wrap=wrap, init=init,
+                                pipeline=pipeline, loss_fn=loss, wrap=wrap, init=init,
                                 rows_per_step=rows_per_step, **(sync_options or {}))
     parallel.vocab_sharded = bool(tp_plan is not None and tp_plan.vocab_parallel_loss)
     return Job(parallel, mesh, loss, options, pipeline, clip_grad_norm, lr_scheduler)
-
-
-def _summed(loss: _Loss):
-    """The loss in the form the runners add up; it names its ignored target (for the
-    vocabulary-parallel cross-entropy)."""
-    def summed(output, targets):
-        return loss.summed(output, targets)
-    summed.ignore_index = loss.ignore_index
-    return summed

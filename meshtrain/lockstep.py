@@ -19,7 +19,7 @@ import torch.nn as nn
 
 from meshtrain.job import Job, cross_entropy, parallelize
 from meshtrain.mesh import Mesh
-from meshtrain.verifier import check_pieces, compare, lockstep_steps
+from meshtrain.verifier import LayoutRecorder, compare, lockstep_steps
 
 # What the reference run takes from the layout's arguments: nothing that splits the model.
 _LAYOUT_ONLY = ("zero", "sp", "tp_plan", "pipeline", "schedule", "chunks", "microbatches", "recompute", "precision",
@@ -83,28 +83,20 @@ def verify(make_model: Callable[[], nn.Module], batches: Iterable, *, optimizer,
 
 
 def _record(job: Job, batches: list, sampled: list[int]) -> dict:
-    """Collective: the layout's losses and, at each sampled step, its full state before, its
-    synchronised gradients, its learning rates and its weights after (on rank 0)."""
-    p, main = job.parallel, job.mesh.is_main
-    curve_only = job.options.precision != "fp32"
-    steps, problems, losses = {}, [], []
-    for i, (inputs, targets) in enumerate(batches):
-        step = i + 1
-        check = step in sampled and not curve_only
-        pre = p.full_state_dict() if check else None
+    """Collective: the layout's losses and, at each sampled step, what `meshtrain verify`
+    records (`verifier.LayoutRecorder`) and the learning rates the step used (on rank 0)."""
+    p, curve_only = job.parallel, job.options.precision != "fp32"
+    recorder, losses = LayoutRecorder([] if curve_only else sampled, job.mesh.is_main), []
+    for step, (inputs, targets) in enumerate(batches, start=1):
+        recorder.before_step(p, step)
         loss = job.backward(inputs, targets)
-        if check:
-            grads = p.full_grads()
-            problems += check_pieces(p, grads, "gradient", step, use_grad=True)
-            lrs = [g["lr"] for g in job.optimizer.param_groups]
+        recorder.grads_ready(p, step)
+        if step in recorder.steps:
+            recorder.keep(step, lrs=[g["lr"] for g in job.optimizer.param_groups])
         job.update(loss)
+        recorder.after_step(p, step, loss)
         losses.append(loss)
-        if check:
-            post = p.full_state_dict(with_optimizer=False)["model"]
-            problems += check_pieces(p, post, "weights", step, use_grad=False)
-            if main:
-                steps[step] = {"pre": pre, "grads": grads, "post": post, "loss": loss, "lrs": lrs}
-    return {"losses": losses, "steps": steps, "problems": problems, "curve_only": curve_only}
+    return {"losses": losses, "steps": recorder.records, "problems": recorder.problems, "curve_only": curve_only}
 
 
 def _reference(make_model, batches: list, layout: dict, seed: int, **options) -> dict:

@@ -84,35 +84,35 @@ def reference_config(cfg: Config) -> Config:
     return ref
 
 
-class _LayoutRecorder(StepObserver):
+class LayoutRecorder(StepObserver):
     """At each sampled step: the full state before, the synchronised gradients, the weights
     after (kept on rank 0 only), and every rank's pieces checked against them."""
 
     def __init__(self, steps: list[int], is_main: bool):
         self.steps, self.is_main, self.records, self.problems = set(steps), is_main, {}, []
 
-    def _keep(self, step: int, **parts) -> None:
+    def keep(self, step: int, **parts) -> None:
         if self.is_main:
             self.records.setdefault(step, {}).update(parts)
 
     def before_step(self, p, step):
         if step in self.steps:
-            self._keep(step, pre=p.full_state_dict())
+            self.keep(step, pre=p.full_state_dict())
 
     def grads_ready(self, p, step):
         if step in self.steps:
             grads = p.full_grads()
-            self._keep(step, grads=grads)
-            self.problems += check_pieces(p, grads, "gradient", step, use_grad=True)
+            self.keep(step, grads=grads)
+            self.problems += _check_pieces(p, grads, "gradient", step, use_grad=True)
 
     def after_step(self, p, step, loss):
         if step in self.steps:
             post = p.full_state_dict(with_optimizer=False)["model"]
-            self._keep(step, post=post, loss=loss)
-            self.problems += check_pieces(p, post, "weights", step, use_grad=False)
+            self.keep(step, post=post, loss=loss)
+            self.problems += _check_pieces(p, post, "weights", step, use_grad=False)
 
 
-def check_pieces(p, full: dict[str, torch.Tensor], what: str, step: int,
+def _check_pieces(p, full: dict[str, torch.Tensor], what: str, step: int,
                   use_grad: bool) -> list[tuple[int, str]]:
     """Collective. Every rank fingerprints its piece of each tensor; rank 0 compares each
     fingerprint with that part of the full tensor and returns what differs."""
@@ -142,7 +142,7 @@ def check_pieces(p, full: dict[str, torch.Tensor], what: str, step: int,
 def record(cfg: Config, comm: Comm, label: str) -> dict | None:
     """Run the layout (every rank calls this); rank 0 returns its losses and, per sampled
     step, the full state before, the gradients, the weights after, and the problems found."""
-    recorder = _LayoutRecorder([] if curve_only(cfg) else lockstep_steps(cfg.train.steps), comm.mesh.is_main)
+    recorder = LayoutRecorder([] if curve_only(cfg) else lockstep_steps(cfg.train.steps), comm.mesh.is_main)
     result = train(cfg, comm, observer=recorder, progress=label)
     if not comm.mesh.is_main:
         return None

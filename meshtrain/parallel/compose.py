@@ -196,6 +196,7 @@ def parallelize(model: nn.Module, comm: Comm, options: Strategies, *, optimizer:
     tokens), for `dp_linear_sync="auto"`'s byte counts. `wrap`: the modules ZeRO-3 gathers
     one at a time (FSDP2-style); by default each child of the block list."""
     mesh, factory = comm.mesh, optimizer
+    ignore_index = getattr(loss_fn, "ignore_index", -100)  # the target a vocabulary-parallel loss skips
     n_params = sum(p.numel() for p in model.parameters())
     check_optimizer(factory, model, elementwise=bool(options.zero and mesh.size("dp") > 1) or mesh.size("tp") > 1)
     # Mixed precision first: every strategy below then holds, sends and shards bf16 tensors.
@@ -225,7 +226,7 @@ def parallelize(model: nn.Module, comm: Comm, options: Strategies, *, optimizer:
             raise ValueError("tensor parallelism needs a plan for this model (module names to styles)")
         whole = apply_plan(model, plan, comm, sp=options.sp)
         if plan.vocab_parallel_loss:  # a cross-entropy (the caller checks), over logits sharded by vocabulary
-            loss_fn = vocab_parallel_cross_entropy_sum(comm, ignore_index=getattr(loss_fn, "ignore_index", -100))
+            loss_fn = vocab_parallel_cross_entropy_sum(comm, ignore_index=ignore_index)
     # Zero-bubble: the stage's linear layers (as the plan made them) keep their weight
     # gradients for the weight pass.
     if mesh.size("pp") > 1 and options.schedule == "zb":

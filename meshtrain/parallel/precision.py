@@ -29,7 +29,6 @@ def fp32_loss(loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
     would lose the small probabilities)."""
     def loss(output, targets):
         return loss_fn(output.float() if torch.is_tensor(output) else output, targets)
-    loss.ignore_index = getattr(loss_fn, "ignore_index", -100)
     return loss
 
 

@@ -329,7 +329,6 @@ def vocab_parallel_cross_entropy_sum(comm: Comm, ignore_index: int = -100):
     def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return _VocabParallelCrossEntropy.apply(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), comm,
                                                 ignore_index)
-    loss.ignore_index = ignore_index
     return loss
 
 
