@@ -182,6 +182,19 @@ def _available_host_bytes() -> int | None:
     return None
 
 
+def _check_resume_source(tr: C.TrainConfig) -> None:
+    """--resume and --resume-from name a checkpoint that exists (whether it is good, the
+    ranks decide together once started)."""
+    from meshtrain.checkpoint.folders import COMPLETE, steps_in_local
+    if tr.resume_from and not (Path(tr.resume_from) / COMPLETE).is_file():
+        what = "does not exist" if not Path(tr.resume_from).exists() else f"has no {COMPLETE} marker"
+        raise C.ConfigError(f"--resume-from {tr.resume_from}: {what}; give a checkpoint folder (OUT/step-N, "
+                            f"written by --save-every)")
+    if tr.resume and not steps_in_local(Path(tr.out)):
+        raise C.ConfigError(f"--resume: {tr.out} holds no checkpoint (step-N folders written with --save-every N); "
+                            f"start without --resume, or name one with --resume-from")
+
+
 def _check_out_writable(out: str) -> None:
     """Before any work: a run whose results cannot be saved is refused, not lost at the end."""
     try:
@@ -219,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
         speaks = renv.rank == 0 if renv else cfg.layout.world_size == 1  # rank 0 reports, once
         if args.command == "train" and (renv is None or renv.rank == 0):
             _check_out_writable(cfg.train.out)
+        if args.command == "train":
+            _check_resume_source(cfg.train)
         for warning in C.warnings(cfg, args.command) if speaks else []:
             print(f"meshtrain: warning: {warning}", file=sys.stderr)
         # From a shell the local ranks are all ours: check the GPUs before starting them.
@@ -286,8 +301,18 @@ def _run_here(cfg, args, renv, device) -> int:
         launch.init_distributed(renv, device, timeout_s=max(C.START_TIMEOUT_S, cfg.train.timeout),
                                 trace_dir=cfg.train.out)
         mesh = Mesh.build(cfg.layout.pp, cfg.layout.dp, cfg.layout.tp, device)
+    from meshtrain.checkpoint.sharded import CheckpointError
+    from meshtrain.train import NonFinite
     try:
         after = _COMMANDS[args.command](cfg, Comm(mesh), args)
+    except (CheckpointError, NonFinite) as e:  # every rank raises it alike: rank 0 says it
+        if mesh.is_main:
+            print(f"meshtrain: error: {e}", file=sys.stderr)
+        code = 2 if isinstance(e, CheckpointError) else 1
+        if renv is None:
+            return code
+        launch.shutdown_distributed()
+        return launch.finish(code)
     except Exception as e:
         if renv is None or not launch.is_peer_failure(e):
             raise
@@ -433,7 +458,7 @@ def _schedule_against_trace(args) -> int:
 
 
 def _generate(args) -> int:
-    from meshtrain.checkpoint import load_model
+    from meshtrain.checkpoint.weights import load_model
     from meshtrain.generate import sample
 
     bad = [(args.tokens < 0, f"--tokens {args.tokens}: must not be negative"),

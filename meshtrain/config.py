@@ -103,7 +103,11 @@ class TrainConfig:
     seed: int = 0
     device: str = "auto"  # auto: CUDA when present (one GPU per local rank), else CPU
     out: str = "runs/latest"
-    resume: bool = False
+    resume: bool = False  # from the latest good checkpoint in `out`
+    resume_from: str | None = None  # from this checkpoint folder
+    save_every: int | None = None  # a sharded checkpoint every N steps (and at the end)
+    keep: int | None = None  # the newest K checkpoints kept (None: all)
+    skip_nonfinite: bool = False  # a non-finite loss or gradient norm skips the step (default: stops the run)
     vocab_size: int = 2048  # BPE vocabulary trained on the corpus; 256 means the byte tokenizer
     sample_tokens: int = 120
     # Seconds a collective may wait before the job fails (every rank, every mesh group), once
@@ -173,7 +177,14 @@ FLAGS = [
     ("--seed", "train", "seed", int, "seed of weights and batches"),
     ("--device", "train", "device", str, "|".join(DEVICES) + " (auto: CUDA when present, one GPU per local rank)"),
     ("--out", "train", "out", str, "output folder (metrics.jsonl, loss.png, model)"),
-    ("--resume", "train", "resume", bool, "resume from OUT (not in this version yet)"),
+    ("--resume", "train", "resume", bool, "resume from the latest good checkpoint in OUT, in any layout"),
+    ("--resume-from", "train", "resume_from", str, "resume from this checkpoint folder (a step-N of any run "
+     "of the same model and global batch, in any layout)"),
+    ("--save-every", "train", "save_every", int, "write a sharded checkpoint OUT/step-N every N steps and at "
+     "the end (every rank writes what it owns)"),
+    ("--keep", "train", "keep", int, "keep the newest K checkpoints (default: all)"),
+    ("--skip-nonfinite", "train", "skip_nonfinite", bool, "skip (and count) a step whose loss or gradient norm "
+     "is not finite, instead of stopping the run"),
     ("--vocab-size", "train", "vocab_size", int, "BPE vocabulary size (256: byte tokenizer)"),
 ]
 
@@ -279,9 +290,9 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     m, lay, tr = cfg.model, cfg.layout, cfg.train
     for section, name in [("layout", "dp"), ("layout", "tp"), ("layout", "pp"), ("layout", "chunks"),
                           ("layout", "microbatches"), ("train", "steps"), ("train", "batch_size"),
-                          ("train", "seq_len")]:
+                          ("train", "seq_len"), ("train", "save_every"), ("train", "keep")]:
         value = getattr(getattr(cfg, section), name)
-        if value is not None and value < 1:  # only dp may be unset (None) here
+        if value is not None and value < 1:  # only dp and the checkpoint flags may be unset (None) here
             raise ConfigError(f"{_flag_of(section, name)} {value}: must be a positive integer")
     fill_dp(lay, world_size)
     strict_p2p_requested()
@@ -455,7 +466,9 @@ def schedule_or_batch_problem(lay: LayoutConfig, batch_size: int) -> str | None:
 
 def _reject_unbuilt(lay: LayoutConfig, tr: TrainConfig) -> None:
     """Strategies that later issues add. Refuse them plainly rather than run something else."""
-    unbuilt = [(tr.resume, "--resume", "resuming from a checkpoint", "no --resume")]
+    if tr.resume and tr.resume_from:
+        raise ConfigError("--resume and --resume-from both say where to resume from; give one")
+    unbuilt: list[tuple[bool, str, str, str]] = []
     for bad, flag, what, fix in unbuilt:
         if bad:
             raise ConfigError(f"{flag}: {what} is not in this version of meshtrain yet; use {fix}")

@@ -14,6 +14,7 @@ import math
 import sys
 from contextlib import nullcontext
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -47,11 +48,13 @@ class StepOutput:
     """What one `job.step` did: `loss`, the global batch's mean (the same on every rank);
     `grad_norm`, the global gradient norm before clipping; `lr`, the learning rate the step
     used (the first parameter group's); `stepped`, False when the norm was not finite and
-    the update was skipped."""
+    the update was skipped; `nonfinite`, then the first weight or gradient that is not
+    finite (by the one-process name)."""
     loss: float
     grad_norm: float
     lr: float | None
     stepped: bool
+    nonfinite: str | None = None
 
 
 class _Loss:
@@ -215,17 +218,19 @@ class Job:
         p = self.parallel
         norm = clip_grad_norm_(p.trained, self.clip_grad_norm or 0.0, p.comm)
         lr = self.optimizer.param_groups[0].get("lr") if self.optimizer.param_groups else None
-        stepped = math.isfinite(norm)
+        stepped, nonfinite = math.isfinite(norm), None
         if stepped:
             p.optimizer.step()
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
-        elif self.mesh.is_main:
-            print(f"meshtrain: warning: step {self.steps + 1}: the gradient norm is not finite; step skipped",
-                  file=sys.stderr)
+        else:
+            nonfinite = first_nonfinite(p)
+            if self.mesh.is_main:
+                print(f"meshtrain: warning: step {self.steps + 1}: the gradient norm is not finite "
+                      f"(first: {nonfinite}); step skipped", file=sys.stderr)
         p.zero_grad()
         self.steps += 1
-        return StepOutput(loss=loss, grad_norm=norm, lr=lr, stepped=stepped)
+        return StepOutput(loss=loss, grad_norm=norm, lr=lr, stepped=stepped, nonfinite=nonfinite)
 
     def _rows_of(self, inputs, targets, n: int, rows: str) -> tuple[slice, int, float]:
         """(this rank's rows of what it was passed, where they start in the global batch, the
@@ -342,15 +347,35 @@ class Job:
         if self.lr_scheduler is not None and "lr_scheduler" in state:
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])
 
-    def save(self, directory) -> None:
-        """Collective: the full state into `directory` (written by rank 0; `checkpoint.save_job`)."""
-        from meshtrain.checkpoint import save_job
-        save_job(self, directory)
+    def save(self, directory, **meta) -> None:
+        """Collective: a sharded checkpoint in `directory` (every rank writes what it owns;
+        written whole or not at all; `checkpoint.sharded`). `meta`: JSON-able facts to keep
+        beside the state (read back by `load`)."""
+        from meshtrain.checkpoint.sharded import save_checkpoint
+        scheduler = self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None
+        save_checkpoint(self.parallel, Path(directory), {**meta, "steps": self.steps, "lr_scheduler": scheduler})
 
-    def load(self, directory) -> None:
-        """Collective: the state `save` wrote, in any layout (each rank keeps its part)."""
-        from meshtrain.checkpoint import load_job
-        load_job(self, directory)
+    def load(self, directory, *, check: bool = True) -> dict:
+        """Collective: the state `save` wrote, in any layout (each rank reads only the parts it
+        keeps); returns the facts saved beside it. The folder's checksums are verified first
+        unless `check=False` (the caller just did)."""
+        from meshtrain.checkpoint.sharded import load, load_checkpoint
+        meta = (load_checkpoint if check else load)(self.parallel, Path(directory))
+        self.steps = meta["steps"]
+        if self.lr_scheduler is not None and meta.get("lr_scheduler") is not None:
+            self.lr_scheduler.load_state_dict(meta["lr_scheduler"])
+        return meta
+
+
+def first_nonfinite(p: Parallelized) -> str | None:
+    """Collective: the first weight that holds an inf or a NaN, else the first gradient that
+    does (in rank order, then this rank's order), as "weight NAME" or "the gradient of NAME"."""
+    pieces = p.local_pieces()
+    bad = lambda t: t is not None and not bool(torch.isfinite(t).all())  # noqa: E731
+    mine = [next((f"weight {x.name}" for x in pieces if bad(x.value)), None),
+            next((f"the gradient of {x.name}" for x in pieces if bad(x.grad)), None)]
+    found = p.comm.all_gather_object(mine)
+    return next((rank[i] for i in (0, 1) for rank in found if rank[i] is not None), None)
 
 
 class FunctionInit:

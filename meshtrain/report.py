@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from meshtrain.checkpoint import save_model
+from meshtrain.checkpoint.weights import save_model
 from meshtrain.comm import Comm
 from meshtrain.config import Config, tokens_per_sample
 from meshtrain.recipe import is_user_model
@@ -58,6 +58,7 @@ def summary_json(cfg: Config, result: RunResult, per_rank: list[dict], device: t
     return {
         "steps": len(result.losses),
         "losses": result.losses,
+        "first_step": result.first_step,  # 1, or the step after the checkpoint a resumed run began from
         "final_loss": result.losses[-1],
         "step_time_median_s": median,
         "tokens_per_s": cfg.train.batch_size * tokens_per_sample(cfg) / median,

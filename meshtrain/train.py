@@ -9,8 +9,10 @@ gradients. A step whose gradient norm is not finite is skipped, with a warning."
 
 from __future__ import annotations
 
+import math
 import sys
 import time
+from pathlib import Path
 from dataclasses import dataclass, field
 
 from meshtrain import launch
@@ -21,7 +23,7 @@ from meshtrain.metrics import ActivationMeter, BuildMeter, LayerProbe, StepLog
 from meshtrain.models import build_model
 from meshtrain.models.init import init_spec
 from meshtrain.optim import adamw, set_lr
-from meshtrain.job import Job, _Loss, cross_entropy, parallelize
+from meshtrain.job import Job, StepOutput, _Loss, cross_entropy, parallelize
 from meshtrain.loss import cross_entropy_sum
 from meshtrain.parallel.compose import Parallelized
 from meshtrain.parallel.compose import parallelize as apply_strategies
@@ -45,6 +47,11 @@ class RunResult:
     skipped_steps: list[int] = field(default_factory=list)
     trace: dict | None = None  # `train --trace`: the pipeline's measured timeline (rank 0)
     comm_detail_per_step: dict[str, dict[str, int]] = field(default_factory=dict)  # axis -> collective -> bytes
+    first_step: int = 1  # the step `losses` begin at (later when resumed)
+
+
+class NonFinite(RuntimeError):
+    """A step's loss or gradient norm was not finite (every rank raises it alike)."""
 
 
 class StepObserver:
@@ -171,9 +178,9 @@ def loss_terms_per_step(cfg: Config) -> int:
 
 
 def train_step(job: Job, data, step: int, cfg: Config, *, observer: StepObserver | None = None,
-               meter: ActivationMeter | None = None) -> tuple[float, bool]:
-    """One optimizer step on the global batch of `step` (0-based); returns the global mean
-    loss and whether the optimizer stepped (not when the gradient norm is not finite)."""
+               meter: ActivationMeter | None = None) -> StepOutput:
+    """One optimizer step on the global batch of `step` (0-based): its global mean loss,
+    and whether the optimizer stepped (not when the gradient norm is not finite)."""
     tr = cfg.train
     if job.lr_scheduler is None:  # a user's recipe may bring its own
         set_lr(job.optimizer, lr_at(step, tr))
@@ -182,8 +189,7 @@ def train_step(job: Job, data, step: int, cfg: Config, *, observer: StepObserver
     loss = job.backward(inputs, targets, meter=meter)
     if observer:
         observer.grads_ready(job.parallel, step + 1)
-    out = job.update(loss)
-    return out.loss, out.stepped
+    return job.update(loss)
 
 
 def train(cfg: Config, comm: Comm, *, observer: StepObserver | None = None, progress: str | None = None,
@@ -194,6 +200,7 @@ def train(cfg: Config, comm: Comm, *, observer: StepObserver | None = None, prog
     if mesh.is_main:
         for note in p.notes:
             print(f"meshtrain: {note}", file=sys.stderr)
+    start = resume(job, cfg)
     recorder = pipeline_trace.Recorder(mesh.device) if trace else None
     if recorder:
         p.runner.recorder = recorder
@@ -201,19 +208,20 @@ def train(cfg: Config, comm: Comm, *, observer: StepObserver | None = None, prog
     bar = None
     if progress and mesh.is_main:
         from tqdm import tqdm
-        bar = tqdm(total=tr.steps, desc=progress, file=sys.stderr, unit="step", dynamic_ncols=True)
+        bar = tqdm(total=tr.steps, initial=start, desc=progress, file=sys.stderr, unit="step", dynamic_ncols=True)
 
     meter = ActivationMeter()
     probe = LayerProbe(p.module, meter)
     losses, times, comm_per_step, comm_detail, skipped = [], [], {}, {}, []
-    for step in range(tr.steps):
+    for step in range(start, tr.steps):
         if observer:
             observer.before_step(p, step + 1)
         sent_before = comm.detailed_totals()
         t0 = time.perf_counter()
         # The activation peak is measured on the first step (the meter costs Python time per op).
-        loss, stepped = train_step(job, data, step, cfg, observer=observer, meter=meter if step == 0 else None)
-        if step == 0:
+        out = train_step(job, data, step, cfg, observer=observer, meter=meter if step == start else None)
+        loss = out.loss
+        if step == start:
             probe.close()
             launch.set_collective_timeout(mesh, tr.timeout)  # built and stepped once: the steady bound
         dt = time.perf_counter() - t0
@@ -221,7 +229,11 @@ def train(cfg: Config, comm: Comm, *, observer: StepObserver | None = None, prog
         comm_per_step = {axis: sum(kinds.values()) for axis, kinds in comm_detail.items()}
         losses.append(loss)
         times.append(dt)
-        if not stepped:  # the job has said so
+        if not (out.stepped and math.isfinite(loss)):
+            if not tr.skip_nonfinite:
+                raise NonFinite(f"step {step + 1}: the loss is {loss:g} and the gradient norm {out.grad_norm:g}"
+                                + (f"; the first tensor that is not: {out.nonfinite}" if out.nonfinite else "")
+                                + "; lower --lr, or pass --skip-nonfinite to skip such steps")
             skipped.append(step + 1)
         if observer:
             observer.after_step(p, step + 1, loss)
@@ -231,17 +243,72 @@ def train(cfg: Config, comm: Comm, *, observer: StepObserver | None = None, prog
         if step_log is not None:
             step_log.write({"step": step + 1, "loss": loss, "lr": lr_at(step, tr), "step_time_s": dt,
                             "tokens_per_s": tokens_per_step / dt})
+        if tr.save_every and ((step + 1) % tr.save_every == 0 or step + 1 == tr.steps):
+            save(job, cfg, step + 1)
     if bar is not None:
         bar.close()
     for axis in ("dp", "tp", "pp"):
         comm_per_step.setdefault(axis, 0)
         comm_detail.setdefault(axis, {})
     traced = _gather_trace(cfg, comm, p.runner, recorder) if recorder else None
-    return RunResult(losses=losses, step_times=times, n_params=p.n_params,
+    return RunResult(losses=losses, step_times=times, n_params=p.n_params, first_step=start + 1,
                      model_state=p.model_state_bytes(), activation_bytes=meter.peak,
                      activation_bytes_per_layer=probe.bytes,
                      comm_per_step=comm_per_step, parallel=p, data=data, skipped_steps=skipped, trace=traced,
                      comm_detail_per_step=comm_detail)
+
+
+# ---- checkpoints ----------------------------------------------------------------------------
+
+def run_identity(cfg: Config) -> dict:
+    """What a resumed run must share with the run that saved: the model, the data and the
+    global batch (the step is then the position in the data); the layout may differ."""
+    tr = cfg.train
+    return {"model": cfg.model.name, "data": tr.data, "vocab_size": tr.vocab_size, "batch_size": tr.batch_size,
+            "seq_len": tr.seq_len, "seed": tr.seed, "dropout": cfg.model.dropout}
+
+
+def save(job: Job, cfg: Config, step: int) -> None:
+    """Collective: the sharded checkpoint OUT/step-N; then the oldest beyond --keep removed."""
+    from meshtrain.checkpoint import folders
+    out = Path(cfg.train.out)
+    t0 = time.perf_counter()
+    job.save(folders.step_dir(out, step), run=run_identity(cfg), layout_flags=cfg.layout.short())
+    if cfg.train.keep:
+        folders.prune(out, cfg.train.keep, job.parallel.comm)
+    if job.mesh.is_main:
+        print(f"meshtrain: saved {folders.step_dir(out, step)} in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+
+
+def resume(job: Job, cfg: Config) -> int:
+    """Collective: with --resume or --resume-from, load the checkpoint (any layout's) and
+    return its step; else 0. Refuses another model, data or global batch in one line."""
+    from meshtrain.checkpoint import folders
+    from meshtrain.checkpoint.sharded import CheckpointError, read_meta
+    tr, comm = cfg.train, job.parallel.comm
+    if not (tr.resume or tr.resume_from):
+        return 0
+    say = (lambda msg: print(f"meshtrain: {msg}", file=sys.stderr)) if job.mesh.is_main else (lambda msg: None)
+    if tr.resume_from:
+        folder = Path(tr.resume_from)
+        problem = folders.check(folder, comm)
+        if problem is not None:
+            raise CheckpointError(f"--resume-from {folder}: {problem}")
+    else:
+        folder = folders.latest_good(Path(tr.out), comm, say)
+        if folder is None:
+            raise CheckpointError(f"--resume: no good checkpoint in {tr.out} (write them with --save-every N)")
+    saved, mine = read_meta(folder).get("run", {}), run_identity(cfg)
+    for key in mine:
+        if key in saved and saved[key] != mine[key]:
+            raise CheckpointError(f"{folder} was saved by a run with {key} {saved[key]!r}, not {mine[key]!r}; "
+                                  f"resume with the same model, data and global batch (the layout may differ)")
+    meta = job.load(folder, check=False)  # checked above
+    if meta["steps"] >= tr.steps:
+        raise CheckpointError(f"{folder} is at step {meta['steps']}, and --steps is {tr.steps}: nothing left to "
+                              f"train; raise --steps")
+    say(f"resumed from {folder} (step {meta['steps']}, saved as {meta.get('layout_flags', '?')})")
+    return meta["steps"]
 
 
 def _per_axis(sent: dict[tuple[str, str], float]) -> dict[str, dict[str, int]]:

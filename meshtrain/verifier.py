@@ -177,7 +177,7 @@ def run_reference(cfg: Config, layout: dict) -> dict:
     for step in sampled:
         job.parallel.load_full_state_dict(layout["steps"][step]["pre"])
         grads = _GradRecorder()
-        loss, _ = train_step(job, data, step - 1, ref, observer=grads)
+        loss = train_step(job, data, step - 1, ref, observer=grads).loss
         lockstep[step] = {"loss": loss, "grads": grads.grads,
                           "post": job.parallel.full_state_dict(with_optimizer=False)["model"]}
     return {"losses": losses, "trajectory": trajectory.params, "steps": lockstep}

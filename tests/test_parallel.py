@@ -71,7 +71,7 @@ def _second_backward_then_a_clean_step(mesh):
     except RuntimeError as e:
         message = str(e)
     grads_after_error = max(q.grad.abs().max().item() for q in p.trained)
-    loss, _ = train_step(job, data, 0, cfg)
+    loss = train_step(job, data, 0, cfg).loss
     return {"message": message, "grads_after_error": grads_after_error, "loss": loss,
             "params": torch.cat([q.detach().flatten() for q in p.trained])}
 
@@ -84,7 +84,7 @@ def test_a_second_backward_before_sync_raises_and_leaves_clean_state():
     # the next step is the step a fresh run takes
     cfg = _cfg()
     data, ref = setup(cfg, Comm(Mesh.single(CPU)))
-    loss, _ = train_step(ref, data, 0, cfg)
+    loss = train_step(ref, data, 0, cfg).loss
     assert results[0]["loss"] == pytest.approx(loss, rel=1e-6)
     assert torch.equal(results[0]["params"], results[1]["params"])
 
@@ -103,7 +103,7 @@ def _failure_mid_step_then_a_clean_step(mesh):
         p.runner.run(p, failing, 2, 256.0)
     except KeyError:
         pass
-    loss, _ = train_step(job, data, 0, cfg)
+    loss = train_step(job, data, 0, cfg).loss
     return loss
 
 
@@ -111,7 +111,7 @@ def test_a_failure_half_way_through_a_step_resets_the_synchroniser():
     losses = run_ranks(_failure_mid_step_then_a_clean_step, 2)
     cfg = _cfg()
     data, ref = setup(cfg, Comm(Mesh.single(CPU)))
-    assert losses[0] == losses[1] == pytest.approx(train_step(ref, data, 0, cfg)[0], rel=1e-6)
+    assert losses[0] == losses[1] == pytest.approx(train_step(ref, data, 0, cfg).loss, rel=1e-6)
 
 
 def _build_with(mesh, seeds, bucket_mbs):
@@ -166,7 +166,7 @@ def test_a_step_with_a_non_finite_gradient_is_skipped():
     with torch.no_grad():
         p.module.head.weight[0, 0] = float("nan")  # poisons every gradient
     before = {n: q.detach().clone() for n, q in p.named_parameters()}
-    _, stepped = train_step(job, data, 0, cfg)
+    stepped = train_step(job, data, 0, cfg).stepped
     assert not stepped
     assert all(torch.allclose(before[n], q, rtol=0, atol=0, equal_nan=True) for n, q in p.named_parameters())
 

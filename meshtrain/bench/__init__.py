@@ -50,7 +50,7 @@ def interleaved(runs: dict[str, Job], data, cfg: Config, comm: Comm, desc: str) 
             before = comm.totals()
             comm.barrier()
             t0 = time.perf_counter()
-            loss, _ = train_step(runs[name], data, step, cfg)
+            loss = train_step(runs[name], data, step, cfg).loss
             elapsed = time.perf_counter() - t0
             out.losses[name].append(loss)
             if step >= WARMUP_STEPS:

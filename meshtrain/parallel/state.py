@@ -172,6 +172,27 @@ class Piece:
     where: Where
 
 
+@dataclass(frozen=True)
+class Held:
+    """A tensor of this rank that holds the part `where` of the full tensor `name` (of `shape`)."""
+    name: str
+    where: Where
+    shape: tuple[int, ...]
+    tensor: torch.Tensor
+
+
+def params_held(module: nn.Module, comm: Comm) -> list[Held]:
+    """The module's parameters as this rank holds them (whole, or its tensor-parallel part)."""
+    return [Held(n, Where(shard_index(p, comm)), full_shape(p, comm), p) for n, p in module.named_parameters()]
+
+
+def masters_of(held: list[Held], optimizer) -> list[Held]:
+    """The fp32 masters the optimizer steps of the `held` tensors that have one (mixed
+    precision), placed alike."""
+    return [Held(h.name, h.where, h.shape, master_of(optimizer, h.tensor)) for h in held
+            if master_of(optimizer, h.tensor) is not h.tensor]
+
+
 class ParamHoldings:
     """Each rank holds its model's parameters, whole or split along one dim (`set_shard`), and
     the optimizer steps them: plain and data parallelism, tensor parallelism, pipeline stages."""
@@ -218,6 +239,20 @@ class ParamHoldings:
         CPU copy on the collector, None elsewhere; only one is ever assembled at a time."""
         for entry, local, spec in self._locals(kind):
             yield entry, assemble_split(local, spec, self.comm)
+
+    def checkpointed(self) -> list[Held]:
+        """What a checkpoint records of this rank: the tensors the optimizer steps (fp32
+        masters under mixed precision), which its state is keyed by."""
+        return [Held(h.name, h.where, h.shape, master_of(self.optimizer, h.tensor)) for h in self._params()]
+
+    def restored(self) -> list[Held]:
+        """Every tensor of this rank that holds the checkpointed values: what loading fills
+        (the parameter, and its master under mixed precision)."""
+        params = self._params()
+        return params + masters_of(params, self.optimizer)
+
+    def _params(self) -> list[Held]:
+        return params_held(self.module, self.comm)
 
     def load(self, model: dict[str, torch.Tensor], optim: dict[str, dict]) -> None:
         params = dict(self.module.named_parameters())  # this stage's (the state holds every stage's)

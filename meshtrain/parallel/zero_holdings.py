@@ -9,8 +9,10 @@ import torch.nn as nn
 
 from meshtrain.comm import METRICS, Comm
 from meshtrain.parallel.precision import grad_holder, grad_of, master_bytes, master_of
-from meshtrain.parallel.state import (SHARD, Entry, Piece, Where, assemble_split, buffer_entries, cpu_copy,
-                                      full_shape, is_collector, model_state_bytes, shard_index)
+from meshtrain.optim import full_shape as optimizer_full_shape
+from meshtrain.parallel.state import (SHARD, Entry, Held, Piece, Where, assemble_split, buffer_entries, cpu_copy,
+                                      full_shape, is_collector, masters_of, model_state_bytes, params_held,
+                                      shard_index)
 from meshtrain.parallel.zero import FlatGroup, Zero
 
 
@@ -29,6 +31,22 @@ class ZeroHoldings:
         if self.zero.stage < 3:  # the full parameters: the same on every dp rank
             held += [Piece(n, p, None, Where(shard_index(p, self.comm))) for n, p in self.module.named_parameters()]
         return held
+
+    def _pieces_held(self) -> list[Held]:
+        return [Held(name, where, tuple(optimizer_full_shape(value)), value) for name, value, where, _ in self.zero.pieces]
+
+    def checkpointed(self) -> list[Held]:
+        """What a checkpoint records of this rank: its pieces as the optimizer steps them
+        (fp32 masters under mixed precision), which the optimizer's state is keyed by."""
+        return [Held(h.name, h.where, h.shape, master_of(self.optimizer, h.tensor)) for h in self._pieces_held()]
+
+    def restored(self) -> list[Held]:
+        """Every tensor of this rank that holds checkpointed values: what loading fills. Under
+        stages 1 and 2 the full parameters (the pieces are views of them), under stage 3 the
+        pieces; and their fp32 masters under mixed precision."""
+        pieces = self._pieces_held()
+        held = params_held(self.module, self.comm) if self.zero.stage < 3 else pieces
+        return held + masters_of(pieces, self.optimizer)
 
     def _piece_tensor(self, value: torch.Tensor, kind: str, key: str | None) -> torch.Tensor | None:
         """What this rank holds of `kind` for one of its pieces (None: nothing yet)."""

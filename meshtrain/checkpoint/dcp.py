@@ -1,0 +1,178 @@
+"""torch.distributed.checkpoint (DCP) carrying boxes: each rank writes the boxes it owns of
+each tensor (`boxes.Box`), DCP removes the duplicates of replicas (one writer each), checks
+that the boxes tile every tensor exactly, and on load computes which saved boxes overlap the
+boxes a rank needs, reading only those.
+
+Built on DCP's public planner API rather than `ShardedTensor` (deprecated) or DTensor (a
+ZeRO piece is a flat range, which no DTensor placement describes): the save planner makes
+one `WriteItem` per box and hands DCP the box's view (`resolve_data`); the load planner
+asks `create_read_items_for_chunk_list` for the reads and returns views of rank memory to
+copy into (`resolve_tensor`), so nothing is staged beyond the saved box being read.
+
+Nothing is unpickled: tensors are read with `weights_only=True` (DCP's own reader), no
+bytes are stored (`load_bytes` refuses them), and the index DCP pickles (`.metadata`) is
+also written as JSON (`index.json`), which is what we read (`.metadata` stays for torch's
+own tools)."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex, StorageMeta,
+                                                   TensorProperties, TensorStorageMetadata)
+from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+from meshtrain.checkpoint.boxes import Box
+from meshtrain.checkpoint.folders import write_synced
+
+INDEX = "index.json"
+FORMAT = "meshtrain-dcp-1"
+
+
+@dataclass
+class Boxed:
+    """One tensor of the full state as this rank holds it: its full shape and dtype, and the
+    boxes of it this rank has (possibly none; on load, possibly overlapping: every copy
+    this rank keeps is filled)."""
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    boxes: list[Box]
+
+
+def _chunk(box: Box) -> ChunkStorageMetadata:
+    return ChunkStorageMetadata(offsets=torch.Size(box.offsets), sizes=torch.Size(box.sizes))
+
+
+class BoxSavePlanner(DefaultSavePlanner):
+    """One write item per box; DCP's global plan dedups replicas and validates the tiling."""
+
+    def __init__(self):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+    def set_up_planner(self, state_dict, storage_meta=None, is_coordinator=False) -> None:
+        self.state_dict, self.is_coordinator = state_dict, is_coordinator
+        self._views = {(fqn, tuple(b.offsets)): b.view for fqn, t in state_dict.items() for b in t.boxes}
+
+    def create_local_plan(self) -> SavePlan:
+        items = []
+        for fqn, t in self.state_dict.items():
+            props = TensorProperties(dtype=t.dtype)
+            for b in t.boxes:
+                items.append(WriteItem(index=MetadataIndex(fqn, torch.Size(b.offsets)), type=WriteItemType.SHARD,
+                                       tensor_data=TensorWriteData(chunk=_chunk(b), properties=props,
+                                                                   size=torch.Size(t.shape))))
+        self.plan = SavePlan(items)
+        return self.plan
+
+    def resolve_data(self, write_item: WriteItem) -> torch.Tensor:
+        return self._views[(write_item.index.fqn, tuple(write_item.index.offset))].detach()
+
+
+class BoxLoadPlanner(DefaultLoadPlanner):
+    """Reads the saved boxes that overlap this rank's boxes, straight into their views."""
+
+    def __init__(self):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+    def set_up_planner(self, state_dict, metadata=None, is_coordinator=False) -> None:
+        self.state_dict, self.metadata, self.is_coordinator = state_dict, metadata, is_coordinator
+
+    def create_local_plan(self) -> LoadPlan:
+        reads = []
+        for fqn, t in self.state_dict.items():
+            if t.boxes:
+                reads += create_read_items_for_chunk_list(fqn, self.metadata.state_dict_metadata[fqn],
+                                                          [_chunk(b) for b in t.boxes])
+        return LoadPlan(reads)
+
+    def resolve_tensor(self, read_item) -> torch.Tensor:
+        view = self.state_dict[read_item.dest_index.fqn].boxes[read_item.dest_index.index].view
+        for dim, (start, length) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
+            view = view.narrow(dim, start, length)
+        return view
+
+    def commit_tensor(self, read_item, tensor) -> None:
+        pass
+
+    def load_bytes(self, read_item, value) -> None:
+        raise ValueError(f"checkpoint entry {read_item.dest_index.fqn!r} is pickled bytes; a meshtrain checkpoint "
+                         "holds none (is this folder from another tool?)")
+
+
+class IndexedWriter(FileSystemWriter):
+    """DCP's file writer that also writes its index as JSON."""
+
+    def __init__(self, path):
+        super().__init__(path, single_file_per_rank=True, sync_files=True)
+        self._folder = Path(path)
+
+    def finish(self, metadata: Metadata, results) -> None:
+        super().finish(metadata, results)
+        tensors = {fqn: {"dtype": str(md.properties.dtype).removeprefix("torch."), "size": list(md.size),
+                         "chunks": [[list(c.offsets), list(c.sizes)] for c in md.chunks]}
+                   for fqn, md in metadata.state_dict_metadata.items()}
+        storage = [[index.fqn, list(index.offset), info.relative_path, info.offset, info.length,
+                    getattr(info, "transform_descriptors", None)] for index, info in metadata.storage_data.items()]
+        text = json.dumps({"format": FORMAT, "version": metadata.version, "tensors": tensors, "storage": storage})
+        write_synced(self._folder / INDEX, text.encode())
+
+
+class IndexedReader(FileSystemReader):
+    """DCP's file reader, its index read from the JSON (never the pickle)."""
+
+    def __init__(self, path):
+        super().__init__(path)
+        self._folder = Path(path)
+
+    def read_metadata(self, *args, **kwargs) -> Metadata:
+        return read_index(self._folder)
+
+
+def read_index(folder: Path) -> Metadata:
+    """DCP's metadata of the checkpoint in `folder`, from its JSON index."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    raw = json.loads((Path(folder) / INDEX).read_text())
+    if raw.get("format") != FORMAT:
+        raise ValueError(f"{folder / INDEX}: not a meshtrain checkpoint index")
+    md = {fqn: TensorStorageMetadata(properties=TensorProperties(dtype=getattr(torch, t["dtype"])),
+                                     size=torch.Size(t["size"]),
+                                     chunks=[ChunkStorageMetadata(torch.Size(o), torch.Size(s)) for o, s in t["chunks"]])
+          for fqn, t in raw["tensors"].items()}
+    storage = {}
+    for fqn, offset, path, start, length, transforms in raw["storage"]:
+        info = _StorageInfo(path, start, length)
+        if transforms is not None:
+            info.transform_descriptors = transforms
+        storage[MetadataIndex(fqn, torch.Size(offset))] = info
+    return Metadata(state_dict_metadata=md, storage_data=storage, storage_meta=StorageMeta(), version=raw["version"])
+
+
+def save(state: dict[str, Boxed], folder: Path, distributed: bool) -> None:
+    """Collective (every rank of the default group, when `distributed`): write `state`."""
+    with _one_process_quietly(distributed):
+        dcp.save(state, storage_writer=IndexedWriter(folder), planner=BoxSavePlanner(), no_dist=not distributed)
+
+
+def load(state: dict[str, Boxed], folder: Path, distributed: bool) -> None:
+    """Collective: fill every box of `state` from the checkpoint in `folder`."""
+    with _one_process_quietly(distributed):
+        dcp.load(state, storage_reader=IndexedReader(folder), planner=BoxLoadPlanner(), no_dist=not distributed)
+
+
+@contextmanager
+def _one_process_quietly(distributed: bool):
+    """DCP warns that it assumes one process when no group exists: here that is the intent."""
+    with warnings.catch_warnings():
+        if not distributed:
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield

@@ -1,0 +1,53 @@
+"""The trained model on disk: the full (unsharded) weights in safetensors, the run's
+configuration, and the tokenizer, so that a folder is enough to sample from. Every file is
+written under a temporary name and renamed, so a checkpoint is never half-written.
+(The whole training state, sharded and resumable in any layout, is `sharded.py`'s.)"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+
+from meshtrain.atomic import atomic_write
+from meshtrain.config import Config
+from meshtrain.data.tokenizer import TOKENIZER_FILE, ByteTokenizer, load_tokenizer
+
+WEIGHTS_FILE = "model.safetensors"
+RUN_FILE = "run.json"
+
+
+def save_model(out: Path, state: dict[str, torch.Tensor], cfg: Config, data) -> None:
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {"config": cfg.to_dict()}
+    tokenizer = getattr(data, "tokenizer", None)
+    if tokenizer is not None:
+        meta["vocab_size"] = tokenizer.vocab_size
+        folder = getattr(data, "folder", None)
+        if tokenizer.vocab_size != ByteTokenizer.vocab_size and folder is not None:
+            atomic_write(out / TOKENIZER_FILE, lambda p: shutil.copyfile(folder / TOKENIZER_FILE, p))
+    atomic_write(out / WEIGHTS_FILE, lambda p: save_file({k: v.contiguous() for k, v in state.items()}, str(p)))
+    atomic_write(out / RUN_FILE, lambda p: p.write_text(json.dumps(meta, indent=2)))
+
+
+def load_model(ckpt: Path, device="cpu"):
+    """(model, tokenizer, config) from a folder written by `save_model`."""
+    from safetensors.torch import load_file
+
+    from meshtrain.models import build_model
+
+    if not (ckpt / RUN_FILE).exists() or not (ckpt / WEIGHTS_FILE).exists():
+        raise FileNotFoundError(f"--ckpt {ckpt}: no {WEIGHTS_FILE} and {RUN_FILE} there; "
+                                f"train first (meshtrain train --out {ckpt})")
+    meta = json.loads((ckpt / RUN_FILE).read_text())
+    cfg = Config.from_dict(meta["config"])
+    if cfg.model.name == "mlp":
+        raise ValueError("--ckpt holds the digits MLP, which does not generate text")
+    model = build_model(cfg.model.name, cfg.train.seed, vocab_size=meta["vocab_size"], dropout=cfg.model.dropout,
+                        attention=cfg.model.attention)
+    model.load_state_dict(load_file(str(ckpt / WEIGHTS_FILE)))
+    return model.to(device).eval(), load_tokenizer(ckpt, meta["vocab_size"]), cfg

@@ -1,0 +1,262 @@
+"""Sharded checkpoints: the boxes a rank's pieces become, resuming bitwise in the same
+layout and within verify's tolerances in another (another world size too), and the folders
+a save leaves: atomic, checksummed, pruned, and skipped when damaged."""
+
+import json
+import math
+
+import pytest
+import torch
+from distributed import run_ranks
+
+from meshtrain.checkpoint import folders
+from meshtrain.checkpoint.boxes import boxes, flat_boxes
+from meshtrain.checkpoint.sharded import CheckpointError
+from meshtrain.comm import Comm
+from meshtrain.config import Config
+from meshtrain.mesh import Mesh
+from meshtrain.parallel.state import Where, shard_positions
+from meshtrain.train import NonFinite, StepObserver, setup, train
+from meshtrain.verifier import STEP_LOSS_TOLERANCE, UPDATE_TOLERANCE
+
+CPU = torch.device("cpu")
+STEPS, SAVED_AT = 8, 4
+
+
+# ---- boxes ---------------------------------------------------------------------------------
+
+def _pieces(shape, tp, dim, sections, zero):
+    """Every rank's Where of a tensor cut by tp (along `dim`, fused `sections` or not) and
+    then ZeRO (`zero` flat ranges of each tp part, as FlatGroup cuts a lone parameter)."""
+    out = []
+    for t in range(tp):
+        if tp == 1:
+            index, n_part = None, math.prod(shape)
+        else:
+            spec = ("tp", dim) if sections is None else ("tp", dim, sections)
+            index = (slice(None),) * dim + (shard_positions(spec, shape[dim] // tp, t, tp),)
+            n_part = math.prod(shape) // tp
+        size = -(-n_part // zero)
+        for z in range(zero):
+            lo, hi = z * size, min((z + 1) * size, n_part)
+            if lo < hi:
+                out.append(Where(index, (lo, hi) if zero > 1 else None))
+    return out
+
+
+@pytest.mark.parametrize("shape,tp,dim,sections,zero", [
+    ((7,), 1, 0, None, 3), ((6, 5), 2, 0, None, 3), ((6, 4), 2, 1, None, 4), ((12, 4), 2, 0, (4, 4, 4), 3),
+    ((3, 4, 5), 1, 0, None, 7), ((2, 4, 3, 5), 2, 1, None, 5), ((12,), 2, 0, (4, 4, 4), 2), ((4, 6), 1, 0, None, 1),
+])
+def test_boxes_tile_the_full_tensor_with_views_of_each_piece(shape, tp, dim, sections, zero):
+    full = torch.arange(math.prod(shape), dtype=torch.float64).view(shape)
+    covered = torch.zeros(shape, dtype=torch.int64)
+    for where in _pieces(shape, tp, dim, sections, zero):
+        piece = where.take(full).clone()
+        if where.flat is None and where.index is not None:
+            piece = full[where.index].clone()  # a tensor-parallel shard keeps its shape
+        found = boxes(piece, where, shape)
+        segments = 1 if sections is None or tp == 1 else len(sections)
+        assert len(found) <= (2 * (len(shape) - 1) + 1) * segments
+        for b in found:
+            region = tuple(slice(o, o + s) for o, s in zip(b.offsets, b.sizes))
+            assert torch.equal(b.view, full[region])  # the box's view holds that block
+            covered[region] += 1
+            b.view.add_(0.5)  # a view: writing into it reaches the piece
+        assert torch.equal(piece.reshape(-1) % 1, torch.full((piece.numel(),), 0.5, dtype=torch.float64))
+    assert torch.equal(covered, torch.ones_like(covered))  # every element once, padding never
+
+
+def test_flat_boxes_are_row_major_runs():
+    assert flat_boxes((3, 4), 2, 11) == [((0, 2), (1, 2)), ((1, 0), (1, 4)), ((2, 0), (1, 3))]
+    assert flat_boxes((3, 4), 0, 12) == [((0, 0), (3, 4))]
+    assert flat_boxes((2, 3, 4), 5, 19) == [((0, 1, 1), (1, 1, 3)), ((0, 2, 0), (1, 1, 4)),
+                                            ((1, 0, 0), (1, 1, 4)), ((1, 1, 0), (1, 1, 3))]
+    assert flat_boxes((), 0, 1) == [((), ())]
+
+
+# ---- resuming --------------------------------------------------------------------------------
+
+def _cfg(layout: dict, out=None) -> Config:
+    c = Config()
+    c.model.name, c.model.dropout = "gpt-test", 0.1
+    c.train.steps, c.train.batch_size, c.train.seq_len, c.train.vocab_size, c.train.device = STEPS, 8, 32, 256, "cpu"
+    c.train.warmup, c.train.out = 2, str(out or "unused")
+    for k, v in layout.items():
+        setattr(c.layout, k, v)
+    c.layout.dp = c.layout.dp or 1
+    return c
+
+
+class _Stop(Exception):
+    pass
+
+
+class _StopBefore(StepObserver):
+    def __init__(self, step):
+        self.step = step
+
+    def before_step(self, p, step):
+        if step == self.step:
+            raise _Stop
+
+
+def _mesh(layout: dict) -> Mesh:
+    return Mesh.build(layout.get("pp", 1), layout.get("dp", 1), layout.get("tp", 1), CPU)
+
+
+def _run(cfg: Config, mesh: Mesh):
+    """(losses, the full weights on rank 0) of a run of `cfg` on `mesh`."""
+    result = train(cfg, Comm(mesh))
+    return result.losses, result.parallel.full_state_dict(with_optimizer=False)["model"]
+
+
+def _initial(cfg: Config, mesh: Mesh):
+    _, job = setup(cfg, Comm(mesh))
+    return job.parallel.full_state_dict(with_optimizer=False)["model"]
+
+
+def _interrupted(mesh0, layout, folder):
+    """The uninterrupted run, its initial weights, and the same run stopped after saving at
+    SAVED_AT."""
+    mesh = _mesh(layout)
+    cfg = _cfg(layout, folder)
+    whole = _run(cfg, mesh)
+    start = _initial(cfg, mesh)
+    cfg.train.save_every = SAVED_AT
+    with pytest.raises(_Stop):
+        train(cfg, Comm(mesh), observer=_StopBefore(SAVED_AT + 1))
+    return whole, start
+
+
+def _resumed(mesh0, layout, folder):
+    cfg = _cfg(layout, folder)
+    cfg.train.resume, cfg.train.save_every = True, SAVED_AT
+    return _run(cfg, _mesh(layout))
+
+
+def _same_layout(mesh0, layout, folder):
+    return _interrupted(mesh0, layout, folder), _resumed(mesh0, layout, folder)
+
+
+@pytest.mark.parametrize("layout", [{"dp": 2}, {"tp": 2, "sp": True}, {"pp": 2, "schedule": "1f1b", "microbatches": 2},
+                                    {"dp": 2, "zero": 3}], ids=["dp2", "tp2-sp", "pp2-1f1b", "dp2-zero3"])
+def test_resume_in_the_same_layout_is_bitwise(layout, tmp_path):
+    world = layout.get("dp", 1) * layout.get("tp", 1) * layout.get("pp", 1)
+    ((losses, weights), _), (resumed_losses, resumed_weights) = run_ranks(
+        _same_layout, world, layout, str(tmp_path), pp=layout.get("pp", 1), tp=layout.get("tp", 1), timeout=300)[0]
+    assert len(losses) == STEPS and resumed_losses == losses[SAVED_AT:]  # every loss, bit for bit
+    assert weights.keys() == resumed_weights.keys()
+    for name, w in weights.items():
+        assert torch.equal(w, resumed_weights[name]), name
+    assert folders.steps_in_local(tmp_path) == [STEPS, SAVED_AT]  # saved at 4 and at the end
+
+
+def _check_close(whole, start, resumed):
+    (losses, weights), (resumed_losses, resumed_weights) = whole, resumed
+    for a, b in zip(resumed_losses, losses[SAVED_AT:], strict=True):
+        assert abs(a - b) / abs(b) <= STEP_LOSS_TOLERANCE, (a, b)
+    assert weights.keys() == resumed_weights.keys()
+    for name, w in weights.items():
+        update, got = w - start[name], resumed_weights[name] - start[name]
+        rel = (got - update).norm() / max(update.norm(), 1e-30)
+        assert rel <= UPDATE_TOLERANCE, (name, float(rel))
+
+
+def _world(layout):
+    return layout.get("dp", 1) * layout.get("tp", 1) * layout.get("pp", 1)
+
+
+@pytest.mark.parametrize("saved,resumed", [
+    ({"dp": 2}, {"tp": 2}),
+    ({"dp": 2, "zero": 3}, {"pp": 2, "schedule": "1f1b", "microbatches": 2}),
+    ({"tp": 2, "sp": True}, {"dp": 4, "zero": 2}),
+    ({"pp": 2, "schedule": "interleaved", "chunks": 2, "microbatches": 2}, {"dp": 2, "tp": 2}),
+    ({"dp": 2, "zero": 1}, {}),
+], ids=["dp2-to-tp2", "zero3-to-pp2", "tp2sp-to-dp4zero2", "interleaved-to-dp2tp2", "zero1-to-one-process"])
+def test_resume_in_another_layout_within_verify_tolerances(saved, resumed, tmp_path):
+    whole, start = run_ranks(_interrupted, _world(saved), saved, str(tmp_path), pp=saved.get("pp", 1),
+                             tp=saved.get("tp", 1), timeout=300)[0]
+    if _world(resumed) == 1:
+        cfg = _cfg(resumed, tmp_path)
+        cfg.train.resume = True
+        got = _run(cfg, Mesh.single(CPU))
+    else:
+        got = run_ranks(_resumed, _world(resumed), resumed, str(tmp_path), pp=resumed.get("pp", 1),
+                        tp=resumed.get("tp", 1), timeout=300)[0]
+    _check_close(whole, start, got)
+
+
+# ---- folders and bad input ----------------------------------------------------------------------
+
+def _one_process(tmp_path, steps=4, **train):
+    cfg = _cfg({}, tmp_path)
+    cfg.train.steps = steps
+    for k, v in train.items():
+        setattr(cfg.train, k, v)
+    return cfg, train_run(cfg)
+
+
+def train_run(cfg):
+    return train(cfg, Comm(Mesh.single(CPU)))
+
+
+def test_keep_prunes_and_a_damaged_checkpoint_is_passed_by_naming_the_file(tmp_path, capsys):
+    cfg, _ = _one_process(tmp_path, steps=6, save_every=2, keep=2)
+    assert folders.steps_in_local(tmp_path) == [6, 4]
+    assert not list(tmp_path.glob("*.tmp"))
+    newest = folders.step_dir(tmp_path, 6)
+    marker = json.loads((newest / folders.COMPLETE).read_text())
+    victim = next(n for n in marker["files"] if n.endswith(".distcp"))
+    raw = bytearray((newest / victim).read_bytes())
+    raw[len(raw) // 2] ^= 0x01  # one flipped bit
+    (newest / victim).write_bytes(bytes(raw))
+    cfg.train.steps, cfg.train.save_every, cfg.train.resume = 8, None, True
+    result = train_run(cfg)
+    err = capsys.readouterr().err
+    assert f"{victim} fails its checksum" in err and "resumed from" in err and "step-4" in err
+    assert result.first_step == 5 and len(result.losses) == 4
+    (folders.step_dir(tmp_path, 4) / victim).write_bytes(b"")  # truncated too: nothing good is left
+    with pytest.raises(CheckpointError, match="no good checkpoint"):
+        train_run(cfg)
+
+
+def test_another_model_or_global_batch_is_refused_in_one_line(tmp_path):
+    cfg, _ = _one_process(tmp_path, steps=2, save_every=2)
+    other = _cfg({}, tmp_path)
+    other.train.steps, other.train.resume, other.train.batch_size = 4, True, 4
+    with pytest.raises(CheckpointError, match="batch_size 8, not 4"):
+        train_run(other)
+    other.train.batch_size, other.model.name = 8, "gpt-small"
+    with pytest.raises(CheckpointError, match="model"):
+        train_run(other)
+
+
+def test_a_save_that_died_leaves_nothing_that_loads(tmp_path):
+    cfg, _ = _one_process(tmp_path, steps=2, save_every=2)
+    half = tmp_path / "step-4.tmp"  # what a kill during a save leaves
+    half.mkdir()
+    (half / "__0_0.distcp").write_bytes(b"partial")
+    no_marker = tmp_path / "step-6"  # or a folder renamed without its marker
+    no_marker.mkdir()
+    comm = Comm(Mesh.single(CPU))
+    assert folders.steps_in(tmp_path, comm) == [2]
+    assert "no COMPLETE marker" in folders.check(no_marker, comm)
+    assert folders.latest_good(tmp_path, comm, print) == folders.step_dir(tmp_path, 2)
+
+
+class _Poison(StepObserver):
+    def after_step(self, p, step, loss):
+        if step == 1:
+            with torch.no_grad():
+                dict(p.module.named_parameters())["blocks.0.mlp.fc.weight"][0, 0] = float("inf")
+
+
+def test_a_non_finite_step_stops_the_run_naming_it_or_is_skipped(tmp_path):
+    cfg = _cfg({}, tmp_path)
+    cfg.train.steps = 3
+    with pytest.raises(NonFinite, match=r"step 2: the loss is nan.*weight blocks\.0\.mlp\.fc\.weight"):
+        train(cfg, Comm(Mesh.single(CPU)), observer=_Poison())
+    cfg.train.skip_nonfinite = True
+    result = train(cfg, Comm(Mesh.single(CPU)), observer=_Poison())
+    assert result.skipped_steps == [2, 3]
