@@ -182,6 +182,13 @@ def _available_host_bytes() -> int | None:
     return None
 
 
+def _latest_checkpoint(out: str) -> str:
+    from meshtrain.checkpoint.folders import step_dir, steps_in_local
+    steps = steps_in_local(Path(out))
+    return f"{step_dir(Path(out), steps[0])} (or the newest good one before it)" if steps else \
+        "the start (no checkpoint yet)"
+
+
 def _check_resume_source(tr: C.TrainConfig) -> None:
     """--resume and --resume-from name a checkpoint that exists (whether it is good, the
     ranks decide together once started)."""
@@ -277,7 +284,9 @@ def _launch_local(cfg: C.Config, args, argv: list[str]) -> int:
     n = cfg.layout.world_size
     _log(f"starting {n} local ranks (dp={cfg.layout.dp}, tp={cfg.layout.tp}, pp={cfg.layout.pp})")
     if args.command != "verify":
-        return launch.spawn(n, argv)
+        tr = cfg.train
+        return launch.spawn(n, argv, max_restarts=tr.max_restarts if args.command == "train" else 0,
+                            restart_point=lambda: _latest_checkpoint(tr.out))
     import torch
 
     from meshtrain import verifier as verify
@@ -302,13 +311,13 @@ def _run_here(cfg, args, renv, device) -> int:
                                 trace_dir=cfg.train.out)
         mesh = Mesh.build(cfg.layout.pp, cfg.layout.dp, cfg.layout.tp, device)
     from meshtrain.checkpoint.sharded import CheckpointError
-    from meshtrain.train import NonFinite
+    from meshtrain.train import NonFinite, Preempted
     try:
         after = _COMMANDS[args.command](cfg, Comm(mesh), args)
-    except (CheckpointError, NonFinite) as e:  # every rank raises it alike: rank 0 says it
+    except (CheckpointError, NonFinite, Preempted) as e:  # every rank raises it alike: rank 0 says it
         if mesh.is_main:
-            print(f"meshtrain: error: {e}", file=sys.stderr)
-        code = 2 if isinstance(e, CheckpointError) else 1
+            print(f"meshtrain: {'' if isinstance(e, Preempted) else 'error: '}{e}", file=sys.stderr)
+        code = {CheckpointError: 2, NonFinite: 3, Preempted: 0}[type(e)]
         if renv is None:
             return code
         launch.shutdown_distributed()

@@ -161,6 +161,16 @@ class Comm:
         if (self.mesh.world_size if axis is None else self.mesh.size(axis)) > 1:
             dist.barrier(group=None if axis is None else self.mesh.group(axis))
 
+    def any_rank(self, flag: bool) -> bool:
+        """Whether `flag` is true on any rank of the whole mesh (a one-element all-reduce,
+        counted under metrics)."""
+        if self.mesh.world_size == 1:
+            return flag
+        t = torch.tensor([1.0 if flag else 0.0], device=self.mesh.device)
+        self._count(METRICS, "all_reduce", all_reduce_bytes(_nbytes(t), self.mesh.world_size))
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t.item())
+
     def all_gather_object(self, obj, axis: str | None = None) -> list:
         """A picklable object from every rank of the whole mesh, or of `axis` (reporting and
         reading state only: not counted)."""

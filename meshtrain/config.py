@@ -108,6 +108,7 @@ class TrainConfig:
     save_every: int | None = None  # a sharded checkpoint every N steps (and at the end)
     keep: int | None = None  # the newest K checkpoints kept (None: all)
     skip_nonfinite: bool = False  # a non-finite loss or gradient norm skips the step (default: stops the run)
+    max_restarts: int = 0  # meshtrain's own launch: restart the ranks after one fails, resuming
     vocab_size: int = 2048  # BPE vocabulary trained on the corpus; 256 means the byte tokenizer
     sample_tokens: int = 120
     # Seconds a collective may wait before the job fails (every rank, every mesh group), once
@@ -183,6 +184,8 @@ FLAGS = [
     ("--save-every", "train", "save_every", int, "write a sharded checkpoint OUT/step-N every N steps and at "
      "the end (every rank writes what it owns)"),
     ("--keep", "train", "keep", int, "keep the newest K checkpoints (default: all)"),
+    ("--max-restarts", "train", "max_restarts", int, "when a rank dies, restart all ranks up to N times, each "
+     "resuming from the latest good checkpoint (under an outside torchrun, use torchrun's own --max-restarts)"),
     ("--skip-nonfinite", "train", "skip_nonfinite", bool, "skip (and count) a step whose loss or gradient norm "
      "is not finite, instead of stopping the run"),
     ("--vocab-size", "train", "vocab_size", int, "BPE vocabulary size (256: byte tokenizer)"),
@@ -230,6 +233,9 @@ def apply_sections(cfg: Config, d: dict, source: str) -> None:
         for name, value in values.items():
             if name not in types:
                 raise ConfigError(f"{source}: unknown key '{name}' in [{section}]; known: {', '.join(types)}")
+            if value is None and "None" in types[name]:  # an optional field left unset (a saved config)
+                setattr(target, name, None)
+                continue
             setattr(target, name, _coerce(value, _field_type(types[name]), f"{source}: [{section}] {name}"))
 
 
@@ -306,6 +312,8 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         raise ConfigError(f"--bucket-mb {lay.bucket_mb}: must be positive")
     if not tr.timeout > 0:
         raise ConfigError(f"--timeout {tr.timeout}: must be a positive number of seconds")
+    if tr.max_restarts < 0:
+        raise ConfigError(f"--max-restarts {tr.max_restarts}: must not be negative")
     if tr.warmup < 0 or tr.clip < 0:
         raise ConfigError(f"--warmup and --clip must not be negative (got {tr.warmup}, {tr.clip})")
     user_model = is_user_model(m.name)
@@ -383,6 +391,8 @@ def warnings(cfg: Config, command: str = "train") -> list[str]:
     found = []
     if tr.warmup >= tr.steps and command == "train":
         found.append(f"--warmup {tr.warmup} >= --steps {tr.steps}: the learning rate never reaches --lr {tr.lr:g}")
+    if tr.max_restarts and not tr.save_every and command == "train":
+        found.append(f"--max-restarts {tr.max_restarts} without --save-every: a restart starts over from step 0")
     lay = cfg.layout
     if lay.pp > 1 and lay.microbatches < lay.pp:
         found.append(f"--microbatches {lay.microbatches} < --pp {lay.pp}: most stages idle through most of the step "

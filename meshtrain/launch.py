@@ -91,30 +91,42 @@ def threads_per_rank(local_world_size: int) -> int:
     return max(1, (os.cpu_count() or 1) // max(1, local_world_size))
 
 
-def spawn(nproc: int, argv: list[str]) -> int:
+def spawn(nproc: int, argv: list[str], *, max_restarts: int = 0, restart_point=None) -> int:
     """Run `python -m meshtrain ARGV` as `nproc` local ranks under torchrun's engine and
-    return the job's exit code. If any rank fails, the engine stops the others."""
+    return the job's exit code. If any rank fails, the engine stops the others; then, up to
+    `max_restarts` times, all ranks start again (with RESTART_ENV set, so they resume from
+    the latest good checkpoint), one line each saying which rank failed, why, and from where
+    they resume (`restart_point()`). A refusal (exit code 2) is not retried: it would repeat."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    from meshtrain.faults import RESTART_ENV
+
     os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_rank(nproc)))
     logging.getLogger("torch.distributed").setLevel(logging.CRITICAL)  # we report failures ourselves
-    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc,
-                          run_id=f"meshtrain-{uuid.uuid4().hex[:8]}", rdzv_backend="c10d",
-                          rdzv_endpoint="localhost:0", max_restarts=0, start_method="spawn")
-    try:
-        elastic_launch(config, sys.executable)("-m", "meshtrain", *argv)
-    except ChildFailedError as e:
-        rank, failure = culprit(e.failures)
-        code = failure.exitcode if failure.exitcode > 0 else 1
-        print(f"meshtrain: rank {rank} failed ({describe_exit(failure.exitcode)}); the other ranks were stopped",
-              file=sys.stderr)
-        return code
-    except SignalException as e:  # Ctrl-C or a scheduler's SIGTERM: the engine stopped the ranks
-        print(f"meshtrain: stopped by {e.sigval.name}; all ranks were stopped", file=sys.stderr)
-        return 128 + int(e.sigval)
-    return 0
+    for attempt in range(max_restarts + 1):
+        config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc,
+                              run_id=f"meshtrain-{uuid.uuid4().hex[:8]}", rdzv_backend="c10d",
+                              rdzv_endpoint="localhost:0", max_restarts=0, start_method="spawn")
+        try:
+            elastic_launch(config, sys.executable)("-m", "meshtrain", *argv)
+            return 0
+        except ChildFailedError as e:
+            rank, failure = culprit(e.failures)
+            code = failure.exitcode if failure.exitcode > 0 else 1
+            why = f"rank {rank} failed ({describe_exit(failure.exitcode)})"
+            if attempt == max_restarts or code == 2:
+                print(f"meshtrain: {why}; the other ranks were stopped", file=sys.stderr)
+                return code
+            where = restart_point() if restart_point else "the start"
+            print(f"meshtrain: {why}; restart {attempt + 1} of {max_restarts}, from {where}", file=sys.stderr,
+                  flush=True)
+            os.environ[RESTART_ENV] = str(attempt + 1)
+        except SignalException as e:  # Ctrl-C or a scheduler's SIGTERM: the engine stopped the ranks
+            print(f"meshtrain: stopped by {e.sigval.name}; all ranks were stopped", file=sys.stderr)
+            return 128 + int(e.sigval)
+    return 1
 
 
 def culprit(failures: dict):

@@ -178,7 +178,15 @@ class StepLog:
 
     def __init__(self, path: Path):
         path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self._earlier = path.read_text().splitlines() if path.is_file() else []  # until `resume_at` keeps some
         self._file = open(path, "w")
+
+    def resume_at(self, step: int) -> None:
+        """The run continues after `step` (a resumed run): keep the earlier records up to it."""
+        kept = [line for line in self._earlier if json.loads(line).get("step", 0) <= step]
+        self._file.writelines(line + "\n" for line in kept)
+        self._file.flush()
 
     def write(self, record: dict) -> None:
         self._file.write(json.dumps(record) + "\n")

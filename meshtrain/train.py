@@ -10,12 +10,15 @@ gradients. A step whose gradient norm is not finite is skipped, with a warning."
 from __future__ import annotations
 
 import math
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from dataclasses import dataclass, field
 
-from meshtrain import launch
+from meshtrain import faults, launch
+from meshtrain.checkpoint import folders
 from meshtrain.comm import Comm
 from meshtrain.config import Config, LayoutConfig, TrainConfig, lr_at, strict_p2p_requested, tokens_per_sample
 from meshtrain.data.datasets import open_dataset
@@ -52,6 +55,31 @@ class RunResult:
 
 class NonFinite(RuntimeError):
     """A step's loss or gradient norm was not finite (every rank raises it alike)."""
+
+
+class Preempted(Exception):
+    """A SIGTERM reached a rank: every rank saved the state after `step` in `folder`."""
+
+    def __init__(self, step: int, folder: Path):
+        super().__init__(f"stopped by SIGTERM after step {step}; saved {folder} (resume with --resume)")
+        self.step, self.folder = step, folder
+
+
+class Preemption:
+    """Remembers a SIGTERM instead of dying of it, until `restore` (the main thread only)."""
+
+    def __init__(self):
+        self.seen = False
+        self._before = None
+        if threading.current_thread() is threading.main_thread():
+            self._before = signal.signal(signal.SIGTERM, self._note)
+
+    def _note(self, signum, frame) -> None:
+        self.seen = True
+
+    def restore(self) -> None:
+        if self._before is not None:
+            signal.signal(signal.SIGTERM, self._before)
 
 
 class StepObserver:
@@ -201,6 +229,8 @@ def train(cfg: Config, comm: Comm, *, observer: StepObserver | None = None, prog
         for note in p.notes:
             print(f"meshtrain: {note}", file=sys.stderr)
     start = resume(job, cfg)
+    if start and step_log is not None:
+        step_log.resume_at(start)
     recorder = pipeline_trace.Recorder(mesh.device) if trace else None
     if recorder:
         p.runner.recorder = recorder
@@ -212,50 +242,56 @@ def train(cfg: Config, comm: Comm, *, observer: StepObserver | None = None, prog
 
     meter = ActivationMeter()
     probe = LayerProbe(p.module, meter)
-    losses, times, comm_per_step, comm_detail, skipped = [], [], {}, {}, []
-    for step in range(start, tr.steps):
-        if observer:
-            observer.before_step(p, step + 1)
-        sent_before = comm.detailed_totals()
-        t0 = time.perf_counter()
-        # The activation peak is measured on the first step (the meter costs Python time per op).
-        out = train_step(job, data, step, cfg, observer=observer, meter=meter if step == start else None)
-        loss = out.loss
-        if step == start:
-            probe.close()
-            launch.set_collective_timeout(mesh, tr.timeout)  # built and stepped once: the steady bound
-        dt = time.perf_counter() - t0
-        comm_detail = _per_axis({k: v - sent_before.get(k, 0.0) for k, v in comm.detailed_totals().items()})
-        comm_per_step = {axis: sum(kinds.values()) for axis, kinds in comm_detail.items()}
-        losses.append(loss)
-        times.append(dt)
-        if not (out.stepped and math.isfinite(loss)):
-            if not tr.skip_nonfinite:
-                raise NonFinite(f"step {step + 1}: the loss is {loss:g} and the gradient norm {out.grad_norm:g}"
-                                + (f"; the first tensor that is not: {out.nonfinite}" if out.nonfinite else "")
-                                + "; lower --lr, or pass --skip-nonfinite to skip such steps")
-            skipped.append(step + 1)
-        if observer:
-            observer.after_step(p, step + 1, loss)
+    # With checkpoints on, a SIGTERM (a scheduler's preemption) reaches ranks at different
+    # steps: each step the flag is all-reduced, and every rank saves at the first step any saw it.
+    preemption = Preemption() if tr.save_every else None
+    try:
+        losses, times, comm_per_step, comm_detail, skipped = [], [], {}, {}, []
+        for step in range(start, tr.steps):
+            if observer:
+                observer.before_step(p, step + 1)
+            sent_before = comm.detailed_totals()
+            t0 = time.perf_counter()
+            # The activation peak is measured on the first step (the meter costs Python time per op).
+            out = train_step(job, data, step, cfg, observer=observer, meter=meter if step == start else None)
+            loss = out.loss
+            if step == start:
+                probe.close()
+                launch.set_collective_timeout(mesh, tr.timeout)  # built and stepped once: the steady bound
+            dt = time.perf_counter() - t0
+            comm_detail = _per_axis({k: v - sent_before.get(k, 0.0) for k, v in comm.detailed_totals().items()})
+            comm_per_step = {axis: sum(kinds.values()) for axis, kinds in comm_detail.items()}
+            losses.append(loss)
+            times.append(dt)
+            if not (out.stepped and math.isfinite(loss)):
+                if not tr.skip_nonfinite:
+                    raise NonFinite(f"step {step + 1}: the loss is {loss:g} and the gradient norm {out.grad_norm:g}"
+                                    + (f"; the first tensor that is not: {out.nonfinite}" if out.nonfinite else "")
+                                    + "; lower --lr, or pass --skip-nonfinite to skip such steps")
+                skipped.append(step + 1)
+            if observer:
+                observer.after_step(p, step + 1, loss)
+            if bar is not None:
+                bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_step / dt:,.0f}")
+                bar.update()
+            if step_log is not None:
+                step_log.write({"step": step + 1, "loss": loss, "lr": lr_at(step, tr), "step_time_s": dt,
+                                "tokens_per_s": tokens_per_step / dt})
+            checkpoint_after(job, cfg, step + 1, preemption)
         if bar is not None:
-            bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_step / dt:,.0f}")
-            bar.update()
-        if step_log is not None:
-            step_log.write({"step": step + 1, "loss": loss, "lr": lr_at(step, tr), "step_time_s": dt,
-                            "tokens_per_s": tokens_per_step / dt})
-        if tr.save_every and ((step + 1) % tr.save_every == 0 or step + 1 == tr.steps):
-            save(job, cfg, step + 1)
-    if bar is not None:
-        bar.close()
-    for axis in ("dp", "tp", "pp"):
-        comm_per_step.setdefault(axis, 0)
-        comm_detail.setdefault(axis, {})
-    traced = _gather_trace(cfg, comm, p.runner, recorder) if recorder else None
-    return RunResult(losses=losses, step_times=times, n_params=p.n_params, first_step=start + 1,
-                     model_state=p.model_state_bytes(), activation_bytes=meter.peak,
-                     activation_bytes_per_layer=probe.bytes,
-                     comm_per_step=comm_per_step, parallel=p, data=data, skipped_steps=skipped, trace=traced,
-                     comm_detail_per_step=comm_detail)
+            bar.close()
+        for axis in ("dp", "tp", "pp"):
+            comm_per_step.setdefault(axis, 0)
+            comm_detail.setdefault(axis, {})
+        traced = _gather_trace(cfg, comm, p.runner, recorder) if recorder else None
+        return RunResult(losses=losses, step_times=times, n_params=p.n_params, first_step=start + 1,
+                         model_state=p.model_state_bytes(), activation_bytes=meter.peak,
+                         activation_bytes_per_layer=probe.bytes,
+                         comm_per_step=comm_per_step, parallel=p, data=data, skipped_steps=skipped, trace=traced,
+                         comm_detail_per_step=comm_detail)
+    finally:
+        if preemption is not None:
+            preemption.restore()
 
 
 # ---- checkpoints ----------------------------------------------------------------------------
@@ -268,9 +304,23 @@ def run_identity(cfg: Config) -> dict:
             "seq_len": tr.seq_len, "seed": tr.seed, "dropout": cfg.model.dropout}
 
 
+def checkpoint_after(job: Job, cfg: Config, step: int, preemption: Preemption | None) -> None:
+    """Collective, after `step` (1-based): its checkpoint when --save-every says so, and when
+    any rank has seen a SIGTERM (then `Preempted`, on every rank)."""
+    tr, rank = cfg.train, job.mesh.rank
+    faults.inject("kill", rank, step)
+    faults.inject("term", rank, step)
+    due = bool(tr.save_every) and (step % tr.save_every == 0 or step == tr.steps)
+    if due:
+        save(job, cfg, step)
+    if preemption is not None and job.parallel.comm.any_rank(preemption.seen):
+        if not due:
+            save(job, cfg, step)
+        raise Preempted(step, folders.step_dir(Path(tr.out), step))
+
+
 def save(job: Job, cfg: Config, step: int) -> None:
     """Collective: the sharded checkpoint OUT/step-N; then the oldest beyond --keep removed."""
-    from meshtrain.checkpoint import folders
     out = Path(cfg.train.out)
     t0 = time.perf_counter()
     job.save(folders.step_dir(out, step), run=run_identity(cfg), layout_flags=cfg.layout.short())
@@ -281,15 +331,21 @@ def save(job: Job, cfg: Config, step: int) -> None:
 
 
 def resume(job: Job, cfg: Config) -> int:
-    """Collective: with --resume or --resume-from, load the checkpoint (any layout's) and
-    return its step; else 0. Refuses another model, data or global batch in one line."""
-    from meshtrain.checkpoint import folders
+    """Collective: with --resume or --resume-from, or after a restart, load the checkpoint
+    (any layout's) and return its step; else 0. Refuses another model, data or global
+    batch in one line."""
     from meshtrain.checkpoint.sharded import CheckpointError, read_meta
     tr, comm = cfg.train, job.parallel.comm
-    if not (tr.resume or tr.resume_from):
+    restarted = faults.restart_count() > 0
+    if not (tr.resume or tr.resume_from or restarted):
         return 0
     say = (lambda msg: print(f"meshtrain: {msg}", file=sys.stderr)) if job.mesh.is_main else (lambda msg: None)
-    if tr.resume_from:
+    if restarted and not tr.resume_from:  # the latest checkpoint of this run, if it got to one
+        folder = folders.latest_good(Path(tr.out), comm, say)
+        if folder is None:
+            say(f"restart {faults.restart_count()}: no checkpoint in {tr.out} yet; starting over")
+            return 0
+    elif tr.resume_from:
         folder = Path(tr.resume_from)
         problem = folders.check(folder, comm)
         if problem is not None:

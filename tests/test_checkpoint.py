@@ -4,19 +4,22 @@ a save leaves: atomic, checksummed, pruned, and skipped when damaged."""
 
 import json
 import math
+import os
 
 import pytest
 import torch
 from distributed import run_ranks
+from helpers import TINY, last_json, run_cli
 
 from meshtrain.checkpoint import folders
 from meshtrain.checkpoint.boxes import boxes, flat_boxes
 from meshtrain.checkpoint.sharded import CheckpointError
 from meshtrain.comm import Comm
 from meshtrain.config import Config
+from meshtrain.faults import FAULT_ENV
 from meshtrain.mesh import Mesh
 from meshtrain.parallel.state import Where, shard_positions
-from meshtrain.train import NonFinite, StepObserver, setup, train
+from meshtrain.train import NonFinite, Preempted, StepObserver, setup, train
 from meshtrain.verifier import STEP_LOSS_TOLERANCE, UPDATE_TOLERANCE
 
 CPU = torch.device("cpu")
@@ -260,3 +263,43 @@ def test_a_non_finite_step_stops_the_run_naming_it_or_is_skipped(tmp_path):
     cfg.train.skip_nonfinite = True
     result = train(cfg, Comm(Mesh.single(CPU)), observer=_Poison())
     assert result.skipped_steps == [2, 3]
+
+
+# ---- preemption and restarts ------------------------------------------------------------------
+
+def _preempted(mesh0, folder):
+    os.environ[FAULT_ENV] = "term:1:3"  # rank 1 alone receives SIGTERM, at the end of step 3
+    cfg = _cfg({"dp": 2}, folder)
+    cfg.train.save_every = 100
+    try:
+        train(cfg, Comm(_mesh({"dp": 2})))
+    except Preempted as e:
+        return e.step
+    return None
+
+
+def test_sigterm_on_one_rank_saves_the_current_step_on_every_rank(tmp_path):
+    assert run_ranks(_preempted, 2, str(tmp_path), timeout=300) == [3, 3]
+    comm = Comm(Mesh.single(CPU))
+    assert folders.steps_in(tmp_path, comm) == [3] and folders.check(folders.step_dir(tmp_path, 3), comm) is None
+    cfg = _cfg({}, tmp_path)
+    cfg.train.resume = True
+    result = train_run(cfg)  # loadable, here in one process
+    assert result.first_step == 4 and len(result.losses) == STEPS - 3
+
+
+def _cli_run(out, *extra, env=None):
+    r = run_cli("train", *TINY, "--dp", "2", "--steps", "6", "--warmup", "2", "--out", out, "--json", *extra, env=env)
+    assert r.returncode == 0, r.stderr
+    return last_json(r.stdout), r.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault,resumed_from", [("kill:1:3", 2), ("kill-in-save:1:4", 2)],
+                         ids=["kill-9-at-step-3", "kill-9-during-the-save-of-step-4"])
+def test_a_killed_rank_restarts_and_ends_bitwise_as_an_uninterrupted_run(fault, resumed_from, tmp_path):
+    whole, _ = _cli_run(tmp_path / "whole")
+    got, err = _cli_run(tmp_path / "killed", "--save-every", "2", "--max-restarts", "1", env={FAULT_ENV: fault})
+    assert "rank 1 failed (signal 9, SIGKILL); restart 1 of 1" in err
+    assert f"resumed from {tmp_path / 'killed'}/step-{resumed_from} (step {resumed_from}" in err
+    assert got["final_loss"] == whole["final_loss"] and got["losses"] == whole["losses"][resumed_from:]

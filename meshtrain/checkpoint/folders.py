@@ -17,6 +17,8 @@ import shutil
 from pathlib import Path
 from typing import Callable
 
+from meshtrain import faults
+
 COMPLETE = "COMPLETE"
 STEP_DIR = re.compile(r"^step-(\d+)$")
 _CHUNK = 1 << 24
@@ -62,6 +64,8 @@ def write(final: Path, comm, write_files: Callable[[Path], None]) -> None:
         tmp.mkdir(parents=True)
     comm.barrier()
     write_files(tmp)
+    step = STEP_DIR.match(final.name)
+    faults.inject("kill-in-save", mesh.rank, int(step.group(1)) if step else None)
     mine = {f.name: _describe(f) for f in sorted(tmp.iterdir()) if f.name.startswith(f"__{mesh.rank}_")}
     everyone = comm.all_gather_object(mine)
     if mesh.is_main:

@@ -1,0 +1,33 @@
+"""Faults injected on purpose, for the tests of restarts and preemption: the environment
+variable MESHTRAIN_FAULT=KIND:RANK:STEP makes rank RANK, in the first attempt of a job only
+(not after a restart), at step STEP:
+- `kill`: die by SIGKILL at the end of the step (before its checkpoint);
+- `kill-in-save`: die by SIGKILL inside the checkpoint of that step, its files written but
+  not its marker;
+- `term`: receive SIGTERM at the end of the step (a scheduler's preemption).
+Nothing happens when the variable is unset."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+FAULT_ENV = "MESHTRAIN_FAULT"
+RESTART_ENV = "MESHTRAIN_RESTART"  # set by meshtrain's own launcher on its k-th restart
+KINDS = {"kill": signal.SIGKILL, "kill-in-save": signal.SIGKILL, "term": signal.SIGTERM}
+
+
+def restart_count(environ=os.environ) -> int:
+    """How many times this job's workers were restarted: by meshtrain's launcher
+    (`--max-restarts`) or by an outside torchrun's (its `--max-restarts`)."""
+    return max(int(environ.get(RESTART_ENV, 0) or 0), int(environ.get("TORCHELASTIC_RESTART_COUNT", 0) or 0))
+
+
+def inject(kind: str, rank: int, step: int | None) -> None:
+    """Raise the configured fault if it is `kind`'s, for this rank and step."""
+    spec = os.environ.get(FAULT_ENV)
+    if not spec or step is None or restart_count() > 0:
+        return
+    want, want_rank, want_step = spec.split(":")
+    if want == kind and int(want_rank) == rank and int(want_step) == step:
+        os.kill(os.getpid(), KINDS[kind])
