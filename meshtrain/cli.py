@@ -95,8 +95,18 @@ def build_parser(plan_flags: bool = True) -> argparse.ArgumentParser:
     if plan_flags:
         from meshtrain.plan.command import add_arguments as add_plan_arguments
         add_plan_arguments(plan)
+    exp = sub.add_parser("export", help="a sharded checkpoint of any layout as the one-process model's safetensors",
+                         description="Assemble the weights of a sharded checkpoint (a step-N folder, written in any "
+                         "layout) at full shape, without starting ranks, and write them as safetensors files of at "
+                         "most --max-shard-gb each (with model.safetensors.index.json when there are several), "
+                         "beside the run's configuration and tokenizer: `meshtrain generate --ckpt OUT` reads it.")
+    exp.add_argument("--ckpt", required=True, metavar="DIR", help="a checkpoint folder (OUT/step-N)")
+    exp.add_argument("--out", required=True, metavar="DIR", help="where to write the weights")
+    exp.add_argument("--max-shard-gb", type=float, default=2.0, help="largest weight file, in GB (default 2)")
+    exp.add_argument("--hf", action="store_true", help="a folder transformers loads (Llama-architecture models)")
     gen = sub.add_parser("generate", help="sample text from a model trained by `meshtrain train`")
-    gen.add_argument("--ckpt", required=True, metavar="DIR", help="the --out folder of a training run")
+    gen.add_argument("--ckpt", required=True, metavar="DIR", help="the --out folder of a training run, one of its "
+                     "checkpoints (OUT/step-N), or an exported folder")
     gen.add_argument("--prompt", default="\n", help="text to continue")
     gen.add_argument("--tokens", type=int, default=200, help="tokens to generate (default 200)")
     gen.add_argument("--temperature", type=float, default=0.8, help="softmax temperature > 0 (default 0.8)")
@@ -220,6 +230,8 @@ def main(argv: list[str] | None = None) -> int:
         return _generate(args)
     if args.command == "schedule":
         return _schedule(args)
+    if args.command == "export":
+        return _export(args)
     if args.command == "plan":
         from meshtrain.plan.command import run as plan
         try:
@@ -463,6 +475,26 @@ def _schedule_against_trace(args) -> int:
         print(f"wrote {args.png}", file=out)
     if args.json:
         print(json.dumps(result), flush=True)
+    return 0
+
+
+def _export(args) -> int:
+    if args.hf:
+        print("meshtrain: error: --hf writes a Llama-architecture model for transformers, which meshtrain does not "
+              "have yet; export without --hf", file=sys.stderr)
+        return 2
+    if not args.max_shard_gb > 0:
+        print(f"meshtrain: error: --max-shard-gb {args.max_shard_gb}: must be positive", file=sys.stderr)
+        return 2
+    from meshtrain.checkpoint.export import export
+    from meshtrain.checkpoint.sharded import CheckpointError
+    try:
+        files = export(Path(args.ckpt), Path(args.out), max_shard_bytes=int(args.max_shard_gb * 1e9), log=_log)
+    except CheckpointError as e:
+        print(f"meshtrain: error: {e}", file=sys.stderr)
+        return 2
+    _log(f"exported {args.ckpt} to {args.out} ({len(files)} weight file{'s' if len(files) > 1 else ''}); "
+         f"sample from it with: meshtrain generate --ckpt {args.out}")
     return 0
 
 

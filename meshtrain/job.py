@@ -347,13 +347,14 @@ class Job:
         if self.lr_scheduler is not None and "lr_scheduler" in state:
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])
 
-    def save(self, directory, **meta) -> None:
+    def save(self, directory, *, files=(), **meta) -> None:
         """Collective: a sharded checkpoint in `directory` (every rank writes what it owns;
         written whole or not at all; `checkpoint.sharded`). `meta`: JSON-able facts to keep
-        beside the state (read back by `load`)."""
+        beside the state (read back by `load`); `files`: paths copied in beside it (a tokenizer)."""
         from meshtrain.checkpoint.sharded import save_checkpoint
         scheduler = self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None
-        save_checkpoint(self.parallel, Path(directory), {**meta, "steps": self.steps, "lr_scheduler": scheduler})
+        save_checkpoint(self.parallel, Path(directory), {**meta, "steps": self.steps, "lr_scheduler": scheduler},
+                        files=files)
 
     def load(self, directory, *, check: bool = True) -> dict:
         """Collective: the state `save` wrote, in any layout (each rank reads only the parts it

@@ -22,6 +22,7 @@ from meshtrain.checkpoint import folders
 from meshtrain.comm import Comm
 from meshtrain.config import Config, LayoutConfig, TrainConfig, lr_at, strict_p2p_requested, tokens_per_sample
 from meshtrain.data.datasets import open_dataset
+from meshtrain.data.tokenizer import TOKENIZER_FILE
 from meshtrain.metrics import ActivationMeter, BuildMeter, LayerProbe, StepLog
 from meshtrain.models import build_model
 from meshtrain.models.init import init_spec
@@ -277,7 +278,7 @@ def train(cfg: Config, comm: Comm, *, observer: StepObserver | None = None, prog
             if step_log is not None:
                 step_log.write({"step": step + 1, "loss": loss, "lr": lr_at(step, tr), "step_time_s": dt,
                                 "tokens_per_s": tokens_per_step / dt})
-            checkpoint_after(job, cfg, step + 1, preemption)
+            checkpoint_after(job, cfg, data, step + 1, preemption)
         if bar is not None:
             bar.close()
         for axis in ("dp", "tp", "pp"):
@@ -304,7 +305,7 @@ def run_identity(cfg: Config) -> dict:
             "seq_len": tr.seq_len, "seed": tr.seed, "dropout": cfg.model.dropout}
 
 
-def checkpoint_after(job: Job, cfg: Config, step: int, preemption: Preemption | None) -> None:
+def checkpoint_after(job: Job, cfg: Config, data, step: int, preemption: Preemption | None) -> None:
     """Collective, after `step` (1-based): its checkpoint when --save-every says so, and when
     any rank has seen a SIGTERM (then `Preempted`, on every rank)."""
     tr, rank = cfg.train, job.mesh.rank
@@ -312,18 +313,21 @@ def checkpoint_after(job: Job, cfg: Config, step: int, preemption: Preemption | 
     faults.inject("term", rank, step)
     due = bool(tr.save_every) and (step % tr.save_every == 0 or step == tr.steps)
     if due:
-        save(job, cfg, step)
+        save(job, cfg, data, step)
     if preemption is not None and job.parallel.comm.any_rank(preemption.seen):
         if not due:
-            save(job, cfg, step)
+            save(job, cfg, data, step)
         raise Preempted(step, folders.step_dir(Path(tr.out), step))
 
 
-def save(job: Job, cfg: Config, step: int) -> None:
+def save(job: Job, cfg: Config, data, step: int) -> None:
     """Collective: the sharded checkpoint OUT/step-N; then the oldest beyond --keep removed."""
     out = Path(cfg.train.out)
     t0 = time.perf_counter()
-    job.save(folders.step_dir(out, step), run=run_identity(cfg), layout_flags=cfg.layout.short())
+    tokenizer = Path(getattr(data, "folder", None) or "", TOKENIZER_FILE)
+    job.save(folders.step_dir(out, step), run=run_identity(cfg), layout_flags=cfg.layout.short(),
+             config=cfg.to_dict(), vocab_size=getattr(data, "vocab_size", None),
+             files=[tokenizer] if tokenizer.is_file() else [])
     if cfg.train.keep:
         folders.prune(out, cfg.train.keep, job.parallel.comm)
     if job.mesh.is_main:

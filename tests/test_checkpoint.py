@@ -303,3 +303,46 @@ def test_a_killed_rank_restarts_and_ends_bitwise_as_an_uninterrupted_run(fault, 
     assert "rank 1 failed (signal 9, SIGKILL); restart 1 of 1" in err
     assert f"resumed from {tmp_path / 'killed'}/step-{resumed_from} (step {resumed_from}" in err
     assert got["final_loss"] == whole["final_loss"] and got["losses"] == whole["losses"][resumed_from:]
+
+
+# ---- export -------------------------------------------------------------------------------------
+
+def _zero3_saved(mesh0, folder):
+    cfg = _cfg({"dp": 2, "zero": 3}, folder)
+    cfg.train.steps, cfg.train.save_every = SAVED_AT, SAVED_AT
+    return _run(cfg, _mesh({"dp": 2}))[1]
+
+
+def test_export_of_a_zero3_checkpoint_is_the_one_process_state_in_shards(tmp_path):
+    from meshtrain.checkpoint.export import SHARD_INDEX, export
+    from meshtrain.checkpoint.weights import _read_weights, load_model
+    weights = run_ranks(_zero3_saved, 2, str(tmp_path), timeout=300)[0]
+    ckpt = folders.step_dir(tmp_path, SAVED_AT)
+    files = export(ckpt, tmp_path / "exported", max_shard_bytes=200_000)
+    assert len(files) > 1 and (tmp_path / "exported" / SHARD_INDEX).is_file()
+    assert all(f.stat().st_size <= 200_000 + 10_000 for f in files)  # a shard's tensors, and its header
+    exported = _read_weights(tmp_path / "exported")
+    assert exported.keys() == weights.keys()
+    for name, w in weights.items():
+        assert torch.equal(exported[name], w), name
+    model, _, cfg = load_model(ckpt)  # `generate` reads the checkpoint itself too
+    assert cfg.model.name == "gpt-test"
+    for name, w in model.state_dict().items():
+        assert torch.equal(w, weights[name]), name
+
+
+@pytest.mark.parametrize("args,message", [
+    (["train", "--save-every", "0"], "--save-every 0: must be a positive integer"),
+    (["train", "--keep", "0"], "--keep 0: must be a positive integer"),
+    (["train", "--resume"], "holds no checkpoint"),
+    (["train", "--resume-from", "{tmp}"], "has no COMPLETE marker"),
+    (["train", "--resume", "--resume-from", "{tmp}"], "give one"),
+    (["export", "--ckpt", "{tmp}", "--out", "{tmp}/x"], "not a sharded checkpoint"),
+    (["export", "--hf", "--ckpt", "{tmp}", "--out", "{tmp}/x"], "--hf writes a Llama"),
+], ids=["save-every-0", "keep-0", "resume-nothing", "resume-from-not-a-checkpoint", "both", "export-not-a-checkpoint",
+        "export-hf"])
+def test_bad_checkpoint_flags_are_refused_in_one_line_before_ranks_start(args, message, tmp_path):
+    out = ["--out", tmp_path] if args[0] == "train" else []
+    r = run_cli(*[a.format(tmp=tmp_path) for a in args], *out)
+    assert r.returncode == 2 and message in r.stderr and "starting" not in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr

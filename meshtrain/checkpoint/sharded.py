@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import base64
 import json
+import shutil
 from pathlib import Path
 
 import torch
@@ -171,10 +172,18 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(state["cuda"])), dtype=torch.uint8))
 
 
-def save_checkpoint(parallel, final: Path, meta: dict) -> None:
-    """Collective: `save` made atomic and verifiable (`folders.write`)."""
+def save_checkpoint(parallel, final: Path, meta: dict, files=()) -> None:
+    """Collective: `save` made atomic and verifiable (`folders.write`), with `files` copied
+    in by rank 0."""
     meta = {**meta, "layout": _layout_of(parallel)}
-    folders.write(Path(final), parallel.comm, lambda tmp: save(parallel, tmp, meta))
+
+    def write(tmp: Path) -> None:
+        save(parallel, tmp, meta)
+        if parallel.comm.mesh.is_main:
+            for f in files:
+                shutil.copyfile(f, tmp / Path(f).name)
+
+    folders.write(Path(final), parallel.comm, write)
 
 
 def load_checkpoint(parallel, folder: Path) -> dict:

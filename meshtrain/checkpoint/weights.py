@@ -35,19 +35,42 @@ def save_model(out: Path, state: dict[str, torch.Tensor], cfg: Config, data) -> 
 
 
 def load_model(ckpt: Path, device="cpu"):
-    """(model, tokenizer, config) from a folder written by `save_model`."""
-    from safetensors.torch import load_file
-
+    """(model, tokenizer, config) from a folder written by `save_model` or `export.export`
+    (one safetensors file or several with their index), or from a sharded checkpoint of
+    any layout (a step-N folder of a command-line run)."""
+    from meshtrain.checkpoint import export
+    from meshtrain.checkpoint.sharded import read_meta
     from meshtrain.models import build_model
 
-    if not (ckpt / RUN_FILE).exists() or not (ckpt / WEIGHTS_FILE).exists():
-        raise FileNotFoundError(f"--ckpt {ckpt}: no {WEIGHTS_FILE} and {RUN_FILE} there; "
-                                f"train first (meshtrain train --out {ckpt})")
-    meta = json.loads((ckpt / RUN_FILE).read_text())
+    ckpt = Path(ckpt)
+    if export.is_sharded_checkpoint(ckpt):
+        export.check_good(ckpt)
+        meta = read_meta(ckpt)
+        if "config" not in meta:
+            raise ValueError(f"--ckpt {ckpt}: a checkpoint written by job.save, without a command-line run's "
+                             f"configuration; load it with job.load")
+        state = export.consolidated(ckpt)
+    else:
+        if not (ckpt / RUN_FILE).exists() or not ((ckpt / WEIGHTS_FILE).exists() or (ckpt / export.SHARD_INDEX).exists()):
+            raise FileNotFoundError(f"--ckpt {ckpt}: no {WEIGHTS_FILE} and {RUN_FILE} there; "
+                                    f"train first (meshtrain train --out {ckpt})")
+        meta = json.loads((ckpt / RUN_FILE).read_text())
+        state = _read_weights(ckpt)
     cfg = Config.from_dict(meta["config"])
     if cfg.model.name == "mlp":
         raise ValueError("--ckpt holds the digits MLP, which does not generate text")
     model = build_model(cfg.model.name, cfg.train.seed, vocab_size=meta["vocab_size"], dropout=cfg.model.dropout,
                         attention=cfg.model.attention)
-    model.load_state_dict(load_file(str(ckpt / WEIGHTS_FILE)))
+    model.load_state_dict(state)
     return model.to(device).eval(), load_tokenizer(ckpt, meta["vocab_size"]), cfg
+
+
+def _read_weights(folder: Path) -> dict[str, torch.Tensor]:
+    """One safetensors file, or the shards its Hugging Face index lists."""
+    from safetensors.torch import load_file
+
+    from meshtrain.checkpoint.export import SHARD_INDEX
+    if (folder / WEIGHTS_FILE).exists():
+        return load_file(str(folder / WEIGHTS_FILE))
+    files = sorted(set(json.loads((folder / SHARD_INDEX).read_text())["weight_map"].values()))
+    return {k: v for f in files for k, v in load_file(str(folder / f)).items()}
