@@ -323,13 +323,13 @@ def _run_here(cfg, args, renv, device) -> int:
                                 trace_dir=cfg.train.out)
         mesh = Mesh.build(cfg.layout.pp, cfg.layout.dp, cfg.layout.tp, device)
     from meshtrain.checkpoint.sharded import CheckpointError
-    from meshtrain.train import NonFinite, Preempted
+    from meshtrain.train import NonFinite, Preempted, RunRefused
     try:
         after = _COMMANDS[args.command](cfg, Comm(mesh), args)
-    except (CheckpointError, NonFinite, Preempted) as e:  # every rank raises it alike: rank 0 says it
+    except (CheckpointError, RunRefused, NonFinite, Preempted) as e:  # every rank alike: rank 0 says it
         if mesh.is_main:
             print(f"meshtrain: {'' if isinstance(e, Preempted) else 'error: '}{e}", file=sys.stderr)
-        code = {CheckpointError: 2, NonFinite: 3, Preempted: 0}[type(e)]
+        code = {NonFinite: 3, Preempted: 0}.get(type(e), 2)
         if renv is None:
             return code
         launch.shutdown_distributed()

@@ -109,6 +109,8 @@ class TrainConfig:
     keep: int | None = None  # the newest K checkpoints kept (None: all)
     skip_nonfinite: bool = False  # a non-finite loss or gradient norm skips the step (default: stops the run)
     max_restarts: int = 0  # meshtrain's own launch: restart the ranks after one fails, resuming
+    eval_every: int | None = None  # the held-out loss every N steps (and at the end)
+    eval_batches: int = 4  # global batches of the held-out split per evaluation
     vocab_size: int = 2048  # BPE vocabulary trained on the corpus; 256 means the byte tokenizer
     sample_tokens: int = 120
     # Seconds a collective may wait before the job fails (every rank, every mesh group), once
@@ -186,6 +188,9 @@ FLAGS = [
     ("--keep", "train", "keep", int, "keep the newest K checkpoints (default: all)"),
     ("--max-restarts", "train", "max_restarts", int, "when a rank dies, restart all ranks up to N times, each "
      "resuming from the latest good checkpoint (under an outside torchrun, use torchrun's own --max-restarts)"),
+    ("--eval-every", "train", "eval_every", int, "the loss on the held-out split (the last 1%% of the data, never "
+     "trained on) every N steps and at the end: val_loss in metrics.jsonl, loss.png and --json"),
+    ("--eval-batches", "train", "eval_batches", int, "global batches per evaluation (default 4)"),
     ("--skip-nonfinite", "train", "skip_nonfinite", bool, "skip (and count) a step whose loss or gradient norm "
      "is not finite, instead of stopping the run"),
     ("--vocab-size", "train", "vocab_size", int, "BPE vocabulary size (256: byte tokenizer)"),
@@ -296,7 +301,8 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     m, lay, tr = cfg.model, cfg.layout, cfg.train
     for section, name in [("layout", "dp"), ("layout", "tp"), ("layout", "pp"), ("layout", "chunks"),
                           ("layout", "microbatches"), ("train", "steps"), ("train", "batch_size"),
-                          ("train", "seq_len"), ("train", "save_every"), ("train", "keep")]:
+                          ("train", "seq_len"), ("train", "save_every"), ("train", "keep"), ("train", "eval_every"),
+                          ("train", "eval_batches")]:
         value = getattr(getattr(cfg, section), name)
         if value is not None and value < 1:  # only dp and the checkpoint flags may be unset (None) here
             raise ConfigError(f"{_flag_of(section, name)} {value}: must be a positive integer")

@@ -284,19 +284,39 @@ class Job:
         """The model's output on `inputs` in evaluation mode (dropout off), without gradients.
         Under pipeline parallelism the output is on the last stage's ranks (None on the
         others); under a vocabulary-parallel head the logits are gathered whole over tp."""
+        with torch.no_grad():
+            out = self._output(inputs)
+            if out is not None and getattr(self.parallel, "vocab_sharded", False) and self.mesh.size("tp") > 1:
+                out = self.parallel.comm.gather_along(out.contiguous(), "tp", out.dim() - 1, purpose=METRICS)
+        return out
+
+    def evaluate(self, inputs, targets=None, *, rows: str = "global") -> float:
+        """The mean loss of a batch (the global one, or with `rows="local"` this rank's share)
+        in evaluation mode, forward only, in every layout: held-out validation."""
+        p = self.parallel
+        mine, _, count = self._rows_of(inputs, targets, _batch_rows(inputs), rows)
+        total = torch.zeros((), dtype=torch.float64, device=self.mesh.device)
+        with torch.no_grad():
+            out = self._output(take_rows(inputs, mine))
+            if out is not None:  # the last pipeline stage's ranks
+                y = mine.stop - mine.start if self._loss.kind == "own" else \
+                    self._to_device(take_rows(targets, mine), cast=False)
+                total += p.loss_fn(out, y).double() / count
+        for axis in ("pp", "dp"):  # as in `backward`: the loss lives on the last stage of each replica
+            p.comm.all_reduce(total, axis, purpose=METRICS)
+        return total.item()
+
+    def _output(self, inputs):
+        """The module's output in evaluation mode (None on pipeline stages but the last)."""
         if isinstance(inputs, dict) and self.mesh.size("pp") > 1:
-            raise ValueError("job.forward: a batch dict under pipeline parallelism; pass the input tensor")
+            raise ValueError("a batch dict under pipeline parallelism; pass the input tensor")
         module, was_training = self.module, self.module.training
         module.eval()
         try:
             x = self._to_device(inputs)
             if self.mesh.size("pp") > 1:
-                out = self._pipeline_forward(x)
-            else:
-                out = module(**x) if isinstance(x, dict) else module(x)
-            if out is not None and getattr(self.parallel, "vocab_sharded", False) and self.mesh.size("tp") > 1:
-                out = self.parallel.comm.gather_along(out.contiguous(), "tp", out.dim() - 1, purpose=METRICS)
-            return out
+                return self._pipeline_forward(x)
+            return module(**x) if isinstance(x, dict) else module(x)
         finally:
             module.train(was_training)
 

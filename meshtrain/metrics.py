@@ -196,15 +196,19 @@ class StepLog:
         self._file.close()
 
 
-def plot_losses(losses: list[float], path: Path, title: str) -> None:
+def plot_losses(losses: list[float], path: Path, title: str, *, first_step: int = 1,
+                val_losses: list[tuple[int, float]] = ()) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot(range(1, len(losses) + 1), losses)
+    ax.plot(range(first_step, first_step + len(losses)), losses, label="training")
+    if val_losses:
+        ax.plot(*zip(*val_losses), "o-", label="held-out")
+        ax.legend()
     ax.set_xlabel("step")
-    ax.set_ylabel("training loss")
+    ax.set_ylabel("loss")
     ax.set_title(title)
     ax.grid(alpha=0.3)
     fig.tight_layout()

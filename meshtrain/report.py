@@ -59,6 +59,8 @@ def summary_json(cfg: Config, result: RunResult, per_rank: list[dict], device: t
         "steps": len(result.losses),
         "losses": result.losses,
         "first_step": result.first_step,  # 1, or the step after the checkpoint a resumed run began from
+        **({"val_loss": result.val_losses[-1][1], "val_losses": [list(v) for v in result.val_losses]}
+           if result.val_losses else {}),
         "final_loss": result.losses[-1],
         "step_time_median_s": median,
         "tokens_per_s": cfg.train.batch_size * tokens_per_sample(cfg) / median,
@@ -89,7 +91,8 @@ def write(cfg: Config, result: RunResult, gathered: dict, device: torch.device, 
     out = Path(cfg.train.out)
     human = sys.stderr if json_mode else sys.stdout
     summary = summary_json(cfg, result, gathered["per_rank"], device)
-    plot_losses(result.losses, out / "loss.png", f"{cfg.model.name}, {cfg.layout.short()}")
+    plot_losses(result.losses, out / "loss.png", f"{cfg.model.name}, {cfg.layout.short()}",
+                first_step=result.first_step, val_losses=result.val_losses)
     save_model(out, gathered["state"], cfg, result.data)
     mfu = f", MFU {summary['mfu']:.1%}" if summary["mfu"] is not None else ""
     print(f"loss {result.losses[0]:.3f} -> {result.losses[-1]:.3f} in {len(result.losses)} steps; "

@@ -52,6 +52,11 @@ class RunResult:
     trace: dict | None = None  # `train --trace`: the pipeline's measured timeline (rank 0)
     comm_detail_per_step: dict[str, dict[str, int]] = field(default_factory=dict)  # axis -> collective -> bytes
     first_step: int = 1  # the step `losses` begin at (later when resumed)
+    val_losses: list[tuple[int, float]] = field(default_factory=list)  # (step, held-out loss), with --eval-every
+
+
+class RunRefused(ValueError):
+    """What a run cannot do, found once the ranks have started (every rank alike): one line."""
 
 
 class NonFinite(RuntimeError):
@@ -225,6 +230,9 @@ def train(cfg: Config, comm: Comm, *, observer: StepObserver | None = None, prog
           step_log: StepLog | None = None, trace: bool = False, **sync_options) -> RunResult:
     mesh, tr = comm.mesh, cfg.train
     data, job = setup(cfg, comm, **sync_options)
+    if tr.eval_every and not hasattr(data, "val_batch"):
+        raise RunRefused("--eval-every: this model's recipe brings its own batches, which have no held-out split; "
+                         "evaluate in your own loop with job.evaluate")
     p = job.parallel
     if mesh.is_main:
         for note in p.notes:
@@ -247,7 +255,7 @@ def train(cfg: Config, comm: Comm, *, observer: StepObserver | None = None, prog
     # steps: each step the flag is all-reduced, and every rank saves at the first step any saw it.
     preemption = Preemption() if tr.save_every else None
     try:
-        losses, times, comm_per_step, comm_detail, skipped = [], [], {}, {}, []
+        losses, times, comm_per_step, comm_detail, skipped, val_losses = [], [], {}, {}, [], []
         for step in range(start, tr.steps):
             if observer:
                 observer.before_step(p, step + 1)
@@ -272,12 +280,15 @@ def train(cfg: Config, comm: Comm, *, observer: StepObserver | None = None, prog
                 skipped.append(step + 1)
             if observer:
                 observer.after_step(p, step + 1, loss)
+            val = validate(job, data, cfg, step + 1)
+            if val is not None:
+                val_losses.append((step + 1, val))
             if bar is not None:
                 bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_step / dt:,.0f}")
                 bar.update()
             if step_log is not None:
                 step_log.write({"step": step + 1, "loss": loss, "lr": lr_at(step, tr), "step_time_s": dt,
-                                "tokens_per_s": tokens_per_step / dt})
+                                "tokens_per_s": tokens_per_step / dt, **({"val_loss": val} if val is not None else {})})
             checkpoint_after(job, cfg, data, step + 1, preemption)
         if bar is not None:
             bar.close()
@@ -289,10 +300,20 @@ def train(cfg: Config, comm: Comm, *, observer: StepObserver | None = None, prog
                          model_state=p.model_state_bytes(), activation_bytes=meter.peak,
                          activation_bytes_per_layer=probe.bytes,
                          comm_per_step=comm_per_step, parallel=p, data=data, skipped_steps=skipped, trace=traced,
-                         comm_detail_per_step=comm_detail)
+                         comm_detail_per_step=comm_detail, val_losses=val_losses)
     finally:
         if preemption is not None:
             preemption.restore()
+
+
+def validate(job: Job, data, cfg: Config, step: int) -> float | None:
+    """Collective, after `step`: the mean loss over --eval-batches global batches of the
+    held-out split (the same batches every time), when --eval-every says so; else None."""
+    tr = cfg.train
+    if not tr.eval_every or (step % tr.eval_every and step != tr.steps):
+        return None
+    every = slice(0, tr.batch_size)
+    return sum(job.evaluate(*data.val_batch(k, tr.batch_size, every)) for k in range(tr.eval_batches)) / tr.eval_batches
 
 
 # ---- checkpoints ----------------------------------------------------------------------------

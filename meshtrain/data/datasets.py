@@ -22,8 +22,21 @@ META_FILE = "meta.json"
 LOCK_FILE = ".lock"
 
 
+VAL_FRACTION = 0.01  # the held-out tail: never sampled for training
+
+
 def _batch_rng(seed: int, step: int) -> np.random.Generator:
     return np.random.default_rng([seed, step])
+
+
+def _val_rng(seed: int, k: int) -> np.random.Generator:
+    """Validation batch k's draws: a stream apart from every training step's."""
+    return np.random.default_rng([seed, k, 1])
+
+
+def held_out(n: int, fraction: float = VAL_FRACTION) -> int:
+    """Where the held-out tail of n items begins."""
+    return n - max(1, int(n * fraction))
 
 
 def cache_root() -> Path:
@@ -37,18 +50,30 @@ def check_length(n_tokens: int, seq_len: int) -> None:
 
 
 class TextData:
-    """Random windows of a memory-mapped uint16 token file."""
+    """Random windows of a memory-mapped uint16 token file: training windows from the first
+    99% of the tokens, validation windows from the last 1% (never seen in training)."""
 
     def __init__(self, folder: Path, seq_len: int, seed: int):
         meta = json.loads((folder / META_FILE).read_text())
         self.tokenizer = load_tokenizer(folder, meta["vocab_size"])
         self.tokens = np.memmap(folder / TOKENS_FILE, dtype=np.uint16, mode="r")
         self.folder, self.vocab_size, self.seq_len, self.seed = folder, meta["vocab_size"], seq_len, seed
-        check_length(len(self.tokens), seq_len)
+        self.split = held_out(len(self.tokens))
+        check_length(self.split, seq_len)
 
     def batch(self, step: int, batch_size: int, rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows `rows` of the global batch of `step`: (inputs, next-token targets)."""
-        starts = _batch_rng(self.seed, step).integers(0, len(self.tokens) - self.seq_len - 1, size=batch_size)
+        return self._windows(_batch_rng(self.seed, step), 0, self.split, batch_size, rows)
+
+    def val_batch(self, k: int, batch_size: int, rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows `rows` of validation batch k, from the held-out tail."""
+        if len(self.tokens) - self.split < self.seq_len + 1:
+            raise DataError(f"the held-out {VAL_FRACTION:.0%} of the text has {len(self.tokens) - self.split} tokens, "
+                            f"too few for --seq-len {self.seq_len}; use more text or a smaller --seq-len")
+        return self._windows(_val_rng(self.seed, k), self.split, len(self.tokens), batch_size, rows)
+
+    def _windows(self, rng, lo: int, hi: int, batch_size: int, rows: slice):
+        starts = rng.integers(lo, hi - self.seq_len - 1, size=batch_size, endpoint=True)
         windows = np.stack([self.tokens[s:s + self.seq_len + 1] for s in starts[rows]]).astype(np.int64)
         w = torch.from_numpy(windows)
         return w[:, :-1], w[:, 1:]
@@ -70,9 +95,14 @@ class DigitsData:
         self.x = torch.tensor(d.data, dtype=torch.float32) / 16.0
         self.y = torch.tensor(d.target, dtype=torch.int64)
         self.seed = seed
+        self.split = held_out(len(self.y))  # the last 1% (17 images) held out
 
     def batch(self, step: int, batch_size: int, rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
-        idx = _batch_rng(self.seed, step).integers(0, len(self.y), size=batch_size)[rows]
+        idx = _batch_rng(self.seed, step).integers(0, self.split, size=batch_size)[rows]
+        return self.x[idx], self.y[idx]
+
+    def val_batch(self, k: int, batch_size: int, rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
+        idx = _val_rng(self.seed, k).integers(self.split, len(self.y), size=batch_size)[rows]
         return self.x[idx], self.y[idx]
 
 
