@@ -253,6 +253,10 @@ def main(argv: list[str] | None = None) -> int:
             _check_out_writable(cfg.train.out)
         if args.command == "train":
             _check_resume_source(cfg.train)
+            if cfg.train.tensorboard:
+                from meshtrain import board
+                if not board.available():
+                    raise C.ConfigError(board.MISSING)
         for warning in C.warnings(cfg, args.command) if speaks else []:
             print(f"meshtrain: warning: {warning}", file=sys.stderr)
         # From a shell the local ranks are all ours: check the GPUs before starting them.

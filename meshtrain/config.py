@@ -111,6 +111,7 @@ class TrainConfig:
     max_restarts: int = 0  # meshtrain's own launch: restart the ranks after one fails, resuming
     eval_every: int | None = None  # the held-out loss every N steps (and at the end)
     eval_batches: int = 4  # global batches of the held-out split per evaluation
+    tensorboard: bool = False  # TensorBoard events in OUT/tensorboard (the optional `tensorboard` package)
     vocab_size: int = 2048  # BPE vocabulary trained on the corpus; 256 means the byte tokenizer
     sample_tokens: int = 120
     # Seconds a collective may wait before the job fails (every rank, every mesh group), once
@@ -191,6 +192,8 @@ FLAGS = [
     ("--eval-every", "train", "eval_every", int, "the loss on the held-out split (the last 1%% of the data, never "
      "trained on) every N steps and at the end: val_loss in metrics.jsonl, loss.png and --json"),
     ("--eval-batches", "train", "eval_batches", int, "global batches per evaluation (default 4)"),
+    ("--tensorboard", "train", "tensorboard", bool, "write TensorBoard events to OUT/tensorboard: losses, "
+     "learning rate, tokens/s, gradient norm, each rank's memory (pip install 'meshtrain[tb]')"),
     ("--skip-nonfinite", "train", "skip_nonfinite", bool, "skip (and count) a step whose loss or gradient norm "
      "is not finite, instead of stopping the run"),
     ("--vocab-size", "train", "vocab_size", int, "BPE vocabulary size (256: byte tokenizer)"),

@@ -18,6 +18,7 @@ from pathlib import Path
 from dataclasses import dataclass, field
 
 from meshtrain import faults, launch
+from meshtrain.board import Board
 from meshtrain.checkpoint import folders
 from meshtrain.comm import Comm
 from meshtrain.config import Config, LayoutConfig, TrainConfig, lr_at, strict_p2p_requested, tokens_per_sample
@@ -254,6 +255,7 @@ def train(cfg: Config, comm: Comm, *, observer: StepObserver | None = None, prog
     # With checkpoints on, a SIGTERM (a scheduler's preemption) reaches ranks at different
     # steps: each step the flag is all-reduced, and every rank saves at the first step any saw it.
     preemption = Preemption() if tr.save_every else None
+    board = Board(Path(tr.out), comm) if tr.tensorboard else None
     try:
         losses, times, comm_per_step, comm_detail, skipped, val_losses = [], [], {}, {}, [], []
         for step in range(start, tr.steps):
@@ -286,6 +288,9 @@ def train(cfg: Config, comm: Comm, *, observer: StepObserver | None = None, prog
             if bar is not None:
                 bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_step / dt:,.0f}")
                 bar.update()
+            if board is not None:
+                board.step(step + 1, loss=loss, lr=lr_at(step, tr), tokens_per_s=tokens_per_step / dt,
+                           grad_norm=out.grad_norm, val_loss=val)
             if step_log is not None:
                 step_log.write({"step": step + 1, "loss": loss, "lr": lr_at(step, tr), "step_time_s": dt,
                                 "tokens_per_s": tokens_per_step / dt, **({"val_loss": val} if val is not None else {})})
@@ -304,6 +309,8 @@ def train(cfg: Config, comm: Comm, *, observer: StepObserver | None = None, prog
     finally:
         if preemption is not None:
             preemption.restore()
+        if board is not None:
+            board.close()
 
 
 def validate(job: Job, data, cfg: Config, step: int) -> float | None:

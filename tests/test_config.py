@@ -30,7 +30,7 @@ def cfg(**sections):
     ({"model": {"name": "mlp"}}, None, "--data digits"),
     ({"train": {"seq_len": 4096}}, None, "--seq-len 4096"),
     ({"layout": {"tp": 3, "dp": 1}}, None, "use --tp 1, 2, 4, 8"),
-    ({"train": {"resume": True}}, None, "not in this version"),
+    ({"train": {"resume": True, "resume_from": "x"}}, None, "give one"),
     ({"layout": {"recompute": "segments:0"}}, None, "use --recompute none | full | selective | segments[:K]"),
     ({"layout": {"dp_linear_sync": "sometimes"}}, None, "use --dp-linear-sync allreduce | allgather | auto"),
     ({"layout": {"zero": -1}}, None, "use --zero 0, 1, 2 or 3"),
