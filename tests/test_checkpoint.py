@@ -346,3 +346,38 @@ def test_bad_checkpoint_flags_are_refused_in_one_line_before_ranks_start(args, m
     r = run_cli(*[a.format(tmp=tmp_path) for a in args], *out)
     assert r.returncode == 2 and message in r.stderr and "starting" not in r.stderr, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+# ---- the API's own models: fused tensor-parallel layers, bf16 masters ------------------------------
+
+def _api_saved(mesh0, folder):
+    import meshtrain
+    from test_api import OPTIMIZERS, PLAN, batches, make_model
+    out = {}
+    for precision in ("fp32", "bf16"):
+        mesh = meshtrain.init(tp=2)
+        job = meshtrain.parallelize(make_model(), mesh, optimizer=OPTIMIZERS["adamw"], tp_plan=PLAN,
+                                    precision=precision)
+        for x, y in batches(2):
+            job.step(x, y)
+        job.save(f"{folder}/{precision}", note="kept beside the state")
+        out[precision] = job.state_dict()
+    return out
+
+
+def test_a_fused_tensor_parallel_job_and_its_bf16_masters_load_in_one_process(tmp_path):
+    import meshtrain
+    from test_api import OPTIMIZERS, make_model
+    saved = run_ranks(_api_saved, 2, str(tmp_path), timeout=300)[0]
+    for precision, want in saved.items():
+        job = meshtrain.parallelize(make_model(), meshtrain.init(), optimizer=OPTIMIZERS["adamw"], precision=precision)
+        meta = job.load(tmp_path / precision)
+        assert meta["note"] == "kept beside the state" and job.steps == 2
+        got = job.state_dict()
+        assert got["model"].keys() == want["model"].keys()
+        for name, w in want["model"].items():  # the fp32 masters under bf16: exactly
+            assert got["model"][name].dtype == torch.float32 and torch.equal(got["model"][name], w), (precision, name)
+        assert got["optim"].keys() == want["optim"].keys()
+        for name, entry in want["optim"].items():
+            for key, v in entry.items():
+                assert torch.equal(got["optim"][name][key], v), (precision, name, key)
