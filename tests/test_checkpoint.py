@@ -381,3 +381,9 @@ def test_a_fused_tensor_parallel_job_and_its_bf16_masters_load_in_one_process(tm
         for name, entry in want["optim"].items():
             for key, v in entry.items():
                 assert torch.equal(got["optim"][name][key], v), (precision, name, key)
+
+
+def test_a_huge_learning_rate_stops_the_run_within_a_step_naming_it(tmp_path):
+    r = run_cli("train", *TINY, "--dp", "1", "--steps", "6", "--lr", "1e6", "--warmup", "0", "--out", tmp_path)
+    assert r.returncode == 3, r.stderr
+    assert "meshtrain: error: step 2: the loss is nan" in r.stderr and "the gradient of embed.tok.weight" in r.stderr

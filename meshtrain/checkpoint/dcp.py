@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import warnings
+import zlib
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +26,7 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex, StorageMeta,
                                                    TensorProperties, TensorStorageMetadata)
 from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
@@ -108,12 +109,57 @@ class BoxLoadPlanner(DefaultLoadPlanner):
                          "holds none (is this folder from another tool?)")
 
 
+class _Summed:
+    """A file being written, its size and CRC-32 kept as bytes pass (no reading back)."""
+
+    def __init__(self, stream):
+        self._stream, self.size, self.crc = stream, 0, 0
+
+    def write(self, data) -> int:
+        n = self._stream.write(data)
+        self.crc = zlib.crc32(data, self.crc)
+        self.size += len(memoryview(data).cast("B"))
+        return n
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
+class SummingFileSystem(FileSystem):
+    """DCP's local file system, recording each written file's description (`folders.describe`'s
+    form) as it is written, across DCP's write-then-rename of its metadata."""
+
+    def __init__(self):
+        super().__init__()
+        self.written: dict[str, dict] = {}
+
+    @contextmanager
+    def create_stream(self, path, mode):
+        with super().create_stream(path, mode) as stream:
+            if "w" not in mode:
+                yield stream
+                return
+            summed = _Summed(stream)
+            yield summed
+        self.written[Path(path).name] = {"bytes": summed.size, "crc32": summed.crc}
+
+    def rename(self, path, new_path) -> None:
+        super().rename(path, new_path)
+        if Path(path).name in self.written:
+            self.written[Path(new_path).name] = self.written.pop(Path(path).name)
+
+
 class IndexedWriter(FileSystemWriter):
-    """DCP's file writer that also writes its index as JSON."""
+    """DCP's file writer that also writes its index as JSON, and describes what it wrote."""
 
     def __init__(self, path):
         super().__init__(path, single_file_per_rank=True, sync_files=True)
+        self.fs = SummingFileSystem()
         self._folder = Path(path)
+
+    @property
+    def written(self) -> dict[str, dict]:
+        return self.fs.written
 
     def finish(self, metadata: Metadata, results) -> None:
         super().finish(metadata, results)
@@ -123,7 +169,7 @@ class IndexedWriter(FileSystemWriter):
         storage = [[index.fqn, list(index.offset), info.relative_path, info.offset, info.length,
                     getattr(info, "transform_descriptors", None)] for index, info in metadata.storage_data.items()]
         text = json.dumps({"format": FORMAT, "version": metadata.version, "tensors": tensors, "storage": storage})
-        write_synced(self._folder / INDEX, text.encode())
+        self.fs.written[INDEX] = write_synced(self._folder / INDEX, text.encode())
 
 
 class IndexedReader(FileSystemReader):
@@ -157,10 +203,13 @@ def read_index(folder: Path) -> Metadata:
     return Metadata(state_dict_metadata=md, storage_data=storage, storage_meta=StorageMeta(), version=raw["version"])
 
 
-def save(state: dict[str, Boxed], folder: Path, distributed: bool) -> None:
-    """Collective (every rank of the default group, when `distributed`): write `state`."""
+def save(state: dict[str, Boxed], folder: Path, distributed: bool) -> dict[str, dict]:
+    """Collective (every rank of the default group, when `distributed`): write `state`;
+    returns the description of each file this rank wrote."""
+    writer = IndexedWriter(folder)
     with _one_process_quietly(distributed):
-        dcp.save(state, storage_writer=IndexedWriter(folder), planner=BoxSavePlanner(), no_dist=not distributed)
+        dcp.save(state, storage_writer=writer, planner=BoxSavePlanner(), no_dist=not distributed)
+    return writer.written
 
 
 def load(state: dict[str, Boxed], folder: Path, distributed: bool) -> None:

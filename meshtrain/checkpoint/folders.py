@@ -9,11 +9,11 @@ files and the verdicts are gathered, so all ranks choose the same folder or fail
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
 import shutil
+import zlib
 from pathlib import Path
 from typing import Callable
 
@@ -24,20 +24,28 @@ STEP_DIR = re.compile(r"^step-(\d+)$")
 _CHUNK = 1 << 24
 
 
-def file_digest(path: Path) -> str:
-    h = hashlib.blake2b(digest_size=16)
+def file_crc(path: Path) -> int:
+    """CRC-32 of a file's bytes: it catches every flipped bit and burst a disk or a copy makes
+    (an integrity check, not a signature)."""
+    crc = 0
     with open(path, "rb") as f:
         while block := f.read(_CHUNK):
-            h.update(block)
-    return h.hexdigest()
+            crc = zlib.crc32(block, crc)
+    return crc
 
 
-def write_synced(path: Path, data: bytes) -> None:
-    """Write `data` to `path` and wait until it is on disk."""
+def describe(path: Path) -> dict:
+    """What the marker records of a file: its size and CRC-32."""
+    return {"bytes": path.stat().st_size, "crc32": file_crc(path)}
+
+
+def write_synced(path: Path, data: bytes) -> dict:
+    """Write `data` to `path`, wait until it is on disk; returns its description."""
     with open(path, "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
+    return {"bytes": len(data), "crc32": zlib.crc32(data)}
 
 
 def fsync_dir(path: Path) -> None:
@@ -52,10 +60,11 @@ def step_dir(out: Path, step: int) -> Path:
     return Path(out) / f"step-{step}"
 
 
-def write(final: Path, comm, write_files: Callable[[Path], None]) -> None:
-    """Collective: `write_files(tmp)` on every rank (a collective write into `tmp`); each
-    rank checksums the files it wrote (DCP's `__RANK_*`), rank 0 those it wrote alone and
-    the marker, then renames the folder to `final` (replacing one of that name)."""
+def write(final: Path, comm, write_files: Callable[[Path], dict[str, dict]]) -> None:
+    """Collective: `write_files(tmp)` on every rank (a collective write into `tmp`), which
+    returns the description (`describe`) of each file it wrote, taken as it wrote them;
+    rank 0 describes any other file by reading it, writes the marker with all of them, and
+    renames the folder to `final` (replacing one of that name)."""
     final = Path(final)
     tmp = final.with_name(final.name + ".tmp")
     mesh = comm.mesh
@@ -63,15 +72,13 @@ def write(final: Path, comm, write_files: Callable[[Path], None]) -> None:
         shutil.rmtree(tmp, ignore_errors=True)  # a save that died half-way
         tmp.mkdir(parents=True)
     comm.barrier()
-    write_files(tmp)
+    mine = write_files(tmp)
     step = STEP_DIR.match(final.name)
     faults.inject("kill-in-save", mesh.rank, int(step.group(1)) if step else None)
-    mine = {f.name: _describe(f) for f in sorted(tmp.iterdir()) if f.name.startswith(f"__{mesh.rank}_")}
     everyone = comm.all_gather_object(mine)
     if mesh.is_main:
         files = {name: d for part in everyone for name, d in part.items()}
-        files.update({f.name: _describe(f) for f in sorted(tmp.iterdir())
-                      if not f.name.startswith("__") and f.name not in files})
+        files.update({f.name: describe(f) for f in sorted(tmp.iterdir()) if f.name not in files})
         write_synced(tmp / COMPLETE, json.dumps({"files": files}, indent=1).encode())
         fsync_dir(tmp)
         replaced = final.with_name(f".{final.name}.replaced")
@@ -82,10 +89,6 @@ def write(final: Path, comm, write_files: Callable[[Path], None]) -> None:
         fsync_dir(final.parent)
         shutil.rmtree(replaced, ignore_errors=True)
     comm.barrier()
-
-
-def _describe(path: Path) -> dict:
-    return {"bytes": path.stat().st_size, "blake2b": file_digest(path)}
 
 
 def check(folder: Path, comm) -> str | None:
@@ -101,7 +104,7 @@ def check(folder: Path, comm) -> str | None:
                 problem = f"{name} is missing"
             elif path.stat().st_size != d["bytes"]:
                 problem = f"{name} has {path.stat().st_size} bytes, not {d['bytes']} (truncated?)"
-            elif file_digest(path) != d["blake2b"]:
+            elif file_crc(path) != d["crc32"]:
                 problem = f"{name} fails its checksum (corrupted)"
             if problem:
                 break

@@ -64,12 +64,13 @@ def saved_state(parallel) -> dict[str, Boxed]:
     return state
 
 
-def save(parallel, folder: Path, meta: dict) -> None:
+def save(parallel, folder: Path, meta: dict) -> dict[str, dict]:
     """Collective: write this layout's state into `folder` (an empty folder; `folders.write`
-    makes it atomic). `meta`: JSON-able facts of the run, rank 0's."""
+    makes it atomic); returns the description of each file this rank wrote. `meta`:
+    JSON-able facts of the run, rank 0's."""
     comm = parallel.comm
     rng = comm.all_gather_object(_rng_state())
-    dcp.save(saved_state(parallel), folder, distributed=comm.mesh.world_size > 1)
+    written = dcp.save(saved_state(parallel), folder, distributed=comm.mesh.world_size > 1)
     if comm.mesh.is_main:
         groups = [{k: v for k, v in g.items() if k != "params"} for g in parallel.optimizer.param_groups]
         body = {**meta, "param_groups": groups, "rng": rng, "world_size": comm.mesh.world_size}
@@ -77,7 +78,8 @@ def save(parallel, folder: Path, meta: dict) -> None:
             text = json.dumps(body, indent=1)
         except TypeError as e:
             raise TypeError(f"checkpoint: the optimizer's, scheduler's or run's state is not plain data ({e})") from None
-        folders.write_synced(Path(folder) / STATE, text.encode())
+        written[STATE] = folders.write_synced(Path(folder) / STATE, text.encode())
+    return written
 
 
 def read_meta(folder: Path) -> dict:
@@ -177,11 +179,12 @@ def save_checkpoint(parallel, final: Path, meta: dict, files=()) -> None:
     in by rank 0."""
     meta = {**meta, "layout": _layout_of(parallel)}
 
-    def write(tmp: Path) -> None:
-        save(parallel, tmp, meta)
+    def write(tmp: Path) -> dict[str, dict]:
+        written = save(parallel, tmp, meta)
         if parallel.comm.mesh.is_main:
-            for f in files:
+            for f in files:  # described by reading (small)
                 shutil.copyfile(f, tmp / Path(f).name)
+        return written
 
     folders.write(Path(final), parallel.comm, write)
 
