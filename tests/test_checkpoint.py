@@ -387,3 +387,30 @@ def test_a_huge_learning_rate_stops_the_run_within_a_step_naming_it(tmp_path):
     r = run_cli("train", *TINY, "--dp", "1", "--steps", "6", "--lr", "1e6", "--warmup", "0", "--out", tmp_path)
     assert r.returncode == 3, r.stderr
     assert "meshtrain: error: step 2: the loss is nan" in r.stderr and "the gradient of embed.tok.weight" in r.stderr
+
+
+class _Buffered(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.register_buffer("scale", torch.ones(4))
+        self.register_buffer("cache", torch.zeros(4), persistent=False)  # recomputed: not state
+
+    def forward(self, x):
+        return self.lin(x) * self.scale + self.cache
+
+
+def test_persistent_buffers_are_saved_and_a_module_s_cache_is_not(tmp_path):
+    import meshtrain
+    from meshtrain.checkpoint.dcp import INDEX
+    sgd = lambda named: torch.optim.SGD((p for _, p in named), lr=0.1)  # noqa: E731
+    job = meshtrain.parallelize(_Buffered(), meshtrain.init(), optimizer=sgd, loss_fn=lambda o, t: (o - t).pow(2).mean())
+    job.module.scale.fill_(3.0)
+    job.step(torch.ones(2, 4), torch.zeros(2, 4))
+    job.save(tmp_path / "c")
+    tensors = json.loads((tmp_path / "c" / INDEX).read_text())["tensors"]
+    assert "buffer/scale" in tensors and "buffer/cache" not in tensors
+    other = meshtrain.parallelize(_Buffered(), meshtrain.init(), optimizer=sgd, loss_fn=lambda o, t: (o - t).pow(2).mean())
+    other.load(tmp_path / "c")
+    assert torch.equal(other.module.scale, torch.full((4,), 3.0))
+    assert torch.equal(other.module.lin.weight, job.module.lin.weight) and other.steps == 1

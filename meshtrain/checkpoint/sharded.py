@@ -59,9 +59,16 @@ def saved_state(parallel) -> dict[str, Boxed]:
                 _add(state, _optim(h.name, key), h.shape, v.dtype, boxes(v, h.where, h.shape))
             else:  # Adam's step counter: whole, the same on every rank that holds a piece
                 _add(state, _optim(h.name, key), v.shape, v.dtype, _whole(v))
-    for name, b in parallel.module.named_buffers():
+    for name, b in persistent_buffers(parallel.module):
         _add(state, f"buffer/{name}", b.shape, b.dtype, _whole(b))
     return state
+
+
+def persistent_buffers(module) -> list[tuple[str, torch.Tensor]]:
+    """The buffers a state dict holds (not those a module marks non-persistent, such as a
+    cache it recomputes)."""
+    kept = set(module.state_dict(keep_vars=True))
+    return [(n, b) for n, b in module.named_buffers() if n in kept]
 
 
 def save(parallel, folder: Path, meta: dict) -> dict[str, dict]:
@@ -97,7 +104,7 @@ def load(parallel, folder: Path) -> dict:
     state: dict[str, Boxed] = {}
     for h in restored:
         _add(state, _model(h.name), h.shape, h.tensor.dtype, boxes(h.tensor, h.where, h.shape))
-    for name, b in parallel.module.named_buffers():
+    for name, b in persistent_buffers(parallel.module):
         _add(state, f"buffer/{name}", b.shape, b.dtype, _whole(b))
     optimizer_state = {}
     for h in parallel.holdings.checkpointed():
@@ -141,7 +148,7 @@ def _optimizer_targets(h, metadata, existing: dict, state: dict[str, Boxed]) -> 
 def _check_same_model(parallel, metadata, restored, folder: Path) -> None:
     """Collective: the checkpoint holds exactly this model's tensors, at its shapes."""
     mine = {h.name: tuple(h.shape) for h in restored}
-    mine.update({name: tuple(b.shape) for name, b in parallel.module.named_buffers()})
+    mine.update({name: tuple(b.shape) for name, b in persistent_buffers(parallel.module)})
     wanted: dict[str, tuple] = {}
     for part in parallel.comm.all_gather_object(mine):
         wanted.update(part)
