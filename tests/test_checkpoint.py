@@ -414,3 +414,24 @@ def test_persistent_buffers_are_saved_and_a_module_s_cache_is_not(tmp_path):
     other.load(tmp_path / "c")
     assert torch.equal(other.module.scale, torch.full((4,), 3.0))
     assert torch.equal(other.module.lin.weight, job.module.lin.weight) and other.steps == 1
+
+
+def test_loading_adds_at_most_two_copies_of_the_largest_tensor(tmp_path):
+    """Every byte a load allocates (the profiler's CPU allocator events): DCP reads one saved
+    box at a time — torch.load of it, then a copy into the rank's view — so the peak above what
+    the rank keeps is at most twice the largest tensor, whatever the model's size."""
+    from torch.profiler import ProfilerActivity, profile
+    cfg = _cfg({}, tmp_path)
+    cfg.train.steps, cfg.train.save_every = 1, 1
+    result = train_run(cfg)
+    job_parallel = result.parallel
+    _, job = setup(cfg, Comm(Mesh.single(CPU)))
+    job.load(folders.step_dir(tmp_path, 1))  # the optimizer's state exists now: what the rank keeps
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        job.load(folders.step_dir(tmp_path, 1))
+    live = peak = 0
+    for e in sorted((e for e in prof.events() if e.name == "[memory]"), key=lambda e: e.time_range.start):
+        live += e.cpu_memory_usage
+        peak = max(peak, live)
+    largest = max(p.numel() * p.element_size() for p in job_parallel.module.parameters())
+    assert 0 < peak <= 2 * largest, (peak, largest)
