@@ -259,6 +259,10 @@ def main(argv: list[str] | None = None) -> int:
                     raise C.ConfigError(board.MISSING)
         for warning in C.warnings(cfg, args.command) if speaks else []:
             print(f"meshtrain: warning: {warning}", file=sys.stderr)
+        if renv is not None and cfg.train.max_restarts and speaks:
+            print("meshtrain: warning: under a launcher, restarts are the launcher's (torchrun --max-restarts N); "
+                  "--max-restarts is ignored, and restarted ranks resume from the latest checkpoint by themselves",
+                  file=sys.stderr)
         # From a shell the local ranks are all ours: check the GPUs before starting them.
         local_rank, local_world = (renv.local_rank, renv.local_world_size) if renv else (0, cfg.layout.world_size)
         device = launch.choose_device(cfg.train.device, local_rank, local_world)
