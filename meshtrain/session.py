@@ -3,6 +3,7 @@ one process, and lay them out on the device mesh."""
 
 from __future__ import annotations
 
+import atexit
 import os
 
 from meshtrain import launch
@@ -43,6 +44,7 @@ def init(dp: int | None = None, tp: int = 1, pp: int = 1, cp: int = 1, device: s
     else:
         if not dist.is_initialized():
             launch.init_distributed(renv, torch_device, timeout_s=timeout)
+            atexit.register(launch.let_collective_threads_finish)
         mesh = Mesh.build(pp, dp, tp, torch_device)
     mesh.seed = seed
     return mesh
