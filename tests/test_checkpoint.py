@@ -435,3 +435,25 @@ def test_loading_adds_at_most_two_copies_of_the_largest_tensor(tmp_path):
         peak = max(peak, live)
     largest = max(p.numel() * p.element_size() for p in job_parallel.module.parameters())
     assert 0 < peak <= 2 * largest, (peak, largest)
+
+
+def test_sigterm_to_the_launcher_saves_the_current_step(tmp_path):
+    """A scheduler's SIGTERM reaches meshtrain's own launcher: it passes it to the ranks,
+    which save the step they are at and exit 0."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    cmd = [sys.executable, "-m", "meshtrain", "train", *TINY, "--dp", "2", "--steps", "5000", "--save-every", "4000",
+           "--out", str(tmp_path)]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    metrics = tmp_path / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 3):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    saved = folders.steps_in_local(tmp_path)
+    assert len(saved) == 1 and saved[0] >= 3, err
+    assert f"stopped by SIGTERM after step {saved[0]}; saved {tmp_path}/step-{saved[0]}" in err
+    assert folders.check(folders.step_dir(tmp_path, saved[0]), Comm(Mesh.single(CPU))) is None
