@@ -61,40 +61,50 @@ def check_good(ckpt: Path) -> None:
         raise CheckpointError(f"--ckpt {ckpt}: {problem}")
 
 
-def export(ckpt: Path, out: Path, *, max_shard_bytes: int = MAX_SHARD_BYTES,
-           log: Callable[[str], None] = lambda msg: None) -> list[Path]:
-    """Write the checkpoint's weights as safetensors in `out` (and its run's configuration
-    and tokenizer); returns the weight files. Holds one shard's tensors at a time."""
+def write_shards(out: Path, sizes: dict[str, int], load: Callable[[list[str]], dict[str, torch.Tensor]], *,
+                 max_shard_bytes: int = MAX_SHARD_BYTES, log: Callable[[str], None] = lambda msg: None) -> list[Path]:
+    """Tensors (their byte `sizes`, by name, in order) as safetensors files of at most
+    `max_shard_bytes` each in `out` — `model.safetensors`, or numbered shards and Hugging
+    Face's index — asking `load(names)` for one shard's tensors at a time."""
     from safetensors.torch import save_file
 
     from meshtrain.atomic import atomic_write
-    from meshtrain.checkpoint.weights import RUN_FILE, WEIGHTS_FILE
 
-    ckpt, out = Path(ckpt), Path(out)
-    check_good(ckpt)
-    shapes = weight_shapes(ckpt)
     groups: list[list[str]] = [[]]
     size = 0
-    for name, (shape, dtype) in shapes.items():
-        n = shape.numel() * dtype.itemsize
+    for name, n in sizes.items():
         if groups[-1] and size + n > max_shard_bytes:
             groups.append([])
             size = 0
         groups[-1].append(name)
         size += n
-    out.mkdir(parents=True, exist_ok=True)
-    files = [out / WEIGHTS_FILE] if len(groups) == 1 else \
+    files = [out / "model.safetensors"] if len(groups) == 1 else \
         [out / f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
     weight_map = {}
     for path, names in zip(files, groups):
-        tensors = consolidated(ckpt, names)
+        tensors = load(names)
         atomic_write(path, lambda p: save_file(tensors, str(p), metadata={"format": "pt"}))
         weight_map.update({n: path.name for n in names})
         log(f"wrote {path} ({len(names)} tensors)")
     if len(files) > 1:
-        total = sum(s.numel() * d.itemsize for s, d in shapes.values())
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}
         atomic_write(out / SHARD_INDEX, lambda p: p.write_text(json.dumps(index, indent=2)))
+    return files
+
+
+def export(ckpt: Path, out: Path, *, max_shard_bytes: int = MAX_SHARD_BYTES,
+           log: Callable[[str], None] = lambda msg: None) -> list[Path]:
+    """Write the checkpoint's weights as safetensors in `out` (and its run's configuration
+    and tokenizer); returns the weight files. Holds one shard's tensors at a time."""
+    from meshtrain.atomic import atomic_write
+    from meshtrain.checkpoint.weights import RUN_FILE
+
+    ckpt, out = Path(ckpt), Path(out)
+    check_good(ckpt)
+    shapes = weight_shapes(ckpt)
+    out.mkdir(parents=True, exist_ok=True)
+    files = write_shards(out, {n: s.numel() * d.itemsize for n, (s, d) in shapes.items()},
+                         lambda names: consolidated(ckpt, names), max_shard_bytes=max_shard_bytes, log=log)
     meta = read_meta(ckpt)
     if "config" in meta:  # a command-line run's: what `generate` builds the model from
         run = {"config": meta["config"], "vocab_size": meta["vocab_size"], "step": meta["steps"]}
@@ -102,4 +112,3 @@ def export(ckpt: Path, out: Path, *, max_shard_bytes: int = MAX_SHARD_BYTES,
     for extra in sorted(set(p.name for p in ckpt.iterdir()) & {"tokenizer.json"}):
         atomic_write(out / extra, lambda p: shutil.copyfile(ckpt / extra, p))
     return files
-

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
-from meshtrain.models.presets import GPTSpec, MLPSpec, spec_of
+from meshtrain.models.presets import GPTSpec, LlamaSpec, MLPSpec, spec_of
 
 if TYPE_CHECKING:
     import torch
@@ -31,6 +31,9 @@ def build_model(name: str, seed: int, *, vocab_size: int = 256, n_inputs: int = 
         if isinstance(spec, GPTSpec):
             from meshtrain.models.gpt import GPT
             model = GPT(dataclasses.replace(spec, dropout=dropout, attention=attention), vocab_size)
+        elif isinstance(spec, LlamaSpec):
+            from meshtrain.models.llama import Llama
+            model = Llama(spec, vocab_size)
         elif isinstance(spec, MLPSpec):
             from meshtrain.models.mlp import MLP
             model = MLP(spec, n_inputs, n_classes)
@@ -42,6 +45,18 @@ def build_model(name: str, seed: int, *, vocab_size: int = 256, n_inputs: int = 
     to_placeholders(model, device)
     materialize(model, lambda name, p: init.full_value(name).to(device=p.device, dtype=p.dtype))
     return model
+
+
+def load_hf(folder, device="cpu", dtype=None) -> torch.nn.Module:
+    """A Hugging Face Llama folder (config.json + safetensors) as meshtrain's plain `Llama`."""
+    from meshtrain.models import hf
+    return hf.load_hf(folder, device=device, dtype=dtype)
+
+
+def save_hf(model: torch.nn.Module, folder, dtype=None) -> None:
+    """A `Llama` as a Hugging Face folder that transformers loads as is."""
+    from meshtrain.models import hf
+    hf.save_hf(model, folder, dtype=dtype)
 
 
 def replace_submodule(model: torch.nn.Module, name: str, new: torch.nn.Module) -> None:

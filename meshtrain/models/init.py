@@ -70,6 +70,12 @@ def gpt_rules(model: nn.Module) -> dict[str, Rule]:
     return rules
 
 
+def llama_rules(model: nn.Module) -> dict[str, Rule]:
+    """Hugging Face's Llama initialisation: every matrix N(0, 0.02) (its initializer_range),
+    RMSNorm weights 1. A tied head is the embedding (one parameter, one name)."""
+    return {name: ("normal", 0.02) if p.dim() >= 2 else ("ones",) for name, p in model.named_parameters()}
+
+
 def linear_default_rules(model: nn.Module) -> dict[str, Rule]:
     """PyTorch's own `nn.Linear` initialisation, U(±1/sqrt(fan_in)) for weight and bias
     (kaiming_uniform with a = sqrt(5)), for a model of Linear layers (the MLP)."""
@@ -86,9 +92,11 @@ def linear_default_rules(model: nn.Module) -> dict[str, Rule]:
 
 
 def init_spec(model: nn.Module, seed: int) -> InitSpec:
-    """The spec of one of meshtrain's models (GPT, MLP), read off its full structure."""
+    """The spec of one of meshtrain's models (GPT, Llama, MLP), read off its full structure."""
     from meshtrain.models.gpt import GPT
-    rules = gpt_rules(model) if isinstance(model, GPT) else linear_default_rules(model)
+    from meshtrain.models.llama import Llama
+    rules = gpt_rules(model) if isinstance(model, GPT) else llama_rules(model) if isinstance(model, Llama) \
+        else linear_default_rules(model)
     return InitSpec(seed, {n: tuple(p.shape) for n, p in model.named_parameters()}, rules)
 
 

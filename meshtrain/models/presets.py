@@ -16,6 +16,44 @@ class GPTSpec:
 
 
 @dataclass(frozen=True)
+class RopeScaling:
+    """RoPE frequency scaling: `llama3` (Llama 3.1-3.3: long wavelengths divided by `factor`,
+    short ones kept, a smooth blend between) or `linear` (every frequency divided by `factor`)."""
+    kind: str
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class LlamaSpec:
+    """A Llama-architecture decoder: RMSNorm, SwiGLU, rotary positions, grouped-query
+    attention. `n_kv_heads` divides `n_heads` (None: as many); `head_dim` defaults to
+    d_model / n_heads; `ffn_dim` is the SwiGLU width."""
+    n_layers: int
+    n_heads: int
+    d_model: int
+    max_seq_len: int
+    ffn_dim: int
+    n_kv_heads: int | None = None
+    head_dim: int | None = None
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    rms_norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    kind: str = "llama"
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def head_size(self) -> int:
+        return self.head_dim or self.d_model // self.n_heads
+
+
+@dataclass(frozen=True)
 class MLPSpec:
     hidden: tuple[int, ...]
     kind: str = "mlp"
@@ -37,6 +75,15 @@ PRESETS: dict[str, GPTSpec | MLPSpec] = {
 }
 
 
+# Llama-shaped sizes, built by `models.build_model` (and the Python API): the suite's (8 blocks,
+# 4 query heads sharing 2 key/value heads, a head size other than d/h) and one trainable here.
+# Not yet command-line presets: `train --model` takes them once their plans land.
+LLAMA_PRESETS: dict[str, LlamaSpec] = {
+    "llama-test": LlamaSpec(n_layers=8, n_heads=4, n_kv_heads=2, d_model=32, head_dim=12, ffn_dim=64, max_seq_len=64),
+    "llama-small": LlamaSpec(n_layers=8, n_heads=8, n_kv_heads=4, d_model=256, ffn_dim=704, max_seq_len=512),
+}
+
+
 def parse_widths(text: str) -> tuple[int, ...]:
     """'1024,1024' -> (1024, 1024); ValueError unless positive integers."""
     widths = tuple(int(w) for w in text.split(","))
@@ -47,5 +94,5 @@ def parse_widths(text: str) -> tuple[int, ...]:
 
 def spec_of(name: str, mlp_hidden: str = "") -> GPTSpec | MLPSpec:
     """The preset `name`, with the MLP's hidden widths replaced when `mlp_hidden` gives them."""
-    spec = PRESETS[name]
+    spec = PRESETS[name] if name in PRESETS else LLAMA_PRESETS[name]
     return replace(spec, hidden=parse_widths(mlp_hidden)) if mlp_hidden else spec

@@ -102,6 +102,22 @@ GPT_PLAN = TensorPlan({
     "head": (REGION, COLUMN),
 }, vocab_parallel_loss=True)
 
+# meshtrain's Llama: q, k and v by columns (whole key/value heads per rank, so each rank's
+# query heads find their group's keys: n_kv_heads divisible by tp), o by rows; gate and up by
+# columns, down by rows; the embedding and the head by vocabulary. Under SP the attention
+# region gathers the whole sequence, so rotary positions are the global ones.
+LLAMA_PLAN = TensorPlan({
+    "embed_tokens": VOCAB,
+    "layers.*.self_attn": (REGION, Heads("n_heads", "n_kv_heads")),
+    "layers.*.self_attn.[qkv]_proj": COLUMN,
+    "layers.*.self_attn.o_proj": ROW,
+    "layers.*.mlp": REGION,
+    "layers.*.mlp.gate_proj": COLUMN,
+    "layers.*.mlp.up_proj": COLUMN,
+    "layers.*.mlp.down_proj": ROW,
+    "lm_head": (REGION, COLUMN),
+}, vocab_parallel_loss=True)
+
 # A plan for a model that is not a transformer: the MLP preset (blocks of Linear+ReLU, then
 # a head), written as a user would for their own module names. Linears alternate column and
 # row, so the ReLU between them runs on sharded features and one all-reduce ends each pair.
@@ -113,7 +129,9 @@ MLP_PLAN = TensorPlan({
 
 def plan_for(model_name: str) -> TensorPlan:
     """The plan of a preset: meshtrain's own models are reached only through their plans."""
-    return MLP_PLAN if model_name == "mlp" else GPT_PLAN
+    if model_name == "mlp":
+        return MLP_PLAN
+    return LLAMA_PLAN if model_name.startswith("llama") else GPT_PLAN
 
 
 # ---- the conjugate operators ---------------------------------------------------------------

@@ -61,10 +61,17 @@ def mlp_plan(width: int) -> PipelinePlan:
     return PipelinePlan((), "blocks", ("head",), lambda b, s: (b, width))
 
 
+def llama_plan(d_model: int) -> PipelinePlan:
+    """The Llama: the token embedding on the first stage, the final norm and head on the last."""
+    return PipelinePlan(("embed_tokens",), "layers", ("norm", "lm_head"), lambda b, s: (b, s, d_model))
+
+
 def plan_for(spec) -> PipelinePlan:
     """How a preset (its spec) is cut: meshtrain's own models are reached only through their plans."""
-    from meshtrain.models.presets import GPTSpec
-    return gpt_plan(spec.d_model) if isinstance(spec, GPTSpec) else mlp_plan(spec.hidden[-1])
+    from meshtrain.models.presets import GPTSpec, LlamaSpec
+    if isinstance(spec, GPTSpec):
+        return gpt_plan(spec.d_model)
+    return llama_plan(spec.d_model) if isinstance(spec, LlamaSpec) else mlp_plan(spec.hidden[-1])
 
 
 class Stage:

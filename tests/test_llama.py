@@ -1,0 +1,109 @@
+"""meshtrain's Llama (`llama-test`: GQA with 4 query heads over 2 key/value heads, a head
+size other than d/h, RoPE) through the strategies, each layout checked by `meshtrain.verify`
+against one process: data, tensor (+ sequence), pipeline parallelism, ZeRO, recomputation.
+Mutants for what is new (rotary positions, key/value head groups) must fail it."""
+
+import pytest
+import torch
+from distributed import run_ranks
+
+import meshtrain
+from meshtrain.models import build_model
+from meshtrain.parallel.pipeline.stages import llama_plan
+from meshtrain.parallel.tensor import LLAMA_PLAN
+
+V, T, ROWS = 256, 32, 8
+PIPELINE = llama_plan(32)
+
+
+def make_model():
+    return build_model("llama-test", 0, vocab_size=V)
+
+
+def adamw(named):
+    return torch.optim.AdamW((p for _, p in named), lr=1e-2)
+
+
+def batches(n=3):
+    g = torch.Generator().manual_seed(3)
+    return [(torch.randint(0, V, (ROWS, T), generator=g), torch.randint(0, V, (ROWS, T), generator=g))
+            for _ in range(n)]
+
+
+LAYOUTS = {  # name: (axes, parallelize options)
+    "dp2": ({"dp": 2}, {}),
+    "tp2": ({"tp": 2}, {"tp_plan": LLAMA_PLAN}),
+    "tp2-sp": ({"tp": 2}, {"tp_plan": LLAMA_PLAN, "sp": True}),
+    "pp2-1f1b": ({"pp": 2}, {"pipeline": PIPELINE, "microbatches": 2}),
+    "dp2-zero3": ({"dp": 2}, {"zero": 3}),
+    "dp2-full-recompute": ({"dp": 2}, {"recompute": "full"}),
+    "tp2-selective": ({"tp": 2}, {"tp_plan": LLAMA_PLAN, "recompute": "selective"}),
+}
+
+
+def _verify(_mesh, names):
+    reports = {}
+    for name in names:
+        axes, options = LAYOUTS[name]
+        mesh = meshtrain.init(**axes)
+        reports[name] = meshtrain.verify(make_model, batches(), optimizer=adamw, mesh=mesh, **options)
+    return reports
+
+
+def test_llama_passes_verify_in_every_two_rank_layout():
+    reports = run_ranks(_verify, 2, list(LAYOUTS), timeout=600)[0]
+    for name, report in reports.items():
+        assert report.passed, (name, report)
+
+
+def _positions_wrong_on_rank_1():
+    """Rotary positions wrong on rank 1 alone (the reference runs on rank 0): numbered from 0
+    again at the middle of the sequence — what positions computed per sequence chunk give
+    under SP, or a later pipeline stage numbering its part of a sequence. (A uniform shift
+    of every position would be no error: RoPE's scores depend on differences of positions.)"""
+    import torch.distributed as dist
+
+    from meshtrain.models import llama
+    forward = llama.Rotary.forward
+
+    def wrong(self, positions, dtype):
+        if dist.get_rank() == 1:
+            positions = positions % (len(positions) // 2)
+        return forward(self, positions, dtype)
+    llama.Rotary.forward = wrong
+
+
+def _kv_heads_left_whole():
+    """q split by heads but k and v left whole: rank r's query heads pair with key/value heads
+    0, 1, ... instead of their own group's."""
+    import meshtrain.parallel.tensor as tensor
+    styles = {k: v for k, v in tensor.LLAMA_PLAN.styles.items() if k != "layers.*.self_attn.[qkv]_proj"}
+    styles["layers.*.self_attn.q_proj"] = tensor.COLUMN
+    return tensor.TensorPlan(styles, vocab_parallel_loss=True)
+
+
+def _mutant(_mesh, mutant):
+    axes, options = {"rope-sp": LAYOUTS["tp2-sp"], "rope-pp": LAYOUTS["pp2-1f1b"], "kv-groups": LAYOUTS["tp2"]}[mutant]
+    options = dict(options)
+    if mutant == "kv-groups":
+        options["tp_plan"] = _kv_heads_left_whole()
+    else:
+        _positions_wrong_on_rank_1()
+    return meshtrain.verify(make_model, batches(), optimizer=adamw, mesh=meshtrain.init(**axes), **options)
+
+
+@pytest.mark.parametrize("mutant", ["rope-sp", "rope-pp", "kv-groups"])
+def test_llama_mutants_fail_verify(mutant):
+    report = run_ranks(_mutant, 2, mutant, timeout=300)[0]
+    assert not report.passed, report
+    assert report.worst["grad"][0] > 1e-3, report.worst
+
+
+def _refused(_mesh):
+    with pytest.raises(ValueError, match="n_kv_heads=2 heads do not split over tp=4"):
+        meshtrain.parallelize(make_model(), meshtrain.init(tp=4), optimizer=adamw, tp_plan=LLAMA_PLAN)
+    return True
+
+
+def test_kv_heads_not_divisible_by_tp_are_refused_in_one_line():
+    assert run_ranks(_refused, 4, timeout=300) == [True] * 4

@@ -1,0 +1,121 @@
+"""The Llama model against Hugging Face's: a tiny random `LlamaForCausalLM` (no download)
+loaded into meshtrain gives the same logits, meshtrain's weights saved for transformers load
+as is and give meshtrain's logits, the round trip is bitwise, and what meshtrain cannot
+represent is refused in one line."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from meshtrain.models.hf import HFError, load_hf, save_hf
+
+transformers = pytest.importorskip("transformers")
+
+LLAMA3 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+          "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+CASES = {  # name: LlamaConfig arguments
+    "gqa-untied-headdim-llama3": dict(num_key_value_heads=2, head_dim=12, rope_parameters=LLAMA3),
+    "mha-tied": dict(num_key_value_heads=4, tie_word_embeddings=True),
+    "gqa-tied-linear": dict(num_key_value_heads=1, tie_word_embeddings=True,
+                            rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}),
+    "mha-headdim-theta": dict(head_dim=16, rope_parameters={"rope_type": "default", "rope_theta": 20000.0}),
+}
+VOCAB, SEQ = 96, 40
+
+
+def _hf_model(**kwargs):
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                      num_attention_heads=4, max_position_embeddings=64, rms_norm_eps=1e-5,
+                                      attn_implementation="eager", **kwargs)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def _close(ours, theirs):
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5 * theirs.abs().max().item())
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_hugging_face_weights_give_hugging_face_logits(case, tmp_path):
+    hf = _hf_model(**CASES[case])
+    hf.save_pretrained(tmp_path)
+    ours = load_hf(tmp_path).eval()
+    ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        _close(ours(ids), hf(ids).logits)
+    assert ours.spec.tie_embeddings == bool(CASES[case].get("tie_word_embeddings", False))
+    if ours.spec.tie_embeddings:
+        assert ours.lm_head.weight is ours.embed_tokens.weight
+
+
+def test_the_older_rope_spelling_and_a_sharded_index(tmp_path):
+    hf = _hf_model(num_key_value_heads=2, rope_parameters=LLAMA3)
+    hf.save_pretrained(tmp_path, max_shard_size="20KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    config = json.loads((tmp_path / "config.json").read_text())
+    rope = config.pop("rope_parameters")
+    config["rope_theta"] = rope.pop("rope_theta")
+    config["rope_scaling"] = {**rope, "type": rope.pop("rope_type")}  # transformers 4's keys
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    ids = torch.randint(0, VOCAB, (2, SEQ))
+    with torch.no_grad():
+        _close(load_hf(tmp_path).eval()(ids), hf(ids).logits)
+
+
+@pytest.mark.parametrize("case", ["gqa-untied-headdim-llama3", "mha-tied"])
+def test_saved_for_transformers_it_loads_as_is_and_the_round_trip_is_bitwise(case, tmp_path):
+    hf = _hf_model(**CASES[case])
+    hf.save_pretrained(tmp_path / "hf")
+    ours = load_hf(tmp_path / "hf").eval()
+    save_hf(ours, tmp_path / "ours")
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ours", attn_implementation="eager").eval()
+    ids = torch.randint(0, VOCAB, (2, SEQ))
+    with torch.no_grad():
+        _close(back(ids).logits, ours(ids))
+    original, saved = load_file(tmp_path / "hf" / "model.safetensors"), load_file(tmp_path / "ours" / "model.safetensors")
+    assert original.keys() == saved.keys()
+    for name, t in original.items():
+        assert torch.equal(t, saved[name]), name
+
+
+def _folder(tmp_path, edit_config=None, edit_weights=None):
+    hf = _hf_model(num_key_value_heads=2)
+    hf.save_pretrained(tmp_path)
+    if edit_config:
+        config = json.loads((tmp_path / "config.json").read_text())
+        edit_config(config)
+        (tmp_path / "config.json").write_text(json.dumps(config))
+    if edit_weights:
+        weights = load_file(tmp_path / "model.safetensors")
+        edit_weights(weights)
+        save_file(weights, tmp_path / "model.safetensors")
+    return tmp_path
+
+
+@pytest.mark.parametrize("edit,message", [
+    (dict(edit_config=lambda c: c.update(model_type="gpt2", architectures=["GPT2LMHeadModel"])), "model_type 'gpt2'"),
+    (dict(edit_config=lambda c: c.update(attention_bias=True)), "attention_bias is true"),
+    (dict(edit_config=lambda c: c.update(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0})),
+     "rope_type 'yarn'"),
+    (dict(edit_config=lambda c: c.update(num_key_value_heads=3)), "num_key_value_heads 3 does not divide"),
+    (dict(edit_config=lambda c: c.update(hidden_size=48)), "but config.json makes it"),
+    (dict(edit_weights=lambda w: w.pop("model.norm.weight")), "model.norm.weight is missing"),
+    (dict(edit_weights=lambda w: w.update({"model.layers.0.self_attn.q_proj.bias": torch.zeros(32)})),
+     "is not a weight of this Llama"),
+], ids=["architecture", "bias", "yarn", "kv-heads", "shape", "missing", "extra"])
+def test_what_meshtrain_cannot_represent_is_refused_in_one_line(edit, message, tmp_path):
+    folder = _folder(tmp_path, **edit)
+    with pytest.raises(HFError, match=message) as e:
+        load_hf(folder)
+    assert "\n" not in str(e.value)
+
+
+def test_no_config_and_meta_s_original_format_are_refused(tmp_path):
+    with pytest.raises(HFError, match="no config.json"):
+        load_hf(tmp_path)
+    (tmp_path / "params.json").write_text("{}")
+    (tmp_path / "consolidated.00.pth").write_bytes(b"")
+    with pytest.raises(HFError, match="Meta's original format"):
+        load_hf(tmp_path)
