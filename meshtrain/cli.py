@@ -487,22 +487,45 @@ def _schedule_against_trace(args) -> int:
 
 
 def _export(args) -> int:
-    if args.hf:
-        print("meshtrain: error: --hf writes a Llama-architecture model for transformers, which meshtrain does not "
-              "have yet; export without --hf", file=sys.stderr)
-        return 2
     if not args.max_shard_gb > 0:
         print(f"meshtrain: error: --max-shard-gb {args.max_shard_gb}: must be positive", file=sys.stderr)
         return 2
     from meshtrain.checkpoint.export import export
     from meshtrain.checkpoint.sharded import CheckpointError
     try:
+        if args.hf:
+            return _export_hf(Path(args.ckpt), Path(args.out))
         files = export(Path(args.ckpt), Path(args.out), max_shard_bytes=int(args.max_shard_gb * 1e9), log=_log)
     except CheckpointError as e:
         print(f"meshtrain: error: {e}", file=sys.stderr)
         return 2
     _log(f"exported {args.ckpt} to {args.out} ({len(files)} weight file{'s' if len(files) > 1 else ''}); "
          f"sample from it with: meshtrain generate --ckpt {args.out}")
+    return 0
+
+
+def _export_hf(ckpt: Path, out: Path) -> int:
+    """A Llama checkpoint (or run folder) as a Hugging Face folder, with its tokenizer."""
+    import shutil
+
+    from meshtrain.checkpoint.weights import load_model
+    from meshtrain.data.tokenizer import TOKENIZER_FILE
+    from meshtrain.models.hf import save_hf
+    from meshtrain.models.llama import Llama
+    try:
+        model, _, cfg = load_model(ckpt)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"meshtrain: error: {e}", file=sys.stderr)
+        return 2
+    if not isinstance(model, Llama):
+        print(f"meshtrain: error: --hf writes a Llama-architecture model for transformers; {ckpt} holds "
+              f"{cfg.model.name}: export it without --hf", file=sys.stderr)
+        return 2
+    save_hf(model, out)
+    if (ckpt / TOKENIZER_FILE).is_file():
+        shutil.copyfile(ckpt / TOKENIZER_FILE, out / TOKENIZER_FILE)
+    _log(f"exported {ckpt} to {out} as a Hugging Face folder (config.json, model.safetensors); "
+         f"transformers.AutoModelForCausalLM.from_pretrained({str(out)!r}) loads it")
     return 0
 
 

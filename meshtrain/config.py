@@ -12,7 +12,7 @@ import os
 import tomllib
 from dataclasses import dataclass, field
 
-from meshtrain.models.presets import PRESETS, GPTSpec, MLPSpec, parse_widths, spec_of
+from meshtrain.models.presets import PRESETS, GPTSpec, LlamaSpec, MLPSpec, parse_widths, spec_of
 from meshtrain.recipe import is_user_model
 from meshtrain.parallel.options import GRAD_DTYPES, LINEAR_SYNCS, PRECISIONS, SCHEDULES, Strategies, parse_recompute
 
@@ -33,7 +33,7 @@ class ModelConfig:
     attention: str = "sdpa"
     mlp_hidden: str = ""  # the MLP's hidden widths, e.g. "1024,1024"; empty: the preset's
 
-    def spec(self) -> GPTSpec | MLPSpec:
+    def spec(self) -> GPTSpec | LlamaSpec | MLPSpec:
         """The preset with this configuration's changes (validated first: `validate`)."""
         return spec_of(self.name, self.mlp_hidden)
 
@@ -345,6 +345,8 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
                               f"e.g. 1024,1024") from None
     if m.dropout and not user_model and not isinstance(PRESETS[m.name], GPTSpec):
         raise ConfigError(f"--dropout applies to the GPT models, not {m.name}; drop it")
+    if m.attention != "sdpa" and not user_model and isinstance(PRESETS[m.name], LlamaSpec):
+        raise ConfigError(f"--attention {m.attention}: {m.name} computes attention with sdpa only; drop the flag")
     if lay.schedule not in SCHEDULES:
         raise ConfigError(f"unknown schedule '{lay.schedule}'; use --schedule {' | '.join(SCHEDULES)}")
     try:
@@ -384,9 +386,8 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     spec = m.spec()
     _validate_tensor_parallel(cfg, spec)
     _validate_pipeline(cfg, spec)
-    if isinstance(spec, GPTSpec):
-
-        if tr.seq_len > spec.max_seq_len:
+    if isinstance(spec, (GPTSpec, LlamaSpec)):
+        if isinstance(spec, GPTSpec) and tr.seq_len > spec.max_seq_len:  # RoPE (Llama) has no position table
             raise ConfigError(f"--seq-len {tr.seq_len} exceeds the {spec.max_seq_len} positions of {m.name}")
         if not 256 <= tr.vocab_size <= 65535:
             raise ConfigError(f"--vocab-size {tr.vocab_size}: use 256 (bytes) up to 65535")
@@ -437,6 +438,9 @@ def _validate_tensor_parallel(cfg: Config, spec) -> None:
     if isinstance(spec, GPTSpec):
         splits = [(spec.n_heads, "heads"), (spec.d_model, "hidden size"), (4 * spec.d_model, "MLP width"),
                   (tr.vocab_size, "vocabulary (--vocab-size)")]
+    elif isinstance(spec, LlamaSpec):  # whole key/value heads per rank, so every query head finds its group's
+        splits = [(spec.n_heads, "query heads"), (spec.kv_heads, "key/value heads"), (spec.ffn_dim, "MLP width"),
+                  (tr.vocab_size, "vocabulary (--vocab-size)")]
     else:
         splits = [(width, "hidden width") for width in spec.hidden]
     for size, what in splits:
@@ -445,7 +449,7 @@ def _validate_tensor_parallel(cfg: Config, spec) -> None:
     if lay.sp:
         if lay.tp == 1:
             raise ConfigError("--sp shards the sequence inside the tensor-parallel group; use --tp 2 or more with --sp")
-        if not isinstance(spec, GPTSpec):
+        if not isinstance(spec, (GPTSpec, LlamaSpec)):
             raise ConfigError(f"--sp needs a model with a sequence; {name} has none: drop --sp")
         if tr.seq_len % lay.tp:
             raise ConfigError(f"--sp splits the sequence over tp: --seq-len {tr.seq_len} is not divisible by "
@@ -455,7 +459,9 @@ def _validate_tensor_parallel(cfg: Config, spec) -> None:
 def _validate_pipeline(cfg: Config, spec) -> None:
     """Blocks are split over pp·chunks virtual stages as evenly as possible; each needs one."""
     lay, name = cfg.layout, cfg.model.name
-    blocks = spec.n_layers if isinstance(spec, GPTSpec) else len(spec.hidden)
+    blocks = spec.n_layers if isinstance(spec, (GPTSpec, LlamaSpec)) else len(spec.hidden)
+    if isinstance(spec, LlamaSpec) and spec.tie_embeddings and lay.pp > 1:
+        raise ConfigError(f"{name} ties its head to its embedding, which pp would put on two stages; use --pp 1")
     if blocks < lay.pp * lay.chunks:
         raise ConfigError(f"{name} has {blocks} blocks, fewer than pp×chunks = {lay.pp}×{lay.chunks}; "
                           f"use fewer stages or chunks")

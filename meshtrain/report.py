@@ -20,8 +20,8 @@ from meshtrain.recipe import is_user_model
 from meshtrain.generate import sample
 from meshtrain.metrics import peak_device_mib, peak_rss_mib, plot_losses
 from meshtrain.models import build_model
-from meshtrain.models.presets import GPTSpec
-from meshtrain.plan.cost import gpt_flops_per_step, mlp_flops_per_step, peak_flops
+from meshtrain.models.presets import GPTSpec, LlamaSpec
+from meshtrain.plan.cost import gpt_flops_per_step, llama_flops_per_step, mlp_flops_per_step, peak_flops
 from meshtrain.train import RunResult
 
 
@@ -48,6 +48,8 @@ def flops_per_step(cfg: Config, data) -> float | None:
     spec = cfg.model.spec()
     if isinstance(spec, GPTSpec):
         return gpt_flops_per_step(spec, data.vocab_size, cfg.train.batch_size, cfg.train.seq_len)
+    if isinstance(spec, LlamaSpec):
+        return llama_flops_per_step(spec, data.vocab_size, cfg.train.batch_size, cfg.train.seq_len)
     return mlp_flops_per_step(spec, data.n_inputs, data.n_classes, cfg.train.batch_size)
 
 

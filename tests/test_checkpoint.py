@@ -338,7 +338,7 @@ def test_export_of_a_zero3_checkpoint_is_the_one_process_state_in_shards(tmp_pat
     (["train", "--resume-from", "{tmp}"], "has no COMPLETE marker"),
     (["train", "--resume", "--resume-from", "{tmp}"], "give one"),
     (["export", "--ckpt", "{tmp}", "--out", "{tmp}/x"], "not a sharded checkpoint"),
-    (["export", "--hf", "--ckpt", "{tmp}", "--out", "{tmp}/x"], "--hf writes a Llama"),
+    (["export", "--hf", "--ckpt", "{tmp}", "--out", "{tmp}/x"], "no model.safetensors and run.json there"),
 ], ids=["save-every-0", "keep-0", "resume-nothing", "resume-from-not-a-checkpoint", "both", "export-not-a-checkpoint",
         "export-hf"])
 def test_bad_checkpoint_flags_are_refused_in_one_line_before_ranks_start(args, message, tmp_path):

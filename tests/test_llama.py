@@ -107,3 +107,41 @@ def _refused(_mesh):
 
 def test_kv_heads_not_divisible_by_tp_are_refused_in_one_line():
     assert run_ranks(_refused, 4, timeout=300) == [True] * 4
+
+
+LLAMA_TINY = ["--model", "llama-test", "--vocab-size", "256", "--seq-len", "32", "--batch-size", "8", "--device", "cpu"]
+
+
+@pytest.mark.parametrize("layout", [
+    ["--tp", "2", "--sp", "--recompute", "selective"],
+    ["--pp", "2", "--schedule", "interleaved", "--chunks", "2", "--microbatches", "2"],
+    ["--pp", "2", "--schedule", "zb", "--microbatches", "2"],
+    pytest.param(["--dp", "2", "--tp", "2", "--pp", "2", "--zero", "1", "--microbatches", "2"], marks=pytest.mark.slow),
+], ids=["tp2-sp-selective", "pp2-interleaved", "pp2-zb", "dp2-tp2-pp2-zero1"])
+def test_llama_verify_through_the_command_line(layout):
+    from helpers import run_cli
+    r = run_cli("verify", *LLAMA_TINY, "--steps", "3", *layout)
+    assert r.returncode == 0 and "PASS: llama-test" in r.stdout, r.stdout[-1500:] + r.stderr[-1500:]
+
+
+def test_a_checkpoint_trained_in_zero3_exports_for_transformers(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from helpers import run_cli
+
+    from meshtrain.checkpoint.weights import load_model
+    r = run_cli("train", *LLAMA_TINY, "--dp", "2", "--zero", "3", "--steps", "3", "--save-every", "3",
+                "--out", tmp_path / "run")
+    assert r.returncode == 0, r.stderr
+    r = run_cli("export", "--hf", "--ckpt", tmp_path / "run" / "step-3", "--out", tmp_path / "hf")
+    assert r.returncode == 0, r.stderr
+    ours, _, _ = load_model(tmp_path / "run" / "step-3")
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", attn_implementation="eager").eval()
+    ids = torch.randint(0, V, (2, T))
+    with torch.no_grad():
+        want = ours.eval()(ids)
+        torch.testing.assert_close(theirs(ids).logits, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    gpt = run_cli("train", "--model", "gpt-test", "--vocab-size", "256", "--seq-len", "32", "--batch-size", "8",
+                  "--dp", "1", "--steps", "1", "--save-every", "1", "--out", tmp_path / "gpt")
+    assert gpt.returncode == 0, gpt.stderr
+    r = run_cli("export", "--hf", "--ckpt", tmp_path / "gpt" / "step-1", "--out", tmp_path / "y")
+    assert r.returncode == 2 and "holds gpt-test: export it without --hf" in r.stderr

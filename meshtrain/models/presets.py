@@ -59,7 +59,7 @@ class MLPSpec:
     kind: str = "mlp"
 
 
-PRESETS: dict[str, GPTSpec | MLPSpec] = {
+PRESETS: dict[str, GPTSpec | LlamaSpec | MLPSpec] = {
     # ~0.1M parameters with the byte tokenizer: for tests and quick checks.
     "gpt-tiny": GPTSpec(n_layers=2, n_heads=4, d_model=64, max_seq_len=256),
     # The strategies' test preset: 8 blocks to cut into pipeline stages, 4 heads to split, tiny
@@ -70,17 +70,13 @@ PRESETS: dict[str, GPTSpec | MLPSpec] = {
     # GPT-2 small's shape, sized for a GPU: 124M parameters at GPT-2's 50257-token vocabulary
     # (with an untied head, 163M); 89M at the default 2048-token BPE vocabulary.
     "gpt2": GPTSpec(n_layers=12, n_heads=12, d_model=768, max_seq_len=1024),
-    # The classic data-parallel example: Linear+ReLU layers on 8x8 digits.
-    "mlp": MLPSpec(hidden=(128, 128, 128)),
-}
-
-
-# Llama-shaped sizes, built by `models.build_model` (and the Python API): the suite's (8 blocks,
-# 4 query heads sharing 2 key/value heads, a head size other than d/h) and one trainable here.
-# Not yet command-line presets: `train --model` takes them once their plans land.
-LLAMA_PRESETS: dict[str, LlamaSpec] = {
+    # Llama-shaped: the suite's (8 blocks to cut, 4 query heads sharing 2 key/value heads, a head
+    # size other than d/h; ~0.1M parameters with the byte tokenizer) and one trainable here
+    # (~7M at the default 2048-token vocabulary, gpt-small's size).
     "llama-test": LlamaSpec(n_layers=8, n_heads=4, n_kv_heads=2, d_model=32, head_dim=12, ffn_dim=64, max_seq_len=64),
     "llama-small": LlamaSpec(n_layers=8, n_heads=8, n_kv_heads=4, d_model=256, ffn_dim=704, max_seq_len=512),
+    # The classic data-parallel example: Linear+ReLU layers on 8x8 digits.
+    "mlp": MLPSpec(hidden=(128, 128, 128)),
 }
 
 
@@ -94,5 +90,5 @@ def parse_widths(text: str) -> tuple[int, ...]:
 
 def spec_of(name: str, mlp_hidden: str = "") -> GPTSpec | MLPSpec:
     """The preset `name`, with the MLP's hidden widths replaced when `mlp_hidden` gives them."""
-    spec = PRESETS[name] if name in PRESETS else LLAMA_PRESETS[name]
+    spec = PRESETS[name]
     return replace(spec, hidden=parse_widths(mlp_hidden)) if mlp_hidden else spec

@@ -29,6 +29,17 @@ def gpt_flops_per_step(spec: GPTSpec, vocab_size: int, batch: int, seq_len: int)
     return 72.0 * batch * s * l * h * h * (1 + s / (6 * h) + vocab_size / (12 * l * h))
 
 
+def llama_flops_per_step(spec, vocab_size: int, batch: int, seq_len: int) -> float:
+    """Model FLOPs of one training step of the Llama: 2 per weight and token forward (q, k,
+    v, o; gate, up, down; the head), the attention core 2·2·s·(h·head_dim) per token and
+    layer, backward twice the forward."""
+    d, hd, s = spec.d_model, spec.head_size, seq_len
+    per_layer = d * hd * (2 * spec.n_heads + 2 * spec.kv_heads) + 3 * d * spec.ffn_dim
+    forward = 2.0 * batch * s * (spec.n_layers * per_layer + d * vocab_size) + \
+        4.0 * batch * s * s * spec.n_layers * spec.n_heads * hd
+    return 3.0 * forward
+
+
 def mlp_flops_per_step(spec: MLPSpec, n_inputs: int, n_classes: int, batch: int) -> float:
     """2 FLOPs per weight and sample forward, twice that backward."""
     widths = (n_inputs, *spec.hidden, n_classes)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from meshtrain.models.presets import PRESETS, GPTSpec
+from meshtrain.models.presets import PRESETS, GPTSpec, LlamaSpec
 
 
 @dataclass(frozen=True)
@@ -25,6 +25,7 @@ class Shape:
     kind: str = "gpt"  # or "llama"
     kv_heads: int | None = None  # llama: grouped-query attention; None: as many as heads
     ffn: int | None = None  # MLP width; None: 4·hidden
+    head_dim: int | None = None  # llama: a head size other than hidden/heads (counted in n_params only)
 
     @property
     def ffn_width(self) -> int:
@@ -33,13 +34,14 @@ class Shape:
     @property
     def kv_width(self) -> int:
         """Width of the key (and value) projection: kv_heads × head dimension."""
-        return (self.kv_heads or self.heads) * (self.hidden // self.heads)
+        return (self.kv_heads or self.heads) * (self.head_dim or self.hidden // self.heads)
 
     def layer_params(self) -> int:
         """One block's parameters."""
         h, f, kv = self.hidden, self.ffn_width, self.kv_width
         if self.kind == "llama":
-            return 2 * h * h + 2 * h * kv + 3 * h * f + 2 * h  # q, o; k, v; gate, up, down; two RMSNorms
+            q = self.heads * (self.head_dim or h // self.heads)
+            return 2 * h * q + 2 * h * kv + 3 * h * f + 2 * h  # q, o; k, v; gate, up, down; two RMSNorms
         # meshtrain's GPT: q, v, proj with bias, k without; fc and proj with bias; two LayerNorms
         return 4 * h * h + 3 * h + 2 * h * f + f + h + 4 * h
 
@@ -86,7 +88,11 @@ def shape_of(name: str, vocab_size: int = 2048) -> Shape:
     if name in PUBLISHED:
         return PUBLISHED[name]
     spec = PRESETS.get(name)
+    if isinstance(spec, LlamaSpec):
+        head_dim = spec.head_size if spec.head_size * spec.n_heads != spec.d_model else None
+        return Shape(spec.n_layers, spec.d_model, spec.n_heads, vocab_size, spec.max_seq_len, "llama",
+                     kv_heads=spec.kv_heads, ffn=spec.ffn_dim, head_dim=head_dim)
     if not isinstance(spec, GPTSpec):
-        known = [n for n, s in PRESETS.items() if isinstance(s, GPTSpec)] + list(PUBLISHED)
+        known = [n for n, s in PRESETS.items() if isinstance(s, (GPTSpec, LlamaSpec))] + list(PUBLISHED)
         raise ValueError(f"unknown model '{name}' for the planner; use one of {', '.join(known)}")
     return Shape(spec.n_layers, spec.d_model, spec.n_heads, vocab_size, spec.max_seq_len)
