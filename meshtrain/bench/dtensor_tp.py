@@ -25,6 +25,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
 
 from meshtrain.comm import Comm
 from meshtrain.config import Config
+from meshtrain.models.llama import Llama
 from meshtrain.optim import SHARDED_OVER, adamw
 from meshtrain.parallel.compose import GradSyncs, Parallelized
 from meshtrain.parallel.runner import PlainRunner
@@ -57,6 +58,30 @@ def dtensor_plan(n_layers: int, sp: bool) -> dict:
     return plan
 
 
+def llama_dtensor_plan(n_layers: int, sp: bool) -> dict:
+    """The same split for meshtrain's Llama: q, k, v, gate, up by columns, o and down by rows,
+    the embedding by rows (vocabulary), the head by columns into a vocabulary-sharded loss;
+    under SP the RMSNorms run on the sequence-sharded stream."""
+    seq, whole = Shard(1), Replicate()
+    between = seq if sp else whole
+    plan = {
+        "embed_tokens": RowwiseParallel(input_layouts=whole, output_layouts=between),
+        "norm": SequenceParallel() if sp else None,
+        "lm_head": ColwiseParallel(input_layouts=between, output_layouts=Shard(-1), use_local_output=False),
+    }
+    for i in range(n_layers):
+        b = f"layers.{i}"
+        plan.update({f"{b}.self_attn.{n}_proj": ColwiseParallel() for n in "qkv"})
+        plan.update({f"{b}.mlp.gate_proj": ColwiseParallel(), f"{b}.mlp.up_proj": ColwiseParallel(),
+                     f"{b}.self_attn.o_proj": RowwiseParallel(output_layouts=between),
+                     f"{b}.mlp.down_proj": RowwiseParallel(output_layouts=between)})
+        if sp:
+            plan.update({f"{b}.input_layernorm": SequenceParallel(), f"{b}.post_attention_layernorm": SequenceParallel(),
+                         f"{b}.self_attn": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(whole,)),
+                         f"{b}.mlp": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(whole,))})
+    return {k: v for k, v in plan.items() if v is not None}
+
+
 def _loss_parallel_cross_entropy_sum(logits, targets):
     return F.cross_entropy(logits.flatten(0, -2), targets.reshape(-1), reduction="sum")
 
@@ -79,7 +104,9 @@ def dtensor_tp_setup(cfg: Config, comm: Comm) -> Parallelized:
     mesh = comm.mesh
     _, model = build(cfg, mesh.device)
     n_params = sum(p.numel() for p in model.parameters())
-    parallelize_module(model, mesh.device_mesh("tp"), dtensor_plan(len(model.blocks), cfg.layout.sp))
+    plan = llama_dtensor_plan(len(model.layers), cfg.layout.sp) if isinstance(model, Llama) else \
+        dtensor_plan(len(model.blocks), cfg.layout.sp)
+    parallelize_module(model, mesh.device_mesh("tp"), plan)
     for p in model.parameters():  # our clipping sums the squared norms of shards over tp
         if any(isinstance(pl, Shard) for pl in getattr(p, "placements", ())):
             setattr(p, SHARDED_OVER, ("tp",))

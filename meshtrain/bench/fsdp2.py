@@ -14,6 +14,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from meshtrain.bench.ddp import PeerSync, peer_dtypes, peer_loss
 from meshtrain.comm import Comm
+from meshtrain.models import find_block_list
 from meshtrain.config import Config
 from meshtrain.optim import SHARDED_OVER, adamw
 from meshtrain.parallel.compose import Parallelized
@@ -38,7 +39,7 @@ def fsdp2_setup(cfg: Config, comm: Comm) -> Parallelized:
     dp_mesh = mesh.device_mesh("dp")
     compute, reduce = peer_dtypes(cfg)
     policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=reduce)
-    for block in model.blocks:
+    for block in find_block_list(model)[1]:  # the GPT's blocks, the Llama's layers
         fully_shard(block, mesh=dp_mesh, mp_policy=policy)
     fully_shard(model, mesh=dp_mesh, mp_policy=policy)
     for p in model.parameters():  # our clipping sums the squared norms of the shards over dp
