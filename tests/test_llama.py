@@ -145,3 +145,13 @@ def test_a_checkpoint_trained_in_zero3_exports_for_transformers(tmp_path):
     assert gpt.returncode == 0, gpt.stderr
     r = run_cli("export", "--hf", "--ckpt", tmp_path / "gpt" / "step-1", "--out", tmp_path / "y")
     assert r.returncode == 2 and "holds gpt-test: export it without --hf" in r.stderr
+
+
+def test_the_planners_published_llamas_build_on_meta_with_its_parameter_counts():
+    from meshtrain.models import count_params, published_llamas
+    from meshtrain.plan.shapes import PUBLISHED
+    assert set(published_llamas()) == {"llama2-7b", "llama2-13b", "llama2-70b", "llama3-8b", "llama3-70b", "llama3-405b"}
+    for name in published_llamas():
+        model = build_model(name, 0, device="meta")
+        assert count_params(model) == PUBLISHED[name].n_params(), name
+    assert count_params(build_model("llama3-8b", 0, device="meta")) == 8_030_261_248  # Meta's 8.03B

@@ -26,7 +26,10 @@ def build_model(name: str, seed: int, *, vocab_size: int = 256, n_inputs: int = 
     import torch
 
     from meshtrain.models.init import init_spec, materialize, to_placeholders
-    spec = spec_of(name, mlp_hidden)
+    if name in published_llamas():  # the planner's published shapes, as models (meta, for a start)
+        spec, vocab_size = published_llama(name)
+    else:
+        spec = spec_of(name, mlp_hidden)
     with torch.device("meta"):
         if isinstance(spec, GPTSpec):
             from meshtrain.models.gpt import GPT
@@ -45,6 +48,22 @@ def build_model(name: str, seed: int, *, vocab_size: int = 256, n_inputs: int = 
     to_placeholders(model, device)
     materialize(model, lambda name, p: init.full_value(name).to(device=p.device, dtype=p.dtype))
     return model
+
+
+def published_llamas() -> list[str]:
+    """The planner's published Llama shapes (llama2-7b, llama3-8b, ...)."""
+    from meshtrain.plan.shapes import PUBLISHED
+    return [n for n, sh in PUBLISHED.items() if sh.kind == "llama"]
+
+
+def published_llama(name: str) -> tuple[LlamaSpec, int]:
+    """(spec, vocabulary) of a published Llama shape: Llama 2's RoPE base 10,000, Llama 3's
+    500,000 (with 3.1's llama3 scaling left to the weights' own config.json)."""
+    from meshtrain.plan.shapes import PUBLISHED
+    sh = PUBLISHED[name]
+    spec = LlamaSpec(n_layers=sh.layers, n_heads=sh.heads, n_kv_heads=sh.kv_heads, d_model=sh.hidden,
+                     ffn_dim=sh.ffn_width, max_seq_len=sh.seq_len, rope_theta=500000.0 if "llama3" in name else 10000.0)
+    return spec, sh.vocab
 
 
 def load_hf(folder, device="cpu", dtype=None) -> torch.nn.Module:
