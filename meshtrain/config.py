@@ -389,8 +389,8 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     if isinstance(spec, (GPTSpec, LlamaSpec)):
         if isinstance(spec, GPTSpec) and tr.seq_len > spec.max_seq_len:  # RoPE (Llama) has no position table
             raise ConfigError(f"--seq-len {tr.seq_len} exceeds the {spec.max_seq_len} positions of {m.name}")
-        if not 256 <= tr.vocab_size <= 65535:
-            raise ConfigError(f"--vocab-size {tr.vocab_size}: use 256 (bytes) up to 65535")
+        if not 256 <= tr.vocab_size <= 2**20:  # above 65,536 the token file holds uint32 ids
+            raise ConfigError(f"--vocab-size {tr.vocab_size}: use 256 (bytes) up to {2**20:,}")
     _reject_unbuilt(lay, tr)
 
 

@@ -78,3 +78,18 @@ def test_ranks_preparing_the_same_text_at_once_build_it_once(tmp_path):
     folders = {(tmp_path / f"out{i}").read_text() for i in range(3)}
     assert len(folders) == 1
     assert log.read_text().count("tokenized") == 1
+
+
+def test_token_files_hold_uint32_ids_above_a_65536_vocabulary(tmp_path):
+    import json
+
+    import numpy as np
+
+    from meshtrain.data.datasets import META_FILE, TOKENS_FILE, TextData
+    from meshtrain.data.tokenizer import token_dtype
+    assert token_dtype(2048) == np.uint16 and token_dtype(65536) == np.uint16 and token_dtype(128256) == np.uint32
+    ids = np.arange(200_000, 200_000 + 5000, dtype=np.uint32)  # ids no uint16 holds
+    ids.tofile(tmp_path / TOKENS_FILE)
+    (tmp_path / META_FILE).write_text(json.dumps({"vocab_size": 256, "n_tokens": len(ids), "dtype": "uint32"}))
+    x, y = TextData(tmp_path, seq_len=16, seed=0).batch(0, 4, slice(0, 4))
+    assert int(x.min()) >= 200_000 and torch.equal(x[:, 1:], y[:, :-1]) and torch.equal(y - x, torch.ones_like(x))

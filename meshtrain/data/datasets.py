@@ -50,13 +50,14 @@ def check_length(n_tokens: int, seq_len: int) -> None:
 
 
 class TextData:
-    """Random windows of a memory-mapped uint16 token file: training windows from the first
+    """Random windows of a memory-mapped token file (uint16, or uint32 for a vocabulary above
+    65,536, as its meta.json says): training windows from the first
     99% of the tokens, validation windows from the last 1% (never seen in training)."""
 
     def __init__(self, folder: Path, seq_len: int, seed: int):
         meta = json.loads((folder / META_FILE).read_text())
         self.tokenizer = load_tokenizer(folder, meta["vocab_size"])
-        self.tokens = np.memmap(folder / TOKENS_FILE, dtype=np.uint16, mode="r")
+        self.tokens = np.memmap(folder / TOKENS_FILE, dtype=np.dtype(meta.get("dtype", "uint16")), mode="r")
         self.folder, self.vocab_size, self.seq_len, self.seed = folder, meta["vocab_size"], seq_len, seed
         self.split = held_out(len(self.tokens))
         check_length(self.split, seq_len)
@@ -156,7 +157,8 @@ def _build_text_cache(folder: Path, files: list[Path], source: str, vocab_size: 
         tokenizer.save(folder / TOKENIZER_FILE)
     ids = tokenizer.encode(text)
     atomic_write(folder / TOKENS_FILE, ids.tofile)
-    meta = {"source": source, "files": len(files), "n_tokens": int(len(ids)), "vocab_size": tokenizer.vocab_size}
+    meta = {"source": source, "files": len(files), "n_tokens": int(len(ids)), "vocab_size": tokenizer.vocab_size,
+            "dtype": str(ids.dtype)}
     atomic_write(folder / META_FILE, lambda p: p.write_text(json.dumps(meta)))
     log(f"tokenized {len(files)} file(s) into {len(ids):,} tokens (cached in {folder})")
 

@@ -12,6 +12,11 @@ from meshtrain.atomic import atomic_write
 TOKENIZER_FILE = "tokenizer.json"
 
 
+def token_dtype(vocab_size: int) -> np.dtype:
+    """What a token file stores ids in: uint16 up to 65,536 ids, uint32 above (Llama 3's 128,256)."""
+    return np.dtype(np.uint16) if vocab_size <= 2**16 else np.dtype(np.uint32)
+
+
 class ByteTokenizer:
     vocab_size = 256
 
@@ -51,7 +56,7 @@ class BPETokenizer:
         # Encode line by line in one batch call: fast, and the byte-level BPE keeps the newlines.
         lines = text.splitlines(keepends=True)
         ids = [i for enc in self._tok.encode_batch(lines) for i in enc.ids]
-        return np.asarray(ids, dtype=np.uint16)
+        return np.asarray(ids, dtype=token_dtype(self.vocab_size))
 
     def decode(self, ids) -> str:
         return self._tok.decode([int(i) for i in ids])
