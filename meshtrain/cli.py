@@ -296,7 +296,8 @@ def _log(msg: str) -> None:
 def _prepare_data(cfg: C.Config) -> None:
     from meshtrain.data.datasets import prepare
     kind = "mlp" if cfg.train.data == "digits" else cfg.model.name  # images need no preparing
-    prepare(cfg.train.data, kind, cfg.train.vocab_size, cfg.train.seq_len, log=_log)
+    prepare(cfg.train.data, kind, cfg.train.vocab_size, cfg.train.seq_len, log=_log,
+            tokenizer=C.imported_tokenizer(cfg))
 
 
 def _launch_local(cfg: C.Config, args, argv: list[str]) -> int:

@@ -9,8 +9,10 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 import tomllib
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from meshtrain.models.presets import PRESETS, GPTSpec, LlamaSpec, MLPSpec, parse_widths, spec_of
 from meshtrain.recipe import is_user_model
@@ -32,6 +34,7 @@ class ModelConfig:
     dropout: float = 0.0  # on the embedding, attention output, MLP output (and attention probabilities on `math`)
     attention: str = "sdpa"
     mlp_hidden: str = ""  # the MLP's hidden widths, e.g. "1024,1024"; empty: the preset's
+    init_from: str | None = None  # a Hugging Face Llama folder: its architecture, weights and tokenizer
 
     def spec(self) -> GPTSpec | LlamaSpec | MLPSpec:
         """The preset with this configuration's changes (validated first: `validate`)."""
@@ -138,6 +141,8 @@ class Config:
 # (flag, section, field, type, help) — the command-line contract of DESIGN.md.
 FLAGS = [
     ("--model", "model", "name", str, f"model preset: {', '.join(PRESETS)}"),
+    ("--init-from", "model", "init_from", str, "a Hugging Face Llama folder (config.json, safetensors, "
+     "tokenizer.json): train from its weights, on --data tokenized by its tokenizer (the model is that folder's)"),
     ("--dropout", "model", "dropout", float, "dropout probability of the GPT, in [0, 1); masks drawn per sample "
      "from the seed, the same in every layout"),
     ("--mlp-hidden", "model", "mlp_hidden", str, "hidden widths of --model mlp, comma-separated, e.g. 1024,1024 "
@@ -297,10 +302,38 @@ def strict_p2p_requested(environ=None) -> bool:
     return value == "1"
 
 
+def adopt_imported_model(cfg: Config) -> None:
+    """With --init-from DIR the model is that folder's: its spec is registered as a preset
+    named after the folder (in every process that reads the configuration), and the
+    vocabulary is its embedding's. One line for a folder meshtrain cannot read."""
+    m = cfg.model
+    if not m.init_from:
+        return
+    from meshtrain.models.hf import HFError, read_config, spec_from_config, weight_files
+    folder = Path(m.init_from)
+    try:
+        spec, vocab = spec_from_config(read_config(folder), str(folder / "config.json"))
+        weight_files(folder)
+    except HFError as e:
+        raise ConfigError(f"--init-from {e}") from None
+    if not (folder / "tokenizer.json").is_file():
+        raise ConfigError(f"--init-from {folder}: no tokenizer.json; meshtrain trains on text tokenized by the "
+                          f"imported model's own tokenizer")
+    name = "hf-" + re.sub(r"[^A-Za-z0-9._-]", "_", folder.resolve().name)
+    PRESETS[name] = spec
+    m.name, cfg.train.vocab_size = name, vocab
+
+
+def imported_tokenizer(cfg: Config) -> Path | None:
+    """--init-from's tokenizer.json, or None (a BPE trained on the text)."""
+    return Path(cfg.model.init_from, "tokenizer.json") if cfg.model.init_from else None
+
+
 def validate(cfg: Config, world_size: int | None = None) -> None:
     """Reject a configuration that cannot work, with one line naming the flag to change.
     `world_size` is the number of processes a launcher already started, if any. An unset
     --dp is filled in here (`fill_dp`)."""
+    adopt_imported_model(cfg)
     m, lay, tr = cfg.model, cfg.layout, cfg.train
     for section, name in [("layout", "dp"), ("layout", "tp"), ("layout", "pp"), ("layout", "chunks"),
                           ("layout", "microbatches"), ("train", "steps"), ("train", "batch_size"),

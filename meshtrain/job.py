@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from meshtrain.comm import METRICS
 from meshtrain.loss import cross_entropy_sum
-from meshtrain.models.init import InitSpec, stable_seed
+from meshtrain.models.init import stable_seed
 from meshtrain.mesh import Mesh
 from meshtrain.optim import OptimizerFactory, clip_grad_norm_
 from meshtrain.parallel.compose import Parallelized, parallelize as apply_strategies, set_micro_shape
@@ -512,7 +512,7 @@ def parallelize(model: nn.Module, mesh: Mesh, *, optimizer: OptimizerFactory, lo
         raise ValueError("init: the model is on the meta device (no weights); pass init=fn(name, tensor, generator) "
                          "that fills each parameter, or build the model on a real device")
     check_same_weights(model, mesh)
-    if init is not None and not isinstance(init, InitSpec):
+    if init is not None and not hasattr(init, "full_value"):  # a spec (InitSpec, models.hf.HFWeights) is used as is
         init = FunctionInit.of(model, init, mesh.seed)
     parallel = apply_strategies(model, mesh.comm, options, optimizer=optimizer, seed=mesh.seed, plan=tp_plan,
                                 pipeline=pipeline, loss_fn=loss, wrap=wrap, init=init,

@@ -21,7 +21,8 @@ from meshtrain import faults, launch
 from meshtrain.board import Board
 from meshtrain.checkpoint import folders
 from meshtrain.comm import Comm
-from meshtrain.config import Config, LayoutConfig, TrainConfig, lr_at, strict_p2p_requested, tokens_per_sample
+from meshtrain.config import (Config, LayoutConfig, TrainConfig, imported_tokenizer, lr_at, strict_p2p_requested,
+                              tokens_per_sample)
 from meshtrain.data.datasets import open_dataset
 from meshtrain.data.tokenizer import TOKENIZER_FILE
 from meshtrain.metrics import ActivationMeter, BuildMeter, LayerProbe, StepLog
@@ -110,7 +111,15 @@ def build(cfg: Config, device):
 def _dataset(cfg: Config):
     tr = cfg.train
     kind = "mlp" if tr.data == "digits" else "gpt"  # images, or token ids
-    return open_dataset(tr.data, kind, tr.vocab_size, tr.seq_len, tr.seed)
+    return open_dataset(tr.data, kind, tr.vocab_size, tr.seq_len, tr.seed, tokenizer=imported_tokenizer(cfg))
+
+
+def initial_weights(cfg: Config, model):
+    """What each rank draws its part of the weights from: the seed's rules, or --init-from's files."""
+    if cfg.model.init_from:
+        from meshtrain.models.hf import HFWeights
+        return HFWeights(cfg.model.init_from, model)
+    return init_spec(model, cfg.train.seed)
 
 
 def model_for(cfg: Config, data, device):
@@ -151,7 +160,7 @@ def setup(cfg: Config, comm: Comm, **sync_options) -> tuple[object, Job]:
     with BuildMeter() as meter:
         model = model_for(cfg, data, "meta")
         job = parallelize(model, comm.mesh, optimizer=adamw(tr.lr, tr.weight_decay), loss_fn=cross_entropy_sum,
-                          loss_reduction="sum", normalizer=loss_terms_per_step(cfg), init=init_spec(model, tr.seed),
+                          loss_reduction="sum", normalizer=loss_terms_per_step(cfg), init=initial_weights(cfg, model),
                           tp_plan=plan_for(cfg.model.name) if cfg.layout.tp > 1 else None,
                           pipeline=stages.plan_for(cfg.model.spec()), **_layout_arguments(cfg, sync_options))
     job.parallel.build_peak_bytes = meter.peak

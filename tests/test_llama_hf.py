@@ -119,3 +119,43 @@ def test_no_config_and_meta_s_original_format_are_refused(tmp_path):
     (tmp_path / "consolidated.00.pth").write_bytes(b"")
     with pytest.raises(HFError, match="Meta's original format"):
         load_hf(tmp_path)
+
+
+def test_fine_tuning_from_the_command_line_starts_at_the_imported_model_s_loss(tmp_path):
+    """A Hugging Face folder (a tiny random LlamaForCausalLM whose tokenizer.json is a BPE
+    trained here) fine-tuned with `train --init-from` in tp 2: its loss at step 0 is the
+    imported model's loss on that batch, on text tokenized by the folder's tokenizer."""
+    from helpers import last_json, run_cli
+
+    from meshtrain.data.corpus import shakespeare_files
+    from meshtrain.data.datasets import TextData, prepare_text
+    from meshtrain.data.tokenizer import BPETokenizer
+    hf_dir = tmp_path / "hf"
+    bpe = BPETokenizer.train(shakespeare_files()[:2], 320)
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=384, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
+                                      attn_implementation="eager")
+    hf = transformers.LlamaForCausalLM(config).eval()
+    hf.save_pretrained(hf_dir)
+    bpe.save(hf_dir / "tokenizer.json")
+    r = run_cli("train", "--init-from", hf_dir, "--tp", "2", "--steps", "2", "--batch-size", "4", "--seq-len", "32",
+                "--lr", "1e-4", "--device", "cpu", "--out", tmp_path / "run", "--json")
+    assert r.returncode == 0, r.stderr[-3000:]
+    j = last_json(r.stdout)
+    data = TextData(prepare_text("shakespeare", 384, tokenizer=hf_dir / "tokenizer.json"), 32, 0)
+    x, y = data.batch(0, 4, slice(0, 4))
+    assert int(x.max()) < bpe.vocab_size  # the folder's tokenizer's ids
+    with torch.no_grad():
+        want = torch.nn.functional.cross_entropy(hf(x).logits.flatten(0, 1), y.reshape(-1)).item()
+    assert abs(j["losses"][0] - want) / want < 1e-5, (j["losses"][0], want)
+    assert j["n_params"] == sum(p.numel() for p in hf.parameters())
+
+
+def test_init_from_a_folder_meshtrain_cannot_use_is_refused_before_ranks_start(tmp_path):
+    from helpers import run_cli
+    r = run_cli("train", "--init-from", tmp_path, "--out", tmp_path / "run")
+    assert r.returncode == 2 and "--init-from" in r.stderr and "no config.json" in r.stderr, r.stderr
+    _hf_model().save_pretrained(tmp_path / "hf")
+    r = run_cli("train", "--init-from", tmp_path / "hf", "--out", tmp_path / "run")
+    assert r.returncode == 2 and "no tokenizer.json" in r.stderr, r.stderr

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from meshtrain.atomic import atomic_write
-from meshtrain.config import Config
+from meshtrain.config import Config, adopt_imported_model
 from meshtrain.data.tokenizer import TOKENIZER_FILE, ByteTokenizer, load_tokenizer
 
 WEIGHTS_FILE = "model.safetensors"
@@ -57,6 +57,7 @@ def load_model(ckpt: Path, device="cpu"):
         meta = json.loads((ckpt / RUN_FILE).read_text())
         state = _read_weights(ckpt)
     cfg = Config.from_dict(meta["config"])
+    adopt_imported_model(cfg)  # a run from --init-from: its folder's architecture
     if cfg.model.name == "mlp":
         raise ValueError("--ckpt holds the digits MLP, which does not generate text")
     model = build_model(cfg.model.name, cfg.train.seed, vocab_size=meta["vocab_size"], dropout=cfg.model.dropout,

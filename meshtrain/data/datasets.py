@@ -15,7 +15,7 @@ import torch
 
 from meshtrain.atomic import atomic_write
 from meshtrain.data.corpus import DataError, read_text, text_files
-from meshtrain.data.tokenizer import TOKENIZER_FILE, BPETokenizer, ByteTokenizer, load_tokenizer
+from meshtrain.data.tokenizer import TOKENIZER_FILE, BPETokenizer, ByteTokenizer, load_tokenizer, token_dtype
 
 TOKENS_FILE = "tokens.bin"
 META_FILE = "meta.json"
@@ -118,23 +118,27 @@ def _usable_vocab(vocab_size: int) -> int:
     return vocab_size
 
 
-def _text_cache_folder(source: str, vocab_size: int) -> tuple[Path, list[Path]]:
+def _text_cache_folder(source: str, vocab_size: int, tokenizer: Path | None = None) -> tuple[Path, list[Path]]:
     files = text_files(source)
+    imported = [hashlib.sha256(tokenizer.read_bytes()).hexdigest()] if tokenizer is not None else []
     key = hashlib.sha256(json.dumps([[str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns] for f in files]
-                                    + [vocab_size]).encode()).hexdigest()[:16]
+                                    + [vocab_size] + imported).encode()).hexdigest()[:16]
     name = "shakespeare" if source == "shakespeare" else Path(source).name or "data"
-    return cache_root() / f"{name}-v{vocab_size}-{key}", files
+    return cache_root() / f"{name}-v{vocab_size}{'-imported' if imported else ''}-{key}", files
 
 
 def _to_stderr(msg: str) -> None:
     print(msg, file=sys.stderr)
 
 
-def prepare_text(source: str, vocab_size: int, log=_to_stderr) -> Path:
+def prepare_text(source: str, vocab_size: int, log=_to_stderr, tokenizer: Path | None = None) -> Path:
     """Tokenize the text once into a cached folder (tokenizer.json, tokens.bin, meta.json).
-    Every file is written atomically: a reader never sees half. Returns the folder."""
-    vocab_size = _usable_vocab(vocab_size)
-    folder, files = _text_cache_folder(source, vocab_size)
+    Every file is written atomically: a reader never sees half. Returns the folder.
+    `tokenizer`: an imported model's tokenizer.json, used as it is (`vocab_size`: that
+    model's embedding rows); else a BPE of `vocab_size` is trained on the text."""
+    if tokenizer is None:
+        vocab_size = _usable_vocab(vocab_size)
+    folder, files = _text_cache_folder(source, vocab_size, tokenizer)
     if (folder / META_FILE).exists():
         return folder
     folder.mkdir(parents=True, exist_ok=True)
@@ -143,36 +147,45 @@ def prepare_text(source: str, vocab_size: int, log=_to_stderr) -> Path:
     with open(folder / LOCK_FILE, "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (folder / META_FILE).exists():
-            _build_text_cache(folder, files, source, vocab_size, log)
+            _build_text_cache(folder, files, source, vocab_size, log, tokenizer)
     return folder
 
 
-def _build_text_cache(folder: Path, files: list[Path], source: str, vocab_size: int, log) -> None:
+def _build_text_cache(folder: Path, files: list[Path], source: str, vocab_size: int, log,
+                      imported: Path | None = None) -> None:
     text = read_text(files)
-    if vocab_size == ByteTokenizer.vocab_size:
+    if imported is not None:
+        tokenizer = BPETokenizer.load(imported)
+        if tokenizer.vocab_size > vocab_size:
+            raise DataError(f"{imported}: the tokenizer has {tokenizer.vocab_size:,} tokens, more than the model's "
+                            f"{vocab_size:,} embedding rows")
+        tokenizer.save(folder / TOKENIZER_FILE)
+    elif vocab_size == ByteTokenizer.vocab_size:
         tokenizer = ByteTokenizer()
     else:
         log(f"training a {vocab_size}-token BPE tokenizer on {len(text) / 1e6:.1f} MB of text ...")
         tokenizer = BPETokenizer.train(files, vocab_size)
         tokenizer.save(folder / TOKENIZER_FILE)
-    ids = tokenizer.encode(text)
+    vocab = vocab_size if imported is not None else tokenizer.vocab_size  # the model's rows, or the BPE's
+    ids = tokenizer.encode(text).astype(token_dtype(vocab), copy=False)
     atomic_write(folder / TOKENS_FILE, ids.tofile)
-    meta = {"source": source, "files": len(files), "n_tokens": int(len(ids)), "vocab_size": tokenizer.vocab_size,
+    meta = {"source": source, "files": len(files), "n_tokens": int(len(ids)), "vocab_size": vocab,
             "dtype": str(ids.dtype)}
     atomic_write(folder / META_FILE, lambda p: p.write_text(json.dumps(meta)))
     log(f"tokenized {len(files)} file(s) into {len(ids):,} tokens (cached in {folder})")
 
 
-def prepare(data: str, model: str, vocab_size: int, seq_len: int, log=_to_stderr) -> Path | None:
+def prepare(data: str, model: str, vocab_size: int, seq_len: int, log=_to_stderr,
+            tokenizer: Path | None = None) -> Path | None:
     """Build what the ranks will read (once, before they start); None when nothing is needed."""
     if model == "mlp":
         return None
-    folder = prepare_text(data, vocab_size, log)
+    folder = prepare_text(data, vocab_size, log, tokenizer)
     check_length(json.loads((folder / META_FILE).read_text())["n_tokens"], seq_len)
     return folder
 
 
-def open_dataset(data: str, model: str, vocab_size: int, seq_len: int, seed: int):
+def open_dataset(data: str, model: str, vocab_size: int, seq_len: int, seed: int, tokenizer: Path | None = None):
     if model == "mlp":
         return DigitsData(seed)
-    return TextData(prepare_text(data, vocab_size), seq_len, seed)  # cached: returns at once
+    return TextData(prepare_text(data, vocab_size, tokenizer=tokenizer), seq_len, seed)  # cached: returns at once

@@ -54,8 +54,9 @@ class BPETokenizer:
 
     def encode(self, text: str) -> np.ndarray:
         # Encode line by line in one batch call: fast, and the byte-level BPE keeps the newlines.
+        # No special tokens per line (an imported tokenizer's post-processor would add a BOS to each).
         lines = text.splitlines(keepends=True)
-        ids = [i for enc in self._tok.encode_batch(lines) for i in enc.ids]
+        ids = [i for enc in self._tok.encode_batch(lines, add_special_tokens=False) for i in enc.ids]
         return np.asarray(ids, dtype=token_dtype(self.vocab_size))
 
     def decode(self, ids) -> str:

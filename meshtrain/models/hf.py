@@ -119,6 +119,42 @@ def read_config(folder: Path) -> dict:
     return json.loads((folder / CONFIG).read_text())
 
 
+class HFWeights:
+    """`init=` for `meshtrain.parallelize` (and the command line's --init-from): each
+    parameter's full value read from the folder's safetensors, one tensor at a time, in fp32;
+    every rank keeps its part of it. Shapes are checked against the model first."""
+
+    def __init__(self, folder, model):
+        from safetensors import safe_open
+        self.folder = Path(folder)
+        self._file: dict[str, Path] = {}
+        shapes = {}
+        for path in weight_files(self.folder):
+            with safe_open(str(path), framework="pt") as f:
+                for key in f.keys():
+                    self._file[key] = path
+                    shapes[key] = tuple(f.get_slice(key).get_shape())
+        for name, p in model.named_parameters():
+            key = hf_name(name)
+            if key not in shapes:
+                raise HFError(f"{self.folder}: {key} is missing")
+            if shapes[key] != tuple(p.shape):
+                raise HFError(f"{self.folder}: {key} is {list(shapes[key])}, the model's is {list(p.shape)}")
+
+    def full_value(self, name: str):
+        import torch
+        from safetensors import safe_open
+        key = hf_name(name)
+        with safe_open(str(self._file[key]), framework="pt") as f:
+            return f.get_tensor(key).to(torch.float32)
+
+    def fingerprint(self) -> int:
+        """The same on every rank that reads the same files."""
+        import hashlib
+        text = repr(sorted((k, str(p.resolve()), p.stat().st_size) for k, p in self._file.items()))
+        return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=7).digest(), "little")
+
+
 def load_hf(folder, device="cpu", dtype=None):
     """The plain `Llama` of a Hugging Face folder, its weights as stored (or cast to `dtype`)."""
     import torch

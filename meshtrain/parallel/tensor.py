@@ -129,9 +129,8 @@ MLP_PLAN = TensorPlan({
 
 def plan_for(model_name: str) -> TensorPlan:
     """The plan of a preset: meshtrain's own models are reached only through their plans."""
-    if model_name == "mlp":
-        return MLP_PLAN
-    return LLAMA_PLAN if model_name.startswith("llama") else GPT_PLAN
+    from meshtrain.models.presets import spec_of
+    return {"mlp": MLP_PLAN, "llama": LLAMA_PLAN}.get(spec_of(model_name).kind, GPT_PLAN)
 
 
 # ---- the conjugate operators ---------------------------------------------------------------
