@@ -159,3 +159,17 @@ def test_init_from_a_folder_meshtrain_cannot_use_is_refused_before_ranks_start(t
     _hf_model().save_pretrained(tmp_path / "hf")
     r = run_cli("train", "--init-from", tmp_path / "hf", "--out", tmp_path / "run")
     assert r.returncode == 2 and "no tokenizer.json" in r.stderr, r.stderr
+
+
+def test_each_rank_reads_only_its_slices_of_an_imported_weight(tmp_path):
+    from meshtrain.models.hf import HFWeights
+    hf = _hf_model(num_key_value_heads=2)
+    hf.save_pretrained(tmp_path)
+    ours = load_hf(tmp_path)
+    weights = HFWeights(tmp_path, ours)
+    full = weights.full_value("layers.0.self_attn.o_proj.weight")
+    for index in [(slice(0, 16),), (slice(None), slice(16, 32)), None]:  # column, row, whole
+        assert torch.equal(weights.piece("layers.0.self_attn.o_proj.weight", index),
+                           full if index is None else full[index])
+    assert torch.equal(weights.piece("layers.1.mlp.up_proj.weight", (slice(None), [0, 5, 9])),
+                       weights.full_value("layers.1.mlp.up_proj.weight")[:, [0, 5, 9]])

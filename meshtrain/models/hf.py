@@ -120,9 +120,9 @@ def read_config(folder: Path) -> dict:
 
 
 class HFWeights:
-    """`init=` for `meshtrain.parallelize` (and the command line's --init-from): each
-    parameter's full value read from the folder's safetensors, one tensor at a time, in fp32;
-    every rank keeps its part of it. Shapes are checked against the model first."""
+    """`init=` for `meshtrain.parallelize` (and the command line's --init-from): each rank
+    reads only its part of each parameter from the folder's safetensors (`safe_open`'s
+    `get_slice`), one tensor at a time, in fp32. Shapes are checked against the model first."""
 
     def __init__(self, folder, model):
         from safetensors import safe_open
@@ -147,6 +147,20 @@ class HFWeights:
         key = hf_name(name)
         with safe_open(str(self._file[key]), framework="pt") as f:
             return f.get_tensor(key).to(torch.float32)
+
+    def piece(self, name: str, index: tuple | None):
+        """This rank's part of a parameter, `index` of its full tensor (None: all of it),
+        reading only those bytes from the file where the index is slices (a fused layer's
+        positions: the whole tensor, then indexed)."""
+        import torch
+        from safetensors import safe_open
+        if index is None:
+            return self.full_value(name)
+        key = hf_name(name)
+        with safe_open(str(self._file[key]), framework="pt") as f:
+            if all(isinstance(i, slice) for i in index):
+                return f.get_slice(key)[index].to(torch.float32)
+            return f.get_tensor(key)[index].to(torch.float32)
 
     def fingerprint(self) -> int:
         """The same on every rank that reads the same files."""

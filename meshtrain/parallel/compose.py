@@ -313,10 +313,14 @@ def set_micro_shape(p: "Parallelized", pipeline: PipelinePlan, rows: int, seq: i
 
 def _draw_piece(init: InitSpec, comm: Comm, name: str, p: torch.Tensor) -> torch.Tensor:
     """This rank's piece of parameter `name` (`p`: its placeholder, tensor-parallel shard spec
-    and all): the full one-process value drawn, sliced, cast and moved — one at a time."""
-    full = init.full_value(name)
+    and all): the full one-process value drawn, sliced, cast and moved — one at a time. A
+    spec that can read a piece alone (`piece(name, index)`: a weight file's slices) is asked."""
     index = shard_index(p, comm)
-    piece = full[index] if index is not None else full
+    if hasattr(init, "piece"):
+        piece = init.piece(name, index)
+    else:
+        full = init.full_value(name)
+        piece = full[index] if index is not None else full
     return torch.empty(p.shape, dtype=p.dtype, device=p.device).copy_(piece)
 
 
