@@ -120,26 +120,33 @@ def read_config(folder: Path) -> dict:
 
 
 class HFWeights:
-    """`init=` for `meshtrain.parallelize` (and the command line's --init-from): each rank
-    reads only its part of each parameter from the folder's safetensors (`safe_open`'s
-    `get_slice`), one tensor at a time, in fp32. Shapes are checked against the model first."""
+    """A folder's weights for a model of its architecture: `init=` for `meshtrain.parallelize`
+    (and the command line's --init-from), where each rank reads only its part of each
+    parameter (`safe_open`'s `get_slice`), one tensor at a time, in fp32; and what `load_hf`
+    fills a whole model from. Names and shapes are checked against the model first: a
+    weight missing, one the model lacks (a tied head's copy aside) or of another shape is
+    refused in one line."""
 
     def __init__(self, folder, model):
         from safetensors import safe_open
         self.folder = Path(folder)
         self._file: dict[str, Path] = {}
-        shapes = {}
+        wanted = {hf_name(n): tuple(p.shape) for n, p in model.named_parameters()}  # a tied head is one
+        tied = model.lm_head.weight is model.embed_tokens.weight
         for path in weight_files(self.folder):
             with safe_open(str(path), framework="pt") as f:
                 for key in f.keys():
+                    if key not in wanted:
+                        if tied and key == "lm_head.weight":
+                            continue
+                        raise HFError(f"{path}: {key} is not a weight of this Llama (biases? another architecture?)")
+                    shape = tuple(f.get_slice(key).get_shape())
+                    if shape != wanted[key]:
+                        raise HFError(f"{path}: {key} is {list(shape)}, but {CONFIG} makes it {list(wanted[key])}")
                     self._file[key] = path
-                    shapes[key] = tuple(f.get_slice(key).get_shape())
-        for name, p in model.named_parameters():
-            key = hf_name(name)
-            if key not in shapes:
-                raise HFError(f"{self.folder}: {key} is missing")
-            if shapes[key] != tuple(p.shape):
-                raise HFError(f"{self.folder}: {key} is {list(shapes[key])}, the model's is {list(p.shape)}")
+        missing = sorted(set(wanted) - set(self._file))
+        if missing:
+            raise HFError(f"{self.folder}: {missing[0]} is missing ({len(missing)} weights in all)")
 
     def full_value(self, name: str):
         import torch
@@ -170,9 +177,8 @@ class HFWeights:
 
 
 def load_hf(folder, device="cpu", dtype=None):
-    """The plain `Llama` of a Hugging Face folder, its weights as stored (or cast to `dtype`)."""
+    """The plain `Llama` of a Hugging Face folder, its weights in fp32 (or `dtype`)."""
     import torch
-    from safetensors import safe_open
 
     from meshtrain.models.llama import Llama
 
@@ -180,22 +186,7 @@ def load_hf(folder, device="cpu", dtype=None):
     spec, vocab = spec_from_config(read_config(folder), str(folder / CONFIG))
     with torch.device("meta"):
         model = Llama(spec, vocab)
-    wanted = {hf_name(n): p for n, p in model.named_parameters()}  # a tied head is one parameter
-    loaded: dict[str, torch.Tensor] = {}
-    for path in weight_files(folder):
-        with safe_open(str(path), framework="pt") as f:
-            for key in f.keys():
-                if key not in wanted and not (spec.tie_embeddings and key == "lm_head.weight"):
-                    raise HFError(f"{path}: {key} is not a weight of this Llama (biases? another architecture?)")
-                if key in wanted:
-                    t = f.get_tensor(key)
-                    if tuple(t.shape) != tuple(wanted[key].shape):
-                        raise HFError(f"{path}: {key} is {list(t.shape)}, but {CONFIG} makes it "
-                                      f"{list(wanted[key].shape)}")
-                    loaded[key] = t
-    missing = sorted(set(wanted) - set(loaded))
-    if missing:
-        raise HFError(f"{folder}: {missing[0]} is missing ({len(missing)} weights in all)")
+    weights = HFWeights(folder, model)
     model.to_empty(device=device)
     if spec.tie_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
@@ -203,7 +194,7 @@ def load_hf(folder, device="cpu", dtype=None):
         model.to(dtype)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            p.copy_(loaded[hf_name(name)])
+            p.copy_(weights.full_value(name))
     return model
 
 
