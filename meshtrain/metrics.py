@@ -134,7 +134,9 @@ class LayerProbe:
     SETTLE_S, PATIENCE_S = 0.002, 0.2
 
     def __init__(self, module: nn.Module, meter: ActivationMeter):
-        blocks = getattr(module, "blocks", None)
+        blocks = getattr(module, "blocks", None)  # a GPT's, or a pipeline stage's
+        if blocks is None:
+            blocks = getattr(module, "layers", None)  # the Llama's
         self.bytes, self._mark, self._hooks, self._meter = None, None, [], meter
         first = next(iter(blocks), None) if blocks is not None else None  # a pipeline stage's first block
         if first is not None:

@@ -109,6 +109,24 @@ def test_kv_heads_not_divisible_by_tp_are_refused_in_one_line():
     assert run_ranks(_refused, 4, timeout=300) == [True] * 4
 
 
+def _tied_refused(_mesh):
+    import dataclasses
+
+    from meshtrain.models.llama import Llama
+    from meshtrain.models.presets import PRESETS
+
+    tied = Llama(dataclasses.replace(PRESETS["llama-test"], tie_embeddings=True), 256)
+    with pytest.raises(ValueError, match="lm_head.weight is the same parameter as embed_tokens.weight"):
+        meshtrain.parallelize(tied, meshtrain.init(pp=2), optimizer=adamw, pipeline=llama_plan(32), microbatches=2)
+    return True
+
+
+def test_a_head_tied_to_the_embedding_is_refused_across_pipeline_stages():
+    """Its two uses would sit on the first and the last stage: the API refuses in one line
+    (the command line before any rank starts)."""
+    assert run_ranks(_tied_refused, 2, timeout=300) == [True] * 2
+
+
 LLAMA_TINY = ["--model", "llama-test", "--vocab-size", "256", "--seq-len", "32", "--batch-size", "8", "--device", "cpu"]
 
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 
+from dataclasses import dataclass
 from functools import lru_cache
 
 PAPER_K = 12  # the ZeRO paper's optimizer bytes per parameter under mixed precision (fp32 master, m, v)
@@ -173,7 +174,7 @@ def zero3_peak_gathered(shape, **where) -> int:
 
 def torch_activation_bytes_per_layer(seq: int, micro_batch: int, hidden: int, heads: int, *, element_bytes: int = 4,
                                      attention: str = "sdpa", dropout: float = 0.0, ffn: int | None = None,
-                                     tp: int = 1, sp: bool = False) -> int:
+                                     tp: int = 1, sp: bool = False, llama: LlamaDims | None = None) -> int:
     """What one block of meshtrain's GPT keeps for backward on one rank (`torch` accounting,
     no recompute), for `element_bytes`-byte activations (4 fp32, 2 bf16); t = tp, and the
     "whole" terms are divided by t too under sequence parallelism:
@@ -189,6 +190,9 @@ def torch_activation_bytes_per_layer(seq: int, micro_batch: int, hidden: int, he
 
     The trainer's layer probe measures exactly this (tests hold the two equal, with and
     without tp and SP)."""
+    if llama is not None:
+        return llama_kept_bytes(seq, micro_batch, hidden, heads, llama, element_bytes=element_bytes, ffn=ffn, tp=tp,
+                                sp=sp)
     e, b, s, h, a, t = element_bytes, micro_batch, seq, hidden, heads, tp
     f = ffn or 4 * h
     whole = t if sp else 1  # what SP also shards along the sequence
@@ -207,8 +211,47 @@ def torch_activation_bytes_per_layer(seq: int, micro_batch: int, hidden: int, he
     return elements * e + extra
 
 
+@dataclass(frozen=True)
+class LlamaDims:
+    """What the `torch` accounting needs of a Llama block beyond a GPT's hidden and heads:
+    the width of the query projection (n_heads · head_dim) and the head size."""
+    q_width: int
+    head_dim: int
+
+
+def llama_kept_bytes(seq: int, micro_batch: int, hidden: int, heads: int, dims: LlamaDims, *, element_bytes: int,
+                     ffn: int | None, tp: int = 1, sp: bool = False) -> int:
+    """What one block of meshtrain's Llama keeps for backward on one rank (no recompute),
+    for `element_bytes`-byte activations; d = hidden, q = n_heads · head_dim, f the SwiGLU
+    width, t = tp, w = t under SP (else 1):
+
+    - whole (÷ w): each RMSNorm's normalised input and its weighted output (2·b·s·d each),
+      its reciprocal root mean square (b·s fp32), and its input: in fp32 the residual stream
+      after attention and after the MLP (2·b·s·d: the norms' upcast is the tensor itself),
+      in bf16 their fp32 copies (4 bytes an element) — the bf16 stream is freed at the next
+      residual sum, so a bf16 block does not keep its own output (the layer probe, read at
+      the block's end, sees it alive: `kept` + `out`);
+    - split by heads or columns (÷ t): the rotated queries, the keys and values as the
+      kernel sees them (grouped-query attention repeats each key/value head for its
+      queries, so they are q wide too), the attention's output, 4·b·s·q; the MLP's gate and
+      up outputs, the gate's SiLU and the product, 4·b·s·f; sdpa's log-sum-exp
+      (b·(a/t)·s, fp32);
+    - the rotary cos and sin of the attention's sequence (2·s·head_dim, whole: every rank
+      computes them for the s positions it attends over).
+
+    The sdpa kernel writes its output in the layout the output projection reads, so the
+    heads are merged without a copy. The trainer's layer probe measures exactly this."""
+    e, b, s, d, t = element_bytes, micro_batch, seq, hidden, tp
+    w, q, f = (t if sp else 1), dims.q_width, ffn or 4 * hidden
+    # in fp32 the RMSNorms' upcast is the input itself: the residual stream is kept; in bf16 the
+    # fp32 copies are, and the bf16 residual stream is freed at the next residual sum
+    whole = 4 * b * s * d * e + (2 * b * s * d * e if e == 4 else 2 * b * s * d * 4) + 2 * b * s * 4
+    split = (4 * b * s * q + 4 * b * s * f) * e // t + 4 * b * (heads // t) * s
+    return whole // w + split + 2 * s * dims.head_dim * e
+
+
 def block_parts(seq: int, micro_batch: int, hidden: int, heads: int, *, element_bytes: int, attention: str,
-                 dropout: float, ffn: int | None, tp: int, sp: bool) -> dict[str, int]:
+                 dropout: float, ffn: int | None, tp: int, sp: bool, llama: LlamaDims | None = None) -> dict[str, int]:
     """One block's activation terms on one rank, in bytes (`torch` accounting; t = tp, w = t
     under SP else 1), the pieces the step's moments are made of:
 
@@ -240,9 +283,13 @@ def block_parts(seq: int, micro_batch: int, hidden: int, heads: int, *, element_
     f = ffn or 4 * h
     w = t if sp else 1
     kept = torch_activation_bytes_per_layer(s, b, h, a, element_bytes=e, attention=attention, dropout=dropout,
-                                            ffn=f, tp=t, sp=sp)
+                                            ffn=f, tp=t, sp=sp, llama=llama)
     out = b * s * h * e // w
     scores = b * (a // t) * s * s
+    # SwiGLU keeps gate, up, SiLU and product; at its peak (the product's backward) the other
+    # chunk's gate and up weight gradients are held, its down's already summed with this one's
+    mlp_tensors, other_weights = (4, 2) if llama else (2, 2)
+    tail = 0 if (llama and e < 4) else out  # of `kept`, the block's own output (see `llama_kept_bytes`)
     if attention == "math":
         core = scores * e + s * s + ((scores * e + scores) if dropout > 0 else 0)
         forward_peak = (out + 2 * b * s * e // w + 5 * b * s * h * e // t + 3 * scores * e + s * s
@@ -252,9 +299,12 @@ def block_parts(seq: int, micro_batch: int, hidden: int, heads: int, *, element_
     selective = kept - core
 
     def mlp(rows):  # an MLP's saved activations for `rows` rows (under SP with its gathered input)
-        return 2 * rows * s * f * e // t + ((rows * s * h * e - rows * s * h * e // t) if sp else 0)
+        return mlp_tensors * rows * s * f * e // t + ((rows * s * h * e - rows * s * h * e // t) if sp else 0)
 
     def extra(rows):
+        if llama:  # at the down projection: its input's gradient and its weight's; at the product's
+            # backward, which frees the product: the gradients of the SiLU's output and of up's
+            return max(rows * s * f * e // t + h * f * e // t, 2 * rows * s * f * e // t)
         return rows * s * f * e // t + h * f * e // t + h * e
     backward_extra = extra(b)
     # recomputed under SP, a block keeps its two gathered inputs whole (the region's regather
@@ -263,10 +313,11 @@ def block_parts(seq: int, micro_batch: int, hidden: int, heads: int, *, element_
     first = -(-b // 2)  # `recompute._mlp_in_row_chunks`' two chunks: ⌈b/2⌉ rows, then the rest
     # the other chunk's input gradient, and its weights' and biases' gradients (PyTorch sums a
     # parameter's gradients from the two chunks before adding them to its buffer)
-    other = (b - first) * s * h * e // w + 2 * h * f * e // t + h * e + f * e // t
+    other = ((b - first) * s * h * e // w + other_weights * h * f * e // t
+             + (0 if llama else h * e + f * e // t))
     chunked = (mlp(first) + extra(first) + other) if b > 1 else mlp(b) + extra(b)
-    recomputed_peak = recomputed - out - mlp(b) + chunked
-    return {"kept": kept, "out": out, "selective": selective, "forward_peak": forward_peak,
+    recomputed_peak = recomputed - tail - mlp(b) + chunked
+    return {"kept": kept, "out": out, "tail": tail, "selective": selective, "forward_peak": forward_peak,
             "backward_extra": backward_extra, "recomputed": recomputed, "recomputed_peak": recomputed_peak}
 
 
@@ -344,7 +395,7 @@ def _chunks_at_backwards(schedule: str, pp: int, stage: int, microbatches: int,
 
 
 def weight_store_bytes(seq: int, micro_batch: int, hidden: int, *, element_bytes: int, ffn: int | None = None,
-                       tp: int = 1) -> int:
+                       tp: int = 1, llama: LlamaDims | None = None, kv_width: int | None = None) -> int:
     """What zero-bubble's weight-gradient store keeps of one block for one micro-batch between
     its input and weight passes (`pipeline/split.py`): each linear layer's input and output
     gradient, b·s·e·(4h + 4h/t + 2f/t): q, k and v share their input (the first LayerNorm's
@@ -354,6 +405,9 @@ def weight_store_bytes(seq: int, micro_batch: int, hidden: int, *, element_bytes
     projection its input (f/t) and output gradient (h)."""
     e, b, s, h, t = element_bytes, micro_batch, seq, hidden, tp
     f = ffn or 4 * h
+    if llama:  # q, k, v share their input; o; gate and up share theirs; down
+        q, kv = llama.q_width, kv_width or llama.q_width
+        return b * s * e * (4 * h + (2 * q + 2 * kv + 3 * f) // t)
     return b * s * e * (4 * h + 4 * h // t + 2 * f // t)
 
 
@@ -361,7 +415,8 @@ def torch_stage_activation_bytes(layers: int, seq: int, micro_batch: int, hidden
                                  element_bytes: int = 4, attention: str = "sdpa", dropout: float = 0.0,
                                  ffn: int | None = None, tp: int = 1, sp: bool = False, recompute: str = "none",
                                  pp: int = 1, stage: int = 0, schedule: str = "1f1b", microbatches: int = 1,
-                                 chunks: int = 1, stage_layers: list[int] | None = None) -> int:
+                                 chunks: int = 1, stage_layers: list[int] | None = None,
+                                 llama: LlamaDims | None = None, kv_width: int | None = None) -> int:
     """The peak of activation bytes in one step on one rank of pipeline stage `stage`
     (`torch` accounting): the largest of the moments below, for the micro-batch size b the
     stage runs (the rank's batch ÷ microbatches), `layers` the whole model's blocks (the
@@ -414,7 +469,8 @@ def torch_stage_activation_bytes(layers: int, seq: int, micro_batch: int, hidden
     e, b, s, h = element_bytes, micro_batch, seq, hidden
     t = tp
     w = t if sp else 1
-    parts = block_parts(s, b, h, heads, element_bytes=e, attention=attention, dropout=dropout, ffn=ffn, tp=t, sp=sp)
+    parts = block_parts(s, b, h, heads, element_bytes=e, attention=attention, dropout=dropout, ffn=ffn, tp=t, sp=sp,
+                        llama=llama)
     out = parts["out"]
     from meshtrain.config import parse_recompute
 
@@ -429,36 +485,46 @@ def torch_stage_activation_bytes(layers: int, seq: int, micro_batch: int, hidden
     kept_loss = b * s * (vocab // t) * 4 + (9 * b * s if t > 1 else 0)
     # at the loss (its forward: the logits kept, their shifted exponentials, a few fp32 numbers
     # per token, and under bf16 the bf16 logits, which the caller still holds)
-    loss = ((2 * b * s * (vocab // t) * 4 + 20 * b * s) if t > 1 else
-            b * s * vocab * 4 + 16 * b * s + (b * s * vocab * e if e < 4 else 0))
+    loss = ((2 * b * s * (vocab // t) * 4 + 20 * b * s) if t > 1 else b * s * vocab * 4 + 16 * b * s)
+    loss += b * s * (vocab // t) * e if e < 4 else 0  # the bf16 logits the caller holds
 
     split = schedule == "zb" and stage > 0  # the first stage runs each backward whole
-    pairs = weight_store_bytes(s, b, h, element_bytes=e, ffn=ffn, tp=t)  # a block's, in the store
+    pairs = weight_store_bytes(s, b, h, element_bytes=e, ffn=ffn, tp=t, llama=llama, kv_width=kv_width)
 
     def micro_batch(blocks: int, first: bool, last: bool) -> tuple[int, int]:
         """(what a micro-batch keeps through `blocks` blocks, its live bytes at its backward's
         largest moment); `first`: they start from the embedding, `last`: end at the loss."""
-        before = (out + 8 * s + ids + (b * s * h // w if dropout > 0 else 0)) if first else 0
-        after = (out + 2 * b * s * e // w + kept_loss) if last else 0
+        units = recompute_units(blocks, recompute)
+        # what of a run's first input and last output its neighbours keep: a recomputed unit's
+        # checkpoint keeps its input; else a GPT's LayerNorm keeps it, a bf16 Llama's RMSNorm
+        # only its fp32 copy (in the block's `kept`)
+        tail = out if units else parts["tail"]
+        if llama:  # no position table; the final RMSNorm keeps as a block's does
+            before = (tail + ids) if first else 0
+            after = (2 * out + 4 * b * s // w + (4 * b * s * h // w if e < 4 else 0) + kept_loss) if last else 0
+        else:
+            before = (out + 8 * s + ids + (b * s * h // w if dropout > 0 else 0)) if first else 0
+            after = (out + 2 * b * s * e // w + kept_loss) if last else 0
         kept_blocks = recompute_kept_bytes(blocks, parts, recompute)
         per_mb = before + kept_blocks + after
-        units = recompute_units(blocks, recompute)
         grad = out  # the gradient of the stage's output (received, or the final LayerNorm's)
-        if not last:
-            per_mb -= out  # its output is freed once sent (counted apart while the send is in flight)
+        if not last or (units and not parts["tail"]):
+            # its output is freed once sent (counted apart while the send is in flight), or
+            # the bf16 Llama's final RMSNorm keeps only its fp32 copy
+            per_mb -= tail
         if units:
             moments, earlier, later = [], 0, blocks
             chunked_mlp = recompute_mode == "full"  # recompute.py runs its MLP in two chunks of rows
             for size in units:
                 redo = (parts["recomputed_peak"] if chunked_mlp else
-                        size * parts["recomputed"] - out + parts["backward_extra"])
+                        size * parts["recomputed"] - parts["tail"] + parts["backward_extra"])
                 again = (size - 1) * parts["recomputed"] + parts["forward_peak"]
                 later -= size  # a split backward has kept the later units' pairs by then
                 moments.append(earlier * out + max(redo, again) + (later * pairs if split else 0))
                 earlier += 1
             current = before + max(moments) + grad
         else:
-            current = before + kept_blocks - out + grad + parts["backward_extra"]
+            current = before + kept_blocks - tail + grad + parts["backward_extra"]
         # a split backward (zero-bubble, but on the first stage) keeps the head's pair in the
         # store from the loss's backward on: the logits' gradient is still held while the
         # micro-batch's blocks backward

@@ -146,8 +146,10 @@ class Device:
 
     def _torch_terms(self) -> dict:
         sh, lay = self.shape, self.layout
+        llama = (memory.LlamaDims(q_width=sh.heads * sh.head_size, head_dim=sh.head_size)
+                 if sh.kind == "llama" else None)
         return dict(element_bytes=self.element_bytes, attention=self.work.attention, dropout=self.work.dropout,
-                    ffn=sh.ffn_width, tp=lay.tp, sp=lay.sp)
+                    ffn=sh.ffn_width, tp=lay.tp, sp=lay.sp, llama=llama)
 
     def activation_per_layer(self) -> float:
         """What one block keeps for backward, per micro-batch, under the layout's recompute
@@ -173,7 +175,7 @@ class Device:
             return memory.torch_stage_activation_bytes(
                 sh.layers, self.seq, self.micro_batch, sh.hidden, sh.heads, sh.vocab, recompute=lay.recompute,
                 pp=lay.pp, stage=stage, schedule=lay.schedule, microbatches=lay.microbatches, chunks=lay.chunks,
-                stage_layers=lay.stage_layer_counts(), **self._torch_terms())
+                stage_layers=lay.stage_layer_counts(), kv_width=sh.kv_width, **self._torch_terms())
         held = memory.in_flight(lay.pp - stage, lay.microbatches, lay.schedule, lay.chunks) if lay.pp > 1 else 1
         blocks = self.blocks_on(stage)
         if self.recompute_mode == "none":
@@ -193,15 +195,14 @@ class Device:
         sh, lay, b, s, t = self.shape, self.layout, self.micro_batch, self.seq, self.layout.tp
         dtype, h, f, kv = lay.precision, sh.hidden, sh.ffn_width, sh.kv_width
         rows, heads = b * s, sh.heads // t
-        d_head = h // sh.heads
-        matrices = [(rows, h, (h + 2 * kv) // t), (rows, h // t, h)]
+        d_head = sh.head_size
+        q = sh.heads * d_head  # h, but for a Llama whose head_dim is not h/heads
+        matrices = [(rows, h, (q + 2 * kv) // t), (rows, q // t, h)]
         matrices += [(rows, h, 2 * f // t), (rows, f // t, h)] if sh.kind == "llama" else \
             [(rows, h, f // t), (rows, f // t, h)]
         linear = sum(machine.matmul_time(m, k, n, dtype) for m, k, n in matrices)
         core = 2 * machine.matmul_time(s, d_head, s, dtype, batch=b * heads)
-        traffic_bytes = 2 * memory.torch_activation_bytes_per_layer(s, b, h, sh.heads, element_bytes=self.element_bytes,
-                                                                    attention=self.work.attention,
-                                                                    dropout=self.work.dropout, ffn=f, tp=t, sp=lay.sp)
+        traffic_bytes = 2 * memory.torch_activation_bytes_per_layer(s, b, h, sh.heads, **self._torch_terms())
         elementwise = machine.elementwise_time(traffic_bytes)
         ops = OPS_PER_BLOCK * machine.op_overhead_s
         block_f = linear + core + elementwise + ops

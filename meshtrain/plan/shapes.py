@@ -25,16 +25,20 @@ class Shape:
     kind: str = "gpt"  # or "llama"
     kv_heads: int | None = None  # llama: grouped-query attention; None: as many as heads
     ffn: int | None = None  # MLP width; None: 4·hidden
-    head_dim: int | None = None  # llama: a head size other than hidden/heads (counted in n_params only)
+    head_dim: int | None = None  # llama: a head size other than hidden/heads
 
     @property
     def ffn_width(self) -> int:
         return self.ffn or 4 * self.hidden
 
     @property
+    def head_size(self) -> int:
+        return self.head_dim or self.hidden // self.heads
+
+    @property
     def kv_width(self) -> int:
         """Width of the key (and value) projection: kv_heads × head dimension."""
-        return (self.kv_heads or self.heads) * (self.head_dim or self.hidden // self.heads)
+        return (self.kv_heads or self.heads) * self.head_size
 
     def layer_params(self) -> int:
         """One block's parameters."""

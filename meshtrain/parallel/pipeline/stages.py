@@ -74,12 +74,28 @@ def plan_for(spec) -> PipelinePlan:
     return llama_plan(spec.d_model) if isinstance(spec, LlamaSpec) else mlp_plan(spec.hidden[-1])
 
 
+def refuse_tied_across_stages(model: nn.Module, plan: PipelinePlan) -> None:
+    """A parameter used both before the blocks and after them (a head tied to the embedding)
+    would live on the first and the last stage, and its two gradients would need summing
+    between them: refused in one line, not trained wrongly."""
+    before = {id(p): f"{name}.{pname}" for name in plan.before
+              for pname, p in model.get_submodule(name).named_parameters()}
+    for name in plan.after:
+        for pname, p in model.get_submodule(name).named_parameters():
+            if id(p) in before:
+                raise ValueError(f"pipeline: {name}.{pname} is the same parameter as {before[id(p)]} (tied "
+                                 f"embeddings), which would sit on the first and the last stage; untie them or "
+                                 f"run with pp=1")
+
+
 class Stage:
     """This rank's part of the model: chunk c runs virtual stage c·p + s."""
 
     def __init__(self, model: nn.Module, plan: PipelinePlan, stage: int, stages: int, chunks: int,
                  stage_layers: list[int] | None = None):
         self.model, self.plan, self.stage, self.stages, self.chunks = model, plan, stage, stages, chunks
+        if stages > 1:
+            refuse_tied_across_stages(model, plan)
         blocks = model.get_submodule(plan.blocks)
         ranges = split_layers(len(blocks), stages * chunks, stage_layers)
         self.last_virtual = stages * chunks - 1
