@@ -303,7 +303,8 @@ def _prepare_data(cfg: C.Config) -> None:
 def _launch_local(cfg: C.Config, args, argv: list[str]) -> int:
     """Start the ranks; for verify, then run the one-process reference here and compare."""
     n = cfg.layout.world_size
-    _log(f"starting {n} local ranks (dp={cfg.layout.dp}, tp={cfg.layout.tp}, pp={cfg.layout.pp})")
+    cp = f", cp={cfg.layout.cp}" if cfg.layout.cp > 1 else ""
+    _log(f"starting {n} local ranks (dp={cfg.layout.dp}{cp}, tp={cfg.layout.tp}, pp={cfg.layout.pp})")
     if args.command != "verify":
         tr = cfg.train
         return launch.spawn(n, argv, max_restarts=tr.max_restarts if args.command == "train" else 0,
@@ -330,7 +331,7 @@ def _run_here(cfg, args, renv, device) -> int:
     else:
         launch.init_distributed(renv, device, timeout_s=max(C.START_TIMEOUT_S, cfg.train.timeout),
                                 trace_dir=cfg.train.out)
-        mesh = Mesh.build(cfg.layout.pp, cfg.layout.dp, cfg.layout.tp, device)
+        mesh = Mesh.build(cfg.layout.pp, cfg.layout.dp, cfg.layout.tp, device, cp=cfg.layout.cp)
     from meshtrain.checkpoint.sharded import CheckpointError
     from meshtrain.train import NonFinite, Preempted, RunRefused
     try:

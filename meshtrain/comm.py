@@ -130,17 +130,19 @@ class Comm:
                          lambda g: dist.broadcast(tensor, group=g, async_op=async_op,
                                                   src=self.mesh.rank_at(axis, src_coord)))
 
-    def exchange(self, ops: list[tuple[bool, torch.Tensor, int, int]], axis: str, *, purpose: str | None = None):
+    def exchange(self, ops: list[tuple[bool, torch.Tensor, int, int]], axis: str, *, purpose: str | None = None,
+                 wrap: bool = False):
         """One group of point-to-point transfers with neighbours along `axis`, issued together
         through `batch_isend_irecv` (on NCCL one grouped call on the axis's communicator: the
         transfers progress as a whole); returns their handles. `ops`: (is a send, tensor,
-        offset of the peer along the axis, tag — which NCCL ignores)."""
+        offset of the peer along the axis, tag — which NCCL ignores); `wrap`: the axis is a ring."""
         group, p2p = self.mesh.group(axis), []
         for is_send, tensor, offset, tag in ops:
             if is_send:
                 tensor = tensor.contiguous()
                 self._count(purpose or axis, "send", _nbytes(tensor))
-            p2p.append(dist.P2POp(dist.isend if is_send else dist.irecv, tensor, self._peer(axis, offset), group, tag))
+            p2p.append(dist.P2POp(dist.isend if is_send else dist.irecv, tensor, self._peer(axis, offset, wrap), group,
+                                  tag))
         return dist.batch_isend_irecv(p2p) if p2p else []
 
     def prepare_p2p(self, axis: str) -> None:
@@ -150,8 +152,8 @@ class Comm:
         if self.mesh.size(axis) > 1:
             dist.all_reduce(torch.zeros(1, device=self.mesh.device), group=self.mesh.group(axis))
 
-    def _peer(self, axis: str, offset: int) -> int:
-        peer = self.mesh.neighbour(axis, offset)
+    def _peer(self, axis: str, offset: int, wrap: bool = False) -> int:
+        peer = self.mesh.neighbour(axis, offset, wrap=wrap)
         if peer is None:
             raise ValueError(f"rank {self.mesh.rank} has no neighbour {offset:+d} along {axis}")
         return peer

@@ -48,6 +48,8 @@ class LayoutConfig:
     dp: int | None = None
     tp: int = 1
     pp: int = 1
+    cp: int = 1  # context parallelism: each sequence split over cp ranks
+    cp_mode: str = "ring"
     zero: int = 0
     sp: bool = False
     schedule: str = "1f1b"
@@ -68,14 +70,16 @@ class LayoutConfig:
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.cp * self.tp * self.pp
 
     def short(self) -> str:
         """One-line description for titles and logs."""
         sp = " sp" if self.sp else ""
         pp = f" {self.schedule}" + (f" chunks={self.chunks}" if self.chunks > 1 else "") if self.pp > 1 else ""
         zero = f" zero={self.zero}" if self.zero else ""
-        return f"dp={self.dp}{zero} tp={self.tp}{sp} pp={self.pp}{pp} microbatches={self.microbatches} {self.precision}"
+        cp = f" cp={self.cp} {self.cp_mode}" if self.cp > 1 else ""
+        return (f"dp={self.dp}{zero}{cp} tp={self.tp}{sp} pp={self.pp}{pp} microbatches={self.microbatches} "
+                f"{self.precision}")
 
     def strategies(self, strict_p2p: bool = False) -> Strategies:
         """The strategies' own options for this layout (the axis sizes live on the mesh)."""
@@ -84,11 +88,11 @@ class LayoutConfig:
                           microbatches=self.microbatches,
                           stage_layers=tuple(self.stage_layer_counts() or ()) or None,
                           bucket_mb=self.bucket_mb, keep_gathered=self.keep_gathered,
-                          dp_linear_sync=self.dp_linear_sync, strict_p2p=strict_p2p)
+                          dp_linear_sync=self.dp_linear_sync, strict_p2p=strict_p2p, cp_mode=self.cp_mode)
 
     def summary(self) -> dict:
         """The `layout` object of the JSON contract."""
-        keys = ("dp", "tp", "pp", "zero", "sp", "schedule", "microbatches", "recompute", "precision")
+        keys = ("dp", "tp", "pp", "zero", "sp", "schedule", "microbatches", "recompute", "precision", "cp")
         return {k: getattr(self, k) for k in keys}
 
 
@@ -116,6 +120,7 @@ class TrainConfig:
     eval_batches: int = 4  # global batches of the held-out split per evaluation
     tensorboard: bool = False  # TensorBoard events in OUT/tensorboard (the optional `tensorboard` package)
     vocab_size: int = 2048  # BPE vocabulary trained on the corpus; 256 means the byte tokenizer
+    pad_documents: bool = False  # rows start at documents' starts, padded (loss-masked), instead of packed windows
     sample_tokens: int = 120
     # Seconds a collective may wait before the job fails (every rank, every mesh group), once
     # the first step is done; up to then at least START_TIMEOUT_S (building, first gathers).
@@ -152,6 +157,9 @@ FLAGS = [
     ("--data", "train", "data", str, "'shakespeare' (bundled), 'digits' (for --model mlp), or a text file/folder"),
     ("--dp", "layout", "dp", int, "data-parallel size (default: fill the world; 2 from a shell when tp=pp=1)"),
     ("--tp", "layout", "tp", int, "tensor-parallel size"),
+    ("--cp", "layout", "cp", int, "context-parallel size: each sequence split over cp ranks, attention by a ring of "
+     "keys and values (--seq-len divisible by 2·cp)"),
+    ("--cp-mode", "layout", "cp_mode", str, "ring (the default: keys and values travel a ring, head-tail balanced)"),
     ("--pp", "layout", "pp", int, "pipeline-parallel size"),
     ("--zero", "layout", "zero", int, "ZeRO stage inside the dp group: 0 (plain DP) | 1 (optimizer states "
      "sharded) | 2 (and gradients) | 3 (and parameters: FSDP, gathered per block)"),
@@ -202,6 +210,9 @@ FLAGS = [
     ("--skip-nonfinite", "train", "skip_nonfinite", bool, "skip (and count) a step whose loss or gradient norm "
      "is not finite, instead of stopping the run"),
     ("--vocab-size", "train", "vocab_size", int, "BPE vocabulary size (256: byte tokenizer)"),
+    ("--pad-documents", "train", "pad_documents", bool, "each row starts at a document's start (a file, or a "
+     ".jsonl line; a longer document is cut into several rows) and is padded to --seq-len, the padding left out "
+     "of the loss, instead of random windows across documents (packing)"),
 ]
 
 _SECTION_TYPES = {"model": ModelConfig, "layout": LayoutConfig, "train": TrainConfig}
@@ -279,12 +290,12 @@ def fill_dp(lay: LayoutConfig, world_size: int | None) -> None:
     default job (tp = pp = 1), else 1, so that `train --pp 2` starts 2 ranks, not 4."""
     if lay.dp is not None:
         return
-    rest = lay.tp * lay.pp
+    rest = lay.tp * lay.pp * lay.cp
     if world_size is None:
         lay.dp = 2 if rest == 1 else 1
     elif world_size % rest:
-        raise ConfigError(f"the launcher started {world_size} processes, not a multiple of tp×pp = "
-                          f"{lay.tp}×{lay.pp} = {rest}; change --tp/--pp or the number of processes")
+        raise ConfigError(f"the launcher started {world_size} processes, not a multiple of tp×pp×cp = "
+                          f"{lay.tp}×{lay.pp}×{lay.cp} = {rest}; change --tp/--pp/--cp or the number of processes")
     else:
         lay.dp = world_size // rest
 
@@ -335,7 +346,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     --dp is filled in here (`fill_dp`)."""
     adopt_imported_model(cfg)
     m, lay, tr = cfg.model, cfg.layout, cfg.train
-    for section, name in [("layout", "dp"), ("layout", "tp"), ("layout", "pp"), ("layout", "chunks"),
+    for section, name in [("layout", "dp"), ("layout", "tp"), ("layout", "pp"), ("layout", "cp"), ("layout", "chunks"),
                           ("layout", "microbatches"), ("train", "steps"), ("train", "batch_size"),
                           ("train", "seq_len"), ("train", "save_every"), ("train", "keep"), ("train", "eval_every"),
                           ("train", "eval_batches")]:
@@ -405,8 +416,11 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     if lay.keep_gathered and lay.zero != 3:
         raise ConfigError("--keep-gathered applies to --zero 3 (the only stage that frees parameters); drop it")
     if world_size is not None and world_size != lay.world_size:
-        raise ConfigError(f"the launcher started {world_size} processes but dp×tp×pp = {lay.dp}×{lay.tp}×{lay.pp} "
-                          f"= {lay.world_size}; change --dp/--tp/--pp so that their product is {world_size}")
+        raise ConfigError(f"the launcher started {world_size} processes but dp×cp×tp×pp = {lay.dp}×{lay.cp}×{lay.tp}"
+                          f"×{lay.pp} = {lay.world_size}; change --dp/--cp/--tp/--pp so that their product is "
+                          f"{world_size}")
+    if lay.cp > 1:
+        _validate_context(cfg, user_model)
     problem = schedule_or_batch_problem(lay, tr.batch_size)
     if problem:
         raise ConfigError(problem)
@@ -451,12 +465,38 @@ def warnings(cfg: Config, command: str = "train") -> list[str]:
     return found
 
 
+CP_MODES = ("ring",)
+
+
+def _validate_context(cfg: Config, user_model: bool) -> None:
+    """Context parallelism, one line each: what it cannot split, and what is not built yet."""
+    m, lay, tr = cfg.model, cfg.layout, cfg.train
+    if lay.cp_mode == "ulysses":
+        raise ConfigError("--cp-mode ulysses (all-to-all attention) is not built yet; use --cp-mode ring")
+    if lay.cp_mode not in CP_MODES:
+        raise ConfigError(f"unknown --cp-mode '{lay.cp_mode}'; use --cp-mode {' | '.join(CP_MODES)}")
+    if user_model or isinstance(PRESETS[m.name], MLPSpec):
+        raise ConfigError(f"--cp {lay.cp}: context parallelism splits sequences for attention; {m.name} has none "
+                          f"(meshtrain's GPT and Llama presets do): drop --cp")
+    if tr.seq_len % (2 * lay.cp):
+        raise ConfigError(f"--seq-len {tr.seq_len} does not split into 2·cp = {2 * lay.cp} equal chunks (head-tail "
+                          f"balancing); use a multiple of {2 * lay.cp}")
+    if m.dropout:
+        raise ConfigError(f"--dropout {m.dropout} with --cp: dropout under context parallelism is not built yet "
+                          f"(attention-probability dropout never will be); drop --dropout")
+    if lay.tp > 1 or lay.pp > 1:
+        raise ConfigError("--cp with --tp or --pp is not built yet: context parallelism composes with --dp, --zero, "
+                          "--recompute and --precision so far")
+
+
 def _validate_data(cfg: Config) -> None:
     data, is_mlp = cfg.train.data, cfg.model.name == "mlp"
     if is_mlp and data != "digits":
         raise ConfigError(f"--model mlp trains on images, not '{data}'; use --data digits")
     if data == "digits" and not is_mlp:
         raise ConfigError("--data digits is for --model mlp; use --model mlp or text data")
+    if cfg.train.pad_documents and data == "digits":
+        raise ConfigError("--pad-documents cuts text documents into rows; --data digits has none: drop the flag")
     if data not in BUILTIN_DATA and not os.path.exists(data):
         raise ConfigError(f"--data {data}: no such file or folder; use --data shakespeare or a text path")
 

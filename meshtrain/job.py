@@ -22,18 +22,16 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from meshtrain.comm import METRICS
-from meshtrain.loss import cross_entropy_sum
+from meshtrain.loss import IGNORE_INDEX, cross_entropy_sum
 from meshtrain.models.init import stable_seed
 from meshtrain.mesh import Mesh
 from meshtrain.optim import OptimizerFactory, clip_grad_norm_
 from meshtrain.parallel.compose import Parallelized, parallelize as apply_strategies, set_micro_shape
+from meshtrain.parallel.context import shard_sequence
 from meshtrain.parallel.options import Strategies
 from meshtrain.parallel.pipeline.stages import PipelinePlan
 from meshtrain.parallel.state import digest
 from meshtrain.parallel.tensor import TensorPlan, check_plan
-
-IGNORE_INDEX = -100
-
 
 def cross_entropy(output: torch.Tensor, targets: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
     """Cross-entropy with the classes in the last dimension (logits [..., V], targets [...]),
@@ -203,6 +201,8 @@ class Job:
             if p.dropout_keys is not None:
                 p.dropout_keys.use(self.steps, slice(offset + i * micro, offset + (i + 1) * micro))
             x, y = self._to_device(take_rows(inputs, at)), self._to_device(take_rows(targets, at), cast=False)
+            if mesh.size("cp") > 1:  # this rank's tokens of every sequence
+                x, y = self._sequence_shard(x), self._sequence_shard(y)
             return x, (micro if self._loss.kind == "own" else y)
 
         with meter if meter is not None else nullcontext():  # the command line's activation meter
@@ -264,6 +264,15 @@ class Job:
         count = torch.tensor(self._loss.count(targets, n), dtype=torch.float64, device=mesh.device)
         self.parallel.comm.all_reduce(count, "dp", purpose=METRICS)
         return slice(0, n), mesh.coord("dp") * n, count.item()
+
+    def _sequence_shard(self, batch):
+        """Context parallelism: this cp rank's two chunks (head-tail) of every sequence of a
+        [rows, seq, ...] tensor (or of each in a dict)."""
+        if isinstance(batch, dict):
+            return {k: self._sequence_shard(v) for k, v in batch.items()}
+        if not torch.is_tensor(batch) or batch.dim() < 2:
+            raise ValueError("context parallelism: inputs and targets must be [rows, sequence, ...] tensors")
+        return shard_sequence(batch, self.mesh.coord("cp"), self.mesh.size("cp"))
 
     def _to_device(self, batch, cast: bool = True):
         """On this rank's device; floating tensors in the compute dtype (inputs only)."""

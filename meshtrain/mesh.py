@@ -1,40 +1,56 @@
-"""The device mesh: every rank's coordinates on the named axes (pp, dp, tp) and one process
-group per axis. tp is innermost (adjacent ranks share the fastest links), pp outermost.
-Strategies ask the mesh for their group and size; none computes ranks by hand."""
+"""The device mesh: every rank's coordinates on the named axes (pp, dp, cp, tp) and one
+process group per axis. tp is innermost (adjacent ranks share the fastest links), pp
+outermost. Strategies ask the mesh for their group and size; none computes ranks by hand.
+
+Context parallelism (cp) splits every sequence over its ranks, which hold the same
+parameters: for the parameters a cp rank is one more replica. So the `dp` axis the
+strategies see (gradient buckets, ZeRO's shards, the loss's and the norm's sums) is the
+flattened dp × cp (torchtitan's dp_shard_cp), dp-major; the data's rows are split over the
+batch's dp alone (`rows`, `batch_dp`), and `cp` is the ring that attention's keys and
+values travel."""
 
 from __future__ import annotations
 
 from itertools import product
 
-AXES = ("pp", "dp", "tp")
+AXES = ("pp", "dp", "tp")  # what the strategies see: dp is the parameters' replicas, dp × cp
+MESH_AXES = ("pp", "dp", "cp", "tp")  # the DeviceMesh's dimensions
 
 
 class Mesh:
     def __init__(self, sizes: dict[str, int], device, device_mesh=None):
-        self.sizes = {axis: int(sizes.get(axis, 1)) for axis in AXES}
+        self.batch_dp, self.cp = int(sizes.get("dp", 1)), int(sizes.get("cp", 1))
+        self.sizes = {"pp": int(sizes.get("pp", 1)), "dp": self.batch_dp * self.cp, "tp": int(sizes.get("tp", 1)),
+                      "cp": self.cp}
         self.device = device
         self._dm = device_mesh  # torch DeviceMesh; None for the one-process mesh
         # Rank and coordinates are read once, so they stay valid after the group is gone.
         self.rank = device_mesh.get_rank() if device_mesh is not None else 0
-        coord = device_mesh.get_coordinate() if device_mesh is not None else (0,) * len(AXES)
-        self._coord = dict(zip(AXES, coord))
+        coord = dict(zip(MESH_AXES, device_mesh.get_coordinate() if device_mesh is not None else (0,) * 4))
+        self.batch_coord = coord["dp"]
+        self._coord = {"pp": coord["pp"], "dp": coord["dp"] * self.cp + coord["cp"], "cp": coord["cp"],
+                       "tp": coord["tp"]}
         # Global rank at every coordinate, read once (for point-to-point peers).
-        self._ranks = device_mesh.mesh.tolist() if device_mesh is not None else [[[0]]]
+        self._ranks = device_mesh.mesh.tolist() if device_mesh is not None else [[[[0]]]]
+        self._replicas = None  # the flattened dp × cp group, made by `build` when cp > 1
         self._channels: dict[tuple[str, str], object] = {}  # (axis, name) -> a second group along the axis
         self.seed = 0  # what `meshtrain.init` was given: dropout masks and drawn weights follow it
         self._comm = None
 
     @classmethod
-    def build(cls, pp: int, dp: int, tp: int, device) -> "Mesh":
+    def build(cls, pp: int, dp: int, tp: int, device, cp: int = 1) -> "Mesh":
         """Collective: every rank of the default process group must call it."""
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
 
         world = dist.get_world_size()
-        if world != pp * dp * tp:
-            raise ValueError(f"world size {world} != pp×dp×tp = {pp}×{dp}×{tp}")
-        dm = init_device_mesh(device.type, (pp, dp, tp), mesh_dim_names=AXES)
-        return cls({"pp": pp, "dp": dp, "tp": tp}, device, dm)
+        if world != pp * dp * cp * tp:
+            raise ValueError(f"world size {world} != pp×dp×cp×tp = {pp}×{dp}×{cp}×{tp}")
+        dm = init_device_mesh(device.type, (pp, dp, cp, tp), mesh_dim_names=MESH_AXES)
+        mesh = cls({"pp": pp, "dp": dp, "cp": cp, "tp": tp}, device, dm)
+        if cp > 1:  # every rank makes every replica group, in the same order
+            mesh._replicas, _ = dist.new_subgroups_by_enumeration(mesh.axis_ranks("dp"))
+        return mesh
 
     @classmethod
     def single(cls, device) -> "Mesh":
@@ -43,7 +59,7 @@ class Mesh:
 
     @property
     def world_size(self) -> int:
-        return self.sizes["pp"] * self.sizes["dp"] * self.sizes["tp"]
+        return self.sizes["pp"] * self.sizes["dp"] * self.sizes["tp"]  # dp holds cp
 
     def size(self, axis: str) -> int:
         return self.sizes[axis]
@@ -58,7 +74,9 @@ class Mesh:
         """The global rank that shares this rank's other coordinates and sits at `coord` on `axis`."""
         if not 0 <= coord < self.size(axis):
             raise ValueError(f"coordinate {coord} is outside the {axis} axis of size {self.size(axis)}")
-        return self._global(dict(self._coord, **{axis: coord}))
+        at = {a: self._coord[a] for a in AXES}
+        at[axis] = coord  # a cp coordinate replaces the one the flattened dp holds
+        return self._global(at)
 
     def neighbour(self, axis: str, offset: int, *, wrap: bool = False) -> int | None:
         """The global rank `offset` steps along `axis` (the next pipeline stage is
@@ -70,12 +88,18 @@ class Mesh:
 
     def axis_ranks(self, axis: str) -> list[list[int]]:
         """The global ranks of every group along `axis`, each in coordinate order."""
+        if axis == "cp":  # a ring per (pp, batch dp, tp)
+            return [[self._global({"pp": pp, "dp": bdp * self.cp + c, "tp": tp}) for c in range(self.cp)]
+                    for pp in range(self.size("pp")) for bdp in range(self.batch_dp) for tp in range(self.size("tp"))]
         others = [a for a in AXES if a != axis]
         return [[self._global({**dict(zip(others, at)), axis: c}) for c in range(self.size(axis))]
                 for at in product(*(range(self.size(a)) for a in others))]
 
     def _global(self, at: dict[str, int]) -> int:
-        return self._ranks[at["pp"]][at["dp"]][at["tp"]]
+        """The rank at (pp, dp, tp) of the strategies' view (dp: the flattened dp × cp); a
+        `cp` coordinate, if given, replaces the flattened one's."""
+        dp, cp = divmod(at["dp"], self.cp)
+        return self._ranks[at["pp"]][dp][at.get("cp", cp)][at["tp"]]
 
     def open_channel(self, axis: str, name: str, backend: str | None = None) -> None:
         """Collective over the whole world: a second process group along `axis`, `name`d
@@ -92,7 +116,7 @@ class Mesh:
     def groups(self) -> list:
         """Every process group this rank belongs to but the world's: each axis's of more
         than one rank, and the channels."""
-        axes = [self.group(axis) for axis in AXES if self.size(axis) > 1 and self._dm is not None]
+        axes = [self.group(axis) for axis in MESH_AXES if self.size(axis) > 1 and self._dm is not None]
         return axes + list(self._channels.values())
 
     def device_mesh(self, axis: str):
@@ -106,6 +130,8 @@ class Mesh:
         the channel `open_channel` made."""
         if channel is not None:
             return self._channels[(axis, channel)]
+        if axis == "dp" and self._replicas is not None:
+            return self._replicas
         return self._dm.get_group(axis) if self._dm is not None else None
 
     @property
@@ -124,17 +150,18 @@ class Mesh:
 
     def rows(self, batch_size: int) -> slice:
         """The rows of a global batch of `batch_size` samples that this rank's data-parallel
-        replica trains on (contiguous, in dp coordinate order): what `job.step(...,
-        rows="local")` expects this rank to pass."""
-        n = self.size("dp")
+        replica trains on (contiguous, in dp coordinate order; the ranks of one cp ring share
+        them): what `job.step(..., rows="local")` expects this rank to pass."""
+        n = self.batch_dp
         if batch_size % n:
             raise ValueError(f"a batch of {batch_size} rows does not split over dp={n}; use a multiple of {n}")
         local = batch_size // n
-        return slice(self.coord("dp") * local, (self.coord("dp") + 1) * local)
+        return slice(self.batch_coord * local, (self.batch_coord + 1) * local)
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
 
     def __repr__(self) -> str:
-        return f"Mesh(pp={self.sizes['pp']}, dp={self.sizes['dp']}, tp={self.sizes['tp']}, rank={self.rank})"
+        cp = f", cp={self.cp}" if self.cp > 1 else ""
+        return f"Mesh(pp={self.sizes['pp']}, dp={self.batch_dp}{cp}, tp={self.sizes['tp']}, rank={self.rank})"

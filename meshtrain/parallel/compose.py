@@ -33,6 +33,7 @@ from meshtrain.parallel.pipeline.engine import PipelineRunner
 from meshtrain.parallel.pipeline.schedules import schedule
 from meshtrain.parallel.pipeline.stages import PipelinePlan, Stage
 from meshtrain.parallel.precision import COMPUTE_DTYPES, MasterWeights, fp32_loss, grad_holder
+from meshtrain.parallel.context import apply_context_parallel
 from meshtrain.parallel.recompute import apply_recompute
 from meshtrain.parallel.runner import PlainRunner
 from meshtrain.parallel.state import ParamHoldings, Piece, full_shape, is_collector, shard_index
@@ -227,6 +228,10 @@ def parallelize(model: nn.Module, comm: Comm, options: Strategies, *, optimizer:
         whole = apply_plan(model, plan, comm, sp=options.sp)
         if plan.vocab_parallel_loss:  # a cross-entropy (the caller checks), over logits sharded by vocabulary
             loss_fn = vocab_parallel_cross_entropy_sum(comm, ignore_index=ignore_index)
+    # Context parallelism: attention by the ring, positions global (before recompute, so
+    # that a recomputed block runs the ring again).
+    if mesh.size("cp") > 1:
+        apply_context_parallel(model, comm, options.cp_mode)
     # Zero-bubble: the stage's linear layers (as the plan made them) keep their weight
     # gradients for the weight pass.
     if mesh.size("pp") > 1 and options.schedule == "zb":

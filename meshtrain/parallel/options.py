@@ -22,7 +22,7 @@ class Strategies:
     the pipeline's; `bucket_mb`: data parallelism's bucket size; `keep_gathered`: ZeRO-3
     keeps a block's parameters from forward to backward; `dp_linear_sync`: allreduce |
     allgather | auto per linear layer; `strict_p2p`: check pipeline transfers under NCCL's
-    rules on gloo."""
+    rules on gloo; `cp_mode`: how attention runs when the mesh has cp > 1 ("ring")."""
     zero: int = 0
     precision: str = "fp32"
     grad_dtype: str = "fp32"
@@ -36,6 +36,7 @@ class Strategies:
     keep_gathered: bool = False
     dp_linear_sync: str = "allreduce"
     strict_p2p: bool = False
+    cp_mode: str = "ring"
 
     def __post_init__(self):
         checks = [("zero", self.zero in (0, 1, 2, 3), "0, 1, 2 or 3"),

@@ -214,8 +214,10 @@ def torch_activation_bytes_per_layer(seq: int, micro_batch: int, hidden: int, he
 @dataclass(frozen=True)
 class LlamaDims:
     """What the `torch` accounting needs of a Llama block beyond a GPT's hidden and heads:
-    the width of the query projection (n_heads · head_dim) and the head size."""
+    the widths of the query and the key projections (n_heads · head_dim, n_kv · head_dim)
+    and the head size."""
     q_width: int
+    kv_width: int
     head_dim: int
 
 
@@ -297,6 +299,8 @@ def block_parts(seq: int, micro_batch: int, hidden: int, heads: int, *, element_
     else:
         core, forward_peak = 4 * scores // s, 0
     selective = kept - core
+    if llama:  # the checkpointed core takes k and v before they are repeated to the query heads
+        selective -= 2 * b * s * (llama.q_width - llama.kv_width) * e // t
 
     def mlp(rows):  # an MLP's saved activations for `rows` rows (under SP with its gathered input)
         return mlp_tensors * rows * s * f * e // t + ((rows * s * h * e - rows * s * h * e // t) if sp else 0)
@@ -395,7 +399,7 @@ def _chunks_at_backwards(schedule: str, pp: int, stage: int, microbatches: int,
 
 
 def weight_store_bytes(seq: int, micro_batch: int, hidden: int, *, element_bytes: int, ffn: int | None = None,
-                       tp: int = 1, llama: LlamaDims | None = None, kv_width: int | None = None) -> int:
+                       tp: int = 1, llama: LlamaDims | None = None) -> int:
     """What zero-bubble's weight-gradient store keeps of one block for one micro-batch between
     its input and weight passes (`pipeline/split.py`): each linear layer's input and output
     gradient, b·s·e·(4h + 4h/t + 2f/t): q, k and v share their input (the first LayerNorm's
@@ -406,7 +410,7 @@ def weight_store_bytes(seq: int, micro_batch: int, hidden: int, *, element_bytes
     e, b, s, h, t = element_bytes, micro_batch, seq, hidden, tp
     f = ffn or 4 * h
     if llama:  # q, k, v share their input; o; gate and up share theirs; down
-        q, kv = llama.q_width, kv_width or llama.q_width
+        q, kv = llama.q_width, llama.kv_width
         return b * s * e * (4 * h + (2 * q + 2 * kv + 3 * f) // t)
     return b * s * e * (4 * h + 4 * h // t + 2 * f // t)
 
@@ -416,7 +420,7 @@ def torch_stage_activation_bytes(layers: int, seq: int, micro_batch: int, hidden
                                  ffn: int | None = None, tp: int = 1, sp: bool = False, recompute: str = "none",
                                  pp: int = 1, stage: int = 0, schedule: str = "1f1b", microbatches: int = 1,
                                  chunks: int = 1, stage_layers: list[int] | None = None,
-                                 llama: LlamaDims | None = None, kv_width: int | None = None) -> int:
+                                 llama: LlamaDims | None = None) -> int:
     """The peak of activation bytes in one step on one rank of pipeline stage `stage`
     (`torch` accounting): the largest of the moments below, for the micro-batch size b the
     stage runs (the rank's batch ÷ microbatches), `layers` the whole model's blocks (the
@@ -489,7 +493,7 @@ def torch_stage_activation_bytes(layers: int, seq: int, micro_batch: int, hidden
     loss += b * s * (vocab // t) * e if e < 4 else 0  # the bf16 logits the caller holds
 
     split = schedule == "zb" and stage > 0  # the first stage runs each backward whole
-    pairs = weight_store_bytes(s, b, h, element_bytes=e, ffn=ffn, tp=t, llama=llama, kv_width=kv_width)
+    pairs = weight_store_bytes(s, b, h, element_bytes=e, ffn=ffn, tp=t, llama=llama)
 
     def micro_batch(blocks: int, first: bool, last: bool) -> tuple[int, int]:
         """(what a micro-batch keeps through `blocks` blocks, its live bytes at its backward's

@@ -146,7 +146,7 @@ class Device:
 
     def _torch_terms(self) -> dict:
         sh, lay = self.shape, self.layout
-        llama = (memory.LlamaDims(q_width=sh.heads * sh.head_size, head_dim=sh.head_size)
+        llama = (memory.LlamaDims(q_width=sh.heads * sh.head_size, kv_width=sh.kv_width, head_dim=sh.head_size)
                  if sh.kind == "llama" else None)
         return dict(element_bytes=self.element_bytes, attention=self.work.attention, dropout=self.work.dropout,
                     ffn=sh.ffn_width, tp=lay.tp, sp=lay.sp, llama=llama)
@@ -175,7 +175,7 @@ class Device:
             return memory.torch_stage_activation_bytes(
                 sh.layers, self.seq, self.micro_batch, sh.hidden, sh.heads, sh.vocab, recompute=lay.recompute,
                 pp=lay.pp, stage=stage, schedule=lay.schedule, microbatches=lay.microbatches, chunks=lay.chunks,
-                stage_layers=lay.stage_layer_counts(), kv_width=sh.kv_width, **self._torch_terms())
+                stage_layers=lay.stage_layer_counts(), **self._torch_terms())
         held = memory.in_flight(lay.pp - stage, lay.microbatches, lay.schedule, lay.chunks) if lay.pp > 1 else 1
         blocks = self.blocks_on(stage)
         if self.recompute_mode == "none":

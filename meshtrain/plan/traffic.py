@@ -112,3 +112,16 @@ def transfers(d, stage: int) -> dict[str, list[Transfer]]:
 
 def bytes_per_axis(by_axis: dict[str, list[Transfer]]) -> dict[str, float]:
     return {axis: sum(x.total for x in xs) for axis, xs in by_axis.items()}
+
+
+def ring_attention_bytes(layers: int, rows: int, seq: int, kv_width: int, cp: int, *, element_bytes: int,
+                         recomputed: bool = False) -> int:
+    """What one rank sends on the cp ring in a step (`meshtrain.parallel.context`): per
+    layer, the keys and values forward, 2·b·s·d_kv·(cp−1)/cp elements of `element_bytes`
+    (again when recomputation re-runs the forward); backward the same again, plus their
+    fp32 gradients' cp hops, 2·b·s·d_kv·4 bytes. `rows`: the rank's sequences in the step
+    (all its micro-batches); d_kv = n_kv · head_dim."""
+    if cp == 1:
+        return 0
+    keys_values = 2 * rows * seq * kv_width * (cp - 1) // cp * element_bytes
+    return layers * (keys_values * (3 if recomputed else 2) + 2 * rows * seq * kv_width * 4)

@@ -1,0 +1,219 @@
+"""Context parallelism: every sequence split over the cp ranks, attention by a ring.
+
+Causal balancing (head-tail): the sequence is cut into 2·cp chunks and rank r holds chunks
+r and 2·cp−1−r, so that every rank computes the same area of the causal score matrix
+(`sequence_positions`, `shard_sequence`). Everything but attention is per token and runs on
+the rank's tokens as it is; the positions a model computes (learned positions, RoPE) are
+made the tokens' global ones by replacing its modules' `positions(n, device)`.
+
+Ring attention (`RingAttention`): each rank keeps its queries; the keys and values (before
+grouped-query attention repeats them: n_kv heads) travel around the cp ring, cp−1 hops,
+each hop's transfer issued before the block it overlaps is computed. A block's partial
+output and log-sum-exp merge into the running ones by the online-softmax rule. Backward
+sends the keys and values around again, and with them, one hop behind, the fp32
+accumulators of their gradients, which after cp hops arrive home complete: per rank and
+layer, forward 2·b·s·d_kv·(cp−1)/cp elements in the compute dtype; backward as much again,
+plus 2·b·s·d_kv fp32 (the gradients' cp hops). A block whose keys all lie after its
+queries is skipped; the diagonal ones are causal.
+
+The block kernel is exact softmax attention in fp32 (math): the same on CPU and CUDA. Its
+backward takes the merged output and log-sum-exp, as the flash-attention backward does.
+"""
+
+from __future__ import annotations
+
+import math
+import types
+
+import torch
+import torch.nn as nn
+
+from meshtrain.comm import Comm
+
+CP = "cp"
+
+
+def chunk_ids(rank: int, cp: int) -> tuple[int, int]:
+    """The two of the 2·cp chunks of a sequence that cp rank `rank` holds (head-tail)."""
+    return rank, 2 * cp - 1 - rank
+
+
+def sequence_positions(seq_len: int, rank: int, cp: int, device=None) -> torch.Tensor:
+    """The global positions of the tokens cp rank `rank` holds, in its order."""
+    if seq_len % (2 * cp):
+        raise ValueError(f"a sequence of {seq_len} tokens does not split into 2·cp = {2 * cp} equal chunks; use a "
+                         f"multiple of {2 * cp}")
+    c = seq_len // (2 * cp)
+    return torch.cat([torch.arange(i * c, (i + 1) * c, device=device) for i in chunk_ids(rank, cp)])
+
+
+def shard_sequence(t: torch.Tensor, rank: int, cp: int) -> torch.Tensor:
+    """This rank's tokens of a [batch, seq, ...] tensor (inputs or targets)."""
+    return t[:, sequence_positions(t.shape[1], rank, cp, t.device)]
+
+
+def _block(q, k, v, scale: float, causal: bool):
+    """Softmax attention of one block in fp32: (output, log-sum-exp). q: [b, h, c, d]; k, v:
+    [b, h, c', d] (already repeated to h heads)."""
+    scores = torch.matmul(q.float(), k.float().transpose(-2, -1)) * scale
+    if causal:
+        scores.masked_fill_(torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    return torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), v.float()), lse
+
+
+def _block_backward(dout, q, k, v, out, lse, scale: float, causal: bool):
+    """The gradients of one block's (q, k, v) given the merged output and log-sum-exp of its
+    queries (fp32): P = exp(S − lse); dV = Pᵀ·dO; dS = P ∘ (dO·Vᵀ − rowsum(dO ∘ O))."""
+    qf, kf, vf = q.float(), k.float(), v.float()
+    scores = torch.matmul(qf, kf.transpose(-2, -1)) * scale
+    if causal:
+        scores.masked_fill_(torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    p = torch.exp(scores - lse.unsqueeze(-1))
+    dv = torch.matmul(p.transpose(-2, -1), dout)
+    ds = p * (torch.matmul(dout, vf.transpose(-2, -1)) - (dout * out).sum(-1, keepdim=True))
+    return torch.matmul(ds, kf) * scale, torch.matmul(ds.transpose(-2, -1), qf) * scale, dv
+
+
+def _merge(out, lse, part, part_lse):
+    """Fold a block's (output, log-sum-exp) into the running ones, in place (online softmax)."""
+    new = torch.logaddexp(lse, part_lse)
+    out.mul_(torch.exp(lse - new).unsqueeze(-1)).add_(part * torch.exp(part_lse - new).unsqueeze(-1))
+    lse.copy_(new)
+
+
+def _repeat(t: torch.Tensor, group: int) -> torch.Tensor:
+    return t.repeat_interleave(group, dim=1) if group > 1 else t
+
+
+def _fold(t: torch.Tensor, group: int) -> torch.Tensor:
+    """The gradient of `_repeat`: sum each key/value head's `group` query heads."""
+    if group == 1:
+        return t
+    b, h, c, d = t.shape
+    return t.view(b, h // group, group, c, d).sum(2)
+
+
+def _pairs(rank: int, owner: int, cp: int):
+    """Which (query chunk, key chunk) blocks rank `rank` computes against the keys of
+    `owner`, and whether each is causal (the diagonal): a later key chunk is skipped."""
+    for i, qi in enumerate(chunk_ids(rank, cp)):
+        for j, kj in enumerate(chunk_ids(owner, cp)):
+            if kj <= qi:
+                yield i, j, kj == qi
+
+
+class Ring:
+    """The cp ring of one rank: its neighbours' transfers, and the block areas it computed
+    (query × key positions per kernel call, for the balance measurement)."""
+
+    def __init__(self, comm: Comm):
+        self.comm, self.mesh = comm, comm.mesh
+        self.cp, self.rank = self.mesh.size(CP), self.mesh.coord(CP)
+        self.area = 0
+
+    def pass_on(self, tensors: list[torch.Tensor]):
+        """Send `tensors` to the next rank and receive their like from the previous one, as
+        one group of transfers: (received tensors, handles to wait on)."""
+        got = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in tensors]
+        ops = [(True, t, +1, 0) for t in tensors] + [(False, g, -1, 0) for g in got]
+        return got, self.comm.exchange(ops, CP, wrap=True)
+
+
+def _wait(handles) -> None:
+    for h in handles:
+        h.wait()
+
+
+class RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, ring: Ring, scale: float):
+        cp, rank, group = ring.cp, ring.rank, q.shape[1] // k.shape[1]
+        c = q.shape[2] // 2
+        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
+        here = (k, v)
+        for step in range(cp):
+            owner = (rank - step) % cp
+            nxt, handles = ring.pass_on(list(here)) if step < cp - 1 else (None, [])
+            kk, vv = (_repeat(t, group) for t in here)
+            for i, j, causal in _pairs(rank, owner, cp):
+                qs, ks = slice(i * c, (i + 1) * c), slice(j * c, (j + 1) * c)
+                part, part_lse = _block(q[:, :, qs], kk[:, :, ks], vv[:, :, ks], scale, causal)
+                ring.area += c * (c + 1) // 2 if causal else c * c
+                _merge(out[:, :, qs], lse[:, :, qs], part, part_lse)
+            _wait(handles)
+            here = nxt
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.ring, ctx.scale = ring, scale
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        ring, scale = ctx.ring, ctx.scale
+        cp, rank, group = ring.cp, ring.rank, q.shape[1] // k.shape[1]
+        c = q.shape[2] // 2
+        dout = dout.float()
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        here, arriving, grad_handles = (k, v), None, []
+        for step in range(cp):
+            owner = (rank - step) % cp
+            nxt, handles = ring.pass_on(list(here)) if step < cp - 1 else (None, [])
+            kk, vv = (_repeat(t, group) for t in here)
+            dk = torch.zeros(kk.shape, dtype=torch.float32, device=q.device)
+            dv = torch.zeros_like(dk)
+            for i, j, causal in _pairs(rank, owner, cp):
+                qs, ks = slice(i * c, (i + 1) * c), slice(j * c, (j + 1) * c)
+                gq, gk, gv = _block_backward(dout[:, :, qs], q[:, :, qs], kk[:, :, ks], vv[:, :, ks], out[:, :, qs],
+                                             lse[:, :, qs], scale, causal)
+                ring.area += c * (c + 1) // 2 if causal else c * c
+                dq[:, :, qs] += gq
+                dk[:, :, ks] += gk
+                dv[:, :, ks] += gv
+            dk, dv = _fold(dk, group), _fold(dv, group)
+            if arriving is not None:  # the accumulators of this block's gradients, from the ranks before
+                _wait(grad_handles)
+                dk, dv = dk + arriving[0], dv + arriving[1]
+            arriving, grad_handles = ring.pass_on([dk, dv])  # one hop behind the keys; the last hop goes home
+            _wait(handles)
+            here = nxt
+        _wait(grad_handles)
+        dk, dv = arriving
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+
+
+def ring_core(ring: Ring):
+    """An attention module's `core(q, k, v)` ([batch, heads, tokens, head_dim]; k and v with
+    their own n_kv heads) as ring attention over the cp ranks' tokens."""
+    def core(self, q, k, v):
+        return RingAttention.apply(q, k, v, ring, 1.0 / math.sqrt(q.shape[-1]))
+    return core
+
+
+def global_positions(ring: Ring):
+    """A module's `positions(n, device)`: the global positions of the rank's n tokens (of a
+    sequence of n·cp)."""
+    def positions(self, n, device):
+        return sequence_positions(n * ring.cp, ring.rank, ring.cp, device)
+    return positions
+
+
+def apply_context_parallel(model: nn.Module, comm: Comm, mode: str = "ring") -> Ring:
+    """Make `model` run on its cp rank's tokens: every module with an attention `core`
+    attends over the whole sequence by the ring, every module that computes `positions`
+    gives the global ones. Refused in one line for a model with no attention core."""
+    if mode != "ring":
+        raise ValueError(f"cp_mode={mode!r}: use 'ring' (all-to-all attention is not built yet)")
+    ring = Ring(comm)
+    cores = [m for m in model.modules() if callable(getattr(m, "core", None))]
+    if not cores:
+        raise ValueError("context parallelism splits sequences for attention, and this model has no module with "
+                         "an attention core(q, k, v) (meshtrain's GPT and Llama have one)")
+    for m in cores:
+        m.core = types.MethodType(ring_core(ring), m)
+    for m in model.modules():
+        if callable(getattr(m, "positions", None)):
+            m.positions = types.MethodType(global_positions(ring), m)
+    comm.prepare_p2p(CP)
+    return ring

@@ -1,0 +1,190 @@
+"""Context parallelism: the head-tail split, ring attention against whole-sequence attention
+(outputs and gradients, GQA), its block areas (balance), its bytes, and `verify` of cp
+layouts against one process, with the mutants that must fail it."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from distributed import run_ranks
+
+import meshtrain
+from meshtrain.models import build_model
+from meshtrain.parallel import context
+from meshtrain.parallel.context import chunk_ids, sequence_positions, shard_sequence
+
+V, T, ROWS = 256, 32, 8
+
+
+def test_head_tail_positions():
+    """Rank r holds chunks r and 2·cp−1−r of the 2·cp; together the ranks hold each position once."""
+    assert sequence_positions(8, 0, 2).tolist() == [0, 1, 6, 7]
+    assert sequence_positions(8, 1, 2).tolist() == [2, 3, 4, 5]
+    assert sequence_positions(16, 3, 4).tolist() == [6, 7, 8, 9]
+    for cp in (2, 4):
+        held = torch.cat([sequence_positions(32, r, cp) for r in range(cp)])
+        assert sorted(held.tolist()) == list(range(32))
+    x = torch.arange(16).view(2, 8)
+    assert shard_sequence(x, 0, 2).tolist() == [[0, 1, 6, 7], [8, 9, 14, 15]]
+    with pytest.raises(ValueError, match="does not split into 2·cp = 4"):
+        sequence_positions(10, 0, 2)
+
+
+def _ring_against_sdpa(_mesh, cp, heads, kv_heads, contiguous):
+    """Ring attention on this rank's tokens against sdpa on the whole sequence: outputs and
+    the gradients of q, k, v; and the block areas this rank computed."""
+    if contiguous:  # the split without balancing: rank r holds chunks 2r and 2r + 1
+        context.chunk_ids = lambda rank, cp: (2 * rank, 2 * rank + 1)
+    ring = context.Ring(meshtrain.init(cp=cp).comm)
+    g = torch.Generator().manual_seed(0)
+    b, s, d = 2, 32, 8
+    q = torch.randn(b, heads, s, d, generator=g, requires_grad=True)
+    k, v = (torch.randn(b, kv_heads, s, d, generator=g, requires_grad=True) for _ in range(2))
+    dout = torch.randn(b, heads, s, d, generator=g)
+    group = heads // kv_heads
+    whole = F.scaled_dot_product_attention(q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1),
+                                           is_causal=True)
+    whole.backward(dout)
+    positions = context.sequence_positions(s, ring.rank, ring.cp)
+    mine = [t.detach()[:, :, positions].clone().requires_grad_() for t in (q, k, v)]
+    out = context.RingAttention.apply(*mine, ring, 1.0 / math.sqrt(d))
+    out.backward(dout[:, :, positions])
+    torch.testing.assert_close(out, whole.detach()[:, :, positions], rtol=1e-5, atol=1e-6)
+    for local, full in zip(mine, (q, k, v)):
+        torch.testing.assert_close(local.grad, full.grad[:, :, positions], rtol=1e-5, atol=1e-5)
+    return ring.area
+
+
+@pytest.mark.parametrize("cp, heads, kv_heads", [(2, 4, 4), (4, 4, 2)])
+def test_ring_attention_equals_whole_sequence_attention_and_is_balanced(cp, heads, kv_heads):
+    """Outputs and gradients equal sdpa's on the whole sequence (MHA at cp 2, GQA at cp 4).
+    Balance, counted from the kernel calls (query × key positions per block, forward and
+    backward): head-tail gives every rank the same area to within a diagonal block's
+    triangle (≤ 5 %); the contiguous split about (2·cp − 1)× more on the last rank than the first."""
+    areas = run_ranks(_ring_against_sdpa, cp, cp, heads, kv_heads, False)
+    assert max(areas) <= 1.05 * min(areas), areas
+    contiguous = run_ranks(_ring_against_sdpa, cp, cp, heads, kv_heads, True)
+    assert 0.8 * (2 * cp - 1) <= contiguous[-1] / contiguous[0] <= 1.0 * (2 * cp - 1), contiguous
+
+
+def _gpt():
+    return build_model("gpt-test", 0, vocab_size=V)
+
+
+def _llama():
+    return build_model("llama-test", 0, vocab_size=V)
+
+
+def adamw(named):
+    return torch.optim.AdamW((p for _, p in named), lr=1e-2)
+
+
+def batches(n=3):
+    g = torch.Generator().manual_seed(3)
+    return [(torch.randint(0, V, (ROWS, T), generator=g), torch.randint(0, V, (ROWS, T), generator=g))
+            for _ in range(n)]
+
+
+LAYOUTS = {  # name: (model, mesh axes, options)
+    "gpt-cp2": (_gpt, {"cp": 2}, {}),
+    "llama-cp2": (_llama, {"cp": 2}, {}),
+    "gpt-cp2-full": (_gpt, {"cp": 2}, {"recompute": "full"}),
+    "llama-cp2-selective-zero3": (_llama, {"cp": 2}, {"recompute": "selective", "zero": 3}),
+}
+
+
+def _verify(_mesh, names):
+    reports = {}
+    for name in names:
+        make, axes, options = LAYOUTS[name]
+        reports[name] = meshtrain.verify(make, batches(), optimizer=adamw, mesh=meshtrain.init(**axes), **options)
+    return reports
+
+
+def test_context_parallel_layouts_pass_verify():
+    """cp 2 on the GPT (learned positions) and the Llama (RoPE, grouped-query attention),
+    with full recompute (the ring runs again in backward), and selective recompute with
+    ZeRO-3 sharded over the flattened dp × cp."""
+    for name, report in run_ranks(_verify, 2, list(LAYOUTS), timeout=600)[0].items():
+        assert report.passed, (name, report)
+
+
+def _verify_four(_mesh, axes):
+    return meshtrain.verify(_gpt, batches(), optimizer=adamw, mesh=meshtrain.init(**axes))
+
+
+@pytest.mark.parametrize("axes", [{"cp": 4}, {"dp": 2, "cp": 2}], ids=["cp4", "dp2-cp2"])
+def test_four_rank_context_layouts_pass_verify(axes):
+    report = run_ranks(_verify_four, 4, axes, timeout=600)[0]
+    assert report.passed, report
+
+
+def _merged_without_correction():
+    """Blocks summed without the log-sum-exp rescaling (each normalised on its own)."""
+    def merge(out, lse, part, part_lse):
+        out.add_(part)
+        lse.copy_(torch.logaddexp(lse, part_lse))
+    context._merge = merge
+
+
+def _keys_not_head_tail():
+    """Queries placed head-tail, but the visiting keys taken as a contiguous split's
+    (chunks 2·owner and 2·owner + 1): the causal mask and the skipped blocks go wrong."""
+    def pairs(rank, owner, cp):
+        for i, qi in enumerate(chunk_ids(rank, cp)):
+            for j, kj in enumerate((2 * owner, 2 * owner + 1)):
+                if kj <= qi:
+                    yield i, j, kj == qi
+    context._pairs = pairs
+
+
+def _gradients_not_reduced_over_cp():
+    """The parameters' gradient buckets reduced over the batch's dp alone (here: nowhere),
+    not over the flattened dp × cp."""
+    from meshtrain.parallel import data
+
+    def keep_local(self, bucket):  # noqa: ARG001
+        from meshtrain.comm import _Done
+        return _Done()
+    data.DataParallel._launch = keep_local
+
+
+MUTANTS = {"no-lse-correction": _merged_without_correction, "keys-not-head-tail": _keys_not_head_tail,
+           "grads-not-over-cp": _gradients_not_reduced_over_cp}
+
+
+def _mutant(_mesh, name):
+    MUTANTS[name]()
+    return meshtrain.verify(_gpt, batches(), optimizer=adamw, mesh=meshtrain.init(cp=2))
+
+
+@pytest.mark.parametrize("name", list(MUTANTS))
+def test_context_parallel_mutants_fail_verify(name):
+    report = run_ranks(_mutant, 2, name, timeout=300)[0]
+    assert not report.passed, report
+
+
+def _ring_bytes(_mesh, recompute):
+    from meshtrain.comm import Comm
+    from meshtrain.train import train
+    from helpers import small_config
+
+    cfg = small_config("gpt-test", 1, ROWS, dp=1, cp=2, recompute=recompute)
+    return train(cfg, Comm(meshtrain.init(cp=2))).comm_per_step
+
+
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_ring_bytes_are_the_formula(recompute):
+    """Per rank and step, each of L layers: forward 2·b·s·d_kv·(cp−1)/cp elements (fp32
+    here), backward as much again plus the gradients' cp hops, 2·b·s·d_kv fp32; full
+    recompute runs the forward ring once more."""
+    from meshtrain.plan.traffic import ring_attention_bytes
+
+    b, s, d_kv, layers, cp = ROWS, T, 32, 8, 2
+    forward = 2 * b * s * d_kv * (cp - 1) // cp * 4
+    per_layer = forward * (2 if recompute == "full" else 1) + forward + 2 * b * s * d_kv * 4
+    for sent in run_ranks(_ring_bytes, 2, recompute):
+        assert sent["cp"] == layers * per_layer, sent
+        assert sent["cp"] == ring_attention_bytes(layers, b, s, d_kv, cp, element_bytes=4,
+                                                  recomputed=recompute == "full")
