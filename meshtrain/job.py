@@ -236,7 +236,7 @@ class Job:
         """(this rank's rows of what it was passed, where they start in the global batch, the
         global count of loss terms), with one line for a batch the layout cannot split."""
         mesh, m = self.mesh, self.options.microbatches
-        dp = mesh.size("dp")
+        dp = mesh.batch_dp  # the ranks of a cp group share their rows
         if rows == "global":
             if n % (dp * m):
                 raise ValueError(f"a global batch of {n} rows does not split into dp·microbatches = {dp}·{m}; "
@@ -247,7 +247,7 @@ class Job:
             raise ValueError(f"rows={rows!r}: use 'global' (every rank passes the global batch) or 'local'")
         if n % m:
             raise ValueError(f"rows='local': this rank's {n} rows do not split into microbatches={m}")
-        shares = self.parallel.comm.all_gather_object((mesh.coord("dp"), n, _fingerprint(inputs)))
+        shares = self.parallel.comm.all_gather_object((mesh.batch_coord, n, _fingerprint(inputs)))
         sizes = {s[1] for s in shares}
         if len(sizes) != 1:
             raise ValueError(f"rows='local': ranks passed shares of different sizes {sorted(sizes)}; pass "
@@ -262,8 +262,8 @@ class Job:
             raise ValueError("rows='local': every data-parallel rank passed the same rows; pass "
                              "batch[mesh.rows(global_batch_size)], or rows='global' with the whole batch")
         count = torch.tensor(self._loss.count(targets, n), dtype=torch.float64, device=mesh.device)
-        self.parallel.comm.all_reduce(count, "dp", purpose=METRICS)
-        return slice(0, n), mesh.coord("dp") * n, count.item()
+        self.parallel.comm.all_reduce(count, "dp", purpose=METRICS)  # over dp × cp: each row cp times
+        return slice(0, n), mesh.batch_coord * n, count.item() / mesh.size("cp")
 
     def _sequence_shard(self, batch):
         """Context parallelism: this cp rank's two chunks (head-tail) of every sequence of a

@@ -315,7 +315,7 @@ def train(cfg: Config, comm: Comm, *, observer: StepObserver | None = None, prog
             checkpoint_after(job, cfg, data, step + 1, preemption)
         if bar is not None:
             bar.close()
-        for axis in ("dp", "tp", "pp"):
+        for axis in ("dp", "tp", "pp", "cp"):
             comm_per_step.setdefault(axis, 0)
             comm_detail.setdefault(axis, {})
         traced = _gather_trace(cfg, comm, p.runner, recorder) if recorder else None

@@ -17,7 +17,16 @@ def cfg(**sections):
 
 
 @pytest.mark.parametrize("sections, world, fix", [
-    ({"layout": {"dp": 2}}, 3, "--dp/--tp/--pp"),
+    ({"layout": {"dp": 2}}, 3, "--dp/--cp/--tp/--pp"),
+    ({"layout": {"cp": 0}}, None, "--cp 0"),
+    ({"layout": {"dp": 1, "cp": 2}}, 3, "dp×cp×tp×pp = 1×2×1×1 = 2"),
+    ({"layout": {"dp": 1, "cp": 2}, "train": {"seq_len": 30}}, None, "--seq-len 30 does not split into 2·cp = 4"),
+    ({"layout": {"dp": 1, "cp": 2, "cp_mode": "ulysses"}}, None, "ulysses (all-to-all attention) is not built yet"),
+    ({"layout": {"dp": 1, "cp": 2, "cp_mode": "zigzag"}}, None, "use --cp-mode ring"),
+    ({"model": {"name": "mlp"}, "train": {"data": "digits"}, "layout": {"dp": 1, "cp": 2}}, None,
+     "mlp has none (meshtrain's GPT and Llama presets do): drop --cp"),
+    ({"model": {"dropout": 0.1}, "layout": {"dp": 1, "cp": 2}}, None, "--dropout 0.1 with --cp"),
+    ({"layout": {"dp": 1, "cp": 2, "tp": 2}}, None, "--cp with --tp or --pp is not built yet"),
     ({"model": {"name": "gpt-huge"}}, None, "--model"),
     ({"layout": {"schedule": "zigzag"}}, None, "--schedule"),
     ({"train": {"data": "/no/such/file.txt"}}, None, "--data"),
@@ -190,7 +199,7 @@ def test_world_size_mismatch_under_torchrun():
     r = run_cli("--nproc-per-node", "2", "-m", "meshtrain", "train", "--dp", "4", "--model", "gpt-tiny",
                 launcher=("-m", "torch.distributed.run"), timeout=120)
     assert r.returncode != 0
-    assert "the launcher started 2 processes but dp×tp×pp" in r.stderr
+    assert "the launcher started 2 processes but dp×cp×tp×pp" in r.stderr
 
 
 def test_cli_rejects_text_too_short_for_the_sequence(tmp_path):

@@ -188,3 +188,22 @@ def test_ring_bytes_are_the_formula(recompute):
         assert sent["cp"] == layers * per_layer, sent
         assert sent["cp"] == ring_attention_bytes(layers, b, s, d_kv, cp, element_bytes=4,
                                                   recomputed=recompute == "full")
+
+
+def _local_and_global_rows(_mesh):
+    losses = []
+    for rows in ("global", "local"):
+        mesh = meshtrain.init(dp=2, cp=2)
+        job = meshtrain.parallelize(_gpt(), mesh, optimizer=adamw)
+        x, y = batches(1)[0]
+        if rows == "local":
+            x, y = x[mesh.rows(ROWS)], y[mesh.rows(ROWS)]
+        losses.append(job.step(x, y, rows=rows).loss)
+    return losses
+
+
+def test_local_rows_under_context_parallelism():
+    """The ranks of a cp group pass the same rows (`mesh.rows` splits over the batch's dp
+    alone): rows='local' trains as rows='global' does."""
+    for global_loss, local_loss in run_ranks(_local_and_global_rows, 4, timeout=300):
+        assert local_loss == pytest.approx(global_loss, rel=1e-6)
