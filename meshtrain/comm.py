@@ -6,6 +6,7 @@ bandwidth-optimal algorithms the papers' formulas assume, for B bytes and n rank
     all-gather into B bytes in all (each rank holds B/n)              (n-1)/n · B
     reduce-scatter of B bytes in all (each rank keeps B/n)            (n-1)/n · B
     broadcast of B bytes (pipelined ring; spread evenly over ranks)   (n-1)/n · B
+    all-to-all of B bytes (each rank keeps 1/n of its own)           (n-1)/n · B
     send of B bytes                                                   B  (receiving: 0)
 
 Reductions made only to report numbers or to check (the logged loss, the gradient norm,
@@ -108,6 +109,18 @@ class Comm:
             output.copy_(tensor)
         return self._run(axis, "reduce_scatter", purpose, all_gather_bytes(_nbytes(tensor), n), async_op,
                          lambda g: _reduce_scatter_tensor(output, tensor, op=op, group=g, async_op=async_op), channel)
+
+    def all_to_all(self, x: torch.Tensor, axis: str) -> torch.Tensor:
+        """Split `x` along dim 0 into n equal parts, send part j to the rank at coordinate j
+        of `axis`; returns what every rank sent this one, in coordinate order (dim 0)."""
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        n = self.mesh.size(axis)
+        if n == 1:
+            return x
+        self._run(axis, "all_to_all", None, all_gather_bytes(_nbytes(x), n), False,
+                  lambda g: dist.all_to_all_single(out, x, group=g))
+        return out
 
     def gather_along(self, x: torch.Tensor, axis: str, dim: int, *, purpose: str | None = None) -> torch.Tensor:
         """Every rank's `x` concatenated along `dim` in coordinate order (a new tensor)."""

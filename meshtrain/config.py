@@ -159,7 +159,8 @@ FLAGS = [
     ("--tp", "layout", "tp", int, "tensor-parallel size"),
     ("--cp", "layout", "cp", int, "context-parallel size: each sequence split over cp ranks, attention by a ring of "
      "keys and values (--seq-len divisible by 2·cp)"),
-    ("--cp-mode", "layout", "cp_mode", str, "ring (the default: keys and values travel a ring, head-tail balanced)"),
+    ("--cp-mode", "layout", "cp_mode", str, "ring (the default: keys and values travel a ring) | ulysses (all-to-all: "
+     "each rank attends with n_heads/cp heads over the whole sequence); both head-tail balanced"),
     ("--pp", "layout", "pp", int, "pipeline-parallel size"),
     ("--zero", "layout", "zero", int, "ZeRO stage inside the dp group: 0 (plain DP) | 1 (optimizer states "
      "sharded) | 2 (and gradients) | 3 (and parameters: FSDP, gathered per block)"),
@@ -465,19 +466,24 @@ def warnings(cfg: Config, command: str = "train") -> list[str]:
     return found
 
 
-CP_MODES = ("ring",)
+CP_MODES = ("ring", "ulysses")
 
 
 def _validate_context(cfg: Config, user_model: bool) -> None:
     """Context parallelism, one line each: what it cannot split, and what is not built yet."""
     m, lay, tr = cfg.model, cfg.layout, cfg.train
-    if lay.cp_mode == "ulysses":
-        raise ConfigError("--cp-mode ulysses (all-to-all attention) is not built yet; use --cp-mode ring")
     if lay.cp_mode not in CP_MODES:
         raise ConfigError(f"unknown --cp-mode '{lay.cp_mode}'; use --cp-mode {' | '.join(CP_MODES)}")
     if user_model or isinstance(PRESETS[m.name], MLPSpec):
         raise ConfigError(f"--cp {lay.cp}: context parallelism splits sequences for attention; {m.name} has none "
                           f"(meshtrain's GPT and Llama presets do): drop --cp")
+    spec = PRESETS[m.name]
+    if lay.cp_mode == "ulysses":
+        heads = [("heads", spec.n_heads)] + ([("kv heads", spec.kv_heads)] if isinstance(spec, LlamaSpec) else [])
+        for what, n in heads:
+            if n % lay.cp:
+                raise ConfigError(f"--cp-mode ulysses: the {n} {what} of {m.name} do not split over --cp {lay.cp}; "
+                                  f"use --cp-mode ring or a --cp dividing them")
     if tr.seq_len % (2 * lay.cp):
         raise ConfigError(f"--seq-len {tr.seq_len} does not split into 2·cp = {2 * lay.cp} equal chunks (head-tail "
                           f"balancing); use a multiple of {2 * lay.cp}")

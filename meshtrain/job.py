@@ -464,7 +464,7 @@ def parallelize(model: nn.Module, mesh: Mesh, *, optimizer: OptimizerFactory, lo
                 lr_scheduler: Callable | None = None, wrap: list[str] | None = None, init=None,
                 bucket_mb: float = 25.0, keep_gathered: bool = False, dp_linear_sync: str = "allreduce",
                 stage_layers: list[int] | None = None, rows_per_step: int | None = None, strict_p2p: bool = False,
-                sync_options: dict | None = None) -> Job:
+                sync_options: dict | None = None, cp_mode: str = "ring") -> Job:
     """Apply the strategies to `model` (in place) on `mesh` (`meshtrain.init`) and build the
     optimizer on what each rank holds.
 
@@ -492,11 +492,14 @@ def parallelize(model: nn.Module, mesh: Mesh, *, optimizer: OptimizerFactory, lo
     "auto" per linear layer, which needs `rows_per_step`: the rows a step gives each linear
     layer), `stage_layers` (blocks per virtual pipeline stage), `strict_p2p` (check pipeline
     transfers under NCCL's rules on gloo), `sync_options` (passed to the gradient
-    synchroniser: the tests' probes)."""
+    synchroniser: the tests' probes). On a mesh with cp > 1 (context parallelism) every
+    sequence is split over the cp ranks and attention runs by `cp_mode`: "ring" (keys and
+    values around the ring) or "ulysses" (all-to-all to whole heads)."""
     options = Strategies(zero=zero, precision=precision, grad_dtype=grad_dtype or "fp32", recompute=recompute,
                          sp=sp, schedule=schedule, chunks=chunks, microbatches=microbatches, bucket_mb=bucket_mb,
                          keep_gathered=keep_gathered, dp_linear_sync=dp_linear_sync,
-                         stage_layers=tuple(stage_layers) if stage_layers else None, strict_p2p=strict_p2p)
+                         stage_layers=tuple(stage_layers) if stage_layers else None, strict_p2p=strict_p2p,
+                         cp_mode=cp_mode)
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: {type(model).__name__} is not a torch.nn.Module")
     if not isinstance(mesh, Mesh):

@@ -8,13 +8,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 from distributed import run_ranks
+from test_llama import ROWS, T, V, adamw, batches
+from test_llama import make_model as make_llama
 
 import meshtrain
 from meshtrain.models import build_model
 from meshtrain.parallel import context
 from meshtrain.parallel.context import chunk_ids, sequence_positions, shard_sequence
 
-V, T, ROWS = 256, 32, 8
 
 
 def test_head_tail_positions():
@@ -31,24 +32,32 @@ def test_head_tail_positions():
         sequence_positions(10, 0, 2)
 
 
-def _ring_against_sdpa(_mesh, cp, heads, kv_heads, contiguous):
-    """Ring attention on this rank's tokens against sdpa on the whole sequence: outputs and
-    the gradients of q, k, v; and the block areas this rank computed."""
+def _whole(q, k, v):
+    group = q.shape[1] // k.shape[1]
+    return F.scaled_dot_product_attention(q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1),
+                                          is_causal=True)
+
+
+def _ring_against_sdpa(_mesh, cp, heads, kv_heads, contiguous, mode="ring"):
+    """Ring (or all-to-all) attention on this rank's tokens against sdpa on the whole
+    sequence: outputs and the gradients of q, k, v; and the block areas this rank computed."""
     if contiguous:  # the split without balancing: rank r holds chunks 2r and 2r + 1
         context.chunk_ids = lambda rank, cp: (2 * rank, 2 * rank + 1)
-    ring = context.Ring(meshtrain.init(cp=cp).comm)
+    comm = meshtrain.init(cp=cp).comm
+    ring = context.Ring(comm)
     g = torch.Generator().manual_seed(0)
     b, s, d = 2, 32, 8
     q = torch.randn(b, heads, s, d, generator=g, requires_grad=True)
     k, v = (torch.randn(b, kv_heads, s, d, generator=g, requires_grad=True) for _ in range(2))
     dout = torch.randn(b, heads, s, d, generator=g)
-    group = heads // kv_heads
-    whole = F.scaled_dot_product_attention(q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1),
-                                           is_causal=True)
+    whole = _whole(q, k, v)
     whole.backward(dout)
     positions = context.sequence_positions(s, ring.rank, ring.cp)
     mine = [t.detach()[:, :, positions].clone().requires_grad_() for t in (q, k, v)]
-    out = context.RingAttention.apply(*mine, ring, 1.0 / math.sqrt(d))
+    if mode == "ring":
+        out = context.RingAttention.apply(*mine, ring, 1.0 / math.sqrt(d))
+    else:
+        out = context.ulysses_core(comm, _whole)(None, *mine)
     out.backward(dout[:, :, positions])
     torch.testing.assert_close(out, whole.detach()[:, :, positions], rtol=1e-5, atol=1e-6)
     for local, full in zip(mine, (q, k, v)):
@@ -68,22 +77,19 @@ def test_ring_attention_equals_whole_sequence_attention_and_is_balanced(cp, head
     assert 0.8 * (2 * cp - 1) <= contiguous[-1] / contiguous[0] <= 1.0 * (2 * cp - 1), contiguous
 
 
+@pytest.mark.parametrize("cp, heads, kv_heads", [(2, 4, 4), (4, 8, 4)])
+def test_all_to_all_attention_equals_whole_sequence_attention(cp, heads, kv_heads):
+    """Ulysses: sequence-sharded to head-sharded (whole query/key-value groups per rank),
+    whole-sequence attention, and back: outputs and gradients equal sdpa's."""
+    run_ranks(_ring_against_sdpa, cp, cp, heads, kv_heads, False, "ulysses")
+
+
 def _gpt():
     return build_model("gpt-test", 0, vocab_size=V)
 
 
 def _llama():
-    return build_model("llama-test", 0, vocab_size=V)
-
-
-def adamw(named):
-    return torch.optim.AdamW((p for _, p in named), lr=1e-2)
-
-
-def batches(n=3):
-    g = torch.Generator().manual_seed(3)
-    return [(torch.randint(0, V, (ROWS, T), generator=g), torch.randint(0, V, (ROWS, T), generator=g))
-            for _ in range(n)]
+    return make_llama()
 
 
 LAYOUTS = {  # name: (model, mesh axes, options)
@@ -91,6 +97,8 @@ LAYOUTS = {  # name: (model, mesh axes, options)
     "llama-cp2": (_llama, {"cp": 2}, {}),
     "gpt-cp2-full": (_gpt, {"cp": 2}, {"recompute": "full"}),
     "llama-cp2-selective-zero3": (_llama, {"cp": 2}, {"recompute": "selective", "zero": 3}),
+    "gpt-cp2-ulysses": (_gpt, {"cp": 2}, {"cp_mode": "ulysses"}),
+    "llama-cp2-ulysses-full": (_llama, {"cp": 2}, {"cp_mode": "ulysses", "recompute": "full"}),
 }
 
 
@@ -110,13 +118,15 @@ def test_context_parallel_layouts_pass_verify():
         assert report.passed, (name, report)
 
 
-def _verify_four(_mesh, axes):
-    return meshtrain.verify(_gpt, batches(), optimizer=adamw, mesh=meshtrain.init(**axes))
+def _verify_four(_mesh, axes, options):
+    return meshtrain.verify(_gpt, batches(), optimizer=adamw, mesh=meshtrain.init(**axes), **options)
 
 
-@pytest.mark.parametrize("axes", [{"cp": 4}, {"dp": 2, "cp": 2}], ids=["cp4", "dp2-cp2"])
-def test_four_rank_context_layouts_pass_verify(axes):
-    report = run_ranks(_verify_four, 4, axes, timeout=600)[0]
+@pytest.mark.parametrize("axes, options", [({"cp": 4}, {}), ({"dp": 2, "cp": 2}, {}),
+                                           ({"cp": 4}, {"cp_mode": "ulysses"})],
+                         ids=["cp4", "dp2-cp2", "cp4-ulysses"])
+def test_four_rank_context_layouts_pass_verify(axes, options):
+    report = run_ranks(_verify_four, 4, axes, options, timeout=600)[0]
     assert report.passed, report
 
 
@@ -165,12 +175,12 @@ def test_context_parallel_mutants_fail_verify(name):
     assert not report.passed, report
 
 
-def _ring_bytes(_mesh, recompute):
+def _ring_bytes(_mesh, recompute, mode="ring"):
     from meshtrain.comm import Comm
     from meshtrain.train import train
     from helpers import small_config
 
-    cfg = small_config("gpt-test", 1, ROWS, dp=1, cp=2, recompute=recompute)
+    cfg = small_config("gpt-test", 1, ROWS, dp=1, cp=2, recompute=recompute, cp_mode=mode)
     return train(cfg, Comm(meshtrain.init(cp=2))).comm_per_step
 
 
@@ -207,3 +217,27 @@ def test_local_rows_under_context_parallelism():
     alone): rows='local' trains as rows='global' does."""
     for global_loss, local_loss in run_ranks(_local_and_global_rows, 4, timeout=300):
         assert local_loss == pytest.approx(global_loss, rel=1e-6)
+
+
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_all_to_all_bytes_are_the_formula(recompute):
+    """Per rank and step, each of L layers, each way (forward, backward; and the recomputed
+    forward): b·(s/cp)·(2·h + 2·d_kv)·(cp−1)/cp elements, fp32 here."""
+    from meshtrain.plan.traffic import all_to_all_attention_bytes
+
+    b, s, h, d_kv, layers, cp = ROWS, T, 32, 32, 8, 2
+    way = b * (s // cp) * (2 * h + 2 * d_kv) * (cp - 1) // cp * 4
+    for sent in run_ranks(_ring_bytes, 2, recompute, "ulysses"):
+        assert sent["cp"] == layers * way * (3 if recompute == "full" else 2), sent
+        assert sent["cp"] == all_to_all_attention_bytes(layers, b, s, h, d_kv, cp, element_bytes=4,
+                                                        recomputed=recompute == "full")
+
+
+def _ulysses_refused(_mesh):
+    with pytest.raises(ValueError, match="the 2 kv heads do not split over cp=4"):
+        meshtrain.parallelize(make_llama(), meshtrain.init(cp=4), optimizer=adamw, cp_mode="ulysses")
+    return True
+
+
+def test_all_to_all_refuses_heads_that_do_not_split():
+    assert run_ranks(_ulysses_refused, 4, timeout=300) == [True] * 4

@@ -38,7 +38,7 @@ class Attention(nn.Module):
 
     def __init__(self, d_model: int, n_heads: int, dropout: float, attention: str = "sdpa"):
         super().__init__()
-        self.head_dim, self.attention = d_model // n_heads, attention
+        self.head_dim, self.attention, self.n_heads = d_model // n_heads, attention, n_heads
         self.q = nn.Linear(d_model, d_model)
         # No key bias: it adds the same amount to every score of a query, which softmax
         # ignores, so its gradient is zero up to rounding and Adam would amplify the rounding.

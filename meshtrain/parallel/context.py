@@ -183,6 +183,65 @@ class RingAttention(torch.autograd.Function):
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
 
 
+def _source_order(seq_len: int, cp: int, device) -> torch.Tensor:
+    """The global positions of a whole sequence gathered from the cp ranks in rank order
+    (each rank's head-tail tokens in turn)."""
+    return torch.cat([sequence_positions(seq_len, r, cp, device) for r in range(cp)])
+
+
+def _to_heads(x: torch.Tensor, comm: Comm) -> torch.Tensor:
+    """[b, h, s/cp, d] of this rank's tokens → [b, h/cp, s, d] of its heads, tokens in global
+    order (one all-to-all over cp)."""
+    cp = comm.mesh.size(CP)
+    b, h, n, d = x.shape
+    parts = comm.all_to_all(x.reshape(b, cp, h // cp, n, d).transpose(0, 1), CP)  # [source rank, b, h/cp, n, d]
+    gathered = parts.permute(1, 2, 0, 3, 4).reshape(b, h // cp, cp * n, d)
+    return gathered[:, :, torch.argsort(_source_order(cp * n, cp, x.device))]
+
+
+def _to_tokens(y: torch.Tensor, comm: Comm) -> torch.Tensor:
+    """The inverse of `_to_heads`: [b, h/cp, s, d] → [b, h, s/cp, d]."""
+    cp = comm.mesh.size(CP)
+    b, hh, s, d = y.shape
+    by_source = y[:, :, _source_order(s, cp, y.device)].reshape(b, hh, cp, s // cp, d).permute(2, 0, 1, 3, 4)
+    parts = comm.all_to_all(by_source, CP)  # [head group, b, h/cp, s/cp, d]
+    return parts.transpose(0, 1).reshape(b, cp * hh, s // cp, d)
+
+
+class _ToHeads(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        return _to_heads(x, comm)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _to_tokens(grad, ctx.comm), None
+
+
+class _ToTokens(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y, comm):
+        ctx.comm = comm
+        return _to_tokens(y, comm)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _to_heads(grad, ctx.comm), None
+
+
+def ulysses_core(comm: Comm, core):
+    """An attention module's `core` as all-to-all attention (DeepSpeed's Ulysses): q, k and v
+    from this rank's tokens of every head to every token of its heads (n_heads/cp and
+    n_kv/cp of them, consecutive, so query heads keep their key/value group), the module's
+    own core on the whole sequence, and back. Per rank and layer, each way, b·(s/cp)·(2·h +
+    2·d_kv)·(cp−1)/cp elements (h = the query and output width)."""
+    def attend(self, q, k, v):
+        heads = [_ToHeads.apply(t, comm) for t in (q, k, v)]
+        return _ToTokens.apply(core(*heads), comm)
+    return attend
+
+
 def ring_core(ring: Ring):
     """An attention module's `core(q, k, v)` ([batch, heads, tokens, head_dim]; k and v with
     their own n_kv heads) as ring attention over the cp ranks' tokens."""
@@ -199,12 +258,21 @@ def global_positions(ring: Ring):
     return positions
 
 
+def _check_heads(attention: nn.Module, cp: int) -> None:
+    """All-to-all attention gives each cp rank whole heads: their counts must divide by cp."""
+    for name in ("n_heads", "n_kv_heads"):
+        n = getattr(attention, name, None)
+        if n is not None and n % cp:
+            raise ValueError(f"cp_mode='ulysses': the {n} {name.replace('n_', '').replace('_', ' ')} do not split "
+                             f"over cp={cp}; use cp_mode='ring' or a cp dividing them")
+
+
 def apply_context_parallel(model: nn.Module, comm: Comm, mode: str = "ring") -> Ring:
     """Make `model` run on its cp rank's tokens: every module with an attention `core`
     attends over the whole sequence by the ring, every module that computes `positions`
     gives the global ones. Refused in one line for a model with no attention core."""
-    if mode != "ring":
-        raise ValueError(f"cp_mode={mode!r}: use 'ring' (all-to-all attention is not built yet)")
+    if mode not in ("ring", "ulysses"):
+        raise ValueError(f"cp_mode={mode!r}: use 'ring' or 'ulysses'")
     mesh = comm.mesh
     if mesh.size("tp") > 1 or mesh.size("pp") > 1:
         raise ValueError("context parallelism with tp or pp is not built yet: it composes with dp, ZeRO, recompute "
@@ -218,7 +286,11 @@ def apply_context_parallel(model: nn.Module, comm: Comm, mode: str = "ring") -> 
         raise ValueError("context parallelism splits sequences for attention, and this model has no module with "
                          "an attention core(q, k, v) (meshtrain's GPT and Llama have one)")
     for m in cores:
-        m.core = types.MethodType(ring_core(ring), m)
+        if mode == "ulysses":
+            _check_heads(m, mesh.size(CP))
+            m.core = types.MethodType(ulysses_core(comm, m.core), m)
+        else:
+            m.core = types.MethodType(ring_core(ring), m)
     for m in model.modules():
         if callable(getattr(m, "positions", None)):
             m.positions = types.MethodType(global_positions(ring), m)

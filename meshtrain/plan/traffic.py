@@ -125,3 +125,14 @@ def ring_attention_bytes(layers: int, rows: int, seq: int, kv_width: int, cp: in
         return 0
     keys_values = 2 * rows * seq * kv_width * (cp - 1) // cp * element_bytes
     return layers * (keys_values * (3 if recomputed else 2) + 2 * rows * seq * kv_width * 4)
+
+
+def all_to_all_attention_bytes(layers: int, rows: int, seq: int, width: int, kv_width: int, cp: int, *,
+                               element_bytes: int, recomputed: bool = False) -> int:
+    """What one rank sends under all-to-all attention (Ulysses) in a step: per layer and way
+    (forward; backward; the recomputed forward again), q and the output (`width` each: n_heads
+    · head_dim), k and v (`kv_width`) of its b·s/cp tokens, (cp−1)/cp of them leaving."""
+    if cp == 1:
+        return 0
+    way = rows * (seq // cp) * (2 * width + 2 * kv_width) * (cp - 1) // cp * element_bytes
+    return layers * way * (3 if recomputed else 2)
