@@ -478,21 +478,22 @@ def _validate_context(cfg: Config, user_model: bool) -> None:
         raise ConfigError(f"--cp {lay.cp}: context parallelism splits sequences for attention; {m.name} has none "
                           f"(meshtrain's GPT and Llama presets do): drop --cp")
     spec = PRESETS[m.name]
-    if lay.cp_mode == "ulysses":
+    if lay.cp_mode == "ulysses":  # whole heads per rank, of those tp leaves it
         heads = [("heads", spec.n_heads)] + ([("kv heads", spec.kv_heads)] if isinstance(spec, LlamaSpec) else [])
         for what, n in heads:
-            if n % lay.cp:
-                raise ConfigError(f"--cp-mode ulysses: the {n} {what} of {m.name} do not split over --cp {lay.cp}; "
-                                  f"use --cp-mode ring or a --cp dividing them")
+            if (n // lay.tp) % lay.cp:
+                per_rank = f" ({n // lay.tp} per tp rank)" if lay.tp > 1 else ""
+                raise ConfigError(f"--cp-mode ulysses: the {n} {what} of {m.name}{per_rank} do not split over --cp "
+                                  f"{lay.cp}; use --cp-mode ring or a --cp dividing them")
     if tr.seq_len % (2 * lay.cp):
         raise ConfigError(f"--seq-len {tr.seq_len} does not split into 2·cp = {2 * lay.cp} equal chunks (head-tail "
                           f"balancing); use a multiple of {2 * lay.cp}")
     if m.dropout:
         raise ConfigError(f"--dropout {m.dropout} with --cp: dropout under context parallelism is not built yet "
                           f"(attention-probability dropout never will be); drop --dropout")
-    if lay.tp > 1 or lay.pp > 1:
-        raise ConfigError("--cp with --tp or --pp is not built yet: context parallelism composes with --dp, --zero, "
-                          "--recompute and --precision so far")
+    if lay.sp and (tr.seq_len // lay.cp) % lay.tp:
+        raise ConfigError(f"--sp with --cp {lay.cp}: a rank's {tr.seq_len // lay.cp} tokens do not split over --tp "
+                          f"{lay.tp}; use a --seq-len divisible by {2 * lay.cp * lay.tp}")
 
 
 def _validate_data(cfg: Config) -> None:

@@ -194,7 +194,8 @@ class Job:
         micro = (mine.stop - mine.start) // m
         if self._pipeline is not None and mesh.size("pp") > 1:
             x = inputs[:micro]
-            set_micro_shape(p, self._pipeline, micro, x.shape[1] if x.dim() > 1 else 1, self.options.sp)
+            tokens = x.shape[1] // mesh.size("cp") if x.dim() > 1 else 1  # a cp rank sends its tokens only
+            set_micro_shape(p, self._pipeline, micro, tokens, self.options.sp)
 
         def micro_batch(i: int):
             at = slice(mine.start + i * micro, mine.start + (i + 1) * micro)

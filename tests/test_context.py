@@ -130,6 +130,29 @@ def test_four_rank_context_layouts_pass_verify(axes, options):
     assert report.passed, report
 
 
+def _verify_composed(_mesh, name):
+    from meshtrain.parallel.pipeline.stages import llama_plan
+    from meshtrain.parallel.tensor import GPT_PLAN
+
+    if name == "cp2-tp2-sp":
+        return meshtrain.verify(_gpt, batches(), optimizer=adamw, mesh=meshtrain.init(cp=2, tp=2), tp_plan=GPT_PLAN,
+                                sp=True)
+    if name == "cp2-tp2-ulysses":
+        return meshtrain.verify(_gpt, batches(), optimizer=adamw, mesh=meshtrain.init(cp=2, tp=2), tp_plan=GPT_PLAN,
+                                cp_mode="ulysses")
+    return meshtrain.verify(_llama, batches(), optimizer=adamw, mesh=meshtrain.init(cp=2, pp=2),
+                            pipeline=llama_plan(32), microbatches=2)
+
+
+@pytest.mark.parametrize("name", ["cp2-tp2-sp", "cp2-tp2-ulysses", "cp2-pp2-1f1b"])
+def test_context_parallelism_composes_with_tensor_and_pipeline_parallelism(name):
+    """The ring under tp 2 with SP (heads split over tp, the ring over cp; SP's regions over
+    a rank's s/cp tokens), all-to-all under tp 2 (n_heads/tp over cp), and the ring on the
+    Llama in a 1F1B pipeline of 2 stages (the stages send s/cp tokens)."""
+    report = run_ranks(_verify_composed, 4, name, timeout=600)[0]
+    assert report.passed, report
+
+
 def _merged_without_correction():
     """Blocks summed without the log-sum-exp rescaling (each normalised on its own)."""
     def merge(out, lse, part, part_lse):

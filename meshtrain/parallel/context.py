@@ -274,9 +274,6 @@ def apply_context_parallel(model: nn.Module, comm: Comm, mode: str = "ring") -> 
     if mode not in ("ring", "ulysses"):
         raise ValueError(f"cp_mode={mode!r}: use 'ring' or 'ulysses'")
     mesh = comm.mesh
-    if mesh.size("tp") > 1 or mesh.size("pp") > 1:
-        raise ValueError("context parallelism with tp or pp is not built yet: it composes with dp, ZeRO, recompute "
-                         "and bf16 so far")
     if any(isinstance(m, nn.Dropout) and m.p > 0 for m in model.modules()):
         raise ValueError("context parallelism: dropout is not built yet under cp (attention-probability dropout "
                          "never will be: a rank's blocks see parts of each row); set the model's dropout to 0")

@@ -91,7 +91,7 @@ class TensorPlan:
 GPT_PLAN = TensorPlan({
     "embed.tok": VOCAB,
     "embed.pos": SEQUENCE,
-    "blocks.*.attn": REGION,
+    "blocks.*.attn": (REGION, Heads("n_heads")),  # n_heads per rank (what all-to-all attention splits)
     "blocks.*.attn.[qkv]": COLUMN,
     "blocks.*.attn.proj": ROW,
     "blocks.*.attn.attn_drop": HEAD_SHARDED,
