@@ -488,9 +488,10 @@ def _validate_context(cfg: Config, user_model: bool) -> None:
     if tr.seq_len % (2 * lay.cp):
         raise ConfigError(f"--seq-len {tr.seq_len} does not split into 2·cp = {2 * lay.cp} equal chunks (head-tail "
                           f"balancing); use a multiple of {2 * lay.cp}")
-    if m.dropout:
-        raise ConfigError(f"--dropout {m.dropout} with --cp: dropout under context parallelism is not built yet "
-                          f"(attention-probability dropout never will be); drop --dropout")
+    if m.dropout and m.attention == "math":
+        raise ConfigError(f"--dropout {m.dropout} with --cp and --attention math: attention-probability dropout "
+                          f"cannot be split over cp (a rank's blocks see parts of each row); use --attention sdpa "
+                          f"(which drops the embedding, attention and MLP outputs only)")
     if lay.sp and (tr.seq_len // lay.cp) % lay.tp:
         raise ConfigError(f"--sp with --cp {lay.cp}: a rank's {tr.seq_len // lay.cp} tokens do not split over --tp "
                           f"{lay.tp}; use a --seq-len divisible by {2 * lay.cp * lay.tp}")

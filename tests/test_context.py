@@ -92,12 +92,17 @@ def _llama():
     return make_llama()
 
 
+def _gpt_dropout():
+    return build_model("gpt-test", 0, vocab_size=V, dropout=0.1)
+
+
 LAYOUTS = {  # name: (model, mesh axes, options)
     "gpt-cp2": (_gpt, {"cp": 2}, {}),
     "llama-cp2": (_llama, {"cp": 2}, {}),
     "gpt-cp2-full": (_gpt, {"cp": 2}, {"recompute": "full"}),
     "llama-cp2-selective-zero3": (_llama, {"cp": 2}, {"recompute": "selective", "zero": 3}),
     "gpt-cp2-ulysses": (_gpt, {"cp": 2}, {"cp_mode": "ulysses"}),
+    "gpt-cp2-dropout-full": (_gpt_dropout, {"cp": 2}, {"recompute": "full"}),
     "llama-cp2-ulysses-full": (_llama, {"cp": 2}, {"cp_mode": "ulysses", "recompute": "full"}),
 }
 
@@ -112,8 +117,9 @@ def _verify(_mesh, names):
 
 def test_context_parallel_layouts_pass_verify():
     """cp 2 on the GPT (learned positions) and the Llama (RoPE, grouped-query attention),
-    with full recompute (the ring runs again in backward), and selective recompute with
-    ZeRO-3 sharded over the flattened dp × cp."""
+    with full recompute (the ring runs again in backward), selective recompute with ZeRO-3
+    sharded over the flattened dp × cp, all-to-all attention, and dropout 0.1 with full
+    recompute (each rank keeps the one-process masks of its tokens)."""
     for name, report in run_ranks(_verify, 2, list(LAYOUTS), timeout=600)[0].items():
         assert report.passed, (name, report)
 
@@ -137,6 +143,9 @@ def _verify_composed(_mesh, name):
     if name == "cp2-tp2-sp":
         return meshtrain.verify(_gpt, batches(), optimizer=adamw, mesh=meshtrain.init(cp=2, tp=2), tp_plan=GPT_PLAN,
                                 sp=True)
+    if name == "cp2-tp2-sp-dropout":
+        return meshtrain.verify(_gpt_dropout, batches(), optimizer=adamw, mesh=meshtrain.init(cp=2, tp=2),
+                                tp_plan=GPT_PLAN, sp=True)
     if name == "cp2-tp2-ulysses":
         return meshtrain.verify(_gpt, batches(), optimizer=adamw, mesh=meshtrain.init(cp=2, tp=2), tp_plan=GPT_PLAN,
                                 cp_mode="ulysses")
@@ -144,7 +153,7 @@ def _verify_composed(_mesh, name):
                             pipeline=llama_plan(32), microbatches=2)
 
 
-@pytest.mark.parametrize("name", ["cp2-tp2-sp", "cp2-tp2-ulysses", "cp2-pp2-1f1b"])
+@pytest.mark.parametrize("name", ["cp2-tp2-sp", "cp2-tp2-sp-dropout", "cp2-tp2-ulysses", "cp2-pp2-1f1b"])
 def test_context_parallelism_composes_with_tensor_and_pipeline_parallelism(name):
     """The ring under tp 2 with SP (heads split over tp, the ring over cp; SP's regions over
     a rank's s/cp tokens), all-to-all under tp 2 (n_heads/tp over cp), and the ring on the
@@ -183,13 +192,21 @@ def _gradients_not_reduced_over_cp():
     data.DataParallel._launch = keep_local
 
 
+def _dropout_masks_drawn_per_rank():
+    """Each rank draws its dropout masks as if its tokens were a sequence of their own (the
+    keyed masks at positions 0..s/cp−1), not the one-process masks of its tokens."""
+    from meshtrain.parallel import dropout
+    dropout.SeededDropout.tokens = property(lambda self: None, lambda self, value: None)
+
+
 MUTANTS = {"no-lse-correction": _merged_without_correction, "keys-not-head-tail": _keys_not_head_tail,
-           "grads-not-over-cp": _gradients_not_reduced_over_cp}
+           "grads-not-over-cp": _gradients_not_reduced_over_cp, "dropout-masks-per-rank": _dropout_masks_drawn_per_rank}
 
 
 def _mutant(_mesh, name):
     MUTANTS[name]()
-    return meshtrain.verify(_gpt, batches(), optimizer=adamw, mesh=meshtrain.init(cp=2))
+    make = _gpt_dropout if name.startswith("dropout") else _gpt
+    return meshtrain.verify(make, batches(), optimizer=adamw, mesh=meshtrain.init(cp=2))
 
 
 @pytest.mark.parametrize("name", list(MUTANTS))
@@ -264,3 +281,14 @@ def _ulysses_refused(_mesh):
 
 def test_all_to_all_refuses_heads_that_do_not_split():
     assert run_ranks(_ulysses_refused, 4, timeout=300) == [True] * 4
+
+
+def _probability_dropout_refused(_mesh):
+    with pytest.raises(ValueError, match="attention-probability dropout"):
+        model = build_model("gpt-test", 0, vocab_size=V, dropout=0.1, attention="math")
+        meshtrain.parallelize(model, meshtrain.init(cp=2), optimizer=adamw)
+    return True
+
+
+def test_attention_probability_dropout_is_refused_under_cp():
+    assert run_ranks(_probability_dropout_refused, 2, timeout=300) == [True] * 2

@@ -273,15 +273,25 @@ def apply_context_parallel(model: nn.Module, comm: Comm, mode: str = "ring") -> 
     gives the global ones. Refused in one line for a model with no attention core."""
     if mode not in ("ring", "ulysses"):
         raise ValueError(f"cp_mode={mode!r}: use 'ring' or 'ulysses'")
+    from meshtrain.parallel.dropout import SeededDropout
+
     mesh = comm.mesh
-    if any(isinstance(m, nn.Dropout) and m.p > 0 for m in model.modules()):
-        raise ValueError("context parallelism: dropout is not built yet under cp (attention-probability dropout "
-                         "never will be: a rank's blocks see parts of each row); set the model's dropout to 0")
     ring = Ring(comm)
+    for m in model.modules():  # keyed dropout (`seed_dropout`) keeps the one-process mask of the rank's tokens
+        if isinstance(m, SeededDropout):
+            m.tokens = (ring.rank, ring.cp)
+        elif isinstance(m, nn.Dropout) and m.p > 0:
+            raise ValueError("context parallelism: an nn.Dropout that is not keyed (seed_dropout) would draw "
+                             "masks per rank; meshtrain.parallelize keys every active one")
     cores = [m for m in model.modules() if callable(getattr(m, "core", None))]
     if not cores:
         raise ValueError("context parallelism splits sequences for attention, and this model has no module with "
                          "an attention core(q, k, v) (meshtrain's GPT and Llama have one)")
+    for m in cores:
+        drop = getattr(m, "attn_drop", None)
+        if getattr(m, "attention", "sdpa") == "math" and drop is not None and drop.p > 0:
+            raise ValueError("context parallelism: attention-probability dropout (the GPT's attention='math' with "
+                             "dropout) cannot be split over cp; use attention='sdpa' or no dropout")
     for m in cores:
         if mode == "ulysses":
             _check_heads(m, mesh.size(CP))

@@ -22,6 +22,7 @@ import torch.nn as nn
 
 from meshtrain.comm import Comm
 from meshtrain.models import replace_submodule
+from meshtrain.parallel.context import sequence_positions
 
 
 class DropoutKeys:
@@ -41,12 +42,15 @@ class DropoutKeys:
 
 class SeededDropout(nn.Module):
     """nn.Dropout with masks from `DropoutKeys`. `shard` = (dim, comm): the input is this
-    rank's tp chunk along `dim` (counted without the batch dimension's shift: dim ≥ 1)."""
+    rank's tp chunk along `dim` (counted without the batch dimension's shift: dim ≥ 1).
+    `tokens` = (rank, cp): under context parallelism the input [b, s/cp, ...] holds cp rank
+    `rank`'s tokens of each sequence (head-tail), whose one-process mask it keeps."""
 
     def __init__(self, p: float, keys: DropoutKeys, site: str):
         super().__init__()
         self.p, self.keys, self.site = p, keys, site
         self.shard: tuple[int, Comm] | None = None
+        self.tokens: tuple[int, int] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.p == 0:
@@ -55,6 +59,14 @@ class SeededDropout(nn.Module):
         if self.shard is not None:
             dim, comm = self.shard
             shape[dim - 1] *= comm.mesh.size("tp")
+        positions = None
+        if self.tokens is not None:
+            if x.dim() != 3:
+                raise RuntimeError(f"dropout at {self.site}: context parallelism drops [batch, tokens, features] "
+                                   f"activations only; attention-probability dropout is refused under cp")
+            rank, cp = self.tokens
+            shape[0] *= cp
+            positions = sequence_positions(shape[0], rank, cp)
         rows = range(self.keys.rows.start, self.keys.rows.stop)
         if len(rows) != x.shape[0]:
             raise RuntimeError(f"dropout at {self.site}: {x.shape[0]} samples but the keys name {len(rows)}")
@@ -65,6 +77,8 @@ class SeededDropout(nn.Module):
             g = torch.Generator()
             g.manual_seed(self.keys.key(row, self.site))
             keep = torch.rand(shape, generator=g) >= self.p
+            if positions is not None:  # this cp rank's tokens, then (under SP) its tp chunk of them
+                keep = keep[positions]
             if self.shard is not None:
                 n = x.shape[dim]
                 keep = keep.narrow(dim - 1, comm.mesh.coord("tp") * n, n)
