@@ -116,3 +116,37 @@ def test_plan_of_a_llama_preset_uses_its_head_dim_and_groups():
     assert work.shape.head_size == 12 and work.shape.kv_width == KV_WIDTH
     device = Device(work, cfg.layout, "torch")
     assert device.activations(0) == _planned(_config())
+
+
+def _measured_cp(_mesh, cfgs):
+    import meshtrain
+    from meshtrain.comm import Comm
+    from meshtrain.train import train
+    return [(r.activation_bytes, r.comm_per_step["cp"])
+            for r in (train(cfg, Comm(meshtrain.init(cp=2))) for cfg in cfgs)]
+
+
+def test_the_plan_of_context_parallel_layouts():
+    """The planner under cp 2 (llama-test, 4 × 64 tokens, each rank 32 of each sequence):
+    each rank's activation peak within 0.2 % of the trainer's meter (measured: within
+    0.05 %) for the ring with no and selective recompute, in bf16, and all-to-all attention;
+    full recompute plans 9.5 % low here (1.6 % on llama-small), a known gap. The cp bytes it
+    plans equal those sent in every case."""
+    from distributed import run_ranks
+
+    from meshtrain.plan import traffic
+    from meshtrain.plan.planner import Device, Workload
+    from meshtrain.plan.shapes import shape_of
+
+    cases = [("ring", "none", "fp32"), ("ring", "selective", "fp32"), ("ring", "full", "fp32"),
+             ("ring", "none", "bf16"), ("ulysses", "none", "fp32")]
+    cfgs = [_config(rec, batch=4, seq=64, precision=prec, cp=2, cp_mode=mode) for mode, rec, prec in cases]
+    for measured in run_ranks(_measured_cp, 2, cfgs):
+        for cfg, (got, sent) in zip(cfgs, measured):
+            device = Device(Workload(shape_of("llama-test", vocab_size=VOCAB), batch=4, seq=64), cfg.layout, "torch")
+            planned = device.activations(0)
+            # full recompute plans low (−9.5 % here, −1.6 % on llama-small): not yet followed are the
+            # ring's forward tiles while a recomputed block's attention runs again
+            tolerance = 0.1 if cfg.layout.recompute == "full" else 0.002
+            assert abs(planned - got) <= tolerance * got, (cfg.layout.short(), cfg.layout.recompute, planned, got)
+            assert traffic.bytes_per_axis(traffic.transfers(device, 0))["cp"] == sent, cfg.layout.short()

@@ -130,7 +130,10 @@ class RingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, ring: Ring, scale: float):
         cp, rank, group = ring.cp, ring.rank, q.shape[1] // k.shape[1]
         c = q.shape[2] // 2
-        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        # [b, h, s, d] viewed over [b, s, h, d] storage: the caller's merge of the heads is then
+        # a view, not a copy kept for the output projection's backward
+        b, h, n, d = q.shape
+        out = torch.zeros((b, n, h, d), dtype=torch.float32, device=q.device).transpose(1, 2)
         lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
         here = (k, v)
         for step in range(cp):

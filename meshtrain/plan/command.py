@@ -91,10 +91,10 @@ def layout_of(args, cfg: C.Config, batch: int) -> tuple[C.LayoutConfig, int]:
         raise PlanError(f"unknown precision '{lay.precision}'; use --precision {' | '.join(C.PRECISIONS)}")
     if lay.dp is None:
         if args.gpus is not None:
-            if args.gpus < 1 or args.gpus % (lay.tp * lay.pp):
-                raise PlanError(f"--gpus {args.gpus} is not a multiple of tp×pp = {lay.tp}×{lay.pp}; "
-                                "change --gpus, --tp or --pp")
-            lay.dp = args.gpus // (lay.tp * lay.pp)
+            if args.gpus < 1 or args.gpus % (lay.tp * lay.pp * lay.cp):
+                raise PlanError(f"--gpus {args.gpus} is not a multiple of tp×pp×cp = {lay.tp}×{lay.pp}×{lay.cp}; "
+                                "change --gpus, --tp, --pp or --cp")
+            lay.dp = args.gpus // (lay.tp * lay.pp * lay.cp)
         else:
             C.fill_dp(lay, None)
     if args.micro_batch_size is not None:
@@ -220,8 +220,8 @@ def _run(args, cfg: C.Config) -> int:
     if args.search:
         return _search(args, work, lay, gpus, machine, memory, options, name, cluster_line, out)
     if lay.world_size != gpus:
-        raise PlanError(f"dp×tp×pp = {lay.dp}×{lay.tp}×{lay.pp} = {lay.world_size}, not the {gpus} GPUs of --gpus; "
-                        f"change --dp/--tp/--pp so that their product is {gpus}")
+        raise PlanError(f"dp×cp×tp×pp = {lay.dp}×{lay.cp}×{lay.tp}×{lay.pp} = {lay.world_size}, not the {gpus} "
+                        f"GPUs of --gpus; change --dp/--cp/--tp/--pp so that their product is {gpus}")
     result = plan(work, lay, machine, memory_bytes=memory, **options)
     print(describe(name, work, lay, result, cluster_line), file=out)
     if args.measure:

@@ -150,7 +150,7 @@ def compare_ranks(work, lay: C.LayoutConfig, accounting: str, got: dict) -> list
     d = Device(work, lay, accounting)
     rows = []
     for rank, (state, act) in enumerate(zip(got["model_state_bytes_per_rank"], got["activation_bytes_per_rank"])):
-        stage = rank // (lay.dp * lay.tp)
+        stage = rank // (lay.dp * lay.cp * lay.tp)
         measured_state = state["total"] if isinstance(state, dict) else state
         rows.append({"rank": rank, "stage": stage, "model_state_plan": d.model_states(stage)["total"],
                      "model_state_measured": measured_state, "activation_plan": d.activations(stage),

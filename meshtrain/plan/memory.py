@@ -174,7 +174,8 @@ def zero3_peak_gathered(shape, **where) -> int:
 
 def torch_activation_bytes_per_layer(seq: int, micro_batch: int, hidden: int, heads: int, *, element_bytes: int = 4,
                                      attention: str = "sdpa", dropout: float = 0.0, ffn: int | None = None,
-                                     tp: int = 1, sp: bool = False, llama: LlamaDims | None = None) -> int:
+                                     tp: int = 1, sp: bool = False, llama: LlamaDims | None = None,
+                                     cp_mode: str | None = None) -> int:
     """What one block of meshtrain's GPT keeps for backward on one rank (`torch` accounting,
     no recompute), for `element_bytes`-byte activations (4 fp32, 2 bf16); t = tp, and the
     "whole" terms are divided by t too under sequence parallelism:
@@ -190,9 +191,10 @@ def torch_activation_bytes_per_layer(seq: int, micro_batch: int, hidden: int, he
 
     The trainer's layer probe measures exactly this (tests hold the two equal, with and
     without tp and SP)."""
+    delta = cp_attention_delta(seq, micro_batch, hidden, llama, element_bytes=element_bytes, tp=tp, cp_mode=cp_mode)
     if llama is not None:
-        return llama_kept_bytes(seq, micro_batch, hidden, heads, llama, element_bytes=element_bytes, ffn=ffn, tp=tp,
-                                sp=sp)
+        return delta + llama_kept_bytes(seq, micro_batch, hidden, heads, llama, element_bytes=element_bytes, ffn=ffn,
+                                        tp=tp, sp=sp)
     e, b, s, h, a, t = element_bytes, micro_batch, seq, hidden, heads, tp
     f = ffn or 4 * h
     whole = t if sp else 1  # what SP also shards along the sequence
@@ -208,7 +210,25 @@ def torch_activation_bytes_per_layer(seq: int, micro_batch: int, hidden: int, he
         extra += 4 * b * (a // t) * s
     if dropout > 0:
         extra += 2 * b * s * h // whole
-    return elements * e + extra
+    return elements * e + extra + delta
+
+
+def cp_attention_delta(seq: int, micro_batch: int, hidden: int, llama: LlamaDims | None, *, element_bytes: int,
+                       tp: int = 1, cp_mode: str | None = None) -> int:
+    """What a block's attention keeps under context parallelism beyond the kernel's q, k, v
+    (repeated to the query heads) and output, 4·q per token (`seq`: the rank's tokens):
+    the ring keeps q, k and v unrepeated (2·d_kv), its fp32 output and, in bf16, the output's
+    copy in the compute dtype; all-to-all keeps the kernel's four on the heads it gathered
+    and the output gathered back, 5·q. (Not measured against the trainer yet: an estimate.)"""
+    if cp_mode is None:
+        return 0
+    e, rows = element_bytes, micro_batch * seq
+    q, kv = (llama.q_width, llama.kv_width) if llama else (hidden, hidden)
+    if cp_mode == "ulysses":
+        kept = 5 * q * e
+    else:
+        kept = q * e + 2 * kv * e + q * 4 + (q * e if e < 4 else 0)
+    return rows * (kept - 4 * q * e) // tp
 
 
 @dataclass(frozen=True)
@@ -252,8 +272,27 @@ def llama_kept_bytes(seq: int, micro_batch: int, hidden: int, heads: int, dims: 
     return whole // w + split + 2 * s * dims.head_dim * e
 
 
+def ring_backward_bytes(seq: int, micro_batch: int, hidden: int, heads: int, llama: LlamaDims | None, *,
+                        element_bytes: int = 4, tp: int = 1) -> int:
+    """What ring attention's backward holds beyond its saved tensors (`seq`: the rank's
+    tokens, two chunks of c = seq/2), fp32 but where said: one block's tiles (scores,
+    probabilities, their gradient and a product, 4·b·(a/t)·c²) and its three gradients
+    (of c queries and c keys: 3·b·c·q); the accumulators of dq, and of dk and dv at the
+    query heads' width before they are folded to the key/value heads; those arriving from
+    the previous rank (2·d_kv); and, under grouped-query attention, the visiting keys and
+    values repeated to the query heads (in the compute dtype). Measured against the meter:
+    exact on llama-small at cp 2 with full recompute, whose peak it is."""
+    b, c, a, rows = micro_batch, seq // 2, heads // tp, micro_batch * seq
+    q, kv = (llama.q_width // tp, llama.kv_width // tp) if llama else (hidden // tp, hidden // tp)
+    tiles = 4 * b * a * c * c * 4 + 3 * b * c * q * 4
+    accumulators = rows * (q + 2 * q + 2 * kv) * 4
+    repeated = 2 * rows * q * element_bytes if q != kv else 0
+    return tiles + accumulators + repeated
+
+
 def block_parts(seq: int, micro_batch: int, hidden: int, heads: int, *, element_bytes: int, attention: str,
-                 dropout: float, ffn: int | None, tp: int, sp: bool, llama: LlamaDims | None = None) -> dict[str, int]:
+                 dropout: float, ffn: int | None, tp: int, sp: bool, llama: LlamaDims | None = None,
+                 cp_mode: str | None = None) -> dict[str, int]:
     """One block's activation terms on one rank, in bytes (`torch` accounting; t = tp, w = t
     under SP else 1), the pieces the step's moments are made of:
 
@@ -285,7 +324,7 @@ def block_parts(seq: int, micro_batch: int, hidden: int, heads: int, *, element_
     f = ffn or 4 * h
     w = t if sp else 1
     kept = torch_activation_bytes_per_layer(s, b, h, a, element_bytes=e, attention=attention, dropout=dropout,
-                                            ffn=f, tp=t, sp=sp, llama=llama)
+                                            ffn=f, tp=t, sp=sp, llama=llama, cp_mode=cp_mode)
     out = b * s * h * e // w
     scores = b * (a // t) * s * s
     # SwiGLU keeps gate, up, SiLU and product; at its peak (the product's backward) the other
@@ -298,7 +337,8 @@ def block_parts(seq: int, micro_batch: int, hidden: int, heads: int, *, element_
                         + (b * s * h * e if sp else 0))
     else:
         core, forward_peak = 4 * scores // s, 0
-    selective = kept - core
+    # selective keeps the checkpointed core's inputs and output: under cp too (its own q, k, v)
+    selective = kept - core - cp_attention_delta(s, b, h, llama, element_bytes=e, tp=t, cp_mode=cp_mode)
     if llama:  # the checkpointed core takes k and v before they are repeated to the query heads
         selective -= 2 * b * s * (llama.q_width - llama.kv_width) * e // t
 
@@ -311,6 +351,8 @@ def block_parts(seq: int, micro_batch: int, hidden: int, heads: int, *, element_
             return max(rows * s * f * e // t + h * f * e // t, 2 * rows * s * f * e // t)
         return rows * s * f * e // t + h * f * e // t + h * e
     backward_extra = extra(b)
+    if cp_mode == "ring":  # a block's backward in the ring: its fp32 score tiles and gradient accumulators
+        backward_extra = max(backward_extra, ring_backward_bytes(s, b, h, a, llama, element_bytes=e, tp=t))
     # recomputed under SP, a block keeps its two gathered inputs whole (the region's regather
     # stands down under a checkpoint: `recompute.is_recomputed`), not as shards
     recomputed = kept + (2 * (b * s * h * e - b * s * h * e // t) if sp else 0)
@@ -321,6 +363,8 @@ def block_parts(seq: int, micro_batch: int, hidden: int, heads: int, *, element_
              + (0 if llama else h * e + f * e // t))
     chunked = (mlp(first) + extra(first) + other) if b > 1 else mlp(b) + extra(b)
     recomputed_peak = recomputed - tail - mlp(b) + chunked
+    if cp_mode == "ring":  # or later, at its attention's backward: the MLP's tensors freed, the ring's held
+        recomputed_peak = max(recomputed_peak, recomputed - tail - mlp(b) + ring_backward_bytes(s, b, h, a, llama, element_bytes=e, tp=t))
     return {"kept": kept, "out": out, "tail": tail, "selective": selective, "forward_peak": forward_peak,
             "backward_extra": backward_extra, "recomputed": recomputed, "recomputed_peak": recomputed_peak}
 
@@ -420,7 +464,7 @@ def torch_stage_activation_bytes(layers: int, seq: int, micro_batch: int, hidden
                                  ffn: int | None = None, tp: int = 1, sp: bool = False, recompute: str = "none",
                                  pp: int = 1, stage: int = 0, schedule: str = "1f1b", microbatches: int = 1,
                                  chunks: int = 1, stage_layers: list[int] | None = None,
-                                 llama: LlamaDims | None = None) -> int:
+                                 llama: LlamaDims | None = None, cp_mode: str | None = None) -> int:
     """The peak of activation bytes in one step on one rank of pipeline stage `stage`
     (`torch` accounting): the largest of the moments below, for the micro-batch size b the
     stage runs (the rank's batch ÷ microbatches), `layers` the whole model's blocks (the
@@ -474,7 +518,7 @@ def torch_stage_activation_bytes(layers: int, seq: int, micro_batch: int, hidden
     t = tp
     w = t if sp else 1
     parts = block_parts(s, b, h, heads, element_bytes=e, attention=attention, dropout=dropout, ffn=ffn, tp=t, sp=sp,
-                        llama=llama)
+                        llama=llama, cp_mode=cp_mode)
     out = parts["out"]
     from meshtrain.config import parse_recompute
 

@@ -56,12 +56,15 @@ def _divisors(n: int) -> str:
 def check(work: Workload, lay: LayoutConfig, gpus: int | None = None) -> None:
     """Reject a layout that cannot run this workload, with one line naming the fix."""
     shape = work.shape
-    for name in ("dp", "tp", "pp", "chunks", "microbatches"):
+    for name in ("dp", "tp", "pp", "cp", "chunks", "microbatches"):
         if getattr(lay, name) < 1:
             raise PlanError(f"--{name} {getattr(lay, name)}: must be a positive integer")
     if gpus is not None and lay.world_size != gpus:
-        raise PlanError(f"dp×tp×pp = {lay.dp}×{lay.tp}×{lay.pp} = {lay.world_size}, not the {gpus} GPUs of "
-                        f"--gpus; change --dp/--tp/--pp so that their product is {gpus}")
+        raise PlanError(f"dp×cp×tp×pp = {lay.dp}×{lay.cp}×{lay.tp}×{lay.pp} = {lay.world_size}, not the {gpus} GPUs "
+                        f"of --gpus; change --dp/--cp/--tp/--pp so that their product is {gpus}")
+    if lay.cp > 1 and work.seq % (2 * lay.cp):
+        raise PlanError(f"--seq-len {work.seq} does not split into 2·cp = {2 * lay.cp} equal chunks; use a multiple "
+                        f"of {2 * lay.cp}")
     if lay.zero not in (0, 1, 2, 3):
         raise PlanError(f"--zero {lay.zero}: use --zero 0, 1, 2 or 3")
     if lay.schedule not in SCHEDULES:
@@ -95,7 +98,10 @@ class Device:
     def __init__(self, work: Workload, lay: LayoutConfig, accounting: str = "torch"):
         if accounting not in ACCOUNTINGS:
             raise PlanError(f"unknown accounting '{accounting}'; use --accounting paper | torch")
-        self.work, self.layout, self.shape, self.seq, self.accounting = work, lay, work.shape, work.seq, accounting
+        # under context parallelism a rank holds seq/cp tokens of each sequence, and the cp
+        # ranks are parameter replicas: ZeRO shards and gradients go over dp × cp
+        self.work, self.layout, self.shape, self.accounting = work, lay, work.shape, accounting
+        self.seq, self.replicas = work.seq // lay.cp, lay.dp * lay.cp
         self.micro_batch = work.batch // (lay.dp * lay.microbatches)
         low = lay.precision == "bf16"
         self.element_bytes = 2 if (low or accounting == "paper") else 4
@@ -140,7 +146,7 @@ class Device:
         # ZeRO-3 holds two blocks gathered at its peak, or all of them with --keep-gathered
         gathered = (self.params_on(stage) if lay.keep_gathered
                     else memory.zero3_peak_gathered(self.shape, stage=stage, **self._where))
-        return memory.model_state_bytes(self.params_on(stage), lay.zero, lay.dp, precision=lay.precision,
+        return memory.model_state_bytes(self.params_on(stage), lay.zero, self.replicas, precision=lay.precision,
                                         grad_dtype=lay.grad_dtype, accounting=self.accounting,
                                         gathered_params=gathered)
 
@@ -149,7 +155,8 @@ class Device:
         llama = (memory.LlamaDims(q_width=sh.heads * sh.head_size, kv_width=sh.kv_width, head_dim=sh.head_size)
                  if sh.kind == "llama" else None)
         return dict(element_bytes=self.element_bytes, attention=self.work.attention, dropout=self.work.dropout,
-                    ffn=sh.ffn_width, tp=lay.tp, sp=lay.sp, llama=llama)
+                    ffn=sh.ffn_width, tp=lay.tp, sp=lay.sp, llama=llama,
+                    cp_mode=lay.cp_mode if lay.cp > 1 else None)
 
     def activation_per_layer(self) -> float:
         """What one block keeps for backward, per micro-batch, under the layout's recompute
@@ -201,7 +208,8 @@ class Device:
         matrices += [(rows, h, 2 * f // t), (rows, f // t, h)] if sh.kind == "llama" else \
             [(rows, h, f // t), (rows, f // t, h)]
         linear = sum(machine.matmul_time(m, k, n, dtype) for m, k, n in matrices)
-        core = 2 * machine.matmul_time(s, d_head, s, dtype, batch=b * heads)
+        # under cp a rank's queries (s = seq/cp of them) meet all seq keys: cp blocks of s × s
+        core = 2 * machine.matmul_time(s, d_head, s, dtype, batch=b * heads) * lay.cp
         traffic_bytes = 2 * memory.torch_activation_bytes_per_layer(s, b, h, sh.heads, **self._torch_terms())
         elementwise = machine.elementwise_time(traffic_bytes)
         ops = OPS_PER_BLOCK * machine.op_overhead_s
@@ -290,7 +298,7 @@ def _scalar_time(machine, lay: LayoutConfig, across: dict[str, bool]) -> float:
     """The one-number all-reduces every step makes, each a collective's latency: the
     gradient norm's partial sums over each axis (`optim.clip_grad_norm_`) and the loss over
     pp and dp (`train_step`), on the axes of more than one rank."""
-    sizes = {"dp": lay.dp, "tp": lay.tp, "pp": lay.pp}
+    sizes = {"dp": lay.dp * lay.cp, "tp": lay.tp, "pp": lay.pp}  # dp: the parameters' replicas
     calls = [axis for axis in ("dp", "tp", "pp", "pp", "dp") if sizes[axis] > 1]
     return sum(machine.collective_time("all_reduce", all_reduce_bytes(4, sizes[axis]), across[axis])
                for axis in calls)
@@ -301,7 +309,7 @@ def _optimizer_time(machine, d: Device, stage: int, states: dict) -> float:
     profile measured it per parameter and per tensor when it did; else memory-bound, every
     state read and written, plus a few dispatches."""
     lay = d.layout
-    params = d.params_on(stage) / (lay.dp if lay.zero >= 1 else 1)
+    params = d.params_on(stage) / (d.replicas if lay.zero >= 1 else 1)
     tensors = d.blocks_on(stage) * d.shape.layer_tensors() + d.shape.outside_tensors(
         d.has_embedding(stage), d.has_head(stage))
     measured = getattr(machine, "optimizer_time", lambda *_: None)(params, tensors)  # a profile's, if it has one
@@ -312,9 +320,11 @@ def _optimizer_time(machine, d: Device, stage: int, states: dict) -> float:
 
 
 def _crosses_nodes(lay: LayoutConfig, gpus_per_node: int) -> dict[str, bool]:
-    """Whether each axis's groups span nodes: ranks are tp-major (tp innermost, then dp, pp)."""
-    return {"tp": lay.tp > gpus_per_node, "dp": lay.tp * lay.dp > gpus_per_node and lay.dp > 1,
-            "pp": lay.pp > 1 and lay.tp * lay.dp * lay.pp > gpus_per_node}
+    """Whether each axis's groups span nodes: ranks are tp-major (tp innermost, then cp, dp, pp)."""
+    inner = lay.tp * lay.cp
+    return {"tp": lay.tp > gpus_per_node, "cp": lay.cp > 1 and inner > gpus_per_node,
+            "dp": inner * lay.dp > gpus_per_node and lay.dp * lay.cp > 1,
+            "pp": lay.pp > 1 and inner * lay.dp * lay.pp > gpus_per_node}
 
 
 def plan(work: Workload, lay: LayoutConfig, machine, *, memory_bytes: float | None = None,
@@ -337,7 +347,7 @@ def plan(work: Workload, lay: LayoutConfig, machine, *, memory_bytes: float | No
     times = {k: d.micro_batch_times(machine, k) for k in stages}
     moves = {k: traffic.transfers(d, k) for k in stages}
     per_micro = {k: sum(times[k]) + _skew_time(machine, moves[k]["tp"], sum(times[k]), m)
-                 + sum(_transfer_time(machine, moves[k][axis], across[axis]) for axis in ("tp", "pp")) / m
+                 + sum(_transfer_time(machine, moves[k][axis], across[axis]) for axis in ("tp", "pp", "cp")) / m
                  for k in stages}
     bubble = bubble_fraction(lay.schedule, lay.pp, m, lay.chunks)
     slowest = max(stages, key=per_micro.get)

@@ -92,7 +92,7 @@ def pp_transfers(d, stage: int) -> list[Transfer]:
 
 def dp_transfers(d, stage: int) -> list[Transfer]:
     """Data-parallel traffic of a device of pipeline stage `stage`, by ZeRO stage."""
-    lay, n = d.layout, d.layout.dp
+    lay, n = d.layout, d.replicas  # the parameters' replicas: dp × cp
     params = d.params_on(stage)
     grads, weights = params * d.grad_bytes, params * d.param_bytes
     m = lay.microbatches
@@ -106,8 +106,28 @@ def dp_transfers(d, stage: int) -> list[Transfer]:
     return _ag(weights, n, gathers) + _ag(grads, n, m, "reduce_scatter")
 
 
+def cp_transfers(d, stage: int) -> list[Transfer]:
+    """Context parallelism's traffic of a device of stage `stage`: the ring's keys, values and
+    their gradients, or all-to-all attention's four tensors each way, for the stage's blocks
+    (a recompute mode runs the attention's forward again: each but none)."""
+    lay = d.layout
+    if lay.cp == 1:
+        return []
+    sh, rows, seq = d.shape, d.micro_batch * lay.microbatches, d.work.seq
+    heads, kv = sh.heads // lay.tp, sh.kv_width // lay.tp
+    width, recomputed = heads * sh.head_size, lay.recompute != "none"
+    if lay.cp_mode == "ulysses":
+        sent = all_to_all_attention_bytes(d.blocks_on(stage), rows, seq, width, kv, lay.cp,
+                                          element_bytes=d.element_bytes, recomputed=recomputed)
+        return [Transfer("all_to_all", sent, 1)]
+    sent = ring_attention_bytes(d.blocks_on(stage), rows, seq, kv, lay.cp, element_bytes=d.element_bytes,
+                                recomputed=recomputed)
+    return [Transfer("send", sent, 1)]
+
+
 def transfers(d, stage: int) -> dict[str, list[Transfer]]:
-    return {"dp": dp_transfers(d, stage), "tp": tp_transfers(d, stage), "pp": pp_transfers(d, stage)}
+    return {"dp": dp_transfers(d, stage), "tp": tp_transfers(d, stage), "pp": pp_transfers(d, stage),
+            "cp": cp_transfers(d, stage)}
 
 
 def bytes_per_axis(by_axis: dict[str, list[Transfer]]) -> dict[str, float]:
