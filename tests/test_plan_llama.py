@@ -76,14 +76,17 @@ def test_llama_accounting_on_one_process():
 
 def test_llama_accounting_under_tensor_and_sequence_parallelism():
     """Each rank of tp 2, with and without SP, under no, full, selective and segments
-    recompute, and bf16 with SP: one block exactly, the step's peak within 1 % (measured:
-    −0.5 % to +0.2 %; the vocabulary-parallel loss's int64 copies of the targets)."""
+    recompute, and bf16 with SP: one block exactly, the step's peak within the issue's 5 %
+    as the GPT's tp test holds it (measured on a quiet machine: −0.5 % to +0.2 %, the
+    vocabulary-parallel loss's int64 copies of the targets; under load SP with segments
+    −1.2 %: gloo's worker thread may still hold a finished collective's buffer when the
+    meter reads the peak)."""
     from distributed import run_ranks
 
     cfgs = [_config(rec, tp=2, sp=sp) for sp in (False, True) for rec in ("none", "full", "selective", "segments")]
     cfgs += [_config(rec, tp=2, sp=True, precision="bf16") for rec in ("none", "full")]
     for measured in run_ranks(_measured, 2, cfgs, tp=2):
-        _check(cfgs, measured, tolerance=0.01)
+        _check(cfgs, measured, tolerance=0.05)
         for cfg, (_, layer) in zip(cfgs, measured):
             if cfg.layout.recompute == "none":
                 assert layer == _layer(cfg), (cfg.layout.sp, cfg.layout.precision)
