@@ -211,26 +211,17 @@ def _to_tokens(y: torch.Tensor, comm: Comm) -> torch.Tensor:
     return parts.transpose(0, 1).reshape(b, cp * hh, s // cp, d)
 
 
-class _ToHeads(torch.autograd.Function):
+class _Reshard(torch.autograd.Function):
+    """Sequence shards to head shards (`to_heads`) or back; the backward is the other way."""
+
     @staticmethod
-    def forward(ctx, x, comm):
-        ctx.comm = comm
-        return _to_heads(x, comm)
+    def forward(ctx, x, comm, to_heads: bool):
+        ctx.comm, ctx.to_heads = comm, to_heads
+        return (_to_heads if to_heads else _to_tokens)(x, comm)
 
     @staticmethod
     def backward(ctx, grad):
-        return _to_tokens(grad, ctx.comm), None
-
-
-class _ToTokens(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, y, comm):
-        ctx.comm = comm
-        return _to_tokens(y, comm)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _to_heads(grad, ctx.comm), None
+        return (_to_tokens if ctx.to_heads else _to_heads)(grad, ctx.comm), None, None
 
 
 def ulysses_core(comm: Comm, core):
@@ -240,8 +231,8 @@ def ulysses_core(comm: Comm, core):
     own core on the whole sequence, and back. Per rank and layer, each way, b·(s/cp)·(2·h +
     2·d_kv)·(cp−1)/cp elements (h = the query and output width)."""
     def attend(self, q, k, v):
-        heads = [_ToHeads.apply(t, comm) for t in (q, k, v)]
-        return _ToTokens.apply(core(*heads), comm)
+        heads = [_Reshard.apply(t, comm, True) for t in (q, k, v)]
+        return _Reshard.apply(core(*heads), comm, False)
     return attend
 
 
