@@ -153,3 +153,28 @@ def test_the_plan_of_context_parallel_layouts():
             tolerance = 0.1 if cfg.layout.recompute == "full" else 0.002
             assert abs(planned - got) <= tolerance * got, (cfg.layout.short(), cfg.layout.recompute, planned, got)
             assert traffic.bytes_per_axis(traffic.transfers(device, 0))["cp"] == sent, cfg.layout.short()
+
+
+def _measured_cp_pp(_mesh, cfg):
+    import meshtrain
+    from meshtrain.comm import Comm
+    from meshtrain.train import train
+    mesh = meshtrain.init(cp=2, pp=2)
+    return mesh.coord("pp"), train(cfg, Comm(mesh)).activation_bytes
+
+
+def test_the_plan_of_a_context_parallel_pipeline():
+    """cp 2 · pp 2 (1F1B, 2 micro-batches): each stage's planned peak within the issue's 5 %
+    of the meter (measured: −2.8 % on this first stage; −0.3 % and −1.0 % on llama-small).
+    The first stage peaks at a backward, where the ring's tiles are held after the block's
+    MLP tensors were freed (planned +5.6 % before that was counted)."""
+    from distributed import run_ranks
+
+    from meshtrain.plan.planner import Device, Workload
+    from meshtrain.plan.shapes import shape_of
+
+    cfg = _config("none", batch=4, seq=64, cp=2, pp=2, microbatches=2)
+    device = Device(Workload(shape_of("llama-test", vocab_size=VOCAB), batch=4, seq=64), cfg.layout, "torch")
+    for stage, got in run_ranks(_measured_cp_pp, 4, cfg, timeout=300):
+        planned = device.activations(stage)
+        assert abs(planned - got) <= 0.05 * got, (stage, planned, got)

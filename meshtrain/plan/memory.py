@@ -351,8 +351,8 @@ def block_parts(seq: int, micro_batch: int, hidden: int, heads: int, *, element_
             return max(rows * s * f * e // t + h * f * e // t, 2 * rows * s * f * e // t)
         return rows * s * f * e // t + h * f * e // t + h * e
     backward_extra = extra(b)
-    if cp_mode == "ring":  # a block's backward in the ring: its fp32 score tiles and gradient accumulators
-        backward_extra = max(backward_extra, ring_backward_bytes(s, b, h, a, llama, element_bytes=e, tp=t))
+    if cp_mode == "ring":  # or at its attention's backward, the MLP's tensors freed: the ring's tiles and accumulators
+        backward_extra = max(backward_extra, ring_backward_bytes(s, b, h, a, llama, element_bytes=e, tp=t) - mlp(b))
     # recomputed under SP, a block keeps its two gathered inputs whole (the region's regather
     # stands down under a checkpoint: `recompute.is_recomputed`), not as shards
     recomputed = kept + (2 * (b * s * h * e - b * s * h * e // t) if sp else 0)
