@@ -52,12 +52,18 @@ def shard_sequence(t: torch.Tensor, rank: int, cp: int) -> torch.Tensor:
     return t[:, sequence_positions(t.shape[1], rank, cp, t.device)]
 
 
-def _block(q, k, v, scale: float, causal: bool):
-    """Softmax attention of one block in fp32: (output, log-sum-exp). q: [b, h, c, d]; k, v:
-    [b, h, c', d] (already repeated to h heads)."""
+def _scores(q, k, scale: float, causal: bool) -> torch.Tensor:
+    """A block's fp32 attention scores, the diagonal block's later keys masked."""
     scores = torch.matmul(q.float(), k.float().transpose(-2, -1)) * scale
     if causal:
         scores.masked_fill_(torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    return scores
+
+
+def _block(q, k, v, scale: float, causal: bool):
+    """Softmax attention of one block in fp32: (output, log-sum-exp). q: [b, h, c, d]; k, v:
+    [b, h, c', d] (already repeated to h heads)."""
+    scores = _scores(q, k, scale, causal)
     lse = torch.logsumexp(scores, dim=-1)
     return torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), v.float()), lse
 
@@ -65,14 +71,10 @@ def _block(q, k, v, scale: float, causal: bool):
 def _block_backward(dout, q, k, v, out, lse, scale: float, causal: bool):
     """The gradients of one block's (q, k, v) given the merged output and log-sum-exp of its
     queries (fp32): P = exp(S − lse); dV = Pᵀ·dO; dS = P ∘ (dO·Vᵀ − rowsum(dO ∘ O))."""
-    qf, kf, vf = q.float(), k.float(), v.float()
-    scores = torch.matmul(qf, kf.transpose(-2, -1)) * scale
-    if causal:
-        scores.masked_fill_(torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).triu(1), float("-inf"))
-    p = torch.exp(scores - lse.unsqueeze(-1))
+    p = torch.exp(_scores(q, k, scale, causal) - lse.unsqueeze(-1))
     dv = torch.matmul(p.transpose(-2, -1), dout)
-    ds = p * (torch.matmul(dout, vf.transpose(-2, -1)) - (dout * out).sum(-1, keepdim=True))
-    return torch.matmul(ds, kf) * scale, torch.matmul(ds.transpose(-2, -1), qf) * scale, dv
+    ds = p * (torch.matmul(dout, v.float().transpose(-2, -1)) - (dout * out).sum(-1, keepdim=True))
+    return torch.matmul(ds, k.float()) * scale, torch.matmul(ds.transpose(-2, -1), q.float()) * scale, dv
 
 
 def _merge(out, lse, part, part_lse):
@@ -125,28 +127,35 @@ def _wait(handles) -> None:
         h.wait()
 
 
+def _visits(ring: Ring, k: torch.Tensor, v: torch.Tensor, group: int):
+    """The keys and values of each cp rank in turn, this rank's first, repeated to the query
+    heads, with the blocks to compute against them ((query slice, key slice, causal)); the
+    next rank's are in flight while the caller computes. Counts the blocks' areas."""
+    c = k.shape[2] // 2
+    here = (k, v)
+    for step in range(ring.cp):
+        owner = (ring.rank - step) % ring.cp
+        nxt, handles = ring.pass_on(list(here)) if step < ring.cp - 1 else (None, [])
+        blocks = [(slice(i * c, (i + 1) * c), slice(j * c, (j + 1) * c), causal)
+                  for i, j, causal in _pairs(ring.rank, owner, ring.cp)]
+        ring.area += sum(c * (c + 1) // 2 if causal else c * c for _, _, causal in blocks)
+        yield _repeat(here[0], group), _repeat(here[1], group), blocks
+        _wait(handles)
+        here = nxt
+
+
 class RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, ring: Ring, scale: float):
-        cp, rank, group = ring.cp, ring.rank, q.shape[1] // k.shape[1]
-        c = q.shape[2] // 2
         # [b, h, s, d] viewed over [b, s, h, d] storage: the caller's merge of the heads is then
         # a view, not a copy kept for the output projection's backward
         b, h, n, d = q.shape
         out = torch.zeros((b, n, h, d), dtype=torch.float32, device=q.device).transpose(1, 2)
         lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
-        here = (k, v)
-        for step in range(cp):
-            owner = (rank - step) % cp
-            nxt, handles = ring.pass_on(list(here)) if step < cp - 1 else (None, [])
-            kk, vv = (_repeat(t, group) for t in here)
-            for i, j, causal in _pairs(rank, owner, cp):
-                qs, ks = slice(i * c, (i + 1) * c), slice(j * c, (j + 1) * c)
+        for kk, vv, blocks in _visits(ring, k, v, q.shape[1] // k.shape[1]):
+            for qs, ks, causal in blocks:
                 part, part_lse = _block(q[:, :, qs], kk[:, :, ks], vv[:, :, ks], scale, causal)
-                ring.area += c * (c + 1) // 2 if causal else c * c
                 _merge(out[:, :, qs], lse[:, :, qs], part, part_lse)
-            _wait(handles)
-            here = nxt
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.ring, ctx.scale = ring, scale
         return out.to(q.dtype)
@@ -154,23 +163,16 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        ring, scale = ctx.ring, ctx.scale
-        cp, rank, group = ring.cp, ring.rank, q.shape[1] // k.shape[1]
-        c = q.shape[2] // 2
+        ring, scale, group = ctx.ring, ctx.scale, q.shape[1] // k.shape[1]
         dout = dout.float()
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        here, arriving, grad_handles = (k, v), None, []
-        for step in range(cp):
-            owner = (rank - step) % cp
-            nxt, handles = ring.pass_on(list(here)) if step < cp - 1 else (None, [])
-            kk, vv = (_repeat(t, group) for t in here)
+        arriving, grad_handles = None, []
+        for kk, vv, blocks in _visits(ring, k, v, group):
             dk = torch.zeros(kk.shape, dtype=torch.float32, device=q.device)
             dv = torch.zeros_like(dk)
-            for i, j, causal in _pairs(rank, owner, cp):
-                qs, ks = slice(i * c, (i + 1) * c), slice(j * c, (j + 1) * c)
+            for qs, ks, causal in blocks:
                 gq, gk, gv = _block_backward(dout[:, :, qs], q[:, :, qs], kk[:, :, ks], vv[:, :, ks], out[:, :, qs],
                                              lse[:, :, qs], scale, causal)
-                ring.area += c * (c + 1) // 2 if causal else c * c
                 dq[:, :, qs] += gq
                 dk[:, :, ks] += gk
                 dv[:, :, ks] += gv
@@ -179,8 +181,6 @@ class RingAttention(torch.autograd.Function):
                 _wait(grad_handles)
                 dk, dv = dk + arriving[0], dv + arriving[1]
             arriving, grad_handles = ring.pass_on([dk, dv])  # one hop behind the keys; the last hop goes home
-            _wait(handles)
-            here = nxt
         _wait(grad_handles)
         dk, dv = arriving
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
