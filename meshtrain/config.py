@@ -16,7 +16,8 @@ from pathlib import Path
 
 from meshtrain.models.presets import PRESETS, GPTSpec, LlamaSpec, MLPSpec, parse_widths, spec_of
 from meshtrain.recipe import is_user_model
-from meshtrain.parallel.options import GRAD_DTYPES, LINEAR_SYNCS, PRECISIONS, SCHEDULES, Strategies, parse_recompute
+from meshtrain.parallel.options import (CP_MODES, GRAD_DTYPES, LINEAR_SYNCS, PRECISIONS, SCHEDULES, Strategies,
+                                       parse_recompute)
 
 RECOMPUTE = ("none", "full", "selective", "segments[:K]")
 ATTENTIONS = ("sdpa", "math")
@@ -464,9 +465,6 @@ def warnings(cfg: Config, command: str = "train") -> list[str]:
         found.append("--dp-linear-sync auto: the all-gather path is built for plain data parallelism only; "
                      "with --zero, --tp or --pp every linear layer all-reduces")
     return found
-
-
-CP_MODES = ("ring", "ulysses")
 
 
 def _validate_context(cfg: Config, user_model: bool) -> None:

@@ -263,10 +263,9 @@ def _check_heads(attention: nn.Module, cp: int) -> None:
 
 def apply_context_parallel(model: nn.Module, comm: Comm, mode: str = "ring") -> Ring:
     """Make `model` run on its cp rank's tokens: every module with an attention `core`
-    attends over the whole sequence by the ring, every module that computes `positions`
+    attends over the whole sequence by the ring (or, `mode="ulysses"`, by all-to-all;
+    `Strategies` checks the mode), every module that computes `positions`
     gives the global ones. Refused in one line for a model with no attention core."""
-    if mode not in ("ring", "ulysses"):
-        raise ValueError(f"cp_mode={mode!r}: use 'ring' or 'ulysses'")
     from meshtrain.parallel.dropout import SeededDropout
 
     mesh = comm.mesh

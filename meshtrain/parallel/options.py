@@ -9,6 +9,7 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
 PRECISIONS = ("fp32", "bf16")
 GRAD_DTYPES = ("compute", "fp32")
 LINEAR_SYNCS = ("allreduce", "allgather", "auto")
+CP_MODES = ("ring", "ulysses")  # context parallelism's attention
 
 
 @dataclass(frozen=True)
@@ -45,7 +46,8 @@ class Strategies:
                   ("schedule", self.schedule in SCHEDULES, ", ".join(SCHEDULES)),
                   ("chunks", isinstance(self.chunks, int) and self.chunks >= 1, "an integer ≥ 1"),
                   ("microbatches", isinstance(self.microbatches, int) and self.microbatches >= 1, "an integer ≥ 1"),
-                  ("dp_linear_sync", self.dp_linear_sync in LINEAR_SYNCS, ", ".join(LINEAR_SYNCS))]
+                  ("dp_linear_sync", self.dp_linear_sync in LINEAR_SYNCS, ", ".join(LINEAR_SYNCS)),
+                  ("cp_mode", self.cp_mode in CP_MODES, " or ".join(CP_MODES))]
         for name, ok, allowed in checks:
             if not ok:
                 raise ValueError(f"{name}={getattr(self, name)!r}: use {allowed}")
