@@ -93,7 +93,7 @@ class LayoutConfig:
 
     def summary(self) -> dict:
         """The `layout` object of the JSON contract."""
-        keys = ("dp", "tp", "pp", "zero", "sp", "schedule", "microbatches", "recompute", "precision", "cp")
+        keys = ("dp", "tp", "pp", "zero", "sp", "schedule", "microbatches", "recompute", "precision", "cp", "cp_mode")
         return {k: getattr(self, k) for k in keys}
 
 
@@ -456,7 +456,7 @@ def warnings(cfg: Config, command: str = "train") -> list[str]:
     if lay.pp > 1 and lay.microbatches < lay.pp:
         found.append(f"--microbatches {lay.microbatches} < --pp {lay.pp}: most stages idle through most of the step "
                      f"(the bubble); use --microbatches {lay.pp} or more")
-    if lay.zero and lay.dp == 1:
+    if lay.zero and lay.dp * lay.cp == 1:  # cp ranks are parameter replicas too: ZeRO shards over dp × cp
         found.append(f"--zero {lay.zero} with dp=1: there is no data-parallel group to shard over; it runs as --zero 0")
     if lay.dp_linear_sync == "allgather" and lay.dp == 1:
         found.append("--dp-linear-sync allgather with dp=1: there are no other ranks' rows to gather; "

@@ -110,15 +110,15 @@ def test_the_plan_is_what_each_rank_of_the_trainer_holds_and_sends(world, sizes,
 def _brute_force(work, gpus, machine, memory, base):
     """Every combination of the searched choices, checked by the planner itself, no shortcut."""
     best = None
-    for tp, pp, zero, sp, rec, b, (sched, v) in itertools.product(
-            (1, 2, 4, 8), (1, 2, 4, 8), (0, 1, 2, 3), (False, True), ("none", "selective", "full"),
-            (1, 2, 4, 8, 16, 32), (("1f1b", 1), ("zb", 1), ("interleaved", 2))):
-        if gpus % (tp * pp) or (gpus // (tp * pp)) * b > work.batch:
+    for tp, cp, mode, pp, zero, sp, rec, b, (sched, v) in itertools.product(
+            (1, 2, 4, 8), (1, 2, 4, 8), ("ring", "ulysses"), (1, 2, 4, 8), (0, 1, 2, 3), (False, True),
+            ("none", "selective", "full"), (1, 2, 4, 8, 16, 32), (("1f1b", 1), ("zb", 1), ("interleaved", 2))):
+        if gpus % (tp * cp * pp) or (gpus // (tp * cp * pp)) * b > work.batch or (cp == 1 and mode != "ring"):
             continue
-        dp = gpus // (tp * pp)
-        lay = replace(base, dp=dp, tp=tp, pp=pp, zero=zero, sp=sp, recompute=rec, schedule=sched, chunks=v,
-                      microbatches=max(1, work.batch // (dp * b)))
-        if work.batch != dp * b * lay.microbatches or (zero and dp == 1) or (pp == 1 and sched != "1f1b"):
+        dp = gpus // (tp * cp * pp)
+        lay = replace(base, dp=dp, cp=cp, cp_mode=mode, tp=tp, pp=pp, zero=zero, sp=sp, recompute=rec,
+                      schedule=sched, chunks=v, microbatches=max(1, work.batch // (dp * b)))
+        if (work.batch != dp * b * lay.microbatches or (zero and dp * cp == 1) or (pp == 1 and sched != "1f1b")):
             continue
         try:
             result = plan(work, lay, machine, memory_bytes=memory)
@@ -134,13 +134,67 @@ def test_search_finds_the_best_layout_of_a_brute_force_enumeration():
     vocabulary (some layouts do not fit), the search's best predicted step time is the least
     of every combination of the choices planned one by one."""
     work = Workload(Shape(12, 1024, 16, 32768, 1024), 32, 1024)
-    base, memory = LayoutConfig(precision="bf16"), 0.6 * 2 ** 30  # 11 of 1146 layouts fit
+    base, memory = LayoutConfig(precision="bf16"), 0.6 * 2 ** 30  # 17 of 4266 layouts fit (cp 2 among them)
     machine = GpuRates(H100, "bf16")
     found = search(work, 8, machine, memory_bytes=memory, base=base)
     assert 0 < found["fit"] < found["tried"]  # the memory limit matters here
     expected_time, _ = _brute_force(work, 8, machine, memory, base)
     lay, best = found["best"][0]
     assert best["fits"] and best["predicted_step_time_s"] == pytest.approx(expected_time, rel=1e-12)
+
+
+LLAMA3_8B = shape_of("llama3-8b")
+
+
+def test_search_splits_a_long_sequence_over_cp():
+    """Llama-3 8B on one sequence of 128k tokens, 8 GPUs of 80 GiB: the search covers cp in
+    both modes (ulysses only where the 8 key/value heads left by tp divide by cp) and ranks a
+    cp layout first; every layout it returns is one `check` accepts."""
+    work = Workload(LLAMA3_8B, 1, 131072)
+    found = search(work, 8, GpuRates(H100, "bf16"), memory_bytes=80 * 2 ** 30, base=LayoutConfig(precision="bf16"))
+    lay, best = found["best"][0]
+    assert lay.cp > 1 and best["fits"], lay
+    seen = {(lay.cp, lay.cp_mode, lay.tp) for lay, _ in found["best"]}
+    assert any(mode == "ulysses" for _, mode, _ in seen) and any(mode == "ring" for _, mode, _ in seen)
+    assert all(8 // tp % cp == 0 for cp, mode, tp in seen if mode == "ulysses")
+
+
+class _NoOverlap(GpuRates):
+    comm_overlap = 0.0  # as a CPU profile: nothing hides under compute
+
+
+def test_the_rings_transfers_hide_under_its_attention_blocks_and_all_to_all_does_not():
+    """Per micro-batch the ring's hops overlap the attention blocks computed meanwhile: on a
+    GPU (comm_overlap 1) its exposed time is what the blocks cannot cover, less than its
+    transfers' time, and without overlap it is all of them; all-to-all waits for its data."""
+    work = Workload(LLAMA3_8B, 8, 32768)
+    for mode in ("ring", "ulysses"):
+        lay = LayoutConfig(dp=1, cp=8, cp_mode=mode, precision="bf16", recompute="full", zero=3, microbatches=8)
+        sent = {}
+        for machine in (GpuRates(H100, "bf16"), _NoOverlap(H100, "bf16")):
+            result = plan(work, lay, machine)
+            d = Device(work, lay)
+            sent[machine.comm_overlap] = (result["time_s"]["cp_exposed"], sum(
+                x.calls * machine.collective_time(x.kind, x.nbytes) for x in traffic.transfers(d, 0)["cp"]))
+        exposed, whole = sent[0.0]
+        assert exposed == pytest.approx(whole, rel=1e-12) and whole > 0, mode
+        exposed, whole = sent[1.0]
+        if mode == "ring":
+            assert 0 <= exposed < whole, (exposed, whole)
+        else:
+            assert exposed == pytest.approx(whole, rel=1e-12), (exposed, whole)
+
+
+@pytest.mark.parametrize("lay, work, message", [
+    (dict(cp=3), dict(seq=1000), "does not split into 2·cp = 6 equal chunks"),
+    (dict(cp=4, cp_mode="ulysses", tp=4), dict(seq=1024), "the 8 key/value heads (2 per tp rank) do not split"),
+    (dict(cp=2), dict(seq=1024, attention="math", dropout=0.1), "attention-probability dropout"),
+    (dict(cp=2, tp=8, sp=True), dict(seq=1032), "--seq-len 1032 ÷ --cp 2 is not divisible by --tp 8"),
+    (dict(cp=2, cp_mode="star"), dict(seq=1024), "unknown --cp-mode 'star'"),
+])
+def test_the_planner_refuses_what_context_parallelism_cannot_split(lay, work, message):
+    with pytest.raises(PlanError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        plan(Workload(LLAMA3_8B, 8, **work), LayoutConfig(dp=1, **lay), GpuRates(H100, "fp32"))
 
 
 def test_plan_command_gives_the_contract_keys_and_says_what_it_planned():
@@ -165,7 +219,7 @@ def test_llama3_70b_search_on_64_h100s_is_fast_and_explains_the_best():
     got = last_json(r.stdout)
     assert took < 10 and got["search"]["seconds"] < 5, took
     assert got["fits"] and got["layout"]["tp"] <= 8 and got["total_bytes"] <= 80 * 2 ** 30
-    assert got["layout"]["dp"] * got["layout"]["tp"] * got["layout"]["pp"] == 64
+    assert got["layout"]["dp"] * got["layout"]["cp"] * got["layout"]["tp"] * got["layout"]["pp"] == 64
     assert "the best, explained" in r.stderr and "memory per device" in r.stderr
 
 

@@ -322,7 +322,8 @@ def recompute_kept_bytes(blocks: int, parts: dict[str, int], recompute: str = "n
 @lru_cache(maxsize=4096)
 def _chunks_at_backwards(schedule: str, pp: int, stage: int, microbatches: int,
                          chunks: int) -> tuple[tuple[int, tuple[int, ...], int, int, int], ...]:
-    """For each backward of the stage, in order, by walking the stage's instruction list: its
+    """The distinct moments of the stage's backwards (the peak is their largest, so a moment
+    repeated in the steady state counts once), by walking the stage's instruction list: its
     chunk; the micro-batches each chunk holds then (forwarded and not yet backwarded, the one
     being backwarded included); under the zero-bubble schedule the micro-batches whose input
     pass is done and whose weight pass is not (holding only the weight-gradient store's
@@ -335,7 +336,7 @@ def _chunks_at_backwards(schedule: str, pp: int, stage: int, microbatches: int,
     from meshtrain.parallel.pipeline import schedules as S
 
     if pp == 1:
-        return ((0, (1,), 0, 0, 0, False),) * microbatches
+        return ((0, (1,), 0, 0, 0, False),)
     last = pp * chunks - 1
     held, stored, received, unsent, in_flight, found = [0] * chunks, 0, 0, 0, 0, []
     steps = S.compute_steps(schedule, stage, pp, microbatches, chunks)
@@ -363,7 +364,7 @@ def _chunks_at_backwards(schedule: str, pp: int, stage: int, microbatches: int,
             received -= receives
         if receives and isinstance(op, (S.BackwardInput, S.BackwardWeight)):  # a split backward's store
             stored += 1 if isinstance(op, S.BackwardInput) else -1
-    return tuple(found)
+    return tuple(dict.fromkeys(found))
 
 
 def weight_store_bytes(seq: int, micro_batch: int, hidden: int, *, element_bytes: int, ffn: int | None = None,

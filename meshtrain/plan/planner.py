@@ -8,7 +8,9 @@ GPU preset, or a profile measured here):
     per micro-batch and stage  t_f, t_b   the block's matmuls and elementwise traffic (backward
                                           twice forward; recomputation adds its forward work),
                                           plus the tensor-parallel collectives and the p2p sends
-                                          on the critical path, and (a measured profile) each
+                                          on the critical path, the context-parallel transfers
+                                          the ring's attention blocks do not hide
+                                          (`_context_time`), and (a measured profile) each
                                           tensor-parallel collective's wait for the slower rank
     pipeline                   m·(t_f + t_b)/(1 − bubble), the slowest stage, the bubble in the
                                           closed forms of the schedule simulator; ranks sharing
@@ -25,10 +27,12 @@ No processes are started; a plan of a 405B model takes about a millisecond."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from meshtrain.ring import all_reduce_bytes
 from meshtrain.config import SCHEDULES, LayoutConfig, parse_recompute, schedule_or_batch_problem
+from meshtrain.parallel.options import CP_MODES
 from meshtrain.plan import memory, sharing, traffic
 from meshtrain.plan.cost import hardware_flops, model_flops
 from meshtrain.plan.shapes import Shape
@@ -62,9 +66,6 @@ def check(work: Workload, lay: LayoutConfig, gpus: int | None = None) -> None:
     if gpus is not None and lay.world_size != gpus:
         raise PlanError(f"dp×cp×tp×pp = {lay.dp}×{lay.cp}×{lay.tp}×{lay.pp} = {lay.world_size}, not the {gpus} GPUs "
                         f"of --gpus; change --dp/--cp/--tp/--pp so that their product is {gpus}")
-    if lay.cp > 1 and work.seq % (2 * lay.cp):
-        raise PlanError(f"--seq-len {work.seq} does not split into 2·cp = {2 * lay.cp} equal chunks; use a multiple "
-                        f"of {2 * lay.cp}")
     if lay.zero not in (0, 1, 2, 3):
         raise PlanError(f"--zero {lay.zero}: use --zero 0, 1, 2 or 3")
     if lay.schedule not in SCHEDULES:
@@ -81,15 +82,40 @@ def check(work: Workload, lay: LayoutConfig, gpus: int | None = None) -> None:
     for size, what in splits:
         if size % lay.tp:
             raise PlanError(f"--tp {lay.tp} does not divide the {size} {what}; use --tp {_divisors(size)}")
+    if lay.cp > 1:
+        _check_context(work, lay)
     if lay.sp and lay.tp == 1:
         raise PlanError("--sp shards the sequence inside the tensor-parallel group; use --tp 2 or more with --sp")
-    if lay.sp and work.seq % lay.tp:
-        raise PlanError(f"--sp splits the sequence over tp: --seq-len {work.seq} is not divisible by --tp {lay.tp}")
+    if lay.sp and (work.seq // lay.cp) % lay.tp:
+        tokens = f"--seq-len {work.seq}" + (f" ÷ --cp {lay.cp}" if lay.cp > 1 else "")
+        raise PlanError(f"--sp splits the sequence over tp: {tokens} is not divisible by --tp {lay.tp}")
     if shape.layers < lay.pp * lay.chunks:
         raise PlanError(f"the model has {shape.layers} blocks, fewer than pp×chunks = {lay.pp}×{lay.chunks}")
     problem = schedule_or_batch_problem(lay, work.batch)
     if problem:
         raise PlanError(problem)
+
+
+def _check_context(work: Workload, lay: LayoutConfig) -> None:
+    """What context parallelism cannot split: as `config` refuses it for a run."""
+    shape = work.shape
+    if lay.cp_mode not in CP_MODES:
+        raise PlanError(f"unknown --cp-mode '{lay.cp_mode}'; use --cp-mode {' | '.join(CP_MODES)}")
+    if work.seq % (2 * lay.cp):
+        raise PlanError(f"--seq-len {work.seq} does not split into 2·cp = {2 * lay.cp} equal chunks; use a multiple "
+                        f"of {2 * lay.cp}")
+    if work.attention == "math" and work.dropout > 0:
+        raise PlanError("--cp: attention-probability dropout (--attention math with --dropout) cannot be split over "
+                        "cp; use --attention sdpa or --dropout 0")
+    if lay.cp_mode == "ulysses":
+        for n, what in ((shape.heads, "heads"), (shape.kv_heads or shape.heads, "key/value heads")):
+            if (n // lay.tp) % lay.cp:
+                raise PlanError(f"--cp-mode ulysses: the {n} {what} ({n // lay.tp} per tp rank) do not split over "
+                                f"--cp {lay.cp}; use --cp-mode ring or a --cp dividing them")
+
+
+# the search plans each activation peak once: ZeRO levels (and cp modes' shared terms) repeat it
+_stage_activations = functools.lru_cache(maxsize=4096)(memory.torch_stage_activation_bytes)
 
 
 class Device:
@@ -179,10 +205,10 @@ class Device:
         its full activations; the embedding and the head are left out, as in the paper."""
         lay, sh = self.layout, self.shape
         if self.accounting == "torch":
-            return memory.torch_stage_activation_bytes(
+            return _stage_activations(
                 sh.layers, self.seq, self.micro_batch, sh.hidden, sh.heads, sh.vocab, recompute=lay.recompute,
                 pp=lay.pp, stage=stage, schedule=lay.schedule, microbatches=lay.microbatches, chunks=lay.chunks,
-                stage_layers=lay.stage_layer_counts(), **self._torch_terms())
+                stage_layers=tuple(lay.stage_layer_counts() or ()) or None, **self._torch_terms())
         held = memory.in_flight(lay.pp - stage, lay.microbatches, lay.schedule, lay.chunks) if lay.pp > 1 else 1
         blocks = self.blocks_on(stage)
         if self.recompute_mode == "none":
@@ -197,19 +223,24 @@ class Device:
 
     # ---- time -------------------------------------------------------------------------------
 
+    def attention_core_time(self, machine) -> float:
+        """One block's attention scores and weighted sum, forward, per micro-batch: under cp a
+        rank's queries (s = seq/cp of them) meet all seq keys, cp blocks of s × s."""
+        heads = self.shape.heads // self.layout.tp
+        s, dtype = self.seq, self.layout.precision
+        return 2 * machine.matmul_time(s, self.shape.head_size, s, dtype, batch=self.micro_batch * heads) * self.layout.cp
+
     def micro_batch_times(self, machine, stage: int) -> tuple[float, float]:
         """(forward, backward) seconds of one micro-batch on stage `stage`, compute only."""
         sh, lay, b, s, t = self.shape, self.layout, self.micro_batch, self.seq, self.layout.tp
         dtype, h, f, kv = lay.precision, sh.hidden, sh.ffn_width, sh.kv_width
-        rows, heads = b * s, sh.heads // t
-        d_head = sh.head_size
-        q = sh.heads * d_head  # h, but for a Llama whose head_dim is not h/heads
+        rows = b * s
+        q = sh.heads * sh.head_size  # h, but for a Llama whose head_dim is not h/heads
         matrices = [(rows, h, (q + 2 * kv) // t), (rows, q // t, h)]
         matrices += [(rows, h, 2 * f // t), (rows, f // t, h)] if sh.kind == "llama" else \
             [(rows, h, f // t), (rows, f // t, h)]
         linear = sum(machine.matmul_time(m, k, n, dtype) for m, k, n in matrices)
-        # under cp a rank's queries (s = seq/cp of them) meet all seq keys: cp blocks of s × s
-        core = 2 * machine.matmul_time(s, d_head, s, dtype, batch=b * heads) * lay.cp
+        core = self.attention_core_time(machine)
         traffic_bytes = 2 * memory.torch_activation_bytes_per_layer(s, b, h, sh.heads, **self._torch_terms())
         elementwise = machine.elementwise_time(traffic_bytes)
         ops = OPS_PER_BLOCK * machine.op_overhead_s
@@ -294,6 +325,22 @@ def _shared_pipeline(d: Device, lay: LayoutConfig, times: dict, per_micro: dict,
     return sharing.pipeline_time(lay.schedule, lay.microbatches, lay.chunks, tuple(costs), lay.dp * lay.tp, cores)
 
 
+def _context_time(machine, d: Device, stage: int, cp: list[traffic.Transfer], across_nodes: bool) -> float:
+    """Per micro-batch, what context parallelism's transfers add to a stage's critical path.
+    The ring issues each hop before the block it overlaps: of its cp block steps per pass,
+    cp − 1 have a transfer in flight, so it hides up to (cp − 1)/cp of the attention core
+    (forward, backward at twice that, and a recomputed forward), as much as the machine
+    overlaps communication (`comm_overlap`: a GPU's streams, none on a CPU profile). The
+    all-to-alls of ulysses wait for their data: all exposed."""
+    lay = d.layout
+    sent = _transfer_time(machine, cp, across_nodes) / lay.microbatches
+    if lay.cp_mode != "ring" or not sent:
+        return sent
+    passes = 3 + (lay.recompute != "none")
+    window = d.blocks_on(stage) * passes * d.attention_core_time(machine) * (lay.cp - 1) / lay.cp
+    return sent - min(sent, machine.comm_overlap * window)
+
+
 def _scalar_time(machine, lay: LayoutConfig, across: dict[str, bool]) -> float:
     """The one-number all-reduces every step makes, each a collective's latency: the
     gradient norm's partial sums over each axis (`optim.clip_grad_norm_`) and the loss over
@@ -346,8 +393,9 @@ def plan(work: Workload, lay: LayoutConfig, machine, *, memory_bytes: float | No
     m = lay.microbatches
     times = {k: d.micro_batch_times(machine, k) for k in stages}
     moves = {k: traffic.transfers(d, k) for k in stages}
-    per_micro = {k: sum(times[k]) + _skew_time(machine, moves[k]["tp"], sum(times[k]), m)
-                 + sum(_transfer_time(machine, moves[k][axis], across[axis]) for axis in ("tp", "pp", "cp")) / m
+    context = {k: _context_time(machine, d, k, moves[k]["cp"], across["cp"]) for k in stages}
+    per_micro = {k: sum(times[k]) + _skew_time(machine, moves[k]["tp"], sum(times[k]), m) + context[k]
+                 + sum(_transfer_time(machine, moves[k][axis], across[axis]) for axis in ("tp", "pp")) / m
                  for k in stages}
     bubble = bubble_fraction(lay.schedule, lay.pp, m, lay.chunks)
     slowest = max(stages, key=per_micro.get)
@@ -361,10 +409,12 @@ def plan(work: Workload, lay: LayoutConfig, machine, *, memory_bytes: float | No
         slowest = _kind(d, busiest)
         compute = busy[busiest] * sum(times[slowest]) / per_micro[slowest]
         moving = busy[busiest] - compute
+        context_exposed = busy[busiest] * context[slowest] / per_micro[slowest]
     else:
         compute = m * sum(times[slowest]) * shared
         pipeline = m * per_micro[slowest] * max(1 / (1 - bubble), shared)
         moving = m * (per_micro[slowest] - sum(times[slowest])) * shared
+        context_exposed = m * context[slowest] * shared
     dp_time = _transfer_time(machine, moves[slowest]["dp"], across["dp"]) * shared
     window = times[slowest][1] if lay.zero < 2 else compute  # what the reductions can hide under
     hidden = min(dp_time, machine.comm_overlap * window)
@@ -388,6 +438,7 @@ def plan(work: Workload, lay: LayoutConfig, machine, *, memory_bytes: float | No
         "mfu": flops / (step * lay.world_size * peak_flops) if peak_flops else None,
         "micro_batch_size": d.micro_batch,
         "worst_stage": worst,
-        "time_s": {"compute": compute, "tp_pp": moving, "bubble": pipeline - compute - moving,
+        "time_s": {"compute": compute, "tp_pp": moving - context_exposed, "cp_exposed": context_exposed,
+                   "bubble": pipeline - compute - moving,
                    "dp_exposed": dp_time - hidden, "optimizer": optimizer, "scalars": scalars},
     }

@@ -2,8 +2,10 @@
 fit ranked by predicted step time.
 
 The space: tp a divisor of the GPUs that fits in a node (and divides heads, key/value heads,
-the MLP width and the vocabulary), pp a divisor of the rest, dp what remains (dividing the
-batch); ZeRO 0–3 (0 alone when dp = 1); SP on or off under tp; no, selective or full
+the MLP width and the vocabulary), cp a divisor of the rest that cuts the sequence into 2·cp
+chunks (by the ring, and by all-to-all where the heads left by tp divide by cp), pp a
+divisor of what remains, dp the rest (dividing the batch); ZeRO 0–3 (0 alone when dp·cp = 1:
+ZeRO shards over the parameters' dp × cp replicas); SP on or off under tp; no, selective or full
 recompute; every micro-batch size that divides a replica's batch; under pp, 1F1B, the
 zero-bubble schedule and interleaved 1F1B with 2 chunks. Precision, gradient dtype,
 attention and dropout are the workload's, not searched.
@@ -19,6 +21,7 @@ from dataclasses import replace
 from typing import Iterator
 
 from meshtrain.config import LayoutConfig
+from meshtrain.parallel.options import CP_MODES
 from meshtrain.plan.planner import PlanError, Workload, check, plan
 
 RECOMPUTE_CHOICES = ("none", "selective", "full")
@@ -28,30 +31,42 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def _context_choices(work: Workload, rest: int) -> Iterator[tuple[int, str]]:
+    """(cp, mode) for the devices left after tp: no cp, then every divisor cp > 1 that
+    splits the sequence into 2·cp chunks, by the ring and (`check` keeps it only where the
+    heads divide) by all-to-all."""
+    yield 1, "ring"
+    for cp in _divisors(rest)[1:]:
+        if work.seq % (2 * cp) == 0:
+            yield from ((cp, mode) for mode in CP_MODES)
+
+
 def layouts(work: Workload, gpus: int, gpus_per_node: int, base: LayoutConfig) -> Iterator[LayoutConfig]:
     """Every layout `check` accepts for `gpus` devices (`base` gives what is not searched)."""
     shape = work.shape
     for tp in _divisors(gpus):
         if tp > gpus_per_node:
             break
-        for pp in _divisors(gpus // tp):
-            dp = gpus // (tp * pp)
-            if work.batch % dp or pp > shape.layers:
-                continue
-            schedules = [("1f1b", 1)] + ([("zb", 1), ("interleaved", 2)] if pp > 1 else [])
-            for zero in (0, 1, 2, 3) if dp > 1 else (0,):
-                for sp in (False, True) if tp > 1 else (False,):
-                    for recompute in RECOMPUTE_CHOICES:
-                        for b in _divisors(work.batch // dp):
-                            m = work.batch // (dp * b)
-                            for schedule, chunks in schedules:
-                                lay = replace(base, dp=dp, tp=tp, pp=pp, zero=zero, sp=sp, recompute=recompute,
-                                              microbatches=m, schedule=schedule, chunks=chunks, stage_layers="")
-                                try:
-                                    check(work, lay, gpus)
-                                except PlanError:
-                                    continue
-                                yield lay
+        for cp, cp_mode in _context_choices(work, gpus // tp):
+            for pp in _divisors(gpus // (tp * cp)):
+                dp = gpus // (tp * cp * pp)
+                if work.batch % dp or pp > shape.layers:
+                    continue
+                schedules = [("1f1b", 1)] + ([("zb", 1), ("interleaved", 2)] if pp > 1 else [])
+                for zero in (0, 1, 2, 3) if dp * cp > 1 else (0,):
+                    for sp in (False, True) if tp > 1 else (False,):
+                        for recompute in RECOMPUTE_CHOICES:
+                            for b in _divisors(work.batch // dp):
+                                m = work.batch // (dp * b)
+                                for schedule, chunks in schedules:
+                                    lay = replace(base, dp=dp, tp=tp, pp=pp, cp=cp, cp_mode=cp_mode, zero=zero, sp=sp,
+                                                  recompute=recompute, microbatches=m, schedule=schedule,
+                                                  chunks=chunks, stage_layers="")
+                                    try:
+                                        check(work, lay, gpus)
+                                    except PlanError:
+                                        continue
+                                    yield lay
 
 
 def search(work: Workload, gpus: int, machine, *, memory_bytes: float, gpus_per_node: int = 8,
