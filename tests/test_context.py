@@ -38,9 +38,13 @@ def _whole(q, k, v):
                                           is_causal=True)
 
 
-def _ring_against_sdpa(_mesh, cp, heads, kv_heads, contiguous, mode="ring"):
+def _ring_against_sdpa(_mesh, cp, heads, kv_heads, contiguous, mode="ring", kernel="fused"):
     """Ring (or all-to-all) attention on this rank's tokens against sdpa on the whole
-    sequence: outputs and the gradients of q, k, v; and the block areas this rank computed."""
+    sequence: outputs and the gradients of q, k, v; and the block areas this rank computed.
+    `kernel`: the blocks in CPU's fused flash kernel, or in the math one CUDA runs."""
+    assert context.fused_blocks(torch.device("cpu"))  # this torch has the CPU kernel
+    if kernel == "math":
+        context.fused_blocks = lambda device: False
     if contiguous:  # the split without balancing: rank r holds chunks 2r and 2r + 1
         context.chunk_ids = lambda rank, cp: (2 * rank, 2 * rank + 1)
     comm = meshtrain.init(cp=cp).comm
@@ -65,15 +69,17 @@ def _ring_against_sdpa(_mesh, cp, heads, kv_heads, contiguous, mode="ring"):
     return ring.area
 
 
+@pytest.mark.parametrize("kernel", ["fused", "math"])
 @pytest.mark.parametrize("cp, heads, kv_heads", [(2, 4, 4), (4, 4, 2)])
-def test_ring_attention_equals_whole_sequence_attention_and_is_balanced(cp, heads, kv_heads):
-    """Outputs and gradients equal sdpa's on the whole sequence (MHA at cp 2, GQA at cp 4).
-    Balance, counted from the kernel calls (query × key positions per block, forward and
-    backward): head-tail gives every rank the same area to within a diagonal block's
-    triangle (≤ 5 %); the contiguous split about (2·cp − 1)× more on the last rank than the first."""
-    areas = run_ranks(_ring_against_sdpa, cp, cp, heads, kv_heads, False)
+def test_ring_attention_equals_whole_sequence_attention_and_is_balanced(cp, heads, kv_heads, kernel):
+    """Outputs and gradients equal sdpa's on the whole sequence (MHA at cp 2, GQA at cp 4),
+    with either block kernel. Balance, counted from the kernel calls (query × key positions
+    per block, forward and backward): head-tail gives every rank the same area to within a
+    diagonal block's triangle (≤ 5 %); the contiguous split about (2·cp − 1)× more on the
+    last rank than the first."""
+    areas = run_ranks(_ring_against_sdpa, cp, cp, heads, kv_heads, False, "ring", kernel)
     assert max(areas) <= 1.05 * min(areas), areas
-    contiguous = run_ranks(_ring_against_sdpa, cp, cp, heads, kv_heads, True)
+    contiguous = run_ranks(_ring_against_sdpa, cp, cp, heads, kv_heads, True, "ring", kernel)
     assert 0.8 * (2 * cp - 1) <= contiguous[-1] / contiguous[0] <= 1.0 * (2 * cp - 1), contiguous
 
 

@@ -16,8 +16,9 @@ layer, forward 2·b·s·d_kv·(cp−1)/cp elements in the compute dtype; backwar
 plus 2·b·s·d_kv fp32 (the gradients' cp hops). A block whose keys all lie after its
 queries is skipped; the diagonal ones are causal.
 
-The block kernel is exact softmax attention in fp32 (math): the same on CPU and CUDA. Its
-backward takes the merged output and log-sum-exp, as the flash-attention backward does.
+The block kernel is exact softmax attention in fp32: torch's fused flash kernel on CPU
+(`fused_blocks`), the math one (a score tile per block) elsewhere. Its backward takes the
+merged output and log-sum-exp, as the flash-attention backward does.
 """
 
 from __future__ import annotations
@@ -60,9 +61,20 @@ def _scores(q, k, scale: float, causal: bool) -> torch.Tensor:
     return scores
 
 
+def fused_blocks(device: torch.device) -> bool:
+    """Whether the blocks run in torch's fused flash kernel: on CPU, where it returns the
+    log-sum-exp and has a matching backward (`_scaled_dot_product_flash_attention_for_cpu`,
+    private, in torch since 2.2); elsewhere the math kernel below."""
+    return device.type == "cpu" and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
+
+
 def _block(q, k, v, scale: float, causal: bool):
     """Softmax attention of one block in fp32: (output, log-sum-exp). q: [b, h, c, d]; k, v:
-    [b, h, c', d] (already repeated to h heads)."""
+    [b, h, c', d] (already repeated to h heads). The diagonal block's mask is top-left
+    causal, as the fused kernel's is for a square block."""
+    if fused_blocks(q.device):
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q.float(), k.float(), v.float(), 0.0,
+                                                                          causal, scale=scale)
     scores = _scores(q, k, scale, causal)
     lse = torch.logsumexp(scores, dim=-1)
     return torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), v.float()), lse
@@ -71,6 +83,9 @@ def _block(q, k, v, scale: float, causal: bool):
 def _block_backward(dout, q, k, v, out, lse, scale: float, causal: bool):
     """The gradients of one block's (q, k, v) given the merged output and log-sum-exp of its
     queries (fp32): P = exp(S − lse); dV = Pᵀ·dO; dS = P ∘ (dO·Vᵀ − rowsum(dO ∘ O))."""
+    if fused_blocks(q.device):
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout, q.float(), k.float(), v.float(), out, lse, 0.0, causal, scale=scale)
     p = torch.exp(_scores(q, k, scale, causal) - lse.unsqueeze(-1))
     dv = torch.matmul(p.transpose(-2, -1), dout)
     ds = p * (torch.matmul(dout, v.float().transpose(-2, -1)) - (dout * out).sum(-1, keepdim=True))
@@ -144,6 +159,13 @@ def _visits(ring: Ring, k: torch.Tensor, v: torch.Tensor, group: int):
         here = nxt
 
 
+def _accumulate(grads, *into) -> None:
+    """Add a block's gradients into the accumulators' slices; the block's die on return (bound
+    to loop names, they would live on through the next block's kernel)."""
+    for acc, g in zip(into, grads):
+        acc += g
+
+
 class RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, ring: Ring, scale: float):
@@ -171,11 +193,8 @@ class RingAttention(torch.autograd.Function):
             dk = torch.zeros(kk.shape, dtype=torch.float32, device=q.device)
             dv = torch.zeros_like(dk)
             for qs, ks, causal in blocks:
-                gq, gk, gv = _block_backward(dout[:, :, qs], q[:, :, qs], kk[:, :, ks], vv[:, :, ks], out[:, :, qs],
-                                             lse[:, :, qs], scale, causal)
-                dq[:, :, qs] += gq
-                dk[:, :, ks] += gk
-                dv[:, :, ks] += gv
+                _accumulate(_block_backward(dout[:, :, qs], q[:, :, qs], kk[:, :, ks], vv[:, :, ks], out[:, :, qs],
+                                            lse[:, :, qs], scale, causal), dq[:, :, qs], dk[:, :, ks], dv[:, :, ks])
             dk, dv = _fold(dk, group), _fold(dv, group)
             if arriving is not None:  # the accumulators of this block's gradients, from the ranks before
                 _wait(grad_handles)

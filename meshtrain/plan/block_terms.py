@@ -68,18 +68,21 @@ def llama_kept_bytes(seq: int, micro_batch: int, hidden: int, heads: int, dims: 
 
 
 def ring_backward_bytes(seq: int, micro_batch: int, hidden: int, heads: int, llama: LlamaDims | None, *,
-                        element_bytes: int = 4, tp: int = 1) -> int:
+                        element_bytes: int = 4, tp: int = 1, fused: bool = False) -> int:
     """What ring attention's backward holds beyond its saved tensors (`seq`: the rank's
-    tokens, two chunks of c = seq/2), fp32 but where said: one block's tiles (scores,
-    probabilities, their gradient and a product, 4·b·(a/t)·c²) and its three gradients
-    (of c queries and c keys: 3·b·c·q); the accumulators of dq, and of dk and dv at the
-    query heads' width before they are folded to the key/value heads; those arriving from
-    the previous rank (2·d_kv); and, under grouped-query attention, the visiting keys and
-    values repeated to the query heads (in the compute dtype). Measured against the meter:
-    exact on llama-small at cp 2 with full recompute, whose peak it is."""
+    tokens, two chunks of c = seq/2), fp32 but where said: the output's gradient (the output
+    projection's input gradient, q wide, in the compute dtype, and in bf16 its fp32 copy);
+    one block's three gradients (of c queries and c keys: 3·b·c·q) and, from the math
+    kernel (not the fused one: `fused`), its tiles (scores, probabilities, their gradient
+    and a product, 4·b·(a/t)·c²); the accumulators of dq, and of dk and dv at the query
+    heads' width before they are folded to the key/value heads; those arriving from the
+    previous rank (2·d_kv); and, under grouped-query attention, the visiting keys and values
+    repeated to the query heads (in the compute dtype). Full recompute peaks here: against
+    the meter, fused (CPU), see docs/context.md."""
     b, c, a, rows = micro_batch, seq // 2, heads // tp, micro_batch * seq
     q, kv = (llama.q_width // tp, llama.kv_width // tp) if llama else (hidden // tp, hidden // tp)
-    tiles = 4 * b * a * c * c * 4 + 3 * b * c * q * 4
+    tiles = (0 if fused else 4 * b * a * c * c * 4) + 3 * b * c * q * 4
     accumulators = rows * (q + 2 * q + 2 * kv) * 4
+    output_grad = rows * q * element_bytes + (rows * q * 4 if element_bytes < 4 else 0)
     repeated = 2 * rows * q * element_bytes if q != kv else 0
-    return tiles + accumulators + repeated
+    return output_grad + tiles + accumulators + repeated

@@ -122,6 +122,19 @@ def machine_of(args, cluster: Cluster, precision: str, world: int):
     return rates, rates.peak_flops(precision)
 
 
+def _trainer_device(args, cfg: C.Config, machine) -> str:
+    """Where the planned run trains ("cpu" or "cuda"): the profiled machine's device, here
+    under --measure, else a GPU of the cluster."""
+    profile = getattr(machine, "profile", None)
+    if profile is not None:
+        return "cpu" if profile.device == "cpu" else "cuda"
+    if args.measure:
+        import torch
+        device = cfg.train.device
+        return "cuda" if device == "cuda" or (device == "auto" and torch.cuda.is_available()) else "cpu"
+    return "cuda"
+
+
 def _unit(nbytes: float) -> tuple[str, float]:
     """The binary unit a table of sizes up to `nbytes` reads best in."""
     for name, size in (("GiB", GIB), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
@@ -213,6 +226,7 @@ def _run(args, cfg: C.Config) -> int:
         print(describe(f"{args.params:g} parameters", None, lay, result, cluster_line), file=out)
         return _emit(args, result)
     machine, peak = machine_of(args, cluster, lay.precision, gpus)
+    work = replace(work, device=_trainer_device(args, cfg, machine))
     if args.machine:
         cluster_line = f"{gpus} ranks on the machine profiled in {args.machine}"
     options = dict(gpus_per_node=cluster.gpus_per_node, peak_flops=peak, accounting=args.accounting)

@@ -216,7 +216,7 @@ def torch_activation_bytes_per_layer(seq: int, micro_batch: int, hidden: int, he
 
 def block_parts(seq: int, micro_batch: int, hidden: int, heads: int, *, element_bytes: int, attention: str,
                  dropout: float, ffn: int | None, tp: int, sp: bool, llama: LlamaDims | None = None,
-                 cp_mode: str | None = None) -> dict[str, int]:
+                 cp_mode: str | None = None, fused_blocks: bool = False) -> dict[str, int]:
     """One block's activation terms on one rank, in bytes (`torch` accounting; t = tp, w = t
     under SP else 1), the pieces the step's moments are made of:
 
@@ -276,7 +276,7 @@ def block_parts(seq: int, micro_batch: int, hidden: int, heads: int, *, element_
         return rows * s * f * e // t + h * f * e // t + h * e
     backward_extra = extra(b)
     if cp_mode == "ring":  # or at its attention's backward, the MLP's tensors freed: the ring's tiles and accumulators
-        backward_extra = max(backward_extra, ring_backward_bytes(s, b, h, a, llama, element_bytes=e, tp=t) - mlp(b))
+        backward_extra = max(backward_extra, ring_backward_bytes(s, b, h, a, llama, element_bytes=e, tp=t, fused=fused_blocks) - mlp(b))
     # recomputed under SP, a block keeps its two gathered inputs whole (the region's regather
     # stands down under a checkpoint: `recompute.is_recomputed`), not as shards
     recomputed = kept + (2 * (b * s * h * e - b * s * h * e // t) if sp else 0)
@@ -288,7 +288,7 @@ def block_parts(seq: int, micro_batch: int, hidden: int, heads: int, *, element_
     chunked = (mlp(first) + extra(first) + other) if b > 1 else mlp(b) + extra(b)
     recomputed_peak = recomputed - tail - mlp(b) + chunked
     if cp_mode == "ring":  # or later, at its attention's backward: the MLP's tensors freed, the ring's held
-        recomputed_peak = max(recomputed_peak, recomputed - tail - mlp(b) + ring_backward_bytes(s, b, h, a, llama, element_bytes=e, tp=t))
+        recomputed_peak = max(recomputed_peak, recomputed - tail - mlp(b) + ring_backward_bytes(s, b, h, a, llama, element_bytes=e, tp=t, fused=fused_blocks))
     return {"kept": kept, "out": out, "tail": tail, "selective": selective, "forward_peak": forward_peak,
             "backward_extra": backward_extra, "recomputed": recomputed, "recomputed_peak": recomputed_peak}
 
@@ -389,7 +389,8 @@ def torch_stage_activation_bytes(layers: int, seq: int, micro_batch: int, hidden
                                  ffn: int | None = None, tp: int = 1, sp: bool = False, recompute: str = "none",
                                  pp: int = 1, stage: int = 0, schedule: str = "1f1b", microbatches: int = 1,
                                  chunks: int = 1, stage_layers: list[int] | None = None,
-                                 llama: LlamaDims | None = None, cp_mode: str | None = None) -> int:
+                                 llama: LlamaDims | None = None, cp_mode: str | None = None,
+                                 fused_blocks: bool = False) -> int:
     """The peak of activation bytes in one step on one rank of pipeline stage `stage`
     (`torch` accounting): the largest of the moments below, for the micro-batch size b the
     stage runs (the rank's batch ÷ microbatches), `layers` the whole model's blocks (the
@@ -443,7 +444,7 @@ def torch_stage_activation_bytes(layers: int, seq: int, micro_batch: int, hidden
     t = tp
     w = t if sp else 1
     parts = block_parts(s, b, h, heads, element_bytes=e, attention=attention, dropout=dropout, ffn=ffn, tp=t, sp=sp,
-                        llama=llama, cp_mode=cp_mode)
+                        llama=llama, cp_mode=cp_mode, fused_blocks=fused_blocks)
     out = parts["out"]
     from meshtrain.config import parse_recompute
 

@@ -51,6 +51,7 @@ class Workload:
     seq: int
     dropout: float = 0.0
     attention: str = "sdpa"
+    device: str = "cuda"  # where the trainer runs: the ring's blocks are fused on "cpu", math on CUDA
 
 
 def _divisors(n: int) -> str:
@@ -135,6 +136,7 @@ class Device:
         self.grad_bytes = 4 if (not low or lay.grad_dtype == "fp32") else 2
         self.recompute_mode, _ = parse_recompute(lay.recompute)
         self._where = dict(tp=lay.tp, pp=lay.pp, chunks=lay.chunks, stage_layers=lay.stage_layer_counts())
+        self.fused_blocks = work.device == "cpu"  # `parallel.context.fused_blocks`
 
     def blocks_on(self, stage: int) -> int:
         return memory.device_params(self.shape, stage=stage, **self._where)[0]
@@ -193,7 +195,7 @@ class Device:
             return memory.activation_bytes_per_layer(
                 s, b, sh.hidden, sh.heads, tp=lay.tp, sp=lay.sp, recompute="full" if mode == "segments" else mode,
                 attention=self.work.attention, kv_width=sh.kv_width, ffn=sh.ffn_width, swiglu=sh.kind == "llama")
-        parts = memory.block_parts(s, b, sh.hidden, sh.heads, **self._torch_terms())
+        parts = memory.block_parts(s, b, sh.hidden, sh.heads, fused_blocks=self.fused_blocks, **self._torch_terms())
         blocks = self.blocks_on(0)
         return memory.recompute_kept_bytes(blocks, parts, lay.recompute) / blocks
 
@@ -208,7 +210,8 @@ class Device:
             return _stage_activations(
                 sh.layers, self.seq, self.micro_batch, sh.hidden, sh.heads, sh.vocab, recompute=lay.recompute,
                 pp=lay.pp, stage=stage, schedule=lay.schedule, microbatches=lay.microbatches, chunks=lay.chunks,
-                stage_layers=tuple(lay.stage_layer_counts() or ()) or None, **self._torch_terms())
+                stage_layers=tuple(lay.stage_layer_counts() or ()) or None, fused_blocks=self.fused_blocks,
+                **self._torch_terms())
         held = memory.in_flight(lay.pp - stage, lay.microbatches, lay.schedule, lay.chunks) if lay.pp > 1 else 1
         blocks = self.blocks_on(stage)
         if self.recompute_mode == "none":
