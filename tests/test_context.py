@@ -41,16 +41,19 @@ def _whole(q, k, v):
 def _ring_against_sdpa(_mesh, cp, heads, kv_heads, contiguous, mode="ring", kernel="fused"):
     """Ring (or all-to-all) attention on this rank's tokens against sdpa on the whole
     sequence: outputs and the gradients of q, k, v; and the block areas this rank computed.
-    `kernel`: the blocks in CPU's fused flash kernel, or in the math one CUDA runs."""
+    `kernel`: the blocks in CPU's fused flash kernel, or in the math one CUDA runs, whole
+    or in score tiles of 3 query rows (of 8 or 4: uneven)."""
     assert context.fused_blocks(torch.device("cpu"))  # this torch has the CPU kernel
-    if kernel == "math":
+    b, s, d = 2, 32, 8
+    if kernel.startswith("math"):
         context.fused_blocks = lambda device: False
+    if kernel == "math-tiled":
+        context.MATH_TILE_BYTES = 3 * b * heads * (s // (2 * cp)) * 4
     if contiguous:  # the split without balancing: rank r holds chunks 2r and 2r + 1
         context.chunk_ids = lambda rank, cp: (2 * rank, 2 * rank + 1)
     comm = meshtrain.init(cp=cp).comm
     ring = context.Ring(comm)
     g = torch.Generator().manual_seed(0)
-    b, s, d = 2, 32, 8
     q = torch.randn(b, heads, s, d, generator=g, requires_grad=True)
     k, v = (torch.randn(b, kv_heads, s, d, generator=g, requires_grad=True) for _ in range(2))
     dout = torch.randn(b, heads, s, d, generator=g)
@@ -69,7 +72,7 @@ def _ring_against_sdpa(_mesh, cp, heads, kv_heads, contiguous, mode="ring", kern
     return ring.area
 
 
-@pytest.mark.parametrize("kernel", ["fused", "math"])
+@pytest.mark.parametrize("kernel", ["fused", "math", "math-tiled"])
 @pytest.mark.parametrize("cp, heads, kv_heads", [(2, 4, 4), (4, 4, 2)])
 def test_ring_attention_equals_whole_sequence_attention_and_is_balanced(cp, heads, kv_heads, kernel):
     """Outputs and gradients equal sdpa's on the whole sequence (MHA at cp 2, GQA at cp 4),
@@ -134,9 +137,9 @@ def _verify_four(_mesh, axes, options):
     return meshtrain.verify(_gpt, batches(), optimizer=adamw, mesh=meshtrain.init(**axes), **options)
 
 
-@pytest.mark.parametrize("axes, options", [({"cp": 4}, {}), ({"dp": 2, "cp": 2}, {}),
+@pytest.mark.parametrize("axes, options", [({"cp": 4}, {}), ({"dp": 2, "cp": 2}, {"zero": 3}),
                                            ({"cp": 4}, {"cp_mode": "ulysses"})],
-                         ids=["cp4", "dp2-cp2", "cp4-ulysses"])
+                         ids=["cp4", "dp2-cp2-zero3", "cp4-ulysses"])
 def test_four_rank_context_layouts_pass_verify(axes, options):
     report = run_ranks(_verify_four, 4, axes, options, timeout=600)[0]
     assert report.passed, report

@@ -30,6 +30,7 @@ import torch
 import torch.nn as nn
 
 from meshtrain.comm import Comm
+from meshtrain.parallel.tiles import MATH_TILE_BYTES, tile_rows
 
 CP = "cp"
 
@@ -53,12 +54,21 @@ def shard_sequence(t: torch.Tensor, rank: int, cp: int) -> torch.Tensor:
     return t[:, sequence_positions(t.shape[1], rank, cp, t.device)]
 
 
-def _scores(q, k, scale: float, causal: bool) -> torch.Tensor:
-    """A block's fp32 attention scores, the diagonal block's later keys masked."""
-    scores = torch.matmul(q.float(), k.float().transpose(-2, -1)) * scale
+def _scores(q, k, scale: float, causal: bool, first: int = 0) -> torch.Tensor:
+    """The fp32 attention scores of a block's queries from row `first` on (fp32 q, k), the
+    diagonal block's later keys masked."""
+    scores = torch.matmul(q, k.transpose(-2, -1)) * scale
     if causal:
-        scores.masked_fill_(torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+        mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).triu(1 + first)
+        scores.masked_fill_(mask, float("-inf"))
     return scores
+
+
+def _row_chunks(q, k) -> list[slice]:
+    """The math kernel's query rows per score tile (`tiles.tile_rows`)."""
+    b, h, n, _ = q.shape
+    rows = tile_rows(b, h, n, k.shape[2], MATH_TILE_BYTES)
+    return [slice(i, min(i + rows, n)) for i in range(0, n, rows)]
 
 
 def fused_blocks(device: torch.device) -> bool:
@@ -72,24 +82,36 @@ def _block(q, k, v, scale: float, causal: bool):
     """Softmax attention of one block in fp32: (output, log-sum-exp). q: [b, h, c, d]; k, v:
     [b, h, c', d] (already repeated to h heads). The diagonal block's mask is top-left
     causal, as the fused kernel's is for a square block."""
+    q, k, v = q.float(), k.float(), v.float()
     if fused_blocks(q.device):
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q.float(), k.float(), v.float(), 0.0,
-                                                                          causal, scale=scale)
-    scores = _scores(q, k, scale, causal)
-    lse = torch.logsumexp(scores, dim=-1)
-    return torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), v.float()), lse
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+    for rows in _row_chunks(q, k):  # one score tile alive at a time: the probabilities in place
+        scores = _scores(q[:, :, rows], k, scale, causal, rows.start)
+        lse[:, :, rows] = torch.logsumexp(scores, dim=-1)
+        out[:, :, rows] = torch.matmul(scores.sub_(lse[:, :, rows].unsqueeze(-1)).exp_(), v)
+    return out, lse
 
 
 def _block_backward(dout, q, k, v, out, lse, scale: float, causal: bool):
     """The gradients of one block's (q, k, v) given the merged output and log-sum-exp of its
     queries (fp32): P = exp(S − lse); dV = Pᵀ·dO; dS = P ∘ (dO·Vᵀ − rowsum(dO ∘ O))."""
+    q, k, v = q.float(), k.float(), v.float()
     if fused_blocks(q.device):
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout, q.float(), k.float(), v.float(), out, lse, 0.0, causal, scale=scale)
-    p = torch.exp(_scores(q, k, scale, causal) - lse.unsqueeze(-1))
-    dv = torch.matmul(p.transpose(-2, -1), dout)
-    ds = p * (torch.matmul(dout, v.float().transpose(-2, -1)) - (dout * out).sum(-1, keepdim=True))
-    return torch.matmul(ds, k.float()) * scale, torch.matmul(ds.transpose(-2, -1), q.float()) * scale, dv
+            dout, q, k, v, out, lse, 0.0, causal, scale=scale)
+    dq = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+    for rows in _row_chunks(q, k):  # a tile's rows give their dq and add to dk, dv; at most two tiles alive
+        g = dout[:, :, rows]
+        p = _scores(q[:, :, rows], k, scale, causal, rows.start).sub_(lse[:, :, rows].unsqueeze(-1)).exp_()
+        dv += torch.matmul(p.transpose(-2, -1), g)
+        ds = p.mul_(torch.matmul(g, v.transpose(-2, -1)).sub_((g * out[:, :, rows]).sum(-1, keepdim=True)))
+        ds.mul_(scale)
+        dq[:, :, rows] = torch.matmul(ds, k)
+        dk += torch.matmul(ds.transpose(-2, -1), q[:, :, rows])
+    return dq, dk, dv
 
 
 def _merge(out, lse, part, part_lse):

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from meshtrain.parallel.tiles import tile_rows
+
 
 def cp_attention_delta(seq: int, micro_batch: int, hidden: int, llama: LlamaDims | None, *, element_bytes: int,
                        tp: int = 1, cp_mode: str | None = None) -> int:
@@ -72,16 +74,19 @@ def ring_backward_bytes(seq: int, micro_batch: int, hidden: int, heads: int, lla
     """What ring attention's backward holds beyond its saved tensors (`seq`: the rank's
     tokens, two chunks of c = seq/2), fp32 but where said: the output's gradient (the output
     projection's input gradient, q wide, in the compute dtype, and in bf16 its fp32 copy);
-    one block's three gradients (of c queries and c keys: 3·b·c·q) and, from the math
-    kernel (not the fused one: `fused`), its tiles (scores, probabilities, their gradient
-    and a product, 4·b·(a/t)·c²); the accumulators of dq, and of dk and dv at the query
+    one block's three gradients (of c queries and c keys: 3·b·c·q), in bf16 its q, k and v
+    in fp32 (3·b·c·q), and from the math kernel (not the fused one: `fused`), over the r
+    query rows a score tile holds (`parallel.tiles.tile_rows`: at most 64 MiB), two tiles
+    (the probabilities and dO·Vᵀ, 2·b·(a/t)·r·c) and dO ∘ O (b·r·q); the accumulators of dq, and of dk and dv at the query
     heads' width before they are folded to the key/value heads; those arriving from the
     previous rank (2·d_kv); and, under grouped-query attention, the visiting keys and values
     repeated to the query heads (in the compute dtype). Full recompute peaks here: against
     the meter, fused (CPU), see docs/context.md."""
     b, c, a, rows = micro_batch, seq // 2, heads // tp, micro_batch * seq
     q, kv = (llama.q_width // tp, llama.kv_width // tp) if llama else (hidden // tp, hidden // tp)
-    tiles = (0 if fused else 4 * b * a * c * c * 4) + 3 * b * c * q * 4
+    r = tile_rows(b, a, c, c)
+    tiles = (0 if fused else (2 * b * a * r * c + b * r * q) * 4) + 3 * b * c * q * 4
+    tiles += 3 * b * c * q * 4 if element_bytes < 4 else 0
     accumulators = rows * (q + 2 * q + 2 * kv) * 4
     output_grad = rows * q * element_bytes + (rows * q * 4 if element_bytes < 4 else 0)
     repeated = 2 * rows * q * element_bytes if q != kv else 0
