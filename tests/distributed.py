@@ -49,7 +49,7 @@ def _rank_main(fn, rank, world, port, sizes, out_dir, args):
         env = RankEnv("test", rank, world, rank, world, "127.0.0.1", port)
         device = init_distributed(env, torch.device("cpu"))  # tests force the CPU and gloo
         torch.set_num_threads(1)
-        mesh = Mesh.build(sizes["pp"], sizes["dp"], sizes["tp"], device)
+        mesh = Mesh.build(sizes["pp"], sizes["dp"], sizes["tp"], device, cp=sizes["cp"])
         result = fn(mesh, *args)
         torch.save(result, Path(out_dir, f"rank{rank}.pt"))
         shutdown_distributed()
@@ -62,9 +62,9 @@ def _rank_main(fn, rank, world, port, sizes, out_dir, args):
     finish(code)
 
 
-def run_ranks(fn, world: int, *args, pp: int = 1, tp: int = 1, timeout: float = 180.0) -> list:
-    """Results of `fn(mesh, *args)` on each of `world` ranks (dp = world / (pp·tp))."""
-    sizes = {"pp": pp, "tp": tp, "dp": world // (pp * tp)}
+def run_ranks(fn, world: int, *args, pp: int = 1, tp: int = 1, cp: int = 1, timeout: float = 180.0) -> list:
+    """Results of `fn(mesh, *args)` on each of `world` ranks (dp = world / (pp·cp·tp))."""
+    sizes = {"pp": pp, "tp": tp, "cp": cp, "dp": world // (pp * cp * tp)}
     ctx = _context()
     for attempt in range(ATTEMPTS):
         with tempfile.TemporaryDirectory() as out_dir:

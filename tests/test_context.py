@@ -1,6 +1,7 @@
 """Context parallelism: the head-tail split, ring attention against whole-sequence attention
 (outputs and gradients, GQA), its block areas (balance), its bytes, and `verify` of cp
-layouts against one process, with the mutants that must fail it."""
+layouts against one process. The mutants that must fail verify are in the central table,
+tests/test_verify_mutants.py (layouts "cp" and "cp-dropout")."""
 
 import math
 
@@ -14,7 +15,7 @@ from test_llama import make_model as make_llama
 import meshtrain
 from meshtrain.models import build_model
 from meshtrain.parallel import context
-from meshtrain.parallel.context import chunk_ids, sequence_positions, shard_sequence
+from meshtrain.parallel.context import sequence_positions, shard_sequence
 
 
 
@@ -169,59 +170,6 @@ def test_context_parallelism_composes_with_tensor_and_pipeline_parallelism(name)
     Llama in a 1F1B pipeline of 2 stages (the stages send s/cp tokens)."""
     report = run_ranks(_verify_composed, 4, name, timeout=600)[0]
     assert report.passed, report
-
-
-def _merged_without_correction():
-    """Blocks summed without the log-sum-exp rescaling (each normalised on its own)."""
-    def merge(out, lse, part, part_lse):
-        out.add_(part)
-        lse.copy_(torch.logaddexp(lse, part_lse))
-    context._merge = merge
-
-
-def _keys_not_head_tail():
-    """Queries placed head-tail, but the visiting keys taken as a contiguous split's
-    (chunks 2·owner and 2·owner + 1): the causal mask and the skipped blocks go wrong."""
-    def pairs(rank, owner, cp):
-        for i, qi in enumerate(chunk_ids(rank, cp)):
-            for j, kj in enumerate((2 * owner, 2 * owner + 1)):
-                if kj <= qi:
-                    yield i, j, kj == qi
-    context._pairs = pairs
-
-
-def _gradients_not_reduced_over_cp():
-    """The parameters' gradient buckets reduced over the batch's dp alone (here: nowhere),
-    not over the flattened dp × cp."""
-    from meshtrain.parallel import data
-
-    def keep_local(self, bucket):  # noqa: ARG001
-        from meshtrain.comm import _Done
-        return _Done()
-    data.DataParallel._launch = keep_local
-
-
-def _dropout_masks_drawn_per_rank():
-    """Each rank draws its dropout masks as if its tokens were a sequence of their own (the
-    keyed masks at positions 0..s/cp−1), not the one-process masks of its tokens."""
-    from meshtrain.parallel import dropout
-    dropout.SeededDropout.tokens = property(lambda self: None, lambda self, value: None)
-
-
-MUTANTS = {"no-lse-correction": _merged_without_correction, "keys-not-head-tail": _keys_not_head_tail,
-           "grads-not-over-cp": _gradients_not_reduced_over_cp, "dropout-masks-per-rank": _dropout_masks_drawn_per_rank}
-
-
-def _mutant(_mesh, name):
-    MUTANTS[name]()
-    make = _gpt_dropout if name.startswith("dropout") else _gpt
-    return meshtrain.verify(make, batches(), optimizer=adamw, mesh=meshtrain.init(cp=2))
-
-
-@pytest.mark.parametrize("name", list(MUTANTS))
-def test_context_parallel_mutants_fail_verify(name):
-    report = run_ranks(_mutant, 2, name, timeout=300)[0]
-    assert not report.passed, report
 
 
 def _ring_bytes(_mesh, recompute, mode="ring"):

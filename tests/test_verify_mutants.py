@@ -36,7 +36,7 @@ def mutant_config(**layout) -> Config:
 # The layouts the mutants run in: data parallelism; tensor parallelism with and without SP;
 # pipelines (1F1B, GPipe, zero-bubble) and a pipeline with data parallelism; ZeRO stages 1
 # and 3; data parallelism with every linear layer on the all-gather path; a pipeline that
-# recomputes its blocks, with dropout.
+# recomputes its blocks, with dropout; context parallelism (the ring), with dropout.
 LAYOUTS = {"dp": mutant_config(), "tp": mutant_config(dp=1, tp=2, microbatches=1),
            "tp-sp": mutant_config(dp=1, tp=2, sp=True, microbatches=1),
            "pp": mutant_config(dp=1, pp=2, microbatches=4), "pp-gpipe": mutant_config(dp=1, pp=2, microbatches=4,
@@ -44,8 +44,10 @@ LAYOUTS = {"dp": mutant_config(), "tp": mutant_config(dp=1, tp=2, microbatches=1
            "dp-pp": mutant_config(pp=2, microbatches=2), "zero1": mutant_config(zero=1),
            "zero3": mutant_config(zero=3), "dp-allgather": mutant_config(dp_linear_sync="allgather"),
            "pp-recompute": mutant_config(dp=1, pp=2, microbatches=4, recompute="full"),
-           "pp-zb": mutant_config(dp=1, pp=2, microbatches=4, schedule="zb")}
+           "pp-zb": mutant_config(dp=1, pp=2, microbatches=4, schedule="zb"),
+           "cp": mutant_config(dp=1, cp=2, microbatches=1), "cp-dropout": mutant_config(dp=1, cp=2, microbatches=1)}
 LAYOUTS["pp-recompute"].model.dropout = 0.1
+LAYOUTS["cp-dropout"].model.dropout = 0.1
 
 
 # ---- the mutants: each returns the patches that break one thing ---------------------------
@@ -274,6 +276,46 @@ def store_keeps_one_micro_batch_per_layer():
     return [mock.patch.object(WeightGradStore, "keep", keep)]
 
 
+def blocks_merged_without_the_lse_correction():
+    """Ring attention: each block's output added as if normalised on its own, not rescaled by
+    the log-sum-exp rule."""
+    from meshtrain.parallel import context
+
+    def merge(out, lse, part, part_lse):
+        out.add_(part)
+        lse.copy_(torch.logaddexp(lse, part_lse))
+    return [mock.patch.object(context, "_merge", merge)]
+
+
+def keys_not_placed_head_tail():
+    """Queries placed head-tail, but the visiting keys taken as a contiguous split's (chunks
+    2·owner and 2·owner + 1): the causal mask and the skipped blocks go wrong."""
+    from meshtrain.parallel import context
+
+    def pairs(rank, owner, cp):
+        for i, qi in enumerate(context.chunk_ids(rank, cp)):
+            for j, kj in enumerate((2 * owner, 2 * owner + 1)):
+                if kj <= qi:
+                    yield i, j, kj == qi
+    return [mock.patch.object(context, "_pairs", pairs)]
+
+
+def gradients_not_reduced_over_cp():
+    """The parameters' gradient buckets not reduced over the cp replicas (here, with dp 1:
+    reduced nowhere)."""
+    from meshtrain.comm import _Done
+    from meshtrain.parallel.data import DataParallel
+    return [mock.patch.object(DataParallel, "_launch", lambda self, bucket: _Done())]
+
+
+def dropout_masks_drawn_per_cp_rank():
+    """Each cp rank draws its dropout masks as if its tokens were a sequence of their own (the
+    keyed masks of positions 0..s/cp−1), not the one-process masks of its tokens."""
+    from meshtrain.parallel.dropout import SeededDropout
+    return [mock.patch.object(SeededDropout, "tokens", property(lambda self: None, lambda self, value: None),
+                              create=True)]
+
+
 # name -> (the mutant, the layout it runs in)
 MUTANTS = {f.__name__: (f, layout) for f, layout in (
     (local_loss_normalizer, "dp"), (averaged_on_top_of_the_sum, "dp"), (bucket_skipped_on_a_middle_step, "dp"),
@@ -284,7 +326,9 @@ MUTANTS = {f.__name__: (f, layout) for f, layout in (
     (a_rank_updates_another_ranks_partition, "zero1"), (reduce_scatter_without_the_sum, "zero3"),
     (errors_not_gathered, "dp-allgather"), (recomputed_with_the_current_dropout_keys, "pp-recompute"),
     (mlp_chunks_drop_with_the_first_chunks_rows, "pp-recompute"), (weight_pass_tells_no_synchroniser, "pp-zb"),
-    (store_keeps_one_micro_batch_per_layer, "pp-zb"))}
+    (store_keeps_one_micro_batch_per_layer, "pp-zb"), (blocks_merged_without_the_lse_correction, "cp"),
+    (keys_not_placed_head_tail, "cp"), (gradients_not_reduced_over_cp, "cp"),
+    (dropout_masks_drawn_per_cp_rank, "cp-dropout"))}
 # The step at which each mutant first does harm.
 FIRST_BAD_STEP = {name: MIDDLE if name == "bucket_skipped_on_a_middle_step" else 1 for name in MUTANTS}
 
@@ -308,6 +352,7 @@ def verdicts():
     records.update(run_ranks(_records_of_every_mutant, 2, ["tp", "tp-sp"], tp=2)[0])
     records.update(run_ranks(_records_of_every_mutant, 2, ["pp", "pp-gpipe", "pp-recompute", "pp-zb"], pp=2)[0])
     records.update(run_ranks(_records_of_every_mutant, 4, ["dp-pp"], pp=2)[0])
+    records.update(run_ranks(_records_of_every_mutant, 2, ["cp", "cp-dropout"], cp=2)[0])
     return {name: verify.compare(rec, verify.run_reference(LAYOUTS[layout], rec))
             for name, (layout, rec) in records.items()}
 
