@@ -56,16 +56,19 @@ def _layer(cfg) -> int:
 
 def test_llama_accounting_on_one_process():
     """One block exactly (the layer probe), and the step's peak under no, selective, full and
-    segments recompute, fp32 and bf16, b·s 4·32, 1·64 and 8·32, within 0.1 % (measured:
-    within 0.005 %, the loss's scalars): the moments are the loss (none, selective), the MLP
-    backward of a recomputed unit (full: the product's backward, which holds the gradients
-    of SiLU's output and of up with the other row chunk's gate and up weight gradients;
-    segments)."""
+    segments recompute, fp32 and bf16, b·s 4·32, 1·64, 2·32 and 8·32, within 0.1 %
+    (measured: within 0.005 %, the loss's scalars): the moments are the loss (none,
+    selective), the MLP backward of a recomputed unit (full: the down projection's backward,
+    which holds its input's and weight's gradients with all three of the other row chunk's
+    weight gradients, or the product's, which holds the gradients of SiLU's output and of
+    up with the other chunk's gate and up weight gradients; segments). At b = 2 (chunks of
+    one row) the down projection's moment is the larger: planned 4.4 % low on llama-small
+    until the other chunk's down gradient was counted there."""
     import torch
 
     from meshtrain.mesh import Mesh
 
-    cfgs = [_config(rec, b, s) for rec in ("none", "selective", "full", "segments") for b, s in ((4, 32), (1, 64), (8, 32))]
+    cfgs = [_config(rec, b, s) for rec in ("none", "selective", "full", "segments") for b, s in ((4, 32), (1, 64), (2, 32), (8, 32))]
     cfgs += [_config(rec, precision="bf16") for rec in ("none", "selective", "full", "segments")]
     measured = _measured(Mesh.single(torch.device("cpu")), cfgs)
     _check(cfgs, measured, tolerance=0.001)

@@ -251,9 +251,7 @@ def block_parts(seq: int, micro_batch: int, hidden: int, heads: int, *, element_
                                             ffn=f, tp=t, sp=sp, llama=llama, cp_mode=cp_mode)
     out = b * s * h * e // w
     scores = b * (a // t) * s * s
-    # SwiGLU keeps gate, up, SiLU and product; at its peak (the product's backward) the other
-    # chunk's gate and up weight gradients are held, its down's already summed with this one's
-    mlp_tensors, other_weights = (4, 2) if llama else (2, 2)
+    mlp_tensors = 4 if llama else 2  # SwiGLU keeps gate, up, SiLU and product; a GPT fc's output and GELU's
     tail = 0 if (llama and e < 4) else out  # of `kept`, the block's own output (see `llama_kept_bytes`)
     if attention == "math":
         core = scores * e + s * s + ((scores * e + scores) if dropout > 0 else 0)
@@ -281,11 +279,17 @@ def block_parts(seq: int, micro_batch: int, hidden: int, heads: int, *, element_
     # stands down under a checkpoint: `recompute.is_recomputed`), not as shards
     recomputed = kept + (2 * (b * s * h * e - b * s * h * e // t) if sp else 0)
     first = -(-b // 2)  # `recompute._mlp_in_row_chunks`' two chunks: ⌈b/2⌉ rows, then the rest
-    # the other chunk's input gradient, and its weights' and biases' gradients (PyTorch sums a
-    # parameter's gradients from the two chunks before adding them to its buffer)
-    other = ((b - first) * s * h * e // w + other_weights * h * f * e // t
-             + (0 if llama else h * e + f * e // t))
-    chunked = (mlp(first) + extra(first) + other) if b > 1 else mlp(b) + extra(b)
+    # the other chunk's input gradient, and its weights' and biases' gradients, held until this
+    # chunk's are added to them (PyTorch sums a parameter's gradients from the two chunks before
+    # adding them to its buffer): a GPT's two weights; a Llama's three at the down projection's
+    # backward (down's own is summed after it), gate's and up's at the product's backward
+    weight = h * f * e // t
+    if llama:
+        held = max(first * s * f * e // t + weight + 3 * weight, 2 * first * s * f * e // t + 2 * weight)
+    else:
+        held = extra(first) + 2 * weight + h * e + f * e // t
+    other = (b - first) * s * h * e // w + held
+    chunked = (mlp(first) + other) if b > 1 else mlp(b) + extra(b)
     recomputed_peak = recomputed - tail - mlp(b) + chunked
     if cp_mode == "ring":  # or later, at its attention's backward: the MLP's tensors freed, the ring's held
         recomputed_peak = max(recomputed_peak, recomputed - tail - mlp(b) + ring_backward_bytes(s, b, h, a, llama, element_bytes=e, tp=t, fused=fused_blocks))
