@@ -159,6 +159,20 @@ def test_search_splits_a_long_sequence_over_cp():
     assert all(8 // tp % cp == 0 for cp, mode, tp in seen if mode == "ulysses")
 
 
+def test_a_profile_without_all_to_all_asks_for_a_recalibration(tmp_path):
+    """A profile calibrated before all-to-all was measured: ulysses is refused in one line."""
+    import json
+
+    _synthetic_profile(tmp_path / "m.json")
+    data = json.loads((tmp_path / "m.json").read_text())
+    del data["collectives"]["all_to_all"]
+    (tmp_path / "m.json").write_text(json.dumps(data))
+    r = run_cli("plan", "--model", "llama-test", "--seq-len", "64", "--batch-size", "4", "--dp", "1", "--cp", "2",
+                "--cp-mode", "ulysses", "--machine", str(tmp_path / "m.json"))
+    assert r.returncode == 2 and "no 'all_to_all' measurement" in r.stderr and "--calibrate" in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
 class _NoOverlap(GpuRates):
     comm_overlap = 0.0  # as a CPU profile: nothing hides under compute
 

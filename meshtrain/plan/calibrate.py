@@ -357,6 +357,7 @@ def _collectives(r: _Rank, sizes, quick: bool = False) -> dict[str, dict]:
             elems = size // 4 // n * n
             full = torch.ones(elems, device=r.device)
             shard = torch.ones(elems // n, device=r.device)
+            received = torch.empty_like(full)
             call, sent = {
                 "all_reduce": (lambda: dist.all_reduce(full), all_reduce_bytes(elems * 4, n)),
                 "all_gather": (lambda: _all_gather_tensor(full, shard), all_gather_bytes(elems * 4, n)),
@@ -364,6 +365,7 @@ def _collectives(r: _Rank, sizes, quick: bool = False) -> dict[str, dict]:
                 "broadcast": (lambda: dist.broadcast(full, src=0), all_gather_bytes(elems * 4, n)),
                 "p2p": ((lambda: dist.send(full, 1)) if r.rank == 0 else
                         (lambda: dist.recv(full, 0)) if r.rank == 1 else (lambda: None), elems * 4),
+                "all_to_all": (lambda: dist.all_to_all_single(received, full), all_gather_bytes(elems * 4, n)),
             }[kind]
             calls = (10 if size >= (4 << 20) else 24 if size >= (256 << 10) else 40) // (3 if quick else 1)
             call()

@@ -180,7 +180,7 @@ def params_only(args, cfg: C.Config, lay: C.LayoutConfig, cluster: Cluster) -> d
     from meshtrain.plan.memory import model_state_bytes
     if args.params < 1:
         raise PlanError(f"--params {args.params:g}: give a positive parameter count")
-    states = model_state_bytes(args.params / (lay.tp * lay.pp), lay.zero, lay.dp, precision=lay.precision,
+    states = model_state_bytes(args.params / (lay.tp * lay.pp), lay.zero, lay.dp * lay.cp, precision=lay.precision,
                                grad_dtype=lay.grad_dtype, accounting=args.accounting)
     return {"n_params": int(args.params), "model_state_bytes": states, "activation_bytes": None,
             "activation_bytes_per_layer": None, "total_bytes": states["total"],

@@ -17,7 +17,7 @@ from itertools import product
 from pathlib import Path
 
 FORMAT = "meshtrain-machine-profile/1"
-KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "p2p")
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "p2p", "all_to_all")
 DTYPES = ("fp32", "bf16")
 
 
@@ -118,7 +118,8 @@ class MachineProfile:
             return 0.0
         if kind not in self.collectives:
             known = ", ".join(self.collectives) or f"none: calibrated with {self.ranks} rank"
-            raise ValueError(f"the machine profile has no {kind!r} measurement (it has {known})")
+            raise ValueError(f"the machine profile has no {kind!r} measurement (it has {known}); recalibrate with "
+                             f"`meshtrain plan --calibrate`")
         c = self.collectives[kind]
         return c["latency_s"] + sent_bytes / c["bytes_per_s"]
 
