@@ -17,8 +17,9 @@ plus 2·b·s·d_kv fp32 (the gradients' cp hops). A block whose keys all lie aft
 queries is skipped; the diagonal ones are causal.
 
 The block kernel is exact softmax attention in fp32: torch's fused flash kernel on CPU
-(`fused_blocks`), the math one (a score tile per block) elsewhere. Its backward takes the
-merged output and log-sum-exp, as the flash-attention backward does.
+(`fused_blocks`), the math one elsewhere, in score tiles of at most 64 MiB
+(`parallel/tiles.py`). Its backward takes the merged output and log-sum-exp, as the
+flash-attention backward does.
 """
 
 from __future__ import annotations
