@@ -114,10 +114,10 @@ class Comm:
         """Split `x` along dim 0 into n equal parts, send part j to the rank at coordinate j
         of `axis`; returns what every rank sent this one, in coordinate order (dim 0)."""
         x = x.contiguous()
-        out = torch.empty_like(x)
         n = self.mesh.size(axis)
         if n == 1:
             return x
+        out = torch.empty_like(x)
         self._run(axis, "all_to_all", None, all_gather_bytes(_nbytes(x), n), False,
                   lambda g: dist.all_to_all_single(out, x, group=g))
         return out

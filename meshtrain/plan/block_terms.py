@@ -16,7 +16,7 @@ def cp_attention_delta(seq: int, micro_batch: int, hidden: int, llama: LlamaDims
     (repeated to the query heads) and output, 4·q per token (`seq`: the rank's tokens):
     the ring keeps q, k and v unrepeated (2·d_kv), its fp32 output and, in bf16, the output's
     copy in the compute dtype; all-to-all keeps the kernel's four on the heads it gathered
-    and the output gathered back, 5·q. (Not measured against the trainer yet: an estimate.)"""
+    and the output gathered back, 5·q. Against the meter: tests/test_plan_llama.py."""
     if cp_mode is None:
         return 0
     e, rows = element_bytes, micro_batch * seq
@@ -72,22 +72,25 @@ def llama_kept_bytes(seq: int, micro_batch: int, hidden: int, heads: int, dims: 
 def ring_backward_bytes(seq: int, micro_batch: int, hidden: int, heads: int, llama: LlamaDims | None, *,
                         element_bytes: int = 4, tp: int = 1, fused: bool = False) -> int:
     """What ring attention's backward holds beyond its saved tensors (`seq`: the rank's
-    tokens, two chunks of c = seq/2), fp32 but where said: the output's gradient (the output
-    projection's input gradient, q wide, in the compute dtype, and in bf16 its fp32 copy);
-    one block's three gradients (of c queries and c keys: 3·b·c·q), in bf16 its q, k and v
-    in fp32 (3·b·c·q), and from the math kernel (not the fused one: `fused`), over the r
-    query rows a score tile holds (`parallel.tiles.tile_rows`: at most 64 MiB), two tiles
-    (the probabilities and dO·Vᵀ, 2·b·(a/t)·r·c) and dO ∘ O (b·r·q); the accumulators of dq, and of dk and dv at the query
-    heads' width before they are folded to the key/value heads; those arriving from the
-    previous rank (2·d_kv); and, under grouped-query attention, the visiting keys and values
-    repeated to the query heads (in the compute dtype). Full recompute peaks here: against
-    the meter, fused (CPU), see docs/context.md."""
+    tokens, two chunks of c = seq/2), fp32 but where said:
+    - the output's gradient (the output projection's input gradient, q wide, in the compute
+      dtype, and in bf16 its fp32 copy);
+    - one block's three gradients (of c queries and c keys: 3·b·c·q), and in bf16 its q, k
+      and v in fp32 (3·b·c·q);
+    - from the math kernel (not the fused one: `fused`), over the r query rows a score tile
+      holds (`parallel.tiles.tile_rows`: at most 64 MiB), two tiles (the probabilities and
+      dO·Vᵀ, 2·b·(a/t)·r·c) and dO ∘ O (b·r·q);
+    - the accumulators of dq, and of dk and dv at the query heads' width before they are
+      folded to the key/value heads; those arriving from the previous rank (2·d_kv);
+    - under grouped-query attention, the visiting keys and values repeated to the query
+      heads (in the compute dtype).
+    Full recompute peaks here: against the meter, see docs/context.md."""
     b, c, a, rows = micro_batch, seq // 2, heads // tp, micro_batch * seq
     q, kv = (llama.q_width // tp, llama.kv_width // tp) if llama else (hidden // tp, hidden // tp)
     r = tile_rows(b, a, c, c)
-    tiles = (0 if fused else (2 * b * a * r * c + b * r * q) * 4) + 3 * b * c * q * 4
-    tiles += 3 * b * c * q * 4 if element_bytes < 4 else 0
+    tiles = 0 if fused else (2 * b * a * r * c + b * r * q) * 4
+    block = 3 * b * c * q * 4 * (2 if element_bytes < 4 else 1)
     accumulators = rows * (q + 2 * q + 2 * kv) * 4
     output_grad = rows * q * element_bytes + (rows * q * 4 if element_bytes < 4 else 0)
     repeated = 2 * rows * q * element_bytes if q != kv else 0
-    return output_grad + tiles + accumulators + repeated
+    return output_grad + block + tiles + accumulators + repeated

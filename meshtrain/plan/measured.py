@@ -51,12 +51,11 @@ class ProfileRates:
         each no more than any larger size's: load only ever slows a measurement); beyond
         them, the profile's latency + bandwidth fit."""
         kind = "p2p" if kind == "send" else kind
-        if kind not in self.profile.collectives:  # an older profile: one line, not a traceback
-            try:
-                self.profile.collective_time(kind, 1)
-            except ValueError as e:
-                raise PlanError(str(e)) from None
-        points = sorted((p["sent_bytes"], p["time_s"]) for p in self.profile.collectives[kind].get("points", []))
+        try:
+            measured = self.profile.collective(kind)
+        except ValueError as e:  # an older profile: one line, not a traceback
+            raise PlanError(str(e)) from None
+        points = sorted((p["sent_bytes"], p["time_s"]) for p in measured.get("points", []))
         if sent_bytes <= 0 or len(points) < 2 or not points[0][0] <= sent_bytes <= points[-1][0]:
             return self.profile.collective_time(kind, sent_bytes)
         sizes, times = [math.log(x) for x, _ in points], [t for _, t in points]

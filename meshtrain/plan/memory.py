@@ -273,8 +273,9 @@ def block_parts(seq: int, micro_batch: int, hidden: int, heads: int, *, element_
             return max(rows * s * f * e // t + h * f * e // t, 2 * rows * s * f * e // t)
         return rows * s * f * e // t + h * f * e // t + h * e
     backward_extra = extra(b)
-    if cp_mode == "ring":  # or at its attention's backward, the MLP's tensors freed: the ring's tiles and accumulators
-        backward_extra = max(backward_extra, ring_backward_bytes(s, b, h, a, llama, element_bytes=e, tp=t, fused=fused_blocks) - mlp(b))
+    # the ring's backward holds its buffers after the block's MLP tensors are freed
+    ring = ring_backward_bytes(s, b, h, a, llama, element_bytes=e, tp=t, fused=fused_blocks) if cp_mode == "ring" else 0
+    backward_extra = max(backward_extra, ring - mlp(b))
     # recomputed under SP, a block keeps its two gathered inputs whole (the region's regather
     # stands down under a checkpoint: `recompute.is_recomputed`), not as shards
     recomputed = kept + (2 * (b * s * h * e - b * s * h * e // t) if sp else 0)
@@ -290,9 +291,7 @@ def block_parts(seq: int, micro_batch: int, hidden: int, heads: int, *, element_
         held = extra(first) + 2 * weight + h * e + f * e // t
     other = (b - first) * s * h * e // w + held
     chunked = (mlp(first) + other) if b > 1 else mlp(b) + extra(b)
-    recomputed_peak = recomputed - tail - mlp(b) + chunked
-    if cp_mode == "ring":  # or later, at its attention's backward: the MLP's tensors freed, the ring's held
-        recomputed_peak = max(recomputed_peak, recomputed - tail - mlp(b) + ring_backward_bytes(s, b, h, a, llama, element_bytes=e, tp=t, fused=fused_blocks))
+    recomputed_peak = recomputed - tail - mlp(b) + max(chunked, ring)  # the MLP's backward, or later the ring's
     return {"kept": kept, "out": out, "tail": tail, "selective": selective, "forward_peak": forward_peak,
             "backward_extra": backward_extra, "recomputed": recomputed, "recomputed_peak": recomputed_peak}
 

@@ -116,12 +116,16 @@ class MachineProfile:
         `meshtrain.comm` counts them); 0 for nothing sent (a group of one)."""
         if sent_bytes <= 0:
             return 0.0
+        c = self.collective(kind)
+        return c["latency_s"] + sent_bytes / c["bytes_per_s"]
+
+    def collective(self, kind: str) -> dict:
+        """What was measured of `kind`; a ValueError naming the fix when nothing was."""
         if kind not in self.collectives:
             known = ", ".join(self.collectives) or f"none: calibrated with {self.ranks} rank"
             raise ValueError(f"the machine profile has no {kind!r} measurement (it has {known}); recalibrate with "
                              f"`meshtrain plan --calibrate`")
-        c = self.collectives[kind]
-        return c["latency_s"] + sent_bytes / c["bytes_per_s"]
+        return self.collectives[kind]
 
     def save(self, path) -> None:
         from meshtrain.atomic import atomic_write
