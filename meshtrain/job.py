@@ -22,24 +22,17 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from meshtrain.comm import METRICS
-from meshtrain.loss import IGNORE_INDEX, cross_entropy_sum
+from meshtrain.loss import IGNORE_INDEX
+from meshtrain.loss_terms import LossTerms, accepts_loss_kwargs, cross_entropy, labels_for_count
 from meshtrain.models.init import stable_seed
 from meshtrain.mesh import Mesh
 from meshtrain.optim import OptimizerFactory, clip_grad_norm_
 from meshtrain.parallel.compose import Parallelized, parallelize as apply_strategies, set_micro_shape
-from meshtrain.parallel.context import shard_sequence
+from meshtrain.parallel.context import gather_sequence, shard_sequence
 from meshtrain.parallel.options import Strategies
 from meshtrain.parallel.pipeline.stages import PipelinePlan
 from meshtrain.parallel.state import digest
 from meshtrain.parallel.tensor import TensorPlan, check_plan
-
-def cross_entropy(output: torch.Tensor, targets: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
-    """Cross-entropy with the classes in the last dimension (logits [..., V], targets [...]),
-    the mean over the targets that are not `ignore_index`: the loss of a language model or a
-    classifier. Under a vocabulary-parallel head meshtrain computes it without gathering the
-    logits."""
-    return F.cross_entropy(output.reshape(-1, output.shape[-1]), targets.reshape(-1), ignore_index=ignore_index)
-
 
 @dataclass(frozen=True)
 class StepOutput:
@@ -53,86 +46,6 @@ class StepOutput:
     lr: float | None
     stepped: bool
     nonfinite: str | None = None
-
-
-class _Loss:
-    """A user's loss as a sum over the micro-batch's terms plus the count of those terms, so
-    that Σ sums / Σ counts over the global batch is its mean, in any layout.
-
-    kinds: "ce" (meshtrain.cross_entropy, F.cross_entropy, nn.CrossEntropyLoss: the terms are
-    the targets that are not ignored, summed exactly); "mean" (any other function returning a
-    mean: weighted by rows, exact when every row has as many terms); "sum" (the function
-    returns a sum: divided by `normalizer`); "own" (no function: the model's output carries
-    its mean `.loss`, weighted by rows)."""
-
-    def __init__(self, loss_fn, reduction: str, normalizer):
-        if reduction not in ("mean", "sum"):
-            raise ValueError(f"loss_reduction={reduction!r}: use mean or sum")
-        self.fn, self.normalizer = loss_fn, normalizer
-        self.ignore_index, self.label_smoothing, self.flatten = IGNORE_INDEX, 0.0, False
-        if loss_fn is None:
-            self.kind = "own"
-        elif reduction == "sum":
-            self.kind = "sum"
-        elif loss_fn is cross_entropy or loss_fn is F.cross_entropy:
-            self.kind, self.flatten = "ce", loss_fn is cross_entropy
-        elif isinstance(loss_fn, nn.CrossEntropyLoss):
-            if loss_fn.weight is not None:
-                raise ValueError("loss_fn: a CrossEntropyLoss with class weights averages by their sum; pass "
-                                 "loss_reduction='sum' with a normalizer")
-            if loss_fn.reduction != "mean":
-                raise ValueError(f"loss_fn: CrossEntropyLoss(reduction={loss_fn.reduction!r}); use 'mean', or "
-                                 f"loss_reduction='sum' for a sum")
-            self.kind, self.ignore_index, self.label_smoothing = "ce", loss_fn.ignore_index, loss_fn.label_smoothing
-        elif callable(loss_fn):
-            self.kind = "mean"
-        else:
-            raise TypeError(f"loss_fn: {type(loss_fn).__name__} is not callable")
-        # meshtrain's vocabulary-parallel cross-entropy can stand in for these
-        self.is_cross_entropy = self.kind == "ce" or (self.kind == "sum" and loss_fn is cross_entropy_sum)
-        if self.kind != "sum" and normalizer is not None:
-            raise ValueError("normalizer: only with loss_reduction='sum' (a mean is normalised by its own terms)")
-
-    def __call__(self, output, targets) -> torch.Tensor:
-        return self.summed(output, targets)
-
-    def summed(self, output, targets) -> torch.Tensor:
-        """The micro-batch's loss as a sum over its terms (`targets`: the row count for "own")."""
-        if self.kind == "ce":
-            if self.flatten:
-                output, targets = output.reshape(-1, output.shape[-1]), targets.reshape(-1)
-            value = F.cross_entropy(output, targets, ignore_index=self.ignore_index,
-                                    label_smoothing=self.label_smoothing, reduction="sum")
-        elif self.kind == "own":
-            value = _own_loss(output) * targets
-        else:
-            value = self.fn(output, targets)
-        if not torch.is_tensor(value) or value.dim() != 0:
-            shape = tuple(value.shape) if torch.is_tensor(value) else type(value).__name__
-            raise ValueError(f"loss_fn returned {shape}, not a scalar tensor: return the mean over the batch "
-                             f"(or, with loss_reduction='sum', the sum)")
-        return value if self.kind in ("ce", "sum", "own") else value * _rows(targets)
-
-    def count(self, targets, rows: int) -> float:
-        """The number of terms the global (or this rank's) batch's mean is over."""
-        if self.kind == "ce":
-            return float((targets != self.ignore_index).sum())
-        if self.kind == "sum":
-            n = self.normalizer(targets) if callable(self.normalizer) else self.normalizer
-            return float(n) if n is not None else 1.0
-        return float(rows)
-
-
-def _own_loss(output) -> torch.Tensor:
-    loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
-    if loss is None:
-        raise ValueError("loss_fn=None: the model's output must carry its loss (output.loss, HF style); pass a "
-                         "loss_fn otherwise")
-    return loss
-
-
-def _rows(t) -> int:
-    return t.shape[0] if torch.is_tensor(t) and t.dim() > 0 else 1
 
 
 def take_rows(batch, rows: slice):
@@ -161,13 +74,19 @@ class Job:
     (over fp32 masters under bf16; over ZeRO's pieces under ZeRO), `lr_scheduler` the one the
     factory made, `parallel` what the strategies built."""
 
-    def __init__(self, parallel: Parallelized, mesh: Mesh, loss: _Loss, options: Strategies,
-                 pipeline: PipelinePlan | None, clip_grad_norm: float | None, lr_scheduler):
+    def __init__(self, parallel: Parallelized, mesh: Mesh, loss: LossTerms, options: Strategies,
+                 pipeline: PipelinePlan | None, clip_grad_norm: float | None, lr_scheduler,
+                 num_items: bool = False):
         self.parallel, self.mesh, self._loss, self.options, self._pipeline = parallel, mesh, loss, options, pipeline
         self.clip_grad_norm = clip_grad_norm
         self.optimizer = getattr(parallel.optimizer, "inner", parallel.optimizer)
         self.lr_scheduler = lr_scheduler(self.optimizer) if lr_scheduler is not None else None
         self.steps = 0  # optimizer steps taken (dropout masks are keyed by it)
+        self._passes_num_items = num_items  # the model's forward takes num_items_in_batch
+        self._checked_weighting = False  # the first step says how a watched loss is weighted
+        if loss.kind == "own":  # the model computes its loss in its forward: watched there
+            parallel.loss_scope = loss.watching
+        loss.row_share = 1 / mesh.size("cp")
 
     @property
     def module(self) -> nn.Module:
@@ -185,7 +104,8 @@ class Job:
 
     def backward(self, inputs, targets=None, *, rows: str = "global", meter=None) -> float:
         """The first half of `step`: forward and backward over this rank's micro-batches and
-        the gradient sync; returns the global mean loss. `update` is the second half."""
+        the gradient sync, the gradients those of the global batch's mean; returns that mean.
+        `update` is the second half."""
         p, mesh, m = self.parallel, self.mesh, self.options.microbatches
         if isinstance(inputs, dict) and mesh.size("pp") > 1:
             raise ValueError("a batch dict under pipeline parallelism: pass inputs and targets tensors (the stages "
@@ -196,6 +116,7 @@ class Job:
             x = inputs[:micro]
             tokens = x.shape[1] // mesh.size("cp") if x.dim() > 1 else 1  # a cp rank sends its tokens only
             set_micro_shape(p, self._pipeline, micro, tokens, self.options.sp)
+        extra = self._loss_inputs(inputs, rows)
 
         def micro_batch(i: int):
             at = slice(mine.start + i * micro, mine.start + (i + 1) * micro)
@@ -204,14 +125,73 @@ class Job:
             x, y = self._to_device(take_rows(inputs, at)), self._to_device(take_rows(targets, at), cast=False)
             if mesh.size("cp") > 1:  # this rank's tokens of every sequence
                 x, y = self._sequence_shard(x), self._sequence_shard(y)
-            return x, (micro if self._loss.kind == "own" else y)
+            return {**x, **extra} if extra else x, (micro if self._loss.kind == "own" else y)
 
         with meter if meter is not None else nullcontext():  # the command line's activation meter
             total = p.runner.run(p, micro_batch, m, count)
         p.grad_sync.finish_grad_sync()
-        for axis in ("pp", "dp"):  # the loss lives on the last pipeline stage of each replica
-            p.comm.all_reduce(total, axis, purpose=METRICS)
-        return total.item()
+        loss, counted = self._global_mean(total)
+        if counted:  # the runner back-propagated sums: the gradients of the mean, once, before clipping
+            for t in {id(t): t for t in p.trained if t.grad is not None}.values():
+                t.grad.div_(counted)
+        if not self._checked_weighting:
+            self._say_how_the_loss_is_weighted(inputs, targets)
+        return loss
+
+    def _global_mean(self, total: torch.Tensor) -> tuple[float, float]:
+        """Collective: the global batch's mean loss from every rank's share `total`, and the
+        number of terms a watched loss counted as it ran (0 when none: the shares were
+        already divided by the global count). The loss lives on the last pipeline stage of
+        each replica, so both are summed over pp and dp (× cp)."""
+        terms = self._loss
+        if not terms.watched:
+            for axis in ("pp", "dp"):
+                self.parallel.comm.all_reduce(total, axis, purpose=METRICS)
+            return total.item(), 0.0
+        sums = torch.stack([total.double(), terms.counted, terms.checked])
+        for axis in ("pp", "dp"):
+            self.parallel.comm.all_reduce(sums, axis, purpose=METRICS)
+        total, counted, checked = sums.tolist()
+        expected = float(terms.num_items) if terms.num_items is not None else None
+        if checked and checked != expected:
+            raise ValueError(f"loss_fn=None: the model divided its summed loss by num_items_in_batch = {expected:g} "
+                             f"(its labels that are not -100, counted as transformers' Trainer counts them), but "
+                             f"its cross-entropy had {checked:g} terms; pass shift_labels in the batch, or set "
+                             f"model.accepts_loss_kwargs = False for meshtrain to count the terms itself")
+        return (total / counted if counted else total), counted
+
+    def _say_how_the_loss_is_weighted(self, inputs, targets) -> None:
+        """Collective, once: a watched loss weighted by rows while its targets hold the
+        ignore index trains another model than a plain loop's mean; the first step says so."""
+        self._checked_weighting = True
+        if self._loss.resolved != "rows":
+            return
+        held = targets if self._loss.kind == "mean" else (inputs.get("labels") if isinstance(inputs, dict) else None)
+        ignored = torch.is_tensor(held) and not held.is_floating_point() and bool((held == IGNORE_INDEX).any())
+        if self.parallel.comm.any_rank(ignored) and self.mesh.is_main:
+            print(f"meshtrain: warning: {self._loss.what} is a mean meshtrain cannot see into (no cross-entropy or "
+                  f"NLL mean inside), so each micro-batch's mean is weighted by its rows; its targets hold the "
+                  f"ignore index {IGNORE_INDEX}, so micro-batches and ranks with more of them weigh differently "
+                  f"from a plain loop's mean: compute it with F.cross_entropy or F.nll_loss, or pass "
+                  f"loss_reduction='sum' with a normalizer", file=sys.stderr)
+
+    def _loss_inputs(self, inputs, rows: str) -> dict:
+        """What the model's forward is passed beside the batch, and the loss's counts reset:
+        a model that takes `num_items_in_batch` (transformers') gets the global batch's count
+        of its labels, as transformers' Trainer counts them."""
+        labels = None
+        if self._loss.kind == "own" and self._passes_num_items and isinstance(inputs, dict):
+            labels = labels_for_count(self.module, inputs)
+        if labels is None:
+            self._loss.start_step(None, self.mesh.device)
+            return {}
+        n = (labels != IGNORE_INDEX).sum().to(self.mesh.device)
+        if rows == "local":  # each rank passed its share: the shares' counts summed (a cp group shares one)
+            n = n.double()
+            self.parallel.comm.all_reduce(n, "dp", purpose=METRICS)
+            n = (n / self.mesh.size("cp")).round().long()
+        self._loss.start_step(n, self.mesh.device)
+        return {"num_items_in_batch": n}
 
     def update(self, loss: float) -> StepOutput:
         """The second half of `step`: clip, step the optimizer and the scheduler, zero the
@@ -262,6 +242,8 @@ class Job:
         if dp > 1 and len({next(iter(fps)) for fps in by_coord.values()}) == 1:
             raise ValueError("rows='local': every data-parallel rank passed the same rows; pass "
                              "batch[mesh.rows(global_batch_size)], or rows='global' with the whole batch")
+        if self._loss.watched:  # its terms are counted as it runs
+            return slice(0, n), mesh.batch_coord * n, 1.0
         count = torch.tensor(self._loss.count(targets, n), dtype=torch.float64, device=mesh.device)
         self.parallel.comm.all_reduce(count, "dp", purpose=METRICS)  # over dp × cp: each row cp times
         return slice(0, n), mesh.batch_coord * n, count.item() / mesh.size("cp")
@@ -293,37 +275,51 @@ class Job:
     def forward(self, inputs):
         """The model's output on `inputs` in evaluation mode (dropout off), without gradients.
         Under pipeline parallelism the output is on the last stage's ranks (None on the
-        others); under a vocabulary-parallel head the logits are gathered whole over tp."""
-        with torch.no_grad():
-            out = self._output(inputs)
-            if out is not None and getattr(self.parallel, "vocab_sharded", False) and self.mesh.size("tp") > 1:
-                out = self.parallel.comm.gather_along(out.contiguous(), "tp", out.dim() - 1, purpose=METRICS)
+        others); under a vocabulary-parallel head the logits are gathered whole over tp;
+        under context parallelism each cp rank runs its tokens and the output is the whole
+        sequence again, in its original order ([rows, sequence, ...] outputs)."""
+        out = self._output(self._to_device(inputs))
+        if out is None:
+            return None
+        if getattr(self.parallel, "vocab_sharded", False) and self.mesh.size("tp") > 1:
+            out = self.parallel.comm.gather_along(out.contiguous(), "tp", out.dim() - 1, purpose=METRICS)
+        if self.mesh.size("cp") > 1:
+            if not torch.is_tensor(out) or out.dim() < 2:
+                raise ValueError("job.forward under context parallelism gathers a [rows, sequence, ...] tensor "
+                                 f"output; the model returned {type(out).__name__}")
+            out = gather_sequence(out, self.parallel.comm)
         return out
 
     def evaluate(self, inputs, targets=None, *, rows: str = "global") -> float:
         """The mean loss of a batch (the global one, or with `rows="local"` this rank's share)
-        in evaluation mode, forward only, in every layout: held-out validation."""
+        in evaluation mode, forward only, in every layout, its terms counted as in `step`:
+        held-out validation."""
         p = self.parallel
         mine, _, count = self._rows_of(inputs, targets, _batch_rows(inputs), rows)
+        extra = self._loss_inputs(inputs, rows)
         total = torch.zeros((), dtype=torch.float64, device=self.mesh.device)
-        with torch.no_grad():
-            out = self._output(take_rows(inputs, mine))
+        x = self._to_device(take_rows(inputs, mine))
+        with torch.no_grad(), p.loss_scope():
+            out = self._output({**x, **extra} if extra else x)
             if out is not None:  # the last pipeline stage's ranks
-                y = mine.stop - mine.start if self._loss.kind == "own" else \
-                    self._to_device(take_rows(targets, mine), cast=False)
+                if self._loss.kind == "own":
+                    y = mine.stop - mine.start
+                else:
+                    y = self._to_device(take_rows(targets, mine), cast=False)
+                    y = self._sequence_shard(y) if self.mesh.size("cp") > 1 else y
                 total += p.loss_fn(out, y).double() / count
-        for axis in ("pp", "dp"):  # as in `backward`: the loss lives on the last stage of each replica
-            p.comm.all_reduce(total, axis, purpose=METRICS)
-        return total.item()
+        return self._global_mean(total)[0]
 
-    def _output(self, inputs):
-        """The module's output in evaluation mode (None on pipeline stages but the last)."""
-        if isinstance(inputs, dict) and self.mesh.size("pp") > 1:
+    def _output(self, x):
+        """The module's output in evaluation mode on this rank's tokens of `x` (on the
+        device; its cp shard taken here); None on pipeline stages but the last."""
+        if isinstance(x, dict) and self.mesh.size("pp") > 1:
             raise ValueError("a batch dict under pipeline parallelism; pass the input tensor")
+        if self.mesh.size("cp") > 1:
+            x = self._sequence_shard(x)
         module, was_training = self.module, self.module.training
         module.eval()
         try:
-            x = self._to_device(inputs)
             if self.mesh.size("pp") > 1:
                 return self._pipeline_forward(x)
             return module(**x) if isinstance(x, dict) else module(x)
@@ -508,7 +504,7 @@ def parallelize(model: nn.Module, mesh: Mesh, *, optimizer: OptimizerFactory, lo
     if lr_scheduler is not None and not callable(lr_scheduler):
         raise TypeError("lr_scheduler: pass a factory taking the optimizer, e.g. "
                         "`lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=10)`")
-    loss = _Loss(loss_fn, loss_reduction, normalizer)
+    loss = LossTerms(loss_fn, loss_reduction, normalizer)
     if mesh.size("tp") > 1:
         if tp_plan is None:
             raise ValueError(f"tp_plan: tp={mesh.size('tp')} needs a plan of the model's module names to styles")
@@ -527,8 +523,9 @@ def parallelize(model: nn.Module, mesh: Mesh, *, optimizer: OptimizerFactory, lo
     check_same_weights(model, mesh)
     if init is not None and not hasattr(init, "full_value"):  # a spec (InitSpec, models.hf.HFWeights) is used as is
         init = FunctionInit.of(model, init, mesh.seed)
+    num_items = loss.kind == "own" and accepts_loss_kwargs(model)  # before a strategy wraps anything
     parallel = apply_strategies(model, mesh.comm, options, optimizer=optimizer, seed=mesh.seed, plan=tp_plan,
                                 pipeline=pipeline, loss_fn=loss, wrap=wrap, init=init,
                                 rows_per_step=rows_per_step, **(sync_options or {}))
     parallel.vocab_sharded = bool(tp_plan is not None and tp_plan.vocab_parallel_loss)
-    return Job(parallel, mesh, loss, options, pipeline, clip_grad_norm, lr_scheduler)
+    return Job(parallel, mesh, loss, options, pipeline, clip_grad_norm, lr_scheduler, num_items=num_items)

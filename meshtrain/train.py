@@ -29,7 +29,8 @@ from meshtrain.metrics import ActivationMeter, BuildMeter, LayerProbe, StepLog
 from meshtrain.models import build_model
 from meshtrain.models.init import init_spec
 from meshtrain.optim import adamw, set_lr
-from meshtrain.job import Job, StepOutput, _Loss, cross_entropy, parallelize
+from meshtrain.job import Job, StepOutput, cross_entropy, parallelize
+from meshtrain.loss_terms import LossTerms
 from meshtrain.loss import IGNORE_INDEX, cross_entropy_sum
 from meshtrain.parallel.compose import Parallelized
 from meshtrain.parallel.compose import parallelize as apply_strategies
@@ -199,7 +200,7 @@ def job_for(p: Parallelized, cfg: Config) -> Job:
     """A `Job` around strategies built elsewhere (the benchmarks' PyTorch-native peers), so
     they run the very loop ours runs: the configured loss normaliser, clipping, micro-batches."""
     p.comm.mesh.attach(p.comm, seed=cfg.train.seed)
-    return Job(p, p.comm.mesh, _Loss(cross_entropy_sum, "sum", loss_terms_per_step(cfg)),
+    return Job(p, p.comm.mesh, LossTerms(cross_entropy_sum, "sum", loss_terms_per_step(cfg)),
                cfg.layout.strategies(), None, cfg.train.clip, None)
 
 

@@ -12,7 +12,7 @@ user's own loop go through it alike."""
 
 from __future__ import annotations
 
-from contextlib import ExitStack, contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Callable
@@ -105,6 +105,9 @@ class Parallelized:
     compute_dtype: torch.dtype = torch.float32  # floating inputs are cast to it (bf16 under mixed precision)
     notes: list[str] = field(default_factory=list)  # what the strategies decided, to say once at start
     build_peak_bytes: int | None = None  # the most this rank held while it built its part (train.setup)
+    # what a micro-batch's forward and loss run inside (a model computing its own loss: the
+    # job's count of its terms, `loss_terms.LossTerms.watching`)
+    loss_scope: Callable[[], AbstractContextManager] = nullcontext
 
     def __post_init__(self):
         if self.holdings is None:

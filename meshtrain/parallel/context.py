@@ -30,7 +30,7 @@ import types
 import torch
 import torch.nn as nn
 
-from meshtrain.comm import Comm
+from meshtrain.comm import METRICS, Comm
 from meshtrain.parallel.tiles import MATH_TILE_BYTES, tile_rows
 
 CP = "cp"
@@ -338,3 +338,11 @@ def apply_context_parallel(model: nn.Module, comm: Comm, mode: str = "ring") -> 
             m.positions = types.MethodType(global_positions(ring), m)
     comm.prepare_p2p(CP)
     return ring
+
+
+def gather_sequence(x: torch.Tensor, comm: Comm) -> torch.Tensor:
+    """The inverse of `shard_sequence` for an output: every cp rank's [b, s/cp, ...] tokens
+    gathered into the whole [b, s, ...] sequence in its original order (one all-gather)."""
+    cp = comm.mesh.size(CP)
+    full = comm.gather_along(x.contiguous(), CP, 1, purpose=METRICS)
+    return full[:, torch.argsort(_source_order(full.shape[1], cp, x.device))]

@@ -30,6 +30,7 @@ Names stay those of the full model: a replaced module keeps its `weight` and `bi
 
 from __future__ import annotations
 
+import inspect
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from fnmatch import fnmatch
@@ -352,19 +353,34 @@ def vocab_parallel_cross_entropy_sum(comm: Comm, ignore_index: int = -100):
 # ---- applying a plan --------------------------------------------------------------------------
 
 def _enter_region(module: nn.Module, comm: Comm, sp: bool) -> None:
-    """Make `module`'s input enter a tensor-parallel region (its forward is wrapped in place,
-    so the module, its names and its parameters stay as they were)."""
+    """Make `module`'s input — its forward's first argument, passed by position or by name
+    (transformers calls its attention by keywords only) — enter a tensor-parallel region
+    (its forward is wrapped in place, so the module, its names and its parameters stay as
+    they were)."""
     inner = module.forward
+    first = next(iter(inspect.signature(inner).parameters))
 
-    def forward(x, *args, **kwargs):
+    def enter(x):
         if not sp:
-            return inner(_CopyToRegion.apply(x, comm), *args, **kwargs)
+            return _CopyToRegion.apply(x, comm), nullcontext()
         full = _GatherSeq.apply(x, comm)
         if is_recomputed(module):  # the checkpoint keeps nothing inside; recomputing gathers again
-            return inner(full, *args, **kwargs)
+            return full, nullcontext()
         saved = _RegatherSaved(full, x, comm)
-        with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
-            return inner(full, *args, **kwargs)
+        return full, torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack)
+
+    def forward(*args, **kwargs):
+        if args:
+            x, hooks = enter(args[0])
+            args = (x, *args[1:])
+        elif first in kwargs:
+            x, hooks = enter(kwargs[first])
+            kwargs = {**kwargs, first: x}
+        else:
+            raise TypeError(f"{type(module).__name__}: a tensor-parallel region enters through the forward's first "
+                            f"argument, {first!r}, which this call did not pass")
+        with hooks:
+            return inner(*args, **kwargs)
     module.forward = forward
 
 
