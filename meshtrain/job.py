@@ -28,7 +28,7 @@ from meshtrain.models.init import stable_seed
 from meshtrain.mesh import Mesh
 from meshtrain.optim import OptimizerFactory, clip_grad_norm_
 from meshtrain.parallel.compose import Parallelized, parallelize as apply_strategies, set_micro_shape
-from meshtrain.parallel.context import gather_sequence, shard_sequence
+from meshtrain.parallel.context import attention_cores, gather_sequence, shard_sequence
 from meshtrain.parallel.options import Strategies
 from meshtrain.parallel.pipeline.stages import PipelinePlan
 from meshtrain.parallel.state import digest
@@ -513,6 +513,12 @@ def parallelize(model: nn.Module, mesh: Mesh, *, optimizer: OptimizerFactory, lo
             raise ValueError("loss_fn: the tp_plan shards the head by vocabulary, so the loss is meshtrain's "
                              "vocabulary-parallel cross-entropy (no logits gathered); pass loss_fn=meshtrain."
                              "cross_entropy (no label smoothing), or keep the head whole in the plan")
+    if mesh.size("cp") > 1:
+        attention_cores(model)
+        if loss.kind == "own":
+            raise ValueError("loss_fn=None under context parallelism: a model computing its own loss shifts its "
+                             "labels inside its forward, which a cp rank's share of each sequence cannot do; pass "
+                             "a loss_fn and targets shifted outside the model")
     if mesh.size("pp") > 1:
         if pipeline is None:
             raise ValueError(f"pipeline: pp={mesh.size('pp')} needs a PipelinePlan (before, blocks, after)")

@@ -6,7 +6,8 @@ middle, the last) the layout's full state before the step, its synchronised grad
 (before clipping) and its weights after are gathered to rank 0, and every rank's piece of
 each tensor is compared with the full state. Rank 0 then runs the one-process reference on
 its CPU: its own trajectory from `make_model()`, and from the layout's state before each
-sampled step one step on the same batch with the same learning rates. The verdict is
+sampled step one step on the same batch with the same learning rates, and the batch's loss
+evaluated after it (`job.evaluate`) in both. The verdict is
 `verifier.compare`'s, with its tolerances, and every rank returns the same report."""
 
 from __future__ import annotations
@@ -77,7 +78,8 @@ def verify(make_model: Callable[[], nn.Module], batches: Iterable, *, optimizer,
         if result["curve_only"]:  # low precision: the loss curve against fp32, no lockstep
             worst = {"loss_curve": (result["max_loss_rel_diff"], None)}
         else:
-            worst = {k: (result[f"max_{k}_rel_diff"], result.get(f"worst_{k}")) for k in ("grad", "update", "step_loss")}
+            worst = {k: (result[f"max_{k}_rel_diff"], result.get(f"worst_{k}")) for k in ("grad", "update", "step_loss",
+                                                                                            "eval")}
         verdict = VerifyReport(result["passed"], worst, result["failures"], result)
     return mesh.comm.all_gather_object(verdict)[0]
 
@@ -95,6 +97,8 @@ def _record(job: Job, batches: list, sampled: list[int]) -> dict:
             recorder.keep(step, lrs=[g["lr"] for g in job.optimizer.param_groups])
         job.update(loss)
         recorder.after_step(p, step, loss)
+        if step in recorder.steps:  # the step's batch evaluated after it: `job.evaluate` in the layout
+            recorder.keep(step, val=job.evaluate(inputs, targets))
         losses.append(loss)
     return {"losses": losses, "steps": recorder.records, "problems": recorder.problems, "curve_only": curve_only}
 
@@ -125,5 +129,6 @@ def _reference(make_model, batches: list, layout: dict, seed: int, **options) ->
         for group, lr in zip(job.optimizer.param_groups, rec["lrs"]):
             group["lr"] = lr
         job.update(loss)
-        lockstep[step] = {"loss": loss, "grads": grads, "post": job.parallel.full_state_dict(with_optimizer=False)["model"]}
+        lockstep[step] = {"loss": loss, "grads": grads, "post": job.parallel.full_state_dict(with_optimizer=False)["model"],
+                          "val": job.evaluate(inputs, targets)}
     return {"losses": losses, "trajectory": trajectory, "steps": lockstep}

@@ -102,6 +102,9 @@ class StepObserver:
 
     def after_step(self, p: Parallelized, step: int, loss: float) -> None: ...
 
+    def held_out(self, job: Job, data, step: int) -> None:
+        """After `after_step`, with the job and its data: verify evaluates here."""
+
 
 def build(cfg: Config, device):
     """The dataset and the full, unsharded model with its initial weights (one process's)."""
@@ -301,6 +304,7 @@ def train(cfg: Config, comm: Comm, *, observer: StepObserver | None = None, prog
                 skipped.append(step + 1)
             if observer:
                 observer.after_step(p, step + 1, loss)
+                observer.held_out(job, data, step + 1)
             val = validate(job, data, cfg, step + 1)
             if val is not None:
                 val_losses.append((step + 1, val))
@@ -338,8 +342,13 @@ def validate(job: Job, data, cfg: Config, step: int) -> float | None:
     tr = cfg.train
     if not tr.eval_every or (step % tr.eval_every and step != tr.steps):
         return None
-    every = slice(0, tr.batch_size)
-    return sum(job.evaluate(*data.val_batch(k, tr.batch_size, every)) for k in range(tr.eval_batches)) / tr.eval_batches
+    return sum(held_out_loss(job, data, cfg, k) for k in range(tr.eval_batches)) / tr.eval_batches
+
+
+def held_out_loss(job: Job, data, cfg: Config, k: int = 0) -> float:
+    """Collective: the mean loss of held-out batch k (`job.evaluate`, every layout alike)."""
+    size = cfg.train.batch_size
+    return job.evaluate(*data.val_batch(k, size, slice(0, size)))
 
 
 # ---- checkpoints ----------------------------------------------------------------------------

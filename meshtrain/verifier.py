@@ -37,7 +37,7 @@ from meshtrain.comm import Comm
 from meshtrain.config import Config, LayoutConfig
 from meshtrain.mesh import Mesh
 from meshtrain.parallel.state import digest
-from meshtrain.train import StepObserver, setup, train, train_step
+from meshtrain.train import StepObserver, held_out_loss, setup, train, train_step
 
 # Relative differences allowed at a lockstep step (fp32), from what correct layouts measure
 # (data, tensor and sequence parallelism, gpt-test and gpt-small): gradients at most 7.9e-7
@@ -57,6 +57,9 @@ GRAD_TOLERANCE = 1e-5
 GRAD_FLOOR = 1e-2
 UPDATE_TOLERANCE = 1e-3
 STEP_LOSS_TOLERANCE = 1e-5
+# The held-out loss (`job.evaluate`) after a lockstep step, against the reference's from the
+# same state: a forward only, so as tight as a step's loss.
+EVAL_TOLERANCE = 1e-5
 # Mixed precision (bf16 compute) cannot match fp32 in lockstep: its loss curve is compared
 # with the fp32 one-process run's, step by step, and must stay within this relative
 # difference (the issue's 2 %; README, "Mixed precision", has what layouts measure).
@@ -88,8 +91,9 @@ class LayoutRecorder(StepObserver):
     """At each sampled step: the full state before, the synchronised gradients, the weights
     after (kept on rank 0 only), and every rank's pieces checked against them."""
 
-    def __init__(self, steps: list[int], is_main: bool):
+    def __init__(self, steps: list[int], is_main: bool, cfg: Config | None = None):
         self.steps, self.is_main, self.records, self.problems = set(steps), is_main, {}, []
+        self.cfg = cfg  # the run's configuration, for its held-out batch
 
     def keep(self, step: int, **parts) -> None:
         if self.is_main:
@@ -110,6 +114,10 @@ class LayoutRecorder(StepObserver):
             post = p.full_state_dict(with_optimizer=False)["model"]
             self.keep(step, post=post, loss=loss)
             self.problems += _check_pieces(p, post, "weights", step, use_grad=False)
+
+    def held_out(self, job, data, step):
+        if step in self.steps and self.cfg is not None and hasattr(data, "val_batch"):
+            self.keep(step, val=held_out_loss(job, data, self.cfg))
 
 
 def _check_pieces(p, full: dict[str, torch.Tensor], what: str, step: int,
@@ -142,7 +150,7 @@ def _check_pieces(p, full: dict[str, torch.Tensor], what: str, step: int,
 def record(cfg: Config, comm: Comm, label: str) -> dict | None:
     """Run the layout (every rank calls this); rank 0 returns its losses and, per sampled
     step, the full state before, the gradients, the weights after, and the problems found."""
-    recorder = LayoutRecorder([] if curve_only(cfg) else lockstep_steps(cfg.train.steps), comm.mesh.is_main)
+    recorder = LayoutRecorder([] if curve_only(cfg) else lockstep_steps(cfg.train.steps), comm.mesh.is_main, cfg)
     result = train(cfg, comm, observer=recorder, progress=label)
     if not comm.mesh.is_main:
         return None
@@ -180,6 +188,8 @@ def run_reference(cfg: Config, layout: dict) -> dict:
         loss = train_step(job, data, step - 1, ref, observer=grads).loss
         lockstep[step] = {"loss": loss, "grads": grads.grads,
                           "post": job.parallel.full_state_dict(with_optimizer=False)["model"]}
+        if "val" in layout["steps"][step]:
+            lockstep[step]["val"] = held_out_loss(job, data, ref)
     return {"losses": losses, "trajectory": trajectory.params, "steps": lockstep}
 
 
@@ -223,7 +233,7 @@ def compare(layout: dict, reference: dict) -> dict:
     """The verdict: lockstep gradients, updates and losses within tolerance at every
     sampled step, and no rank's piece different from the full state. The first failure is
     named (step, then tensor in model order); trajectory drift is reported alongside."""
-    worst = {kind: (0.0, None) for kind in ("grad", "plain_grad", "update", "step_loss", "param")}
+    worst = {kind: (0.0, None) for kind in ("grad", "plain_grad", "update", "step_loss", "eval", "param")}
     failures = list(layout["problems"])
     by_gradient: set[str] = set()  # tensors whose update was not judged: their gradient is below the floor
 
@@ -257,6 +267,9 @@ def compare(layout: dict, reference: dict) -> dict:
                 note("update", _rel(lay["post"][name] - pre[name], ref["post"][name] - pre[name]), step,
                      f"step {step}: {name} update", UPDATE_TOLERANCE)
         note("step_loss", _rel_scalar(lay["loss"], ref["loss"]), step, f"step {step}: loss", STEP_LOSS_TOLERANCE)
+        if "val" in lay and "val" in ref:
+            note("eval", _rel_scalar(lay["val"], ref["val"]), step, f"step {step}: held-out loss after the step "
+                 f"(job.evaluate) {lay['val']:.6f} vs {ref['val']:.6f}", EVAL_TOLERANCE)
         for name, ref_t in reference["trajectory"].get(step, {}).items():
             if name in lay["post"] and lay["post"][name].shape == ref_t.shape:
                 note("param", _rel(lay["post"][name], ref_t), step, f"{name} after step {step}", None)
@@ -272,10 +285,11 @@ def compare(layout: dict, reference: dict) -> dict:
         "max_grad_plain_rel_diff": worst["plain_grad"][0], "worst_plain_grad": worst["plain_grad"][1],
         "max_update_rel_diff": worst["update"][0], "worst_update": worst["update"][1],
         "judged_by_gradient": sorted(by_gradient),
-        "max_step_loss_rel_diff": worst["step_loss"][0],
+        "max_step_loss_rel_diff": worst["step_loss"][0], "max_eval_rel_diff": worst["eval"][0],
         "max_loss_rel_diff": max(loss_diffs), "max_param_rel_diff": worst["param"][0], "worst_param": worst["param"][1],
         "drifted": max(loss_diffs) > DRIFT_TOLERANCE or worst["param"][0] > DRIFT_TOLERANCE,
         "tolerances": {"grad": GRAD_TOLERANCE, "grad_floor": GRAD_FLOOR, "update": UPDATE_TOLERANCE, "step_loss": STEP_LOSS_TOLERANCE,
+                       "eval": EVAL_TOLERANCE,
                        "drift": DRIFT_TOLERANCE, "curve": CURVE_TOLERANCE},
         "curve_only": bool(layout.get("curve_only")),
         "losses": {"layout": layout["losses"], "reference": reference["losses"]}, "loss_rel_diffs": loss_diffs,
@@ -301,7 +315,8 @@ def report(cfg: Config, result: dict, json_mode: bool) -> int:
               f"(≤ {tol['grad']:g}; largest: {result['worst_grad']}; unfloored "
               f"{result['max_grad_plain_rel_diff']:.2e}), max_update_rel_diff {result['max_update_rel_diff']:.2e} "
               f"(≤ {tol['update']:g}; largest: {result['worst_update']}), step losses "
-              f"{result['max_step_loss_rel_diff']:.2e} (≤ {tol['step_loss']:g})", file=out)
+              f"{result['max_step_loss_rel_diff']:.2e} (≤ {tol['step_loss']:g}), held-out losses "
+              f"{result['max_eval_rel_diff']:.2e} (≤ {tol['eval']:g})", file=out)
     if result["judged_by_gradient"]:
         print(f"judged by their gradients alone (below {GRAD_FLOOR:g} of their share of the gradient norm, where "
               f"Adam's update is rounding's sign): {', '.join(result['judged_by_gradient'])}", file=out)
@@ -316,7 +331,7 @@ def report(cfg: Config, result: dict, json_mode: bool) -> int:
     if json_mode:
         keys = ("curve_only", "lockstep_steps", "max_grad_rel_diff", "worst_grad", "max_grad_plain_rel_diff", "worst_plain_grad",
                 "max_update_rel_diff", "worst_update", "judged_by_gradient",
-                "max_step_loss_rel_diff", "max_loss_rel_diff", "max_param_rel_diff", "worst_param", "drifted",
+                "max_step_loss_rel_diff", "max_eval_rel_diff", "max_loss_rel_diff", "max_param_rel_diff", "worst_param", "drifted",
                 "tolerances", "first_failure", "failures", "passed", "losses")
         print(json.dumps({"steps": cfg.train.steps, "layout": cfg.layout.summary(),
                           **{k: result[k] for k in keys}}), flush=True)

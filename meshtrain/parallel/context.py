@@ -303,6 +303,25 @@ def _check_heads(attention: nn.Module, cp: int) -> None:
                              f"over cp={cp}; use cp_mode='ring' or a cp dividing them")
 
 
+def attention_cores(model: nn.Module) -> list[nn.Module]:
+    """Before anything is split: the model's attention modules (those with a `core(q, k,
+    v)`), refusing in one line a model that has none — transformers' classes among them,
+    whose attention meshtrain cannot split over the sequence — and attention-probability
+    dropout, which a ring cannot draw as one process does."""
+    cores = [m for m in model.modules() if callable(getattr(m, "core", None))]
+    if not cores:
+        raise ValueError("context parallelism splits sequences for attention, and this model has no module with "
+                         "an attention core(q, k, v) (meshtrain's GPT and Llama have one; transformers' classes do "
+                         "not: train those with cp=1, or load the weights into meshtrain's Llama with "
+                         "meshtrain.models.load_hf)")
+    for m in cores:
+        drop = getattr(m, "attn_drop", None)
+        if getattr(m, "attention", "sdpa") == "math" and drop is not None and drop.p > 0:
+            raise ValueError("context parallelism: attention-probability dropout (the GPT's attention='math' with "
+                             "dropout) cannot be split over cp; use attention='sdpa' or no dropout")
+    return cores
+
+
 def apply_context_parallel(model: nn.Module, comm: Comm, mode: str = "ring") -> Ring:
     """Make `model` run on its cp rank's tokens: every module with an attention `core`
     attends over the whole sequence by the ring (or, `mode="ulysses"`, by all-to-all;
@@ -318,18 +337,9 @@ def apply_context_parallel(model: nn.Module, comm: Comm, mode: str = "ring") -> 
         elif isinstance(m, nn.Dropout) and m.p > 0:
             raise ValueError("context parallelism: an nn.Dropout that is not keyed (seed_dropout) would draw "
                              "masks per rank; meshtrain.parallelize keys every active one")
-    cores = [m for m in model.modules() if callable(getattr(m, "core", None))]
-    if not cores:
-        raise ValueError("context parallelism splits sequences for attention, and this model has no module with "
-                         "an attention core(q, k, v) (meshtrain's GPT and Llama have one)")
-    for m in cores:
-        drop = getattr(m, "attn_drop", None)
-        if getattr(m, "attention", "sdpa") == "math" and drop is not None and drop.p > 0:
-            raise ValueError("context parallelism: attention-probability dropout (the GPT's attention='math' with "
-                             "dropout) cannot be split over cp; use attention='sdpa' or no dropout")
-    for m in cores:
+    for m in attention_cores(model):
         if mode == "ulysses":
-            _check_heads(m, mesh.size(CP))
+            _check_heads(m, mesh.size(CP))  # the heads this rank holds (after tensor parallelism)
             m.core = types.MethodType(ulysses_core(comm, m.core), m)
         else:
             m.core = types.MethodType(ring_core(ring), m)
