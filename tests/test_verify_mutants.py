@@ -316,6 +316,21 @@ def dropout_masks_drawn_per_cp_rank():
                               create=True)]
 
 
+def evaluation_skips_the_cp_split():
+    """Evaluation under context parallelism: every cp rank runs the whole sequence, not its
+    head-tail share, and the cp ranks' losses are summed as shares."""
+    from meshtrain.job import Job
+    real = Job.evaluate
+
+    def evaluate(self, *args, **kwargs):
+        self._sequence_shard = lambda batch: batch  # shadows the method for this call
+        try:
+            return real(self, *args, **kwargs)
+        finally:
+            del self._sequence_shard
+    return [mock.patch.object(Job, "evaluate", evaluate)]
+
+
 # name -> (the mutant, the layout it runs in)
 MUTANTS = {f.__name__: (f, layout) for f, layout in (
     (local_loss_normalizer, "dp"), (averaged_on_top_of_the_sum, "dp"), (bucket_skipped_on_a_middle_step, "dp"),
@@ -328,7 +343,9 @@ MUTANTS = {f.__name__: (f, layout) for f, layout in (
     (mlp_chunks_drop_with_the_first_chunks_rows, "pp-recompute"), (weight_pass_tells_no_synchroniser, "pp-zb"),
     (store_keeps_one_micro_batch_per_layer, "pp-zb"), (blocks_merged_without_the_lse_correction, "cp"),
     (keys_not_placed_head_tail, "cp"), (gradients_not_reduced_over_cp, "cp"),
-    (dropout_masks_drawn_per_cp_rank, "cp-dropout"))}
+    (dropout_masks_drawn_per_cp_rank, "cp-dropout"), (evaluation_skips_the_cp_split, "cp"))}
+# Mutants that train correctly and fail the held-out check (`job.evaluate` after the step).
+EVALUATION = {"evaluation_skips_the_cp_split"}
 # The step at which each mutant first does harm.
 FIRST_BAD_STEP = {name: MIDDLE if name == "bucket_skipped_on_a_middle_step" else 1 for name in MUTANTS}
 
@@ -370,6 +387,9 @@ def test_verify_fails_on_the_mutant_naming_step_and_tensor(verdicts, name):
     assert not v["passed"], f"{name} slipped through verify"
     first = v["first_failure"]
     assert first.startswith(f"step {FIRST_BAD_STEP[name]}:"), first
+    if name in EVALUATION:
+        assert "held-out loss" in first, first
+        return
     # a tensor is named: a parameter's gradient or update, or a rank's copy of one
     assert re.search(r"(gradient|update|weights)", first) and re.search(r"\.(weight|bias)\b", first), first
 
