@@ -121,7 +121,7 @@ class Job:
         def micro_batch(i: int):
             at = slice(mine.start + i * micro, mine.start + (i + 1) * micro)
             if p.dropout_keys is not None:
-                p.dropout_keys.use(self.steps, slice(offset + i * micro, offset + (i + 1) * micro))
+                p.dropout_keys.start(self.steps, slice(offset + i * micro, offset + (i + 1) * micro))
             x, y = self._to_device(take_rows(inputs, at)), self._to_device(take_rows(targets, at), cast=False)
             if mesh.size("cp") > 1:  # this rank's tokens of every sequence
                 x, y = self._sequence_shard(x), self._sequence_shard(y)
@@ -129,6 +129,8 @@ class Job:
 
         with meter if meter is not None else nullcontext():  # the command line's activation meter
             total = p.runner.run(p, micro_batch, m, count)
+        if p.dropout_keys is not None:
+            p.dropout_keys.settle()
         p.grad_sync.finish_grad_sync()
         loss, counted = self._global_mean(total)
         if counted:  # the runner back-propagated sums: the gradients of the mean, once, before clipping

@@ -26,7 +26,7 @@ from meshtrain.models import find_block_list
 from meshtrain.models.init import InitSpec, materialize, to_placeholders
 from meshtrain.optim import FULL_SHAPE, OptimizerFactory, check_optimizer, keep_grad_views, optimizer_from
 from meshtrain.parallel.data import DataParallel
-from meshtrain.parallel.dropout import DropoutKeys, seed_dropout
+from meshtrain.parallel.dropout import DropoutKeys, FunctionalDropout, seed_dropout
 from meshtrain.parallel.options import Strategies
 from meshtrain.parallel.linear_gather import LinearGather, choose_linear_syncs
 from meshtrain.parallel.pipeline.engine import PipelineRunner
@@ -100,7 +100,7 @@ class Parallelized:
     comm: Comm
     n_params: int
     loss_scale: float = 1.0
-    dropout_keys: DropoutKeys | None = None  # set before each micro-batch when dropout is on
+    dropout_keys: DropoutKeys | None = None  # set before each micro-batch's forward
     holdings: object = None  # ParamHoldings unless a strategy (ZeRO) says otherwise
     compute_dtype: torch.dtype = torch.float32  # floating inputs are cast to it (bf16 under mixed precision)
     notes: list[str] = field(default_factory=list)  # what the strategies decided, to say once at start
@@ -108,6 +108,10 @@ class Parallelized:
     # what a micro-batch's forward and loss run inside (a model computing its own loss: the
     # job's count of its terms, `loss_terms.LossTerms.watching`)
     loss_scope: Callable[[], AbstractContextManager] = nullcontext
+
+    def forward_scope(self) -> AbstractContextManager:
+        """What every training forward runs inside: the mode keying functional dropout."""
+        return self.dropout_keys.scope() if self.dropout_keys is not None else nullcontext()
 
     def __post_init__(self):
         if self.holdings is None:
@@ -210,11 +214,13 @@ def parallelize(model: nn.Module, comm: Comm, options: Strategies, *, optimizer:
         loss_fn = fp32_loss(loss_fn)
     if init is not None:  # parameters without storage until this rank's part is drawn
         to_placeholders(model, mesh.device)
-    # Dropout masks from (seed, step, sample, site), so that every layout drops the same elements.
-    keys = None
-    if any(isinstance(m, nn.Dropout) and m.p > 0 for m in model.modules()):
-        keys = DropoutKeys(seed)
-        seed_dropout(model, keys)
+    # Dropout masks from (seed, step, sample, site), so that every layout drops the same
+    # elements: nn.Dropout modules replaced, functional calls keyed by a mode over the
+    # training forwards (until the first step shows there are none).
+    keys = DropoutKeys(seed)
+    seed_dropout(model, keys)
+    keys.functional = partial(FunctionalDropout, keys, {id(m): (n, m) for n, m in model.named_modules()},
+                              mesh.size("tp"), mesh.size("cp"), mesh.coord("cp"))
     runner = PlainRunner()
     if mesh.size("pp") > 1:
         if pipeline is None:

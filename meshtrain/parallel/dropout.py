@@ -11,14 +11,33 @@ The cost: every rank draws the whole mask of each of its samples, tp times the r
 numbers of its shard, one generator per sample and site. The cheaper alternative is
 Megatron's RNG tracker (a generator per tp rank for sharded regions, a shared one for
 replicated ones): each rank draws only its shard, but the masks then depend on the layout,
-and no layout could be compared with one process."""
+and no layout could be compared with one process.
+
+Functional dropout — `F.dropout` (and `torch.dropout`) in a model's forward, and the
+`dropout_p` of `F.scaled_dot_product_attention` — draws from the global generator, which no
+layout reproduces. `FunctionalDropout`, a `TorchFunctionMode` over every training forward
+(and recomputation), keys those calls the same way: the site is the module whose forward
+makes the call (its one-process name), the line, and the call's ordinal there in the
+micro-batch; attention's dropout runs as exact math attention with the keyed mask on its
+probabilities. Where the masks could not be the one process's — under tensor parallelism
+(a functional call cannot say how its input is sharded), attention's under context
+parallelism, the channel and alpha variants — the call is refused in one line. A model that
+makes no such call in its first step runs without the mode from then on."""
+
 
 from __future__ import annotations
 
 import hashlib
+import inspect
+import math
+import os
+import sys
+from contextlib import nullcontext
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 
 from meshtrain.comm import Comm
 from meshtrain.models import replace_submodule
@@ -31,9 +50,27 @@ class DropoutKeys:
 
     def __init__(self, seed: int):
         self.seed, self.step, self.rows = seed, 0, slice(0, 0)
+        self.calls: dict[str, int] = {}  # functional dropout calls per site in this micro-batch's forward
+        self.functional = None  # makes the mode that keys them (`FunctionalDropout`), while a model may call them
+        self.functional_seen = False
 
     def use(self, step: int, rows: slice) -> None:
         self.step, self.rows = step, rows
+
+    def start(self, step: int, rows: slice) -> None:
+        """A micro-batch's forward begins: its keys, and no functional call counted yet."""
+        self.use(step, rows)
+        self.calls = {}
+
+    def scope(self):
+        """What a training forward (or a recomputation) runs inside: the mode that keys
+        functional dropout, or nothing once the first step has shown there is none."""
+        return self.functional() if self.functional is not None else nullcontext()
+
+    def settle(self) -> None:
+        """After the first step: a model that called no functional dropout needs no mode."""
+        if not self.functional_seen:
+            self.functional = None
 
     def key(self, row: int, site: str) -> int:
         raw = hashlib.blake2b(f"{self.seed}/{self.step}/{row}/{site}".encode(), digest_size=8).digest()
@@ -55,42 +92,161 @@ class SeededDropout(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.p == 0:
             return x
-        shape = list(x.shape[1:])
-        if self.shard is not None:
-            dim, comm = self.shard
-            shape[dim - 1] *= comm.mesh.size("tp")
-        positions = None
-        if self.tokens is not None:
-            if x.dim() != 3:
-                raise RuntimeError(f"dropout at {self.site}: context parallelism drops [batch, tokens, features] "
-                                   f"activations only; attention-probability dropout is refused under cp")
-            rank, cp = self.tokens
-            shape[0] *= cp
-            positions = sequence_positions(shape[0], rank, cp)
-        rows = range(self.keys.rows.start, self.keys.rows.stop)
-        if len(rows) != x.shape[0]:
-            raise RuntimeError(f"dropout at {self.site}: {x.shape[0]} samples but the keys name {len(rows)}")
-        masks = []
-        for row in rows:
-            # Drawn on the CPU generator whatever the device: CUDA's Philox draws other bits,
-            # and a GPU run must drop what the CPU reference drops (verify --device cuda).
-            g = torch.Generator()
-            g.manual_seed(self.keys.key(row, self.site))
-            keep = torch.rand(shape, generator=g) >= self.p
-            if positions is not None:  # this cp rank's tokens, then (under SP) its tp chunk of them
-                keep = keep[positions]
-            if self.shard is not None:
-                n = x.shape[dim]
-                keep = keep.narrow(dim - 1, comm.mesh.coord("tp") * n, n)
-            masks.append(keep)
-        return x * torch.stack(masks).to(x.device, non_blocking=True) / (1 - self.p)
+        return keyed_dropout(x, self.p, self.keys, self.site, self.shard, self.tokens)
 
     def extra_repr(self) -> str:
         return f"p={self.p}, site={self.site}"
 
 
+def keyed_dropout(x: torch.Tensor, p: float, keys: DropoutKeys, site: str, shard: tuple[int, Comm] | None = None,
+                  tokens: tuple[int, int] | None = None, inplace: bool = False) -> torch.Tensor:
+    """`x` [rows, ...] with each row's one-process mask at `site` (`SeededDropout` says
+    what `shard` and `tokens` are)."""
+    if p >= 1:
+        return x.mul_(0) if inplace else x * 0
+    shape = list(x.shape[1:])
+    if shard is not None:
+        dim, comm = shard
+        shape[dim - 1] *= comm.mesh.size("tp")
+    positions = None
+    if tokens is not None:
+        if x.dim() != 3:
+            raise RuntimeError(f"dropout at {site}: context parallelism drops [batch, tokens, features] "
+                               f"activations only; attention-probability dropout is refused under cp")
+        rank, cp = tokens
+        shape[0] *= cp
+        positions = sequence_positions(shape[0], rank, cp)
+    rows = range(keys.rows.start, keys.rows.stop)
+    if len(rows) != x.shape[0]:
+        raise RuntimeError(f"dropout at {site}: {x.shape[0]} samples but the keys name {len(rows)}")
+    masks = []
+    for row in rows:
+        # Drawn on the CPU generator whatever the device: CUDA's Philox draws other bits,
+        # and a GPU run must drop what the CPU reference drops (verify --device cuda).
+        g = torch.Generator()
+        g.manual_seed(keys.key(row, site))
+        keep = torch.rand(shape, generator=g) >= p
+        if positions is not None:  # this cp rank's tokens, then (under SP) its tp chunk of them
+            keep = keep[positions]
+        if shard is not None:
+            n = x.shape[dim]
+            keep = keep.narrow(dim - 1, comm.mesh.coord("tp") * n, n)
+        masks.append(keep)
+    mask = torch.stack(masks).to(x.device, non_blocking=True)
+    return x.mul_(mask).div_(1 - p) if inplace else x * mask / (1 - p)
+
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # meshtrain's own wrappers
+
+
+def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """F.scaled_dot_product_attention's signature (a builtin has none to inspect)."""
+
+
+def _torch_dropout(input, p, train):
+    """torch.dropout's signature."""
+
+
+# the functions keyed: (signature, input, p, training, inplace)
+_KEYED = {F.dropout: (inspect.signature(F.dropout), "input", "p", "training", "inplace"),
+          torch.dropout: (inspect.signature(_torch_dropout), "input", "p", "train", None)}
+_REFUSED = (F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout)
+_SDPA = inspect.signature(_sdpa)
+
+
+class FunctionalDropout(TorchFunctionMode):
+    """Keys functional dropout in a training forward (module docstring). `names`: every
+    module of the full model by id, with its one-process name; `tp`, `cp`: the layout's
+    sizes, and `cp_rank` this rank's place on cp."""
+
+    def __init__(self, keys: DropoutKeys, names: dict[int, tuple[str, nn.Module]], tp: int, cp: int, cp_rank: int):
+        super().__init__()
+        self.keys, self.names, self.tp, self.cp, self.cp_rank = keys, names, tp, cp, cp_rank
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _KEYED:
+            return self._dropout(func, args, kwargs)
+        if func is F.scaled_dot_product_attention:
+            return self._attention(args, kwargs)
+        if func in _REFUSED:
+            a = inspect.signature(func).bind(*args, **kwargs).arguments
+            if a.get("training", True) and a.get("p", 0.5) > 0:
+                raise ValueError(f"F.{func.__name__} in a training forward draws from the global generator, which "
+                                 f"no layout reproduces; use nn.Dropout or F.dropout, which meshtrain keys")
+        return func(*args, **kwargs)
+
+    def _dropout(self, func, args, kwargs):
+        signature, x_name, p_name, train_name, inplace_name = _KEYED[func]
+        a = signature.bind(*args, **kwargs)
+        a.apply_defaults()
+        a = a.arguments
+        x, p = a[x_name], a[p_name]
+        if not a[train_name] or p == 0:
+            return func(*args, **kwargs)
+        self.keys.functional_seen = True
+        if self.tp > 1:
+            raise ValueError("F.dropout under tensor parallelism: meshtrain cannot tell how a functional call's "
+                             "input is sharded, so its masks would differ from one process's; use an nn.Dropout "
+                             "module (the tp_plan's styles say how it is sharded)")
+        tokens = None
+        if self.cp > 1:
+            if x.dim() != 3:
+                raise ValueError("F.dropout under context parallelism keys [batch, tokens, features] activations "
+                                 f"only, not {tuple(x.shape)}; use cp=1 or move the dropout to such an activation")
+            tokens = (self.cp_rank, self.cp)
+        return keyed_dropout(x, p, self.keys, self._site(), tokens=tokens,
+                             inplace=bool(inplace_name and a[inplace_name]))
+
+    def _attention(self, args, kwargs):
+        a = _SDPA.bind(*args, **kwargs)
+        a.apply_defaults()
+        a = a.arguments
+        p = a["dropout_p"]
+        if p == 0:
+            return F.scaled_dot_product_attention(*args, **kwargs)
+        self.keys.functional_seen = True
+        if self.tp > 1 or self.cp > 1:
+            raise ValueError("F.scaled_dot_product_attention(dropout_p>0) under tensor or context parallelism: its "
+                             "masks cannot be drawn as one process draws them (heads or tokens are split); use "
+                             "dropout_p=0 there")
+        q, k, v, mask = a["query"], a["key"], a["value"], a["attn_mask"]
+        if a.get("enable_gqa"):
+            k = k.repeat_interleave(q.shape[-3] // k.shape[-3], -3)
+            v = v.repeat_interleave(q.shape[-3] // v.shape[-3], -3)
+        scale = a["scale"] if a["scale"] is not None else 1 / math.sqrt(q.shape[-1])
+        scores = (q @ k.transpose(-2, -1)) * scale
+        if a["is_causal"]:
+            causal = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+            scores = scores.masked_fill(~causal, float("-inf"))
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+        probs = keyed_dropout(scores.softmax(-1), p, self.keys, self._site())
+        return probs @ v
+
+    def _site(self) -> str:
+        """The calling module's one-process name, the call's line, and its ordinal there."""
+        frame, line, module = sys._getframe(2), None, "model"
+        while frame is not None:
+            code = frame.f_code
+            if line is None and not code.co_filename.startswith((_TORCH_DIR, _HERE)):
+                line = f"{os.path.basename(code.co_filename)}:{frame.f_lineno}"
+            if "self" in code.co_varnames[:1]:
+                named = self.names.get(id(frame.f_locals.get("self")))
+                if named is not None and named[1] is frame.f_locals.get("self"):
+                    module = named[0] or "model"
+                    break
+            frame = frame.f_back
+        site = f"{module}/{line}"
+        n = self.keys.calls.get(site, 0)
+        self.keys.calls[site] = n + 1
+        return f"{site}#{n}"
+
+
 def seed_dropout(model: nn.Module, keys: DropoutKeys) -> None:
-    """Replace every active nn.Dropout of `model` by a SeededDropout named after its site."""
+    """Replace every active nn.Dropout of `model` by a SeededDropout named after its site
+    (the module's one-process name)."""
     for name, module in list(model.named_modules()):
         if isinstance(module, nn.Dropout) and module.p > 0:
             replace_submodule(model, name, SeededDropout(module.p, keys, name))

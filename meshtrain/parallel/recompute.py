@@ -30,7 +30,7 @@ pipeline computes other micro-batches in between."""
 from __future__ import annotations
 
 import math
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from contextvars import ContextVar
 
 import torch
@@ -41,17 +41,23 @@ from meshtrain.parallel.options import parse_recompute
 from meshtrain.parallel.dropout import DropoutKeys
 
 @contextmanager
-def _keys_at(keys: DropoutKeys | None, where: tuple | None):
-    """Put the dropout keys of the forward back for the recomputation."""
+def _keys_at(keys: DropoutKeys | None, where: tuple | None, again: bool = False):
+    """Put the dropout keys of the forward back for the recomputation (`again`: this run
+    recomputes, in backward, where the forward's functional-dropout mode is not active:
+    it runs in its own, its calls counted afresh from the region's start)."""
     if keys is None:
         yield
         return
-    now = (keys.step, keys.rows)
+    now, calls = (keys.step, keys.rows), keys.calls
     keys.use(*where)
+    if again:
+        keys.calls = {}
     try:
-        yield
+        with keys.scope() if again else nullcontext():
+            yield
     finally:
         keys.use(*now)
+        keys.calls = calls
 
 
 RECOMPUTED = "_meshtrain_recomputed"  # set on every module that runs under a checkpoint
@@ -108,7 +114,7 @@ def _checkpointed(run, keys: DropoutKeys | None, block: bool = False):
             runs += 1  # the first run is the forward, the others recompute
             flag = _recomputing_block.set(block and runs > 1)
             try:
-                with _keys_at(keys, where):
+                with _keys_at(keys, where, again=runs > 1):
                     return run(x, *args, **kwargs)
             finally:
                 _recomputing_block.reset(flag)

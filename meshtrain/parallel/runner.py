@@ -24,7 +24,7 @@ class PlainRunner:
                 inputs, targets = micro_batch(i)
                 with p.grad_sync.no_sync() if i < count - 1 else nullcontext():
                     # the output is not kept past the loss: backward frees what it no longer needs
-                    with p.loss_scope():
+                    with p.forward_scope(), p.loss_scope():
                         loss = p.loss_fn(p.module(**inputs) if isinstance(inputs, dict) else p.module(inputs),
                                          targets) / normalizer
                     (loss * p.loss_scale if p.loss_scale != 1 else loss).backward()

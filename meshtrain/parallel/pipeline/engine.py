@@ -150,10 +150,11 @@ class PipelineRunner:
     def _Forward(self, op):
         inputs, targets = self._micro_batch(op.mb)
         x = inputs if self.stage.is_first(op.chunk) else self._inputs[(op.mb, op.chunk)]
-        out = self.stage.forward(op.chunk, x)
-        if self.stage.is_last(op.chunk):
-            out = self._p.loss_fn(out, targets) / self._normalizer
-            self._total += out.detach()
+        with self._p.forward_scope():
+            out = self.stage.forward(op.chunk, x)
+            if self.stage.is_last(op.chunk):
+                out = self._p.loss_fn(out, targets) / self._normalizer
+                self._total += out.detach()
         self._outputs[(op.mb, op.chunk)] = out
 
     def _backward(self, op) -> None:
