@@ -1,8 +1,8 @@
 """A model in Hugging Face's style — keyword inputs, an output that carries its own loss —
 in bf16 (fp32 master weights, gradients reduced in fp32) with full activation
 recomputation, under data parallelism. `job.step(batch_dict)` calls `model(**batch)` and
-trains on `output.loss`: a mean the model took itself, which meshtrain weights by rows
-(every row here has as many targets, so that is the batch's mean exactly).
+trains on `output.loss`: a mean the model took itself, whose cross-entropy meshtrain sees
+as it runs, turns into a sum and counts, so every layout trains on the global batch's mean.
 
     torchrun --nproc-per-node=2 examples/hf_style.py
     meshtrain verify --model examples.hf_style:factory --dp 2 --precision bf16 --recompute full

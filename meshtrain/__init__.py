@@ -30,7 +30,7 @@ _API = {
     "init": "meshtrain.session",
     "Mesh": "meshtrain.mesh",
     "parallelize": "meshtrain.job", "Job": "meshtrain.job", "StepOutput": "meshtrain.job",
-    "cross_entropy": "meshtrain.job",
+    "cross_entropy": "meshtrain.loss_terms",
     "verify": "meshtrain.lockstep", "VerifyReport": "meshtrain.lockstep",
     "full_shape": "meshtrain.optim",
     "TensorPlan": "meshtrain.parallel.tensor", "COLUMN": "meshtrain.parallel.tensor",

@@ -156,6 +156,7 @@ class Job:
         total, counted, checked = sums.tolist()
         expected = float(terms.num_items) if terms.num_items is not None else None
         if checked and checked != expected:
+            self.parallel.zero_grad()  # the step is refused whole: nothing accumulates into the next
             raise ValueError(f"loss_fn=None: the model divided its summed loss by num_items_in_batch = {expected:g} "
                              f"(its labels that are not -100, counted as transformers' Trainer counts them), but "
                              f"its cross-entropy had {checked:g} terms; pass shift_labels in the batch, or set "

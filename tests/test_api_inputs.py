@@ -188,9 +188,8 @@ def test_batch_dict_own_loss_bf16_recompute_and_zero3_units():
         opt.step()
         opt.zero_grad()
         plain.append(loss.item())
-    # bf16 follows the fp32 curve (verify's 2 %); every row has 8 targets less the ignored
-    # ones, so the own loss (a mean, weighted by rows) differs from the token-weighted mean
-    # by the uneven ignoring — bounded here by the same 2 %.
+    # bf16 follows the fp32 curve (verify's 2 %); the own loss's cross-entropy mean is
+    # counted by its non-ignored targets (`loss_terms`), as the plain loop's mean is.
     assert all(abs(a - b) / b < 0.02 for a, b in zip(local, plain)), (local, plain)
     torch.manual_seed(0)
     seq = nn.Sequential(*[nn.Linear(D, D) for _ in range(3)])

