@@ -19,7 +19,6 @@ from typing import Callable
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from meshtrain.comm import METRICS
 from meshtrain.loss import IGNORE_INDEX
