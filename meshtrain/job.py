@@ -137,6 +137,7 @@ class Job:
                 t.grad.div_(counted)
         if not self._checked_weighting:
             self._say_how_the_loss_is_weighted(inputs, targets)
+        self._loss.settled = True
         return loss
 
     def _global_mean(self, total: torch.Tensor) -> tuple[float, float]:

@@ -16,7 +16,8 @@ A model whose forward takes `**kwargs` (as transformers' do) is passed
 `num_items_in_batch`, counted beforehand as transformers' Trainer counts it (`labels[...,
 1:] != -100` over the global batch for a causal LM); its loss then divides its sum by it
 and is already the global mean's share. The terms its cross-entropy really had are counted
-too, and a step whose count differs is refused.
+in the first step, which is refused if the count differs; after it the model's forward runs
+without the mode (as does a loss weighted by rows): only a counted mean needs it each step.
 
 What cannot be re-weighted is refused in one line at the first step: a loss that adds other
 terms to a counted mean (a mixture-of-experts router's auxiliary loss), a class-weighted
@@ -26,6 +27,7 @@ has as many terms; when its targets hold the ignore index the first step says so
 from __future__ import annotations
 
 import inspect
+from contextlib import nullcontext
 
 import torch
 import torch.nn as nn
@@ -180,6 +182,7 @@ class LossTerms:
         self.is_cross_entropy = self.kind == "ce" or (self.kind == "sum" and loss_fn is cross_entropy_sum)
         self.watched = self.kind in ("mean", "own")
         self.resolved: str | None = None  # a watched loss's weighting, once its first call has shown it
+        self.settled = False  # a whole step has run: a loss divided by num_items or by rows is watched no more
         self.row_share = 1.0  # the part of a row each rank's loss covers (1/cp: cp ranks share a row)
         self._watch: CountedMeans | None = None
         self.start_step(None, torch.device("cpu"))
@@ -197,9 +200,12 @@ class LossTerms:
 
     def watching(self):
         """The context a watched loss's forward and loss run in (the model's own loss: its
-        forward too)."""
-        self._watch = CountedMeans(self.num_items)
-        return self._watch
+        forward too). Once the first step has shown the loss divided by
+        `num_items_in_batch` or weighted by rows, nothing is left to see: later steps run
+        without the mode, which costs Python time per operator."""
+        watch = not (self.settled and self.resolved in ("normalized", "rows"))
+        self._watch = CountedMeans(self.num_items) if watch else None
+        return self._watch if watch else nullcontext()
 
     def __call__(self, output, targets) -> torch.Tensor:
         """The micro-batch's loss as the runner back-propagates it: for "ce" and "sum" a sum
@@ -213,15 +219,23 @@ class LossTerms:
         if self.kind == "sum":
             return _scalar(self.fn(output, targets) if self.fn is not None else _own_loss(output))
         if self.kind == "own":
-            if self._watch is None:
-                raise RuntimeError("loss_fn=None: the model's loss was computed outside the job's forward")
-            seen, value = self._watch, _scalar(_own_loss(output))
-            self._watch = None
-            return self._weigh(value, seen, targets)
-        with self.watching() as seen:
-            value = _scalar(self.fn(output, targets))
-        self._watch = None
-        return self._weigh(value, seen, targets)
+            value = _scalar(_own_loss(output))
+        else:
+            with self.watching():
+                value = _scalar(self.fn(output, targets))
+        seen, self._watch = self._watch, None
+        if seen is None and self.resolved is None:
+            raise RuntimeError("loss_fn=None: the model's loss was computed outside the job's forward")
+        return self._weigh(value, seen, targets) if seen is not None else self._settled(value, targets)
+
+    def _settled(self, value: torch.Tensor, rows: int | torch.Tensor) -> torch.Tensor:
+        """A loss resolved at its first call as "normalized" (its share of the global mean
+        already) or "rows"."""
+        if self.resolved == "normalized":
+            return value
+        share = _rows(rows) * self.row_share
+        self.counted = self.counted + share
+        return value * share
 
     def _weigh(self, value: torch.Tensor, seen: CountedMeans, rows: int | torch.Tensor) -> torch.Tensor:
         if seen.weighted:
