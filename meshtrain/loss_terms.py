@@ -245,13 +245,12 @@ class LossTerms:
         normalized = [count for out, count in seen.normalized if out is value]
         means = [count for out, count in seen.means if out is value]
         if normalized and not seen.means:
-            resolved, counted = "normalized", None
+            resolved = "normalized"
             self.checked = self.checked + normalized[0].to(self.checked)
         elif means and len(seen.means) == 1 and not seen.normalized:
-            resolved, counted = "counted", means[0]
+            resolved = "counted"
         elif not (seen.means or seen.normalized or (self.num_items is not None and seen.sums)):
-            resolved, counted = "rows", torch.tensor(_rows(rows) * self.row_share, device=self.counted.device)
-            value = value * _rows(rows) * self.row_share
+            resolved = "rows"
         else:
             raise ValueError(f"{self.what} adds other terms to a cross-entropy mean (a mixture-of-experts router's "
                              f"auxiliary loss, a second mean, ...), which cannot be weighted by its terms across "
@@ -259,11 +258,12 @@ class LossTerms:
         if self.resolved is None:
             self.resolved = resolved
         elif self.resolved != resolved:
-            raise ValueError(f"{self.what} was a {self.resolved} mean and is now a {resolved} one; it must be "
+            raise ValueError(f"{self.what} was weighted as {self.resolved!r} and is now {resolved!r}; it must be "
                              f"reduced alike in every micro-batch")
-        if counted is not None:
-            self.counted = self.counted + counted.to(self.counted)
-        return value
+        if resolved == "counted":
+            self.counted = self.counted + means[0].to(self.counted)
+            return value
+        return self._settled(value, rows)
 
     def count(self, targets, rows: int) -> float:
         """The normalizer of a "ce" or "sum" loss: the terms of the global (or this rank's)
