@@ -82,7 +82,6 @@ class Job:
         self.lr_scheduler = lr_scheduler(self.optimizer) if lr_scheduler is not None else None
         self.steps = 0  # optimizer steps taken (dropout masks are keyed by it)
         self._passes_num_items = num_items  # the model's forward takes num_items_in_batch
-        self._checked_weighting = False  # the first step says how a watched loss is weighted
         if loss.kind == "own":  # the model computes its loss in its forward: watched there
             parallel.loss_scope = loss.watching
         loss.row_share = 1 / mesh.size("cp")
@@ -135,7 +134,7 @@ class Job:
         if counted:  # the runner back-propagated sums: the gradients of the mean, once, before clipping
             for t in {id(t): t for t in p.trained if t.grad is not None}.values():
                 t.grad.div_(counted)
-        if not self._checked_weighting:
+        if not self._loss.settled:  # the first step says how a watched loss is weighted
             self._say_how_the_loss_is_weighted(inputs, targets)
         self._loss.settled = True
         return loss
@@ -166,7 +165,6 @@ class Job:
     def _say_how_the_loss_is_weighted(self, inputs, targets) -> None:
         """Collective, once: a watched loss weighted by rows while its targets hold the
         ignore index trains another model than a plain loop's mean; the first step says so."""
-        self._checked_weighting = True
         if self._loss.resolved != "rows":
             return
         held = targets if self._loss.kind == "mean" else (inputs.get("labels") if isinstance(inputs, dict) else None)
