@@ -65,6 +65,8 @@ def build_parser(plan_flags: bool = True) -> argparse.ArgumentParser:
                             "and every rank's copy must match. Exit 0 only then. " + launched)
     _add_run_flags(verify, steps=steps)
     verify.add_argument("--dump-dir", help=argparse.SUPPRESS)  # set by the launching parent
+    # --resume-at from a shell: which part these ranks run (`verifier.FIRST` or `RESUMED`), set by the parent
+    verify.add_argument("--verify-part", help=argparse.SUPPRESS)
     steps = COMMAND_STEPS["bench"]
     bench = sub.add_parser("bench", help=f"ours vs PyTorch's native peer, interleaved (default {steps} steps)",
                            description="Run this project and PyTorch's native peer step by step in the same "
@@ -124,10 +126,21 @@ def _config_from(args) -> C.Config:
     given = {(sec, name): getattr(args, _dest(flag)) for flag, sec, name, _, _ in C.FLAGS}
     overrides = {key: value for key, value in given.items() if value is not None}
     defaults = {("train", "steps"): COMMAND_STEPS[args.command]} if args.command in COMMAND_STEPS else {}
-    return C.load(args.config, overrides, defaults)
+    cfg = C.load(args.config, overrides, defaults)
+    if getattr(args, "verify_part", None):  # a rank of one part of `verify --resume-at`, started by the parent
+        from meshtrain import verifier
+        C.validate(cfg)  # as the parent did, from its shell
+        cfg = verifier.part_config(cfg, C.resumed_config(cfg), args.verify_part, Path(args.dump_dir))
+    return cfg
 
 
 def _check_command(cfg: C.Config, args) -> None:
+    if args.command == "verify" and not getattr(args, "verify_part", None):  # both layouts, before any rank starts
+        renv = launch.detect()
+        C.resumed_config(cfg, renv.world_size if renv else None)
+    elif args.command != "verify" and (cfg.train.resume_at is not None or cfg.train.resume_layout):
+        raise C.ConfigError("--resume-at and --resume-layout are verify's (a resume checked against one process); "
+                            "train resumes with --resume or --resume-from")
     if args.command == "bench" and is_user_model(cfg.model.name):
         raise C.ConfigError(f"bench compares the presets with their PyTorch peers; --model {cfg.model.name} is your "
                             f"own: use train or verify")
@@ -194,9 +207,19 @@ def _available_host_bytes() -> int | None:
 
 def _latest_checkpoint(out: str) -> str:
     from meshtrain.checkpoint.folders import step_dir, steps_in_local
-    steps = steps_in_local(Path(out))
+    from meshtrain.checkpoint.owner import RUN_ID_ENV
+    steps = steps_in_local(Path(out), os.environ.get(RUN_ID_ENV))
     return f"{step_dir(Path(out), steps[0])} (or the newest good one before it)" if steps else \
         "the start (no checkpoint yet)"
+
+
+def _stopped_cleanly(out: str, since: float) -> str | None:
+    """How the ranks stopped after a SIGTERM, when they all saved (`OUT/run.json`); else None."""
+    from meshtrain.checkpoint.owner import read_run
+    stopped = read_run(Path(out)).get("stopped") or {}
+    if stopped.get("by") == "SIGTERM" and stopped.get("at", 0) >= since:
+        return f"stopped by SIGTERM after step {stopped['step']}; saved {stopped['saved']} (resume with --resume)"
+    return None
 
 
 def _check_resume_source(tr: C.TrainConfig) -> None:
@@ -242,9 +265,14 @@ def main(argv: list[str] | None = None) -> int:
         return plan(args, cfg)
     from meshtrain.data.corpus import DataError
 
-    renv = None
+    from meshtrain.checkpoint.lock import OutLocked
+    from meshtrain.checkpoint.owner import OwnerError
+
+    renv, out_lock = None, None
     try:
         renv = launch.detect()
+        if renv is not None and os.environ.get(launch.LAUNCHER_PID_ENV):
+            launch.die_with_launcher()
         cfg = _config_from(args)
         C.validate(cfg, world_size=renv.world_size if renv else None)
         _check_command(cfg, args)
@@ -272,7 +300,10 @@ def main(argv: list[str] | None = None) -> int:
         # joining the group (one builds the cache under a file lock, the others wait), so a
         # large corpus never meets the collective timeout.
         _prepare_data(cfg)
-    except (C.ConfigError, DataError, launch.LaunchError) as e:
+        if args.command == "train":  # every input checked: claim the folder, the last step before ranks start
+            out_lock = _own_out(cfg, renv)
+    except (C.ConfigError, DataError, launch.LaunchError, OwnerError, OutLocked) as e:
+        _release(out_lock)
         if renv is None:
             print(f"meshtrain: error: {e}", file=sys.stderr)
             return 2
@@ -280,13 +311,48 @@ def main(argv: list[str] | None = None) -> int:
         print(f"meshtrain: error (rank {renv.rank}): {e}", file=sys.stderr)
         return launch.finish(2)
 
-    if renv is None and cfg.layout.world_size > 1:
-        return _launch_local(cfg, args, argv)
+    launch.at_finish(lambda: _release(out_lock))  # a rank leaves through os._exit
     try:
+        if renv is None and _ranks_to_start(cfg, args) > 1:
+            return _launch_local(cfg, args, argv)
         return _run_here(cfg, args, renv, device)
     except KeyboardInterrupt:  # Ctrl-C reaches every rank: leave quietly, the launcher reports it
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         return launch.finish(130) if renv else 130
+    finally:
+        _release(out_lock)
+
+
+def _own_out(cfg: C.Config, renv):
+    """A training run's hold on --out, taken before any rank starts by the process that lives
+    as long as the run (meshtrain's launcher across its restarts, or rank 0 under an outside
+    launcher): the lock (`checkpoint.lock`), then the run id (`checkpoint.owner.claim`),
+    handed to the ranks in the environment. None for the ranks of meshtrain's own launcher
+    and the other ranks of an outside one."""
+    from meshtrain import faults
+    from meshtrain.checkpoint import owner
+    from meshtrain.checkpoint.lock import OutLock
+
+    if renv is not None and (renv.rank != 0 or os.environ.get(owner.RUN_ID_ENV)):
+        return None
+    tr = cfg.train
+    lock = OutLock(Path(tr.out), _log).acquire()
+    try:
+        run = owner.claim(Path(tr.out), resume=tr.resume, resume_from=tr.resume_from, overwrite=tr.overwrite,
+                          log=_log, restarted=faults.restart_count() > 0)
+    except owner.OwnerError:
+        lock.release()
+        raise
+    os.environ[owner.RUN_ID_ENV] = run
+    return lock
+
+
+def _release(out_lock) -> None:
+    """Give --out back: the lock, and the run id this process handed to its ranks."""
+    if out_lock is not None:
+        from meshtrain.checkpoint.owner import RUN_ID_ENV
+        out_lock.release()
+        os.environ.pop(RUN_ID_ENV, None)
 
 
 def _log(msg: str) -> None:
@@ -300,6 +366,13 @@ def _prepare_data(cfg: C.Config) -> None:
             tokenizer=C.imported_tokenizer(cfg))
 
 
+def _ranks_to_start(cfg: C.Config, args) -> int:
+    """From a shell: the most local ranks the command starts at once (`verify --resume-at`
+    starts the second layout's after the first's; both in this process when both are 1)."""
+    second = C.resumed_config(cfg) if args.command == "verify" and not args.verify_part else None
+    return max(cfg.layout.world_size, second.layout.world_size if second else 1)
+
+
 def _launch_local(cfg: C.Config, args, argv: list[str]) -> int:
     """Start the ranks; for verify, then run the one-process reference here and compare."""
     n = cfg.layout.world_size
@@ -308,15 +381,31 @@ def _launch_local(cfg: C.Config, args, argv: list[str]) -> int:
     if args.command != "verify":
         tr = cfg.train
         return launch.spawn(n, argv, max_restarts=tr.max_restarts if args.command == "train" else 0,
-                            restart_point=lambda: _latest_checkpoint(tr.out))
+                            restart_point=lambda: _latest_checkpoint(tr.out),
+                            clean_stop=lambda since: _stopped_cleanly(tr.out, since))
     import torch
 
     from meshtrain import verifier as verify
+    second = C.resumed_config(cfg)
     with tempfile.TemporaryDirectory(prefix="meshtrain-verify-") as tmp:
-        code = launch.spawn(n, argv + ["--dump-dir", tmp])
-        if code:
-            return code
-        layout = torch.load(Path(tmp, LAYOUT_DUMP), weights_only=False)
+        if second is None:
+            code = launch.spawn(n, argv + ["--dump-dir", tmp])
+            if code:
+                return code
+            layout = torch.load(Path(tmp, LAYOUT_DUMP), weights_only=False)
+        else:  # --resume-at K: steps 1..K in these ranks, saved in tmp; then the second layout's ranks resume
+            parts = {}
+            for part, lay in ((verify.FIRST, cfg.layout), (verify.RESUMED, second.layout)):
+                if part == verify.RESUMED:
+                    _log(f"resuming after step {cfg.train.resume_at}: starting {lay.world_size} local ranks "
+                         f"({lay.short()})")
+                code = launch.spawn(lay.world_size, argv + ["--dump-dir", tmp, "--verify-part", part])
+                if code:
+                    return code
+                parts[part] = torch.load(Path(tmp, f"{part}-{LAYOUT_DUMP}"), weights_only=False)
+            alike = verify.same_ranks(verify.mesh_sizes(cfg.layout), verify.mesh_sizes(second.layout))
+            layout = verify.join_parts(parts[verify.FIRST], parts[verify.RESUMED], cfg.train.resume_at,
+                                       second.layout.summary(), alike)
     return verify.against_reference(cfg, layout, args.json)
 
 
@@ -386,12 +475,17 @@ def _verify(cfg, comm, args):
 
     from meshtrain import verifier as verify
 
-    rec = verify.record(cfg, comm, "layout")
+    part, second = args.verify_part, None
+    if part:  # one part of --resume-at, started by our launching parent (`part_config` made cfg)
+        rec = verify.record(cfg, comm, part, resume_at=cfg.train.resume_at, part=part)
+    else:
+        second = C.resumed_config(cfg, comm.mesh.world_size if launch.detect() else None)
+        rec = verify.record_resumed(cfg, second, comm, "layout") if second else verify.record(cfg, comm, "layout")
     if not comm.mesh.is_main:
         return lambda: 0
 
     def hand_over() -> int:
-        torch.save(rec, Path(args.dump_dir, LAYOUT_DUMP))
+        torch.save(rec, Path(args.dump_dir, f"{part}-{LAYOUT_DUMP}" if part else LAYOUT_DUMP))
         return 0
     return hand_over if args.dump_dir else lambda: verify.against_reference(cfg, rec, args.json)
 

@@ -113,6 +113,7 @@ class TrainConfig:
     out: str = "runs/latest"
     resume: bool = False  # from the latest good checkpoint in `out`
     resume_from: str | None = None  # from this checkpoint folder
+    overwrite: bool = False  # a fresh run into an `out` holding another run's checkpoints moves them aside
     save_every: int | None = None  # a sharded checkpoint every N steps (and at the end)
     keep: int | None = None  # the newest K checkpoints kept (None: all)
     skip_nonfinite: bool = False  # a non-finite loss or gradient norm skips the step (default: stops the run)
@@ -126,6 +127,10 @@ class TrainConfig:
     # Seconds a collective may wait before the job fails (every rank, every mesh group), once
     # the first step is done; up to then at least START_TIMEOUT_S (building, first gathers).
     timeout: float = 100.0
+    # verify only: save after step K and resume (in `resume_layout`, "tp=2 pp=2 zero=1", or the
+    # same layout when None) before going on; `resumed_config` makes the second part's config.
+    resume_at: int | None = None
+    resume_layout: str | None = None
 
 
 @dataclass
@@ -199,6 +204,8 @@ FLAGS = [
     ("--resume", "train", "resume", bool, "resume from the latest good checkpoint in OUT, in any layout"),
     ("--resume-from", "train", "resume_from", str, "resume from this checkpoint folder (a step-N of any run "
      "of the same model and global batch, in any layout)"),
+    ("--overwrite", "train", "overwrite", bool, "start a fresh run in an OUT that holds another run's checkpoints "
+     "(refused without it): they and its log are moved aside into OUT/replaced-<time>/, not deleted"),
     ("--save-every", "train", "save_every", int, "write a sharded checkpoint OUT/step-N every N steps and at "
      "the end (every rank writes what it owns)"),
     ("--keep", "train", "keep", int, "keep the newest K checkpoints (default: all)"),
@@ -215,6 +222,11 @@ FLAGS = [
     ("--pad-documents", "train", "pad_documents", bool, "each row starts at a document's start (a file, or a "
      ".jsonl line; a longer document is cut into several rows) and is padded to --seq-len, the padding left out "
      "of the loss, instead of random windows across documents (packing)"),
+    ("--resume-at", "train", "resume_at", int, "verify only: save after step K (into a temporary folder) and "
+     "resume from it before going on, compared with one process trained straight through"),
+    ("--resume-layout", "train", "resume_layout", str, "verify only, with --resume-at: the layout the run resumes "
+     "in, written as its flags, e.g. \"tp=2 pp=2 zero=1 sp schedule=gpipe\" (keys not named take their defaults; "
+     "an unset dp fills the first layout's world; default: the same layout)"),
 ]
 
 _SECTION_TYPES = {"model": ModelConfig, "layout": LayoutConfig, "train": TrainConfig}
@@ -572,10 +584,82 @@ def _reject_unbuilt(lay: LayoutConfig, tr: TrainConfig) -> None:
     """Strategies that later issues add. Refuse them plainly rather than run something else."""
     if tr.resume and tr.resume_from:
         raise ConfigError("--resume and --resume-from both say where to resume from; give one")
+    if tr.overwrite and tr.resume:
+        raise ConfigError("--overwrite starts a fresh run (moving the old one's checkpoints aside) and --resume "
+                          "continues the old one; give one")
     unbuilt: list[tuple[bool, str, str, str]] = []
     for bad, flag, what, fix in unbuilt:
         if bad:
             raise ConfigError(f"{flag}: {what} is not in this version of meshtrain yet; use {fix}")
+
+
+def parse_layout(text: str, flag: str = "--resume-layout") -> dict[str, object]:
+    """A layout written as its flags without dashes — "tp=2 pp=2 zero=1 sp schedule=gpipe" —
+    as {LayoutConfig field: value} of the keys named (a bare key switches a flag on; `sp=0`
+    off); one line for an unknown key or a bad value."""
+    keys = {f.lstrip("-"): (name, typ) for f, section, name, typ, _ in FLAGS if section == "layout"}
+    given: dict[str, object] = {}
+    for token in text.split():
+        key, eq, value = token.partition("=")
+        key = key.lstrip("-").replace("_", "-")
+        if key not in keys:
+            raise ConfigError(f"{flag} {text!r}: unknown key '{key}'; use {', '.join(keys)}")
+        name, typ = keys[key]
+        if typ is bool:
+            if eq and value.lower() not in ("1", "0", "true", "false"):
+                raise ConfigError(f"{flag}: {token}: write '{key}' to switch it on, '{key}=0' off")
+            given[name] = not eq or value.lower() in ("1", "true")
+            continue
+        try:
+            given[name] = typ(value) if eq and value else None
+        except ValueError:
+            given[name] = None
+        if given[name] is None:
+            raise ConfigError(f"{flag}: {token}: give {key}=<{typ.__name__}>")
+    if not given:
+        raise ConfigError(f"{flag}: name a layout, e.g. \"tp=2 pp=2 zero=1\"")
+    return given
+
+
+def resumed_config(cfg: Config, world_size: int | None = None) -> Config | None:
+    """`verify --resume-at K [--resume-layout L]`: the configuration the run resumes in after
+    step K (None without --resume-at), validated; `cfg` is the first part's, validated. L's
+    keys not named take their defaults, as on a command line, and an unset dp fills the first
+    layout's world where tp·pp·cp divides it (else 1). From a shell meshtrain starts each
+    part's own ranks, so the worlds may differ; under a launcher (`world_size`) the resumed
+    part runs in the same processes, so L must fill that world."""
+    tr = cfg.train
+    if tr.resume_at is None:
+        if tr.resume_layout:
+            raise ConfigError("--resume-layout names the layout a resume continues in; give --resume-at K too")
+        return None
+    if not 1 <= tr.resume_at < tr.steps:
+        raise ConfigError(f"--resume-at {tr.resume_at}: save after a step from 1 to {tr.steps - 1} (--steps "
+                          f"{tr.steps}), so that steps are left to run resumed")
+    if tr.resume or tr.resume_from or tr.save_every:
+        raise ConfigError("verify --resume-at saves and resumes by itself, in a temporary folder; drop --resume, "
+                          "--resume-from and --save-every")
+    second = Config(model=dataclasses.replace(cfg.model), layout=dataclasses.replace(cfg.layout),
+                    train=dataclasses.replace(cfg.train))
+    if tr.resume_layout is not None:
+        second.layout = LayoutConfig(**parse_layout(tr.resume_layout))
+    lay, where = second.layout, f"--resume-layout {tr.resume_layout!r}"
+    world, rest = world_size or cfg.layout.world_size, lay.tp * lay.pp * lay.cp
+    if lay.dp is None:
+        lay.dp = world // rest if world % rest == 0 else 1
+    if world_size is not None and lay.world_size != world_size:
+        raise ConfigError(f"{where}: dp×cp×tp×pp = {lay.dp}×{lay.cp}×{lay.tp}×{lay.pp} = {lay.world_size}, but the "
+                          f"launcher started {world_size} processes; under a launcher the run resumes in the same "
+                          f"processes, so give a layout of {world_size} ranks (from a shell meshtrain starts each "
+                          f"part's own)")
+    if lay.precision != cfg.layout.precision:
+        raise ConfigError(f"{where}: precision {lay.precision}, but the run saved in {cfg.layout.precision}; "
+                          f"write precision={cfg.layout.precision} there")
+    try:
+        validate(second, world_size)
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e}") from None
+    return second
 
 
 def tokens_per_sample(cfg: Config) -> int:

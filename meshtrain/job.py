@@ -360,16 +360,27 @@ class Job:
 
     def state_dict(self) -> dict:
         """Collective: the full state ("model", "optim" by parameter name, "steps", and the
-        scheduler's) on the mesh's rank 0 ({} of each elsewhere)."""
+        scheduler's) on the mesh's rank 0 ({} of each elsewhere). "model" holds every name
+        torch's `state_dict` has: a tied parameter (a head that is the embedding) under each
+        of its names, the same tensor."""
         state = self.parallel.full_state_dict()
+        model = state["model"]
+        for part in self.parallel.comm.all_gather_object(tied_names(self.module)):  # every stage's ties
+            model.update({alias: model[name] for alias, name in part.items() if name in model})
         state["steps"] = self.steps
         if self.lr_scheduler is not None:
             state["lr_scheduler"] = self.lr_scheduler.state_dict()
         return state
 
     def load_state_dict(self, state: dict) -> None:
-        """Every rank passes the full state (`state_dict`'s); each keeps its part."""
-        self.parallel.load_full_state_dict(state)
+        """Every rank passes the full state (`state_dict`'s, or a plain model's `state_dict`
+        under "model"); each keeps its part. A tied parameter is read under its first name,
+        or under another of its names when that one is missing."""
+        model = dict(state["model"])
+        for alias, name in tied_names(self.module).items():
+            if name not in model and alias in model:
+                model[name] = model[alias]
+        self.parallel.load_full_state_dict({**state, "model": model})
         self.steps = state.get("steps", 0)
         if self.lr_scheduler is not None and "lr_scheduler" in state:
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])
@@ -379,20 +390,35 @@ class Job:
         written whole or not at all; `checkpoint.sharded`). `meta`: JSON-able facts to keep
         beside the state (read back by `load`); `files`: paths copied in beside it (a tokenizer)."""
         from meshtrain.checkpoint.sharded import save_checkpoint
-        scheduler = self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None
-        save_checkpoint(self.parallel, Path(directory), {**meta, "steps": self.steps, "lr_scheduler": scheduler},
-                        files=files)
+        save_checkpoint(self.parallel, Path(directory), {**meta, "steps": self.steps}, files=files,
+                        lr_scheduler=self.lr_scheduler)
 
     def load(self, directory, *, check: bool = True) -> dict:
         """Collective: the state `save` wrote, in any layout (each rank reads only the parts it
         keeps); returns the facts saved beside it. The folder's checksums are verified first
-        unless `check=False` (the caller just did)."""
-        from meshtrain.checkpoint.sharded import load, load_checkpoint
+        unless `check=False` (the caller just did). Each optimizer group gets the
+        hyper-parameters saved for its parameters' names, and the scheduler this rank's state
+        (`sharded.lr_scheduler_state`)."""
+        from meshtrain.checkpoint.sharded import load, load_checkpoint, lr_scheduler_state
         meta = (load_checkpoint if check else load)(self.parallel, Path(directory))
         self.steps = meta["steps"]
-        if self.lr_scheduler is not None and meta.get("lr_scheduler") is not None:
-            self.lr_scheduler.load_state_dict(meta["lr_scheduler"])
+        scheduler = lr_scheduler_state(self.parallel, meta) if self.lr_scheduler is not None else None
+        if scheduler is not None:
+            self.lr_scheduler.load_state_dict(scheduler)
         return meta
+
+
+def tied_names(module: nn.Module) -> dict[str, str]:
+    """{another name: the first name} of each parameter reachable under several names (a tied
+    head): `named_parameters` gives the first name only, torch's `state_dict` every one."""
+    first: dict[int, str] = {}
+    aliases = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            aliases[name] = first[id(p)]
+        else:
+            first[id(p)] = name
+    return aliases
 
 
 def first_nonfinite(p: Parallelized) -> str | None:

@@ -13,6 +13,7 @@ import os
 import re
 import signal
 import sys
+import time
 import uuid
 from dataclasses import dataclass
 from datetime import timedelta
@@ -23,6 +24,9 @@ COLLECTIVE_TIMEOUT = timedelta(minutes=5)
 # A rank leaves with this code when a collective failed because another rank died: the parent
 # then names the rank that really failed, not this one.
 PEER_LOST_EXIT = 86
+# meshtrain's launcher names itself to its ranks, which end when it dies (`die_with_launcher`).
+LAUNCHER_PID_ENV = "MESHTRAIN_LAUNCHER_PID"
+_AT_FINISH: list = []
 
 
 class LaunchError(ValueError):
@@ -91,24 +95,40 @@ def threads_per_rank(local_world_size: int) -> int:
     return max(1, (os.cpu_count() or 1) // max(1, local_world_size))
 
 
-def spawn(nproc: int, argv: list[str], *, max_restarts: int = 0, restart_point=None) -> int:
+def spawn(nproc: int, argv: list[str], *, max_restarts: int = 0, restart_point=None, clean_stop=None) -> int:
     """Run `python -m meshtrain ARGV` as `nproc` local ranks under torchrun's engine and
     return the job's exit code. If any rank fails, the engine stops the others; then, up to
     `max_restarts` times, all ranks start again (with RESTART_ENV set, so they resume from
     the latest good checkpoint), one line each saying which rank failed, why, and from where
-    they resume (`restart_point()`). A refusal (exit code 2) is not retried: it would repeat."""
+    they resume (`restart_point()`). A refusal (exit code 2) is not retried: it would repeat.
+    A SIGTERM to this process reaches the ranks too (the engine stops them with it, after a grace
+    period); when `clean_stop(since)` says they all saved and stopped after `since`, the job
+    exits 0, as its ranks do."""
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_rank(nproc)))
+    logging.getLogger("torch.distributed").setLevel(logging.CRITICAL)  # we report failures ourselves
+    before = os.environ.get(LAUNCHER_PID_ENV)
+    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())  # for the ranks only: put back below
+    try:
+        return _run_attempts(nproc, argv, max_restarts, restart_point, clean_stop)
+    finally:
+        if before is None:
+            os.environ.pop(LAUNCHER_PID_ENV, None)
+        else:
+            os.environ[LAUNCHER_PID_ENV] = before
+
+
+def _run_attempts(nproc: int, argv: list[str], max_restarts: int, restart_point, clean_stop) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     from meshtrain.faults import RESTART_ENV
 
-    os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_rank(nproc)))
-    logging.getLogger("torch.distributed").setLevel(logging.CRITICAL)  # we report failures ourselves
     for attempt in range(max_restarts + 1):
         config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc,
                               run_id=f"meshtrain-{uuid.uuid4().hex[:8]}", rdzv_backend="c10d",
                               rdzv_endpoint="localhost:0", max_restarts=0, start_method="spawn")
+        since = time.time()
         try:
             elastic_launch(config, sys.executable)("-m", "meshtrain", *argv)
             return 0
@@ -124,6 +144,8 @@ def spawn(nproc: int, argv: list[str], *, max_restarts: int = 0, restart_point=N
                   flush=True)
             os.environ[RESTART_ENV] = str(attempt + 1)
         except SignalException as e:  # Ctrl-C or a scheduler's SIGTERM: the engine stopped the ranks
+            if clean_stop and e.sigval == signal.SIGTERM and clean_stop(since):
+                return 0  # rank 0 said where it saved
             print(f"meshtrain: stopped by {e.sigval.name}; all ranks were stopped", file=sys.stderr)
             return 128 + int(e.sigval)
     return 1
@@ -245,8 +267,38 @@ def let_collective_threads_finish() -> None:
     time.sleep(0.05)
 
 
+def die_with_launcher() -> None:
+    """A rank of meshtrain's launcher ends when the launcher dies, however it dies (`kill -9`
+    included): the kernel sends it SIGTERM then (Linux's parent-death signal; elsewhere a
+    thread watching the parent's pid). SIGTERM, not SIGKILL: with --save-every the ranks save
+    the step they are in and stop, as after a scheduler's preemption."""
+    launcher = int(os.environ.get(LAUNCHER_PID_ENV, 0))
+    try:
+        import ctypes
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(1, int(signal.SIGTERM), 0, 0, 0) != 0:  # PR_SET_PDEATHSIG
+            raise OSError
+    except (OSError, AttributeError):
+        import threading
+
+        def watch() -> None:
+            while os.getppid() == launcher:
+                time.sleep(1.0)
+            os.kill(os.getpid(), signal.SIGTERM)
+        threading.Thread(target=watch, name="meshtrain-launcher-watch", daemon=True).start()
+    if os.getppid() != launcher:  # it died before the signal was armed
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def at_finish(callback) -> None:
+    """Run `callback` when `finish` ends this process (it skips interpreter teardown)."""
+    _AT_FINISH.append(callback)
+
+
 def finish(code: int = 0):
     """End this process now: flush what it printed, skip interpreter teardown (see above)."""
+    for callback in _AT_FINISH:
+        callback()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

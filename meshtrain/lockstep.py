@@ -6,25 +6,39 @@ middle, the last) the layout's full state before the step, its synchronised grad
 (before clipping) and its weights after are gathered to rank 0, and every rank's piece of
 each tensor is compared with the full state. Rank 0 then runs the one-process reference on
 its CPU: its own trajectory from `make_model()`, and from the layout's state before each
-sampled step one step on the same batch with the same learning rates, and the batch's loss
+sampled step one step on the same batch with the same learning rates (and rank 0's random-number
+state, for a model that draws from torch's global generator), and the batch's loss
 evaluated after it (`job.evaluate`) in both. The verdict is
-`verifier.compare`'s, with its tolerances, and every rank returns the same report."""
+`verifier.compare`'s, with its tolerances, and every rank returns the same report.
+
+With `resume_at=K` the layout saves after step K (into a temporary folder), a second job
+(in `resume_layout`, on the same processes) loads it and trains on batches K+1..N, and
+the whole run is compared with one process trained straight through: the lockstep steps
+then include K and K+1, and the state after the load must be the state saved, bit for bit
+(`verifier.compare`)."""
 
 from __future__ import annotations
 
+import shutil
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Iterable
 
 import torch
 import torch.nn as nn
 
+from meshtrain.config import parse_layout  # the command line's grammar of a layout (verifier already imports config)
 from meshtrain.job import Job, cross_entropy, parallelize
 from meshtrain.mesh import Mesh
-from meshtrain.verifier import LayoutRecorder, compare, lockstep_steps
+from meshtrain.verifier import LayoutRecorder, compare, join_parts, lockstep_steps, same_ranks, shared_temp_folder
 
 # What the reference run takes from the layout's arguments: nothing that splits the model.
 _LAYOUT_ONLY = ("zero", "sp", "tp_plan", "pipeline", "schedule", "chunks", "microbatches", "recompute", "precision",
                 "grad_dtype", "wrap", "bucket_mb")
+# What a resume layout keeps from the first layout's arguments when it does not name them: how
+# the model is split (the plans), not whether it is.
+_MODEL_PLANS = ("tp_plan", "pipeline", "wrap")
+_MESH_KEYS = ("dp", "tp", "pp", "cp")
 
 
 @dataclass
@@ -54,22 +68,37 @@ def _unpack(batch) -> tuple:
 
 def verify(make_model: Callable[[], nn.Module], batches: Iterable, *, optimizer, loss_fn=cross_entropy,
            mesh: Mesh | None = None, dp: int | None = None, tp: int = 1, pp: int = 1, seed: int = 0,
-           **options) -> VerifyReport:
+           resume_at: int | None = None, resume_layout: dict | str | None = None, **options) -> VerifyReport:
     """Collective: train `make_model()` on `batches` (each a global batch: (inputs, targets)
     or a dict) in a layout — `mesh` (or one `meshtrain.init(dp, tp, pp)` joins) and the
     `parallelize` arguments in `options` (zero, tp_plan, pipeline, microbatches, ...) —
     and check it against one process on rank 0's CPU. `make_model` is called after
-    `torch.manual_seed(seed)` on every rank and for the reference."""
+    `torch.manual_seed(seed)` on every rank and for the reference.
+
+    `resume_at=K`: save after step K and go on in a second job that loads it, in
+    `resume_layout` — a dict of `init`'s sizes (dp, tp, pp, cp) and `parallelize`'s layout
+    arguments, or the command line's string ("tp=2 zero=1 sp"); what it does not name takes
+    its default, except the model's plans (tp_plan, pipeline, wrap), kept from `options`;
+    an unset dp fills the world, which must be this one's — or the same layout when None."""
     if mesh is None:
         from meshtrain.session import init
         mesh = init(dp=dp, tp=tp, pp=pp, seed=seed)
     batches = [_unpack(b) for b in batches]
     if not batches:
         raise ValueError("batches: give at least one batch")
-    sampled = lockstep_steps(len(batches))
+    if resume_at is not None and not (isinstance(resume_at, int) and 1 <= resume_at < len(batches)):
+        raise ValueError(f"resume_at={resume_at!r}: save after a step from 1 to {len(batches) - 1} ({len(batches)} "
+                         f"batches), so that steps are left to run resumed")
+    if resume_layout is not None and resume_at is None:
+        raise ValueError("resume_layout: it names the layout a resume continues in; give resume_at too")
+    sampled = lockstep_steps(len(batches), resume_at)
     torch.manual_seed(seed)
     job = parallelize(make_model(), mesh, optimizer=optimizer, loss_fn=loss_fn, **options)
-    layout = _record(job, batches, sampled)
+    if resume_at is None:
+        layout = _record(job, batches, sampled)
+    else:
+        layout = _record_resumed(job, make_model, batches, sampled, resume_at, resume_layout, seed=seed,
+                                 optimizer=optimizer, loss_fn=loss_fn, options=options)
     verdict = None
     if mesh.is_main:
         reference = _reference(make_model, batches, layout, seed, optimizer=optimizer, loss_fn=loss_fn,
@@ -84,13 +113,16 @@ def verify(make_model: Callable[[], nn.Module], batches: Iterable, *, optimizer,
     return mesh.comm.all_gather_object(verdict)[0]
 
 
-def _record(job: Job, batches: list, sampled: list[int]) -> dict:
+def _record(job: Job, batches: list, sampled: list[int], *, first_step: int = 1, resume_at: int | None = None) -> dict:
     """Collective: the layout's losses and, at each sampled step, what `meshtrain verify`
-    records (`verifier.LayoutRecorder`) and the learning rates the step used (on rank 0)."""
+    records (`verifier.LayoutRecorder`), the learning rates the step used and the random-number
+    state it began with (on rank 0). `batches` are steps `first_step`, `first_step` + 1, ..."""
     p, curve_only = job.parallel, job.options.precision != "fp32"
-    recorder, losses = LayoutRecorder([] if curve_only else sampled, job.mesh.is_main), []
-    for step, (inputs, targets) in enumerate(batches, start=1):
+    recorder, losses = LayoutRecorder([] if curve_only else sampled, job.mesh.is_main, resume_at=resume_at), []
+    for step, (inputs, targets) in enumerate(batches, start=first_step):
         recorder.before_step(p, step)
+        if step in recorder.steps:
+            recorder.keep(step, rng_state=torch.get_rng_state())
         loss = job.backward(inputs, targets)
         recorder.grads_ready(p, step)
         if step in recorder.steps:
@@ -101,6 +133,57 @@ def _record(job: Job, batches: list, sampled: list[int]) -> dict:
             recorder.keep(step, val=job.evaluate(inputs, targets))
         losses.append(loss)
     return {"losses": losses, "steps": recorder.records, "problems": recorder.problems, "curve_only": curve_only}
+
+
+def _record_resumed(job: Job, make_model, batches: list, sampled: list[int], at: int, resume_layout, *, seed: int,
+                    optimizer, loss_fn, options: dict) -> dict | None:
+    """Collective: steps 1..`at` in `job`, saved into a temporary folder; a second job in
+    `resume_layout` loads it and takes the rest; rank 0 returns the joined record."""
+    mesh = job.mesh
+    folder = shared_temp_folder(mesh.comm)
+    try:
+        first = _record(job, batches[:at], sampled, resume_at=at)
+        job.save(Path(folder, f"step-{at}"))
+        mesh_b, options_b, described = _second_layout(mesh, options, resume_layout, seed)
+        torch.manual_seed(seed)
+        resumed_job = parallelize(make_model(), mesh_b, optimizer=optimizer, loss_fn=loss_fn, **options_b)
+        resumed_job.load(Path(folder, f"step-{at}"))
+        resumed = _record(resumed_job, batches[at:], sampled, first_step=at + 1, resume_at=at)
+    finally:
+        if mesh.is_main:
+            shutil.rmtree(folder, ignore_errors=True)
+    if not mesh.is_main:
+        return None
+    return join_parts(first, resumed, at, described, same_ranks(mesh.sizes, mesh_b.sizes))
+
+
+def _second_layout(mesh: Mesh, options: dict, resume_layout, seed: int) -> tuple[Mesh, dict, dict | None]:
+    """The mesh and `parallelize` arguments `resume_layout` names (see `verify`), and how to
+    report it; one line (ValueError) for an unknown key or a world it does not fill."""
+    if resume_layout is None:
+        return mesh, dict(options), None
+    if isinstance(resume_layout, str):
+        given = parse_layout(resume_layout, flag="resume_layout")
+        if isinstance(given.get("stage_layers"), str):
+            given["stage_layers"] = [int(n) for n in given["stage_layers"].split(",")]
+    elif isinstance(resume_layout, dict):
+        given = dict(resume_layout)
+    else:
+        raise TypeError(f"resume_layout: pass a dict of layout arguments or a string such as \"tp=2 zero=1\", not "
+                        f"{type(resume_layout).__name__}")
+    sizes = {k: given.pop(k) for k in _MESH_KEYS if k in given}
+    kept = {k: v for k, v in options.items() if k not in _LAYOUT_ONLY or k in _MODEL_PLANS}
+    if all(sizes.get(k, 1) == mesh.size(k) for k in ("tp", "pp", "cp")) and sizes.get("dp") in (None, mesh.batch_dp):
+        mesh_b = mesh
+    else:
+        from meshtrain.session import init
+        try:
+            mesh_b = init(dp=sizes.get("dp"), tp=sizes.get("tp", 1), pp=sizes.get("pp", 1), cp=sizes.get("cp", 1),
+                          device=mesh.device.type, seed=seed)
+        except ValueError as e:
+            raise ValueError(f"resume_layout: {e} (the resumed job runs in these processes)") from None
+    described = {"dp": mesh_b.batch_dp, "tp": mesh_b.size("tp"), "pp": mesh_b.size("pp"), "cp": mesh_b.cp, **given}
+    return mesh_b, {**kept, **given}, described
 
 
 def _reference(make_model, batches: list, layout: dict, seed: int, **options) -> dict:
@@ -123,6 +206,8 @@ def _reference(make_model, batches: list, layout: dict, seed: int, **options) ->
         job = fresh()
         job.parallel.load_full_state_dict(rec["pre"])
         job.steps = step - 1  # dropout masks are keyed by the step
+        if "rng_state" in rec:  # a model drawing from torch's generator draws what the layout's rank 0 drew
+            torch.set_rng_state(rec["rng_state"])
         inputs, targets = batches[step - 1]
         loss = job.backward(inputs, targets)
         grads = job.parallel.full_grads()

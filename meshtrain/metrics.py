@@ -10,6 +10,8 @@ import time
 import weakref
 from pathlib import Path
 
+from meshtrain.atomic import atomic_write
+
 import torch
 import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -176,36 +178,48 @@ def peak_device_mib(device) -> float | None:
 
 
 class StepLog:
-    """Appends one JSON object per step to OUT/metrics.jsonl, flushed as it goes."""
+    """Appends one JSON object per step to OUT/metrics.jsonl, flushed as it goes. Nothing is
+    written until `start`, which the loop calls once a resume has been accepted: a refused
+    resume leaves the log as it was."""
 
     def __init__(self, path: Path):
-        path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
-        self._earlier = path.read_text().splitlines() if path.is_file() else []  # until `resume_at` keeps some
-        self._file = open(path, "w")
+        self._file = None
 
-    def resume_at(self, step: int) -> None:
-        """The run continues after `step` (a resumed run): keep the earlier records up to it."""
-        kept = [line for line in self._earlier if json.loads(line).get("step", 0) <= step]
-        self._file.writelines(line + "\n" for line in kept)
-        self._file.flush()
+    def start(self, step: int) -> None:
+        """The run trains from after `step` (0 for a fresh run): the records up to it are kept
+        (a resumed run's), the rest dropped, in one atomic replacement of the file."""
+        kept = [line for line in _lines(self.path) if json.loads(line).get("step", 0) <= step] if step else []
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(self.path, lambda tmp: tmp.write_text("".join(line + "\n" for line in kept)))
+        self._file = open(self.path, "a")
 
     def write(self, record: dict) -> None:
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
 
     def close(self) -> None:
-        self._file.close()
+        if self._file is not None:
+            self._file.close()
 
 
-def plot_losses(losses: list[float], path: Path, title: str, *, first_step: int = 1,
+def _lines(path: Path) -> list[str]:
+    return [line for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+
+
+def read_log(path: Path) -> list[dict]:
+    """The records of a metrics.jsonl (those of a resumed run's earlier attempts included)."""
+    return [json.loads(line) for line in _lines(path)]
+
+
+def plot_losses(steps: list[int], losses: list[float], path: Path, title: str, *,
                 val_losses: list[tuple[int, float]] = ()) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot(range(first_step, first_step + len(losses)), losses, label="training")
+    ax.plot(steps, losses, label="training")
     if val_losses:
         ax.plot(*zip(*val_losses), "o-", label="held-out")
         ax.legend()

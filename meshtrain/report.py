@@ -18,7 +18,7 @@ from meshtrain.comm import Comm
 from meshtrain.config import Config, tokens_per_sample
 from meshtrain.recipe import is_user_model
 from meshtrain.generate import sample
-from meshtrain.metrics import peak_device_mib, peak_rss_mib, plot_losses
+from meshtrain.metrics import peak_device_mib, peak_rss_mib, plot_losses, read_log
 from meshtrain.models import build_model
 from meshtrain.models.presets import GPTSpec, LlamaSpec
 from meshtrain.plan.cost import gpt_flops_per_step, llama_flops_per_step, mlp_flops_per_step, peak_flops
@@ -88,13 +88,24 @@ def summary_json(cfg: Config, result: RunResult, per_rank: list[dict], device: t
     }
 
 
+def plot_run(result: RunResult, out: Path, title: str) -> None:
+    """OUT/loss.png of the whole run from its log: a resumed run's earlier steps included."""
+    log = [r for r in read_log(out / "metrics.jsonl") if "loss" in r]
+    if log:
+        steps, losses = [r["step"] for r in log], [r["loss"] for r in log]
+        val_losses = [(r["step"], r["val_loss"]) for r in log if "val_loss" in r]
+    else:
+        steps = list(range(result.first_step, result.first_step + len(result.losses)))
+        losses, val_losses = result.losses, result.val_losses
+    plot_losses(steps, losses, out / "loss.png", title, val_losses=val_losses)
+
+
 def write(cfg: Config, result: RunResult, gathered: dict, device: torch.device, json_mode: bool) -> int:
     """Rank 0, after the process group is gone: files, summary, sample, JSON line."""
     out = Path(cfg.train.out)
     human = sys.stderr if json_mode else sys.stdout
     summary = summary_json(cfg, result, gathered["per_rank"], device)
-    plot_losses(result.losses, out / "loss.png", f"{cfg.model.name}, {cfg.layout.short()}",
-                first_step=result.first_step, val_losses=result.val_losses)
+    plot_run(result, out, f"{cfg.model.name}, {cfg.layout.short()}")
     save_model(out, gathered["state"], cfg, result.data)
     mfu = f", MFU {summary['mfu']:.1%}" if summary["mfu"] is not None else ""
     print(f"loss {result.losses[0]:.3f} -> {result.losses[-1]:.3f} in {len(result.losses)} steps; "

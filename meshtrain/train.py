@@ -10,16 +10,17 @@ gradients. A step whose gradient norm is not finite is skipped, with a warning."
 from __future__ import annotations
 
 import math
+import os
 import signal
 import sys
 import threading
 import time
 from pathlib import Path
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from meshtrain import faults, launch
 from meshtrain.board import Board
-from meshtrain.checkpoint import folders
+from meshtrain.checkpoint import folders, owner
 from meshtrain.comm import Comm
 from meshtrain.config import (Config, LayoutConfig, TrainConfig, imported_tokenizer, lr_at, strict_p2p_requested,
                               tokens_per_sample)
@@ -250,7 +251,10 @@ def train_step(job: Job, data, step: int, cfg: Config, *, observer: StepObserver
 
 
 def train(cfg: Config, comm: Comm, *, observer: StepObserver | None = None, progress: str | None = None,
-          step_log: StepLog | None = None, trace: bool = False, **sync_options) -> RunResult:
+          step_log: StepLog | None = None, trace: bool = False, stop_after: int | None = None,
+          **sync_options) -> RunResult:
+    """`stop_after` K: end after step K (its checkpoint written when --save-every says so),
+    the schedule still that of --steps: `verify --resume-at K` runs the rest resumed."""
     mesh, tr = comm.mesh, cfg.train
     data, job = setup(cfg, comm, **sync_options)
     if tr.eval_every and not hasattr(data, "val_batch"):
@@ -260,9 +264,17 @@ def train(cfg: Config, comm: Comm, *, observer: StepObserver | None = None, prog
     if mesh.is_main:
         for note in p.notes:
             print(f"meshtrain: {note}", file=sys.stderr)
-    start = resume(job, cfg)
-    if start and step_log is not None:
-        step_log.resume_at(start)
+    # A run that writes into OUT (its log, checkpoints) or resumes from it owns it; verify's
+    # and bench's runs neither read nor write it.
+    writes_out = bool(tr.save_every) or comm.any_rank(step_log is not None)  # rank 0 keeps the log
+    run_id = this_run(cfg, comm) if writes_out or tr.resume or tr.resume_from else ""
+    start, resumed_from = resume(job, cfg, run_id)
+    # The resume is accepted on every rank: only now does anything in OUT change.
+    if step_log is not None:
+        step_log.start(start)
+    if writes_out:
+        _on_rank_0(comm, f"writing {Path(tr.out) / owner.RUN_FILE}", lambda: owner.write_run(
+            Path(tr.out), owner.started_record(run_id, resumed_from=resumed_from, step=start)))
     recorder = pipeline_trace.Recorder(mesh.device) if trace else None
     if recorder:
         p.runner.recorder = recorder
@@ -317,7 +329,9 @@ def train(cfg: Config, comm: Comm, *, observer: StepObserver | None = None, prog
             if step_log is not None:
                 step_log.write({"step": step + 1, "loss": loss, "lr": lr_at(step, tr), "step_time_s": dt,
                                 "tokens_per_s": tokens_per_step / dt, **({"val_loss": val} if val is not None else {})})
-            checkpoint_after(job, cfg, data, step + 1, preemption)
+            checkpoint_after(job, cfg, data, step + 1, preemption, run_id)
+            if stop_after is not None and step + 1 >= stop_after:
+                break
         if bar is not None:
             bar.close()
         for axis in ("dp", "tp", "pp", "cp"):
@@ -354,14 +368,37 @@ def held_out_loss(job: Job, data, cfg: Config, k: int = 0) -> float:
 # ---- checkpoints ----------------------------------------------------------------------------
 
 def run_identity(cfg: Config) -> dict:
-    """What a resumed run must share with the run that saved: the model, the data and the
-    global batch (the step is then the position in the data); the layout may differ."""
+    """What a resumed run must share with the run that saved: what defines the trained model —
+    the model, the data, the global batch (the step is then the position in the data), the
+    seed, dropout, and the optimizer's learning rate, warm-up, weight decay and clipping. The
+    layout may differ, and so may `--steps` (the schedule is re-derived from it: `resume`)."""
     tr = cfg.train
     return {"model": cfg.model.name, "data": tr.data, "vocab_size": tr.vocab_size, "batch_size": tr.batch_size,
-            "seq_len": tr.seq_len, "seed": tr.seed, "dropout": cfg.model.dropout, "pad_documents": tr.pad_documents}
+            "seq_len": tr.seq_len, "seed": tr.seed, "dropout": cfg.model.dropout, "pad_documents": tr.pad_documents,
+            "lr": tr.lr, "warmup": tr.warmup, "weight_decay": tr.weight_decay, "clip": tr.clip}
 
 
-def checkpoint_after(job: Job, cfg: Config, data, step: int, preemption: Preemption | None) -> None:
+def this_run(cfg: Config, comm: Comm) -> str:
+    """Collective: the id of the run, as rank 0 knows it — from the command line, which
+    claimed OUT before any rank started (`checkpoint.owner.claim`), or claimed here for a
+    caller of `train` that did not (the same refusals, as `RunRefused`)."""
+    run = None
+    if comm.mesh.is_main:
+        tr = cfg.train
+        try:
+            run = os.environ.get(owner.RUN_ID_ENV) or owner.claim(
+                Path(tr.out), resume=tr.resume, resume_from=tr.resume_from, overwrite=tr.overwrite, log=_say,
+                restarted=faults.restart_count() > 0)
+        except owner.OwnerError as e:
+            run = RunRefused(str(e))
+    if comm.mesh.world_size > 1:
+        run = comm.all_gather_object(run)[0]
+    if isinstance(run, RunRefused):
+        raise run
+    return run
+
+
+def checkpoint_after(job: Job, cfg: Config, data, step: int, preemption: Preemption | None, run_id: str) -> None:
     """Collective, after `step` (1-based): its checkpoint when --save-every says so, and when
     any rank has seen a SIGTERM (then `Preempted`, on every rank)."""
     tr, rank = cfg.train, job.mesh.rank
@@ -369,62 +406,92 @@ def checkpoint_after(job: Job, cfg: Config, data, step: int, preemption: Preempt
     faults.inject("term", rank, step)
     due = bool(tr.save_every) and (step % tr.save_every == 0 or step == tr.steps)
     if due:
-        save(job, cfg, data, step)
+        save(job, cfg, data, step, run_id)
     if preemption is not None and job.parallel.comm.any_rank(preemption.seen):
         if not due:
-            save(job, cfg, data, step)
-        raise Preempted(step, folders.step_dir(Path(tr.out), step))
+            save(job, cfg, data, step, run_id)
+        folder, out = folders.step_dir(Path(tr.out), step), Path(tr.out)
+        stopped = {"by": "SIGTERM", "step": step, "saved": str(folder), "at": time.time()}
+        # What meshtrain's launcher reads to exit 0 after a clean stop.
+        _on_rank_0(job.parallel.comm, f"writing {out / owner.RUN_FILE}",
+                   lambda: owner.write_run(out, {**owner.read_run(out), "stopped": stopped}))
+        raise Preempted(step, folder)
 
 
-def save(job: Job, cfg: Config, data, step: int) -> None:
-    """Collective: the sharded checkpoint OUT/step-N; then the oldest beyond --keep removed."""
+def save(job: Job, cfg: Config, data, step: int, run_id: str) -> None:
+    """Collective: the sharded checkpoint OUT/step-N; then this run's oldest beyond --keep removed."""
     out = Path(cfg.train.out)
     t0 = time.perf_counter()
     tokenizer = Path(getattr(data, "folder", None) or "", TOKENIZER_FILE)
-    job.save(folders.step_dir(out, step), run=run_identity(cfg), layout_flags=cfg.layout.short(),
+    job.save(folders.step_dir(out, step), run=run_identity(cfg), run_id=run_id, layout_flags=cfg.layout.short(),
              config=cfg.to_dict(), vocab_size=getattr(data, "vocab_size", None),
              files=[tokenizer] if tokenizer.is_file() else [])
     if cfg.train.keep:
-        folders.prune(out, cfg.train.keep, job.parallel.comm)
+        folders.prune(out, cfg.train.keep, job.parallel.comm, run=run_id)
     if job.mesh.is_main:
         print(f"meshtrain: saved {folders.step_dir(out, step)} in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
 
 
-def resume(job: Job, cfg: Config) -> int:
+def _on_rank_0(comm: Comm, doing: str, write) -> None:
+    """Collective: `write()` on rank 0, then every rank raises if it failed (no rank is left
+    waiting in a collective for one that left)."""
+    error = None
+    if comm.mesh.is_main:
+        try:
+            write()
+        except Exception as e:
+            error = e
+    folders.decide(comm, error, doing)
+
+
+def _say(msg: str) -> None:
+    print(f"meshtrain: {msg}", file=sys.stderr)
+
+
+def resume(job: Job, cfg: Config, run_id: str) -> tuple[int, str | None]:
     """Collective: with --resume or --resume-from, or after a restart, load the checkpoint
-    (any layout's) and return its step; else 0. Refuses another model, data or global
-    batch in one line."""
+    (any layout's, of run `run_id` when taken from OUT) and return its step and folder; else
+    (0, None). Everything that can refuse it is checked before the state is loaded, and
+    nothing in OUT is written here: a refused resume leaves OUT as it was."""
     from meshtrain.checkpoint.sharded import CheckpointError, read_meta
     tr, comm = cfg.train, job.parallel.comm
     restarted = faults.restart_count() > 0
     if not (tr.resume or tr.resume_from or restarted):
-        return 0
-    say = (lambda msg: print(f"meshtrain: {msg}", file=sys.stderr)) if job.mesh.is_main else (lambda msg: None)
+        return 0, None
+    say = _say if job.mesh.is_main else (lambda msg: None)
     if restarted and not tr.resume_from:  # the latest checkpoint of this run, if it got to one
-        folder = folders.latest_good(Path(tr.out), comm, say)
+        folder = folders.latest_good(Path(tr.out), comm, say, run=run_id)
         if folder is None:
-            say(f"restart {faults.restart_count()}: no checkpoint in {tr.out} yet; starting over")
-            return 0
+            say(f"restart {faults.restart_count()}: no checkpoint of this run in {tr.out} yet; starting over")
+            return 0, None
     elif tr.resume_from:
         folder = Path(tr.resume_from)
         problem = folders.check(folder, comm)
         if problem is not None:
             raise CheckpointError(f"--resume-from {folder}: {problem}")
     else:
-        folder = folders.latest_good(Path(tr.out), comm, say)
+        folder = folders.latest_good(Path(tr.out), comm, say, run=run_id)
         if folder is None:
-            raise CheckpointError(f"--resume: no good checkpoint in {tr.out} (write them with --save-every N)")
-    saved, mine = read_meta(folder).get("run", {}), run_identity(cfg)
+            raise CheckpointError(f"--resume: no good checkpoint of run {run_id or '(unnamed)'} in {tr.out} "
+                                  f"(write them with --save-every N)")
+    meta = read_meta(folder)
+    saved, mine = meta.get("run", {}), run_identity(cfg)
     for key in mine:
         if key in saved and saved[key] != mine[key]:
             raise CheckpointError(f"{folder} was saved by a run with {key} {saved[key]!r}, not {mine[key]!r}; "
-                                  f"resume with the same model, data and global batch (the layout may differ)")
-    meta = job.load(folder, check=False)  # checked above
+                                  f"resume with the same model, data, global batch and optimizer settings "
+                                  f"(the layout and --steps may differ)")
     if meta["steps"] >= tr.steps:
         raise CheckpointError(f"{folder} is at step {meta['steps']}, and --steps is {tr.steps}: nothing left to "
                               f"train; raise --steps")
+    planned = (meta.get("config") or {}).get("train", {}).get("steps")
+    meta = job.load(folder, check=False)  # checked above
+    if isinstance(planned, int) and planned != tr.steps and job.lr_scheduler is None:
+        say(f"--steps {tr.steps}: the saved run planned {planned}; its learning-rate schedule is re-derived from "
+            f"{tr.steps} (at step {meta['steps'] + 1}: {lr_at(meta['steps'], tr):.3g}, where the saved plan had "
+            f"{lr_at(meta['steps'], replace(tr, steps=planned)):.3g})")
     say(f"resumed from {folder} (step {meta['steps']}, saved as {meta.get('layout_flags', '?')})")
-    return meta["steps"]
+    return meta["steps"], str(folder)
 
 
 def _per_axis(sent: dict[tuple[str, str], float]) -> dict[str, dict[str, int]]:

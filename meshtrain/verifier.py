@@ -27,9 +27,13 @@ The tolerances were set from what correct code measures (README, "Verify"), with
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import math
+import shutil
 import sys
+import tempfile
+from pathlib import Path
 
 import torch
 
@@ -64,14 +68,18 @@ EVAL_TOLERANCE = 1e-5
 # with the fp32 one-process run's, step by step, and must stay within this relative
 # difference (the issue's 2 %; README, "Mixed precision", has what layouts measure).
 CURVE_TOLERANCE = 0.02
+# After a resume the full state (weights, optimizer state) must be what was saved, bit for bit:
+# a checkpoint copies values, in any layout, and computes nothing.
+RESUME_TOLERANCE = 0.0
 # Trajectory drift that is reported, not failed: two correct runs part by rounding under Adam
 # (gpt-small, dp=2, 100 steps: weights 0.25 apart in the worst tensor, losses 3e-3).
 DRIFT_TOLERANCE = 1e-3
 
 
-def lockstep_steps(steps: int) -> list[int]:
-    """The sampled steps (1-based): the first, one in the middle, the last."""
-    return sorted({1, (steps + 1) // 2, steps})
+def lockstep_steps(steps: int, resume_at: int | None = None) -> list[int]:
+    """The sampled steps (1-based): the first, one in the middle, the last; and with a
+    resume after step K, K and K + 1 (the last step saved and the first resumed)."""
+    return sorted({1, (steps + 1) // 2, steps} | ({resume_at, resume_at + 1} if resume_at else set()))
 
 
 def curve_only(cfg: Config) -> bool:
@@ -91,17 +99,23 @@ class LayoutRecorder(StepObserver):
     """At each sampled step: the full state before, the synchronised gradients, the weights
     after (kept on rank 0 only), and every rank's pieces checked against them."""
 
-    def __init__(self, steps: list[int], is_main: bool, cfg: Config | None = None):
+    def __init__(self, steps: list[int], is_main: bool, cfg: Config | None = None, resume_at: int | None = None):
         self.steps, self.is_main, self.records, self.problems = set(steps), is_main, {}, []
         self.cfg = cfg  # the run's configuration, for its held-out batch
+        # A run saved after step K and resumed: its full state (optimizer included) and every
+        # rank's random-number state after step K, and again before step K + 1 (after the load).
+        self.resume_at = resume_at
 
     def keep(self, step: int, **parts) -> None:
         if self.is_main:
             self.records.setdefault(step, {}).update(parts)
 
     def before_step(self, p, step):
-        if step in self.steps:
-            self.keep(step, pre=p.full_state_dict())
+        pre = p.full_state_dict() if step in self.steps else None
+        if pre is not None:
+            self.keep(step, pre=pre)
+        if self.resume_at is not None and step == self.resume_at + 1:
+            self.keep(step, restored=pre if pre is not None else p.full_state_dict(), rng_digests=rng_digests(p.comm))
 
     def grads_ready(self, p, step):
         if step in self.steps:
@@ -114,10 +128,22 @@ class LayoutRecorder(StepObserver):
             post = p.full_state_dict(with_optimizer=False)["model"]
             self.keep(step, post=post, loss=loss)
             self.problems += _check_pieces(p, post, "weights", step, use_grad=False)
+        if step == self.resume_at:
+            self.keep(step, saved=p.full_state_dict(), rng_digests=rng_digests(p.comm))
 
     def held_out(self, job, data, step):
         if step in self.steps and self.cfg is not None and hasattr(data, "val_batch"):
             self.keep(step, val=held_out_loss(job, data, self.cfg))
+
+
+def rng_digests(comm: Comm) -> list[str]:
+    """Collective: a fingerprint of every rank's torch random-number state (CPU, and CUDA's
+    where it is in use), in rank order."""
+    state = torch.get_rng_state().numpy().tobytes()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state += torch.cuda.get_rng_state().numpy().tobytes()
+    mine = hashlib.sha256(state).hexdigest()[:16]
+    return comm.all_gather_object(mine) if comm.mesh.world_size > 1 else [mine]
 
 
 def _check_pieces(p, full: dict[str, torch.Tensor], what: str, step: int,
@@ -147,15 +173,118 @@ def _check_pieces(p, full: dict[str, torch.Tensor], what: str, step: int,
     return problems
 
 
-def record(cfg: Config, comm: Comm, label: str) -> dict | None:
+def record(cfg: Config, comm: Comm, label: str, *, resume_at: int | None = None,
+           part: str | None = None) -> dict | None:
     """Run the layout (every rank calls this); rank 0 returns its losses and, per sampled
-    step, the full state before, the gradients, the weights after, and the problems found."""
-    recorder = LayoutRecorder([] if curve_only(cfg) else lockstep_steps(cfg.train.steps), comm.mesh.is_main, cfg)
-    result = train(cfg, comm, observer=recorder, progress=label)
+    step, the full state before, the gradients, the weights after, and the problems found.
+    With `resume_at` K, one part of a run resumed after step K (`part_config` makes its
+    configuration): "first" runs steps 1..K and saves; "resumed" loads and runs K+1..N."""
+    sampled = [] if curve_only(cfg) else lockstep_steps(cfg.train.steps, resume_at)
+    recorder = LayoutRecorder(sampled, comm.mesh.is_main, cfg, resume_at=resume_at)
+    if part is None:  # verify writes nothing into --out (which `train` claims): a folder of its own
+        folder = shared_temp_folder(comm, prefix="meshtrain-verify-")
+        try:
+            result = train(_with_out(cfg, folder), comm, observer=recorder, progress=label)
+        finally:
+            if comm.mesh.is_main:
+                shutil.rmtree(folder, ignore_errors=True)
+    else:
+        if comm.mesh.is_main:
+            Path(cfg.train.out).mkdir(parents=True, exist_ok=True)  # the part's own folder, in the temporary one
+        result = train(cfg, comm, observer=recorder, progress=label, stop_after=resume_at if part == FIRST else None)
     if not comm.mesh.is_main:
         return None
     return {"losses": result.losses, "steps": recorder.records, "problems": recorder.problems,
             "curve_only": curve_only(cfg)}
+
+
+def _with_out(cfg: Config, folder) -> Config:
+    out = copy.deepcopy(cfg)
+    out.train.out = str(folder)
+    return out
+
+
+# ---- verify --resume-at K: saved after step K, resumed (in another layout) ------------------
+
+FIRST, RESUMED = "first", "resumed"
+
+
+def part_config(cfg: Config, second: Config, part: str, folder: Path) -> Config:
+    """The configuration of one part of `verify --resume-at K`: the first (the layout `cfg`,
+    steps 1..K, saved after K into `folder`/first) or the resumed (`second`, from that
+    checkpoint, into `folder`/resumed). Both keep --steps N, so the schedule is the
+    uninterrupted run's."""
+    from meshtrain.checkpoint.folders import step_dir
+    at = cfg.train.resume_at
+    out = copy.deepcopy(cfg if part == FIRST else second)
+    out.train.out, out.train.keep, out.train.resume, out.train.resume_from = str(Path(folder, part)), None, False, None
+    out.train.save_every = at if part == FIRST else None
+    if part == RESUMED:
+        out.train.resume_from = str(step_dir(Path(folder, FIRST), at))
+    return out
+
+
+def same_ranks(first: dict[str, int], second: dict[str, int]) -> bool:
+    """Whether two layouts' meshes are alike (every axis the same size): a checkpoint gives
+    each rank its own random-number state back only then."""
+    axes = ("pp", "dp", "cp", "tp")
+    return {a: first.get(a, 1) for a in axes} == {a: second.get(a, 1) for a in axes}
+
+
+def mesh_sizes(lay: LayoutConfig) -> dict[str, int]:
+    return {"pp": lay.pp, "dp": lay.dp, "cp": lay.cp, "tp": lay.tp}
+
+
+def join_parts(first: dict, resumed: dict, at: int, layout, ranks_alike: bool) -> dict:
+    """One record of a run saved after step `at` and resumed: both parts' losses and
+    sampled steps, and what the resume check compares (`compare`): the full state and the
+    random-number states after step `at`, and after the load (those only where the same
+    ranks resumed: `ranks_alike`). `layout`: what to report as the resumed layout."""
+    steps = {**first["steps"], **resumed["steps"]}
+    saved, restored = steps[at].pop("saved"), steps[at + 1].pop("restored")
+    rng_saved, rng_restored = steps[at].pop("rng_digests"), steps[at + 1].pop("rng_digests")
+    steps = {step: rec for step, rec in steps.items() if rec}  # not lockstep-checked (low precision): no step record
+    return {"losses": first["losses"] + resumed["losses"], "steps": steps,
+            "problems": first["problems"] + resumed["problems"], "curve_only": first["curve_only"],
+            "resume": {"at": at, "layout": layout, "saved": saved, "restored": restored,
+                       "rng": (rng_saved, rng_restored) if ranks_alike else None}}
+
+
+def shared_temp_folder(comm: Comm, prefix: str = "meshtrain-verify-resume-") -> Path:
+    """Collective: a new temporary folder made by rank 0, its name given to every rank
+    (under a launcher across hosts, TMPDIR must name a shared filesystem)."""
+    name = tempfile.mkdtemp(prefix=prefix) if comm.mesh.is_main else None
+    return Path(comm.all_gather_object(name)[0] if comm.mesh.world_size > 1 else name)
+
+
+def record_resumed(cfg: Config, second: Config, comm: Comm, label: str) -> dict | None:
+    """Collective: both parts of `verify --resume-at K` in these processes (under a launcher,
+    or one process): the first layout runs steps 1..K and saves into a temporary folder, the
+    second (`second`, on a mesh of the same world) loads it and runs K+1..N; rank 0 returns
+    the joined record (`join_parts`)."""
+    at = cfg.train.resume_at
+    folder = shared_temp_folder(comm)
+    try:
+        first = record(part_config(cfg, second, FIRST, folder), comm, f"{label}, steps 1-{at}", resume_at=at,
+                       part=FIRST)
+        alike = same_ranks(mesh_sizes(cfg.layout), mesh_sizes(second.layout))
+        comm_b = comm if alike else Comm(mesh_like(second.layout, comm.mesh))
+        resumed = record(part_config(cfg, second, RESUMED, folder), comm_b, f"{label}, resumed", resume_at=at,
+                         part=RESUMED)
+    finally:
+        if comm.mesh.is_main:
+            shutil.rmtree(folder, ignore_errors=True)
+    if not comm.mesh.is_main:
+        return None
+    return join_parts(first, resumed, at, second.layout.summary(), alike)
+
+
+def mesh_like(lay: LayoutConfig, mesh: Mesh) -> Mesh:
+    """Collective: a mesh of `lay`'s sizes over the processes of `mesh` (the one-process
+    mesh when there is no process group)."""
+    if mesh.world_size == 1 and lay.world_size == 1:
+        return Mesh.single(mesh.device)
+    return Mesh.build(lay.pp, lay.dp, lay.tp, mesh.device, cp=lay.cp)
 
 
 class _TrajectoryRecorder(StepObserver):
@@ -179,7 +308,11 @@ def run_reference(cfg: Config, layout: dict) -> dict:
     comm = Comm(Mesh.single(torch.device("cpu")))
     sampled = sorted(layout["steps"])
     trajectory = _TrajectoryRecorder(sampled)
-    losses = train(ref, comm, observer=trajectory, progress="reference").losses
+    folder = tempfile.mkdtemp(prefix="meshtrain-verify-reference-")  # not --out, which `train` claims
+    try:
+        losses = train(_with_out(ref, folder), comm, observer=trajectory, progress="reference").losses
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
     data, job = setup(ref, comm)
     lockstep = {}
     for step in sampled:
@@ -233,7 +366,7 @@ def compare(layout: dict, reference: dict) -> dict:
     """The verdict: lockstep gradients, updates and losses within tolerance at every
     sampled step, and no rank's piece different from the full state. The first failure is
     named (step, then tensor in model order); trajectory drift is reported alongside."""
-    worst = {kind: (0.0, None) for kind in ("grad", "plain_grad", "update", "step_loss", "eval", "param")}
+    worst = {kind: (0.0, None) for kind in ("grad", "plain_grad", "update", "step_loss", "eval", "param", "resume")}
     failures = list(layout["problems"])
     by_gradient: set[str] = set()  # tensors whose update was not judged: their gradient is below the floor
 
@@ -243,6 +376,9 @@ def compare(layout: dict, reference: dict) -> dict:
         if tolerance is not None and value > tolerance:
             failures.append((step, f"{where}: relative difference {value:.2e} > {tolerance:g}"))
 
+    resume = layout.get("resume")
+    if resume is not None:  # before step K + 1's lockstep checks: a bad resume is the cause of what follows
+        failures += _check_resume(resume, note)
     for step in sorted(reference["steps"]):
         lay, ref = layout["steps"][step], reference["steps"][step]
         mismatch = (_same_names(lay["grads"], ref["grads"], "gradients", step)
@@ -290,12 +426,51 @@ def compare(layout: dict, reference: dict) -> dict:
         "drifted": max(loss_diffs) > DRIFT_TOLERANCE or worst["param"][0] > DRIFT_TOLERANCE,
         "tolerances": {"grad": GRAD_TOLERANCE, "grad_floor": GRAD_FLOOR, "update": UPDATE_TOLERANCE, "step_loss": STEP_LOSS_TOLERANCE,
                        "eval": EVAL_TOLERANCE,
-                       "drift": DRIFT_TOLERANCE, "curve": CURVE_TOLERANCE},
+                       "drift": DRIFT_TOLERANCE, "curve": CURVE_TOLERANCE, "resume": RESUME_TOLERANCE},
         "curve_only": bool(layout.get("curve_only")),
+        "resume_at": resume["at"] if resume else None, "resume_layout": resume["layout"] if resume else None,
+        "max_resume_rel_diff": worst["resume"][0] if resume else None,
+        "worst_resume": worst["resume"][1] if worst["resume"][0] else None,
+        "resume_rng_checked": bool(resume and resume["rng"] is not None),
         "losses": {"layout": layout["losses"], "reference": reference["losses"]}, "loss_rel_diffs": loss_diffs,
         "first_failure": failures[0] if failures else None, "failures": failures[:20],
         "passed": not failures,
     }
+
+
+def _state_entries(state: dict) -> dict[str, torch.Tensor]:
+    """A full state's tensors by what to call them: "NAME (weights)", "NAME (optimizer KEY)"."""
+    entries = {f"{name} (weights)": t for name, t in state["model"].items()}
+    for name, keys in state.get("optim", {}).items():
+        entries.update({f"{name} (optimizer {key})": t for key, t in keys.items() if torch.is_tensor(t)})
+    return entries
+
+
+def _check_resume(resume: dict, note) -> list[tuple[int, str]]:
+    """The state after the resume against the state saved after step K: every tensor within
+    RESUME_TOLERANCE (`note`, which fails it), and each rank's random-number state where the
+    same ranks resumed. Returns the failures `note` does not record."""
+    at, failures = resume["at"], []
+    saved, restored = _state_entries(resume["saved"]), _state_entries(resume["restored"])
+    if saved.keys() != restored.keys():
+        odd = sorted(set(saved) ^ set(restored))
+        failures.append((at + 1, f"step {at + 1}: after the resume the state has other tensors than the one saved "
+                                 f"after step {at}: {odd[:5]}"))
+    for what in [w for w in saved if w in restored]:  # in model order
+        a, b = restored[what], saved[what]
+        if a.shape != b.shape:
+            failures.append((at + 1, f"step {at + 1}: {what} is {tuple(a.shape)} after the resume, {tuple(b.shape)} "
+                                     f"as saved after step {at}"))
+        else:
+            note("resume", _rel(a, b), at + 1, f"step {at + 1}: {what} after the resume vs as saved after step {at}",
+                 RESUME_TOLERANCE)
+    if resume["rng"] is not None:
+        for rank, (before, after) in enumerate(zip(*resume["rng"])):
+            if before != after:
+                failures.append((at + 1, f"step {at + 1}: rank {rank}'s random-number state after the resume is not "
+                                         f"the one it saved after step {at} (the same ranks resumed: each gets its own "
+                                         f"back)"))
+    return failures
 
 
 def report(cfg: Config, result: dict, json_mode: bool) -> int:
@@ -320,6 +495,12 @@ def report(cfg: Config, result: dict, json_mode: bool) -> int:
     if result["judged_by_gradient"]:
         print(f"judged by their gradients alone (below {GRAD_FLOOR:g} of their share of the gradient norm, where "
               f"Adam's update is rounding's sign): {', '.join(result['judged_by_gradient'])}", file=out)
+    if result["resume_at"] is not None:
+        at, rng = result["resume_at"], "and every rank's random-number state " if result["resume_rng_checked"] else ""
+        worst = result["max_resume_rel_diff"]
+        print(f"resumed after step {at}: the state before step {at + 1} {rng}against the state saved after step {at}: "
+              f"max_resume_rel_diff {worst:.2e} (≤ {RESUME_TOLERANCE:g}; "
+              f"{'largest: ' + str(result['worst_resume']) if worst else 'bit for bit'})", file=out)
     drift = "drifted beyond" if result["drifted"] else "within"
     print(f"trajectories (information; correct runs drift apart by rounding under Adam): max_loss_rel_diff "
           f"{result['max_loss_rel_diff']:.2e}, max_param_rel_diff {result['max_param_rel_diff']:.2e} "
@@ -327,12 +508,19 @@ def report(cfg: Config, result: dict, json_mode: bool) -> int:
     for failure in result["failures"]:
         print(f"  {failure}", file=out)
     verdict = "PASS" if result["passed"] else f"FAIL (first: {result['first_failure']})"
-    print(f"{verdict}: {cfg.model.name} with {cfg.layout.short()} vs one process, {cfg.train.steps} steps", file=out)
+    what = f"{verdict}: {cfg.model.name} with {cfg.layout.short()}"
+    if result["resume_at"] is None:
+        print(f"{what} vs one process, {cfg.train.steps} steps", file=out)
+    else:
+        again = cfg.train.resume_layout or "the same layout"
+        print(f"{what}, saved after step {result['resume_at']} and resumed in {again}, vs one process trained "
+              f"straight through, {cfg.train.steps} steps", file=out)
     if json_mode:
         keys = ("curve_only", "lockstep_steps", "max_grad_rel_diff", "worst_grad", "max_grad_plain_rel_diff", "worst_plain_grad",
                 "max_update_rel_diff", "worst_update", "judged_by_gradient",
                 "max_step_loss_rel_diff", "max_eval_rel_diff", "max_loss_rel_diff", "max_param_rel_diff", "worst_param", "drifted",
-                "tolerances", "first_failure", "failures", "passed", "losses")
+                "tolerances", "first_failure", "failures", "passed", "losses", "resume_at", "resume_layout",
+                "max_resume_rel_diff", "worst_resume")
         print(json.dumps({"steps": cfg.train.steps, "layout": cfg.layout.summary(),
                           **{k: result[k] for k in keys}}), flush=True)
     return 0 if result["passed"] else 1

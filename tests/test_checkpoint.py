@@ -439,7 +439,7 @@ def test_loading_adds_at_most_two_copies_of_the_largest_tensor(tmp_path):
 
 def test_sigterm_to_the_launcher_saves_the_current_step(tmp_path):
     """A scheduler's SIGTERM reaches meshtrain's own launcher: it passes it to the ranks,
-    which save the step they are at and exit 0."""
+    which save the step they are at, and the job exits 0."""
     import signal
     import subprocess
     import sys
@@ -453,6 +453,7 @@ def test_sigterm_to_the_launcher_saves_the_current_step(tmp_path):
         time.sleep(0.2)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err  # a clean stop, as the docs say (it was 143)
     saved = folders.steps_in_local(tmp_path)
     assert len(saved) == 1 and saved[0] >= 3, err
     assert f"stopped by SIGTERM after step {saved[0]}; saved {tmp_path}/step-{saved[0]}" in err

@@ -81,7 +81,11 @@ def boxes(tensor: torch.Tensor, where: Where, full_shape: tuple[int, ...]) -> li
     lo, hi = where.flat if where.flat is not None else (0, prod(part))
     if tensor.numel() != hi - lo:
         raise ValueError(f"a piece of {hi - lo} elements of a {full_shape} tensor has {tensor.numel()}")
-    flat = tensor.reshape(-1)
+    if where.flat is None and tuple(tensor.shape) == part and tensor.numel() > 0:
+        # the whole part: one box, the tensor itself, in whatever memory layout it has
+        # (channels-last, a transposed view), so a load fills the tensor, never a copy
+        return _place((0,) * len(part), part, tensor, dim, segments)
+    flat = tensor.view(-1)  # a flat range is of a row-major tensor (ZeRO's pieces): never a copy
     out, start = [], 0
     for offsets, sizes in flat_boxes(part, lo, hi):
         n = prod(sizes)

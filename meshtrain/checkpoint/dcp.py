@@ -33,10 +33,14 @@ from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWrite
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from meshtrain.checkpoint.boxes import Box
-from meshtrain.checkpoint.folders import write_synced
+from meshtrain.checkpoint.folders import CheckpointError, plain_name, write_synced
 
 INDEX = "index.json"
 FORMAT = "meshtrain-dcp-1"
+# The dtypes an index may name (read by name from JSON: nothing else of torch is looked up).
+DTYPES = {name: getattr(torch, name) for name in ("float64", "float32", "float16", "bfloat16", "int64", "int32",
+                                                  "int16", "int8", "uint8", "bool", "complex64", "complex128",
+                                                  "float8_e4m3fn", "float8_e5m2")}
 
 
 @dataclass
@@ -184,13 +188,24 @@ class IndexedReader(FileSystemReader):
 
 
 def read_index(folder: Path) -> Metadata:
-    """DCP's metadata of the checkpoint in `folder`, from its JSON index."""
+    """DCP's metadata of the checkpoint in `folder`, from its JSON index; refuses
+    (`CheckpointError`, one line) an index naming a file outside the folder (a path, not a
+    file name) or a dtype not in `DTYPES`."""
     from torch.distributed.checkpoint.filesystem import _StorageInfo
 
-    raw = json.loads((Path(folder) / INDEX).read_text())
-    if raw.get("format") != FORMAT:
-        raise ValueError(f"{folder / INDEX}: not a meshtrain checkpoint index")
-    md = {fqn: TensorStorageMetadata(properties=TensorProperties(dtype=getattr(torch, t["dtype"])),
+    where = Path(folder) / INDEX
+    raw = json.loads(where.read_text())
+    if not isinstance(raw, dict) or raw.get("format") != FORMAT:
+        raise CheckpointError(f"{where}: not a meshtrain checkpoint index")
+    for t in raw["tensors"].values():
+        if t["dtype"] not in DTYPES:
+            raise CheckpointError(f"{where} holds a tensor of dtype {t['dtype']!r}, not one of {', '.join(DTYPES)} "
+                                  f"(a damaged index?)")
+    for entry in raw["storage"]:
+        if not plain_name(entry[2]):
+            raise CheckpointError(f"{where} names {entry[2]!r}, which is not a file in the checkpoint's folder "
+                                  f"(a damaged index?)")
+    md = {fqn: TensorStorageMetadata(properties=TensorProperties(dtype=DTYPES[t["dtype"]]),
                                      size=torch.Size(t["size"]),
                                      chunks=[ChunkStorageMetadata(torch.Size(o), torch.Size(s)) for o, s in t["chunks"]])
           for fqn, t in raw["tensors"].items()}

@@ -97,7 +97,7 @@ def export(ckpt: Path, out: Path, *, max_shard_bytes: int = MAX_SHARD_BYTES,
     """Write the checkpoint's weights as safetensors in `out` (and its run's configuration
     and tokenizer); returns the weight files. Holds one shard's tensors at a time."""
     from meshtrain.atomic import atomic_write
-    from meshtrain.checkpoint.weights import RUN_FILE
+    from meshtrain.checkpoint.owner import RUN_FILE
 
     ckpt, out = Path(ckpt), Path(out)
     check_good(ckpt)

@@ -20,8 +20,14 @@ from typing import Callable
 from meshtrain import faults
 
 COMPLETE = "COMPLETE"
+STATE = "state.json"  # the checkpoint's JSON facts (`sharded.py` writes it)
 STEP_DIR = re.compile(r"^step-(\d+)$")
 _CHUNK = 1 << 24
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used here (another model, a bad folder), or a save that
+    failed on another rank: one line."""
 
 
 def file_crc(path: Path) -> int:
@@ -64,31 +70,88 @@ def write(final: Path, comm, write_files: Callable[[Path], dict[str, dict]]) -> 
     """Collective: `write_files(tmp)` on every rank (a collective write into `tmp`), which
     returns the description (`describe`) of each file it wrote, taken as it wrote them;
     rank 0 describes any other file by reading it, writes the marker with all of them, and
-    renames the folder to `final` (replacing one of that name)."""
+    renames the folder to `final` (replacing one of that name).
+
+    Every step that runs on one rank ends in a collective decision (`decide`): a step that
+    fails on any rank (rank 0's folder, its JSON, the caller's files, the marker, the rename)
+    raises on every rank, the failing one its own error and the others a `CheckpointError`
+    naming it, and `final` is left as it was."""
     final = Path(final)
     tmp = final.with_name(final.name + ".tmp")
     mesh = comm.mesh
+    error = None
     if mesh.is_main:
-        shutil.rmtree(tmp, ignore_errors=True)  # a save that died half-way
-        tmp.mkdir(parents=True)
-    comm.barrier()
-    mine = write_files(tmp)
+        try:
+            shutil.rmtree(tmp, ignore_errors=True)  # a save that died half-way
+            tmp.mkdir(parents=True)
+        except Exception as e:
+            error = e
+    decide(comm, error, f"checkpoint {final}: making its folder")
+    mine, error = {}, None
+    try:
+        mine = write_files(tmp)
+    except Exception as e:
+        error = e
     step = STEP_DIR.match(final.name)
     faults.inject("kill-in-save", mesh.rank, int(step.group(1)) if step else None)
-    everyone = comm.all_gather_object(mine)
-    if mesh.is_main:
-        files = {name: d for part in everyone for name, d in part.items()}
-        files.update({f.name: describe(f) for f in sorted(tmp.iterdir()) if f.name not in files})
-        write_synced(tmp / COMPLETE, json.dumps({"files": files}, indent=1).encode())
-        fsync_dir(tmp)
-        replaced = final.with_name(f".{final.name}.replaced")
-        if final.exists():
-            shutil.rmtree(replaced, ignore_errors=True)
-            os.replace(final, replaced)
-        os.replace(tmp, final)
-        fsync_dir(final.parent)
+    try:
+        everyone = decide(comm, error, f"checkpoint {final}: writing it", mine)
+        error = None
+        if mesh.is_main:
+            try:
+                _commit(tmp, final, {name: d for part in everyone for name, d in part.items()})
+            except Exception as e:
+                error = e
+        decide(comm, error, f"checkpoint {final}: committing it")
+    except BaseException:
+        if mesh.is_main:  # every rank has left the write: nothing more comes into tmp
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _commit(tmp: Path, final: Path, files: dict[str, dict]) -> None:
+    """Rank 0: describe the files no rank described, write the marker, rename `tmp` to
+    `final` (putting back the one it replaced if the rename fails)."""
+    files.update({f.name: describe(f) for f in sorted(tmp.iterdir()) if f.name not in files})
+    write_synced(tmp / COMPLETE, json.dumps({"files": files}, indent=1).encode())
+    fsync_dir(tmp)
+    replaced = final.with_name(f".{final.name}.replaced")
+    if final.exists():
         shutil.rmtree(replaced, ignore_errors=True)
-    comm.barrier()
+        os.replace(final, replaced)
+    try:
+        os.replace(tmp, final)
+    except BaseException:
+        if replaced.exists() and not final.exists():
+            os.replace(replaced, final)
+        raise
+    fsync_dir(final.parent)
+    shutil.rmtree(replaced, ignore_errors=True)
+
+
+def decide(comm, error: BaseException | None, doing: str, value=None) -> list:
+    """Collective: every rank's `value`, once every rank has said whether its step failed
+    (`error`). If any did, every rank raises: the failing rank its own error, the others a
+    `CheckpointError` naming the first rank that failed and its reason, in one line."""
+    parts = comm.all_gather_object((None if error is None else one_line(error), None if error is not None else value))
+    if error is not None:
+        raise error
+    failed = next(((rank, why) for rank, (why, _) in enumerate(parts) if why is not None), None)
+    if failed is not None:
+        raise CheckpointError(f"{doing}: rank {failed[0]} failed ({failed[1]})")
+    return [v for _, v in parts]
+
+
+def one_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__
+
+
+def plain_name(name) -> bool:
+    """Whether `name` (read from a checkpoint's index or marker) names a file inside the
+    checkpoint's folder: a plain file name, not a path (no separator, not `..`)."""
+    return (isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\\" not in name
+            and "\0" not in name)
 
 
 def check(folder: Path, comm) -> str | None:
@@ -122,21 +185,25 @@ def _marker_problem(folder: Path) -> str | None:
             raise ValueError
     except (ValueError, KeyError, TypeError):
         return f"{COMPLETE} is unreadable"
+    outside = next((name for name in files if not plain_name(name)), None)
+    if outside is not None:
+        return f"{COMPLETE} names {outside!r}, which is not a file in the checkpoint's folder (a damaged marker?)"
     return None
 
 
-def steps_in(out: Path, comm) -> list[int]:
-    """Collective: the steps of the `step-N` folders with a marker that every rank sees,
-    newest first."""
-    seen = set(steps_in_local(out))
+def steps_in(out: Path, comm, run: str | None = None) -> list[int]:
+    """Collective: the steps of the `step-N` folders with a marker that every rank sees (of
+    run `run` only, when given), newest first."""
+    seen = set(steps_in_local(out, run))
     for other in comm.all_gather_object(seen):
         seen &= other
     return sorted(seen, reverse=True)
 
 
-def latest_good(out: Path, comm, log: Callable[[str], None]) -> Path | None:
-    """Collective: the newest good checkpoint in `out` (one line for each bad one passed by)."""
-    for step in steps_in(out, comm):
+def latest_good(out: Path, comm, log: Callable[[str], None], run: str | None = None) -> Path | None:
+    """Collective: the newest good checkpoint in `out` (of run `run` only, when given; one
+    line for each bad one passed by)."""
+    for step in steps_in(out, comm, run):
         folder = step_dir(out, step)
         problem = check(folder, comm)
         if problem is None:
@@ -146,17 +213,34 @@ def latest_good(out: Path, comm, log: Callable[[str], None]) -> Path | None:
     return None
 
 
-def prune(out: Path, keep: int, comm) -> None:
-    """Collective (rank 0 removes): all but the newest `keep` good-looking `step-N` folders.
-    Called after a save has completed on every rank."""
+def prune(out: Path, keep: int, comm, run: str | None = None) -> None:
+    """Collective (rank 0 removes): all but the newest `keep` good-looking `step-N` folders
+    (of run `run` only, when given: another run's are never touched). Called after a save
+    has completed on every rank."""
+    error = None
     if comm.mesh.is_main:
-        for step in steps_in_local(out)[keep:]:
-            shutil.rmtree(step_dir(out, step), ignore_errors=True)
-    comm.barrier()
+        try:
+            for step in steps_in_local(out, run)[keep:]:
+                shutil.rmtree(step_dir(out, step))
+        except Exception as e:
+            error = e
+    decide(comm, error, f"removing the checkpoints of {out} beyond --keep {keep}")
 
 
-def steps_in_local(out: Path) -> list[int]:
-    """The steps of the `step-N` folders with a marker that this rank sees, newest first."""
+def steps_in_local(out: Path, run: str | None = None) -> list[int]:
+    """The steps of the `step-N` folders with a marker that this rank sees (of run `run`
+    only, when given), newest first."""
     out = Path(out)
     return sorted((int(m.group(1)) for p in (out.iterdir() if out.is_dir() else [])
-                   if (m := STEP_DIR.match(p.name)) and (p / COMPLETE).exists()), reverse=True)
+                   if (m := STEP_DIR.match(p.name)) and (p / COMPLETE).exists()
+                   and (run is None or run_of(p) == run)), reverse=True)
+
+
+def run_of(checkpoint: Path) -> str:
+    """The id of the run that wrote a checkpoint, from its `state.json` ("" when it was
+    written before run ids existed, or cannot be read). `checkpoint.owner` says why."""
+    try:
+        run = json.loads((Path(checkpoint) / STATE).read_text()).get("run_id", "")
+    except (OSError, ValueError, AttributeError):
+        return ""
+    return run if isinstance(run, str) else ""

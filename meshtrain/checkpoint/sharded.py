@@ -6,9 +6,11 @@ checkpoint written in one layout loads in any other.
 Tensors (`dcp.py`): `model/NAME` (the weights the optimizer steps: fp32 masters under
 mixed precision; the low-precision copy is derived), `optim/NAME/KEY` (the optimizer state
 by parameter name, not index: pipeline stages' groups would collide), `buffer/NAME`. The
-rest is JSON (`state.json`, written by rank 0): the step (batches are a pure function of
-seed and step, so the step is the data position), the optimizer's hyper-parameters, the
-scheduler, each rank's random-number state, and what the caller adds (the run's identity)."""
+rest is JSON (`state.json`, written by rank 0 from what every rank sends it): the step
+(batches are a pure function of seed and step, so the step is the data position), the
+optimizer's hyper-parameters by parameter name (each rank's groups hold other parameters),
+the scheduler's state (each rank's where they differ), each rank's random-number state, and
+what the caller adds (the run's identity)."""
 
 from __future__ import annotations
 
@@ -22,12 +24,9 @@ import torch
 from meshtrain.checkpoint import dcp, folders
 from meshtrain.checkpoint.boxes import Box, boxes
 from meshtrain.checkpoint.dcp import Boxed
+from meshtrain.checkpoint.folders import CheckpointError, decide
 
 STATE = "state.json"
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be used here (another model, a bad folder): one line."""
 
 
 def _model(name: str) -> str:
@@ -71,22 +70,78 @@ def persistent_buffers(module) -> list[tuple[str, torch.Tensor]]:
     return [(n, b) for n, b in module.named_buffers() if n in kept]
 
 
-def save(parallel, folder: Path, meta: dict) -> dict[str, dict]:
+def save(parallel, folder: Path, meta: dict, lr_scheduler=None) -> dict[str, dict]:
     """Collective: write this layout's state into `folder` (an empty folder; `folders.write`
     makes it atomic); returns the description of each file this rank wrote. `meta`:
-    JSON-able facts of the run, rank 0's."""
+    JSON-able facts of the run, rank 0's; `lr_scheduler`: the scheduler whose state every
+    rank saves. What a rank reads of its own state is checked on every rank first, and a
+    failure there raises on every rank (`folders.decide`) before anything is written."""
     comm = parallel.comm
-    rng = comm.all_gather_object(_rng_state())
-    written = dcp.save(saved_state(parallel), folder, distributed=comm.mesh.world_size > 1)
+    state, mine, error = None, None, None
+    try:
+        state = saved_state(parallel)
+        scheduler = _plain(lr_scheduler.state_dict(), "the lr scheduler's state") if lr_scheduler is not None else None
+        mine = {"rng": _rng_state(), "groups": hyper_parameters(parallel), "lr_scheduler": scheduler}
+    except Exception as e:
+        error = e
+    every = decide(comm, error, f"saving {Path(folder).name.removesuffix('.tmp')}", mine)
+    written = dcp.save(state, folder, distributed=comm.mesh.world_size > 1)
     if comm.mesh.is_main:
-        groups = [{k: v for k, v in g.items() if k != "params"} for g in parallel.optimizer.param_groups]
-        body = {**meta, "param_groups": groups, "rng": rng, "world_size": comm.mesh.world_size}
+        body = {**meta, "optimizer_groups": _by_name([part["groups"] for part in every]),
+                **_schedulers([part["lr_scheduler"] for part in every]), "rng": [part["rng"] for part in every],
+                "world_size": comm.mesh.world_size}
         try:
             text = json.dumps(body, indent=1)
         except TypeError as e:
-            raise TypeError(f"checkpoint: the optimizer's, scheduler's or run's state is not plain data ({e})") from None
+            raise TypeError(f"checkpoint: the facts saved beside the state: not plain data ({e})") from None
         written[STATE] = folders.write_synced(Path(folder) / STATE, text.encode())
     return written
+
+
+def _plain(value, what: str) -> str:
+    """`value` as JSON text (sorted keys: equal values, equal texts), or one line saying
+    that it is not plain data."""
+    try:
+        return json.dumps(value, sort_keys=True)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"checkpoint: {what}: not plain data ({e})") from None
+
+
+def _names(parallel) -> dict[int, str]:
+    """The parameter name of each tensor the optimizer steps on this rank, by id."""
+    return {id(h.tensor): h.name for h in parallel.holdings.checkpointed()}
+
+
+def hyper_parameters(parallel) -> list[tuple[str, list[str]]]:
+    """This rank's optimizer groups: each one's hyper-parameters (all but its params) as JSON
+    text, with the names of the parameters it steps here."""
+    names, out = _names(parallel), []
+    for i, group in enumerate(parallel.optimizer.param_groups):
+        held = [names[id(p)] for p in group["params"] if id(p) in names]
+        out.append((_plain({k: v for k, v in group.items() if k != "params"},
+                           f"the hyper-parameters of optimizer group {i} ({held[0] if held else 'empty'})"), held))
+    return out
+
+
+def _by_name(parts: list[list[tuple[str, list[str]]]]) -> dict:
+    """Every rank's groups as hyper-parameters by parameter name (the lowest rank's where
+    ranks differ): {"hyper": [each distinct set], "of": {name: its index in "hyper"}}."""
+    of: dict[str, str] = {}
+    for part in parts:
+        for text, held in part:
+            for name in held:
+                of.setdefault(name, text)
+    distinct = sorted(set(of.values()))
+    index = {text: i for i, text in enumerate(distinct)}
+    return {"hyper": [json.loads(t) for t in distinct], "of": {name: index[t] for name, t in sorted(of.items())}}
+
+
+def _schedulers(texts: list[str | None]) -> dict:
+    """The scheduler's state: rank 0's, and every rank's where they differ."""
+    out = {"lr_scheduler": json.loads(texts[0]) if texts[0] is not None else None}
+    if len(set(texts)) > 1:
+        out["lr_schedulers"] = [json.loads(t) if t is not None else None for t in texts]
+    return out
 
 
 def read_meta(folder: Path) -> dict:
@@ -101,6 +156,13 @@ def load(parallel, folder: Path) -> dict:
     metadata = dcp.read_index(folder).state_dict_metadata
     restored = parallel.holdings.restored()
     _check_same_model(parallel, metadata, restored, folder)
+    meta = read_meta(folder)
+    groups, error = [], None
+    try:
+        groups = _groups_to_restore(parallel, meta, folder)
+    except CheckpointError as e:
+        error = e
+    decide(comm, error, f"loading {folder}")  # refused on every rank before anything is read
     state: dict[str, Boxed] = {}
     for h in restored:
         _add(state, _model(h.name), h.shape, h.tensor.dtype, boxes(h.tensor, h.where, h.shape))
@@ -114,12 +176,61 @@ def load(parallel, folder: Path) -> dict:
         parallel.optimizer.state.pop(t, None)
         if entry:
             parallel.optimizer.state[t] = entry
-    meta = read_meta(folder)
-    if meta.get("world_size") == comm.mesh.world_size and meta.get("layout") == _layout_of(parallel):
+    if _same_ranks(parallel, meta):
         _set_rng_state(meta["rng"][comm.mesh.rank])  # the same ranks: each its own random state
-    for group, saved in zip(parallel.optimizer.param_groups, meta.get("param_groups", [])):
+    for group, saved in groups:
         group.update({k: tuple(v) if isinstance(group.get(k), tuple) else v for k, v in saved.items()})
     return meta
+
+
+def _same_ranks(parallel, meta: dict) -> bool:
+    """Whether the checkpoint was written by these ranks: the same world size and layout."""
+    return meta.get("world_size") == parallel.comm.mesh.world_size and meta.get("layout") == _layout_of(parallel)
+
+
+def _groups_to_restore(parallel, meta: dict, folder: Path) -> list[tuple[dict, dict]]:
+    """Each of this rank's optimizer groups with the hyper-parameters saved for the names of
+    its parameters; refuses (one line) a group whose parameters were saved with different
+    ones. A checkpoint of an earlier meshtrain holds rank 0's groups, applied by position."""
+    groups = parallel.optimizer.param_groups
+    saved = meta.get("optimizer_groups")
+    if saved is None:
+        return list(zip(groups, meta.get("param_groups", [])))
+    names, out = _names(parallel), []
+    for i, group in enumerate(groups):
+        held = sorted(names[id(p)] for p in group["params"] if names.get(id(p)) in saved["of"])
+        found = {saved["of"][name]: name for name in reversed(held)}  # each set's first name
+        if len(found) > 1:
+            (a, x), (b, y) = sorted(found.items(), key=lambda kv: kv[1])[:2]
+            ha, hb = saved["hyper"][a], saved["hyper"][b]
+            diff = ", ".join(f"{k} {ha.get(k)} and {hb.get(k)}" for k in sorted(set(ha) | set(hb))
+                             if ha.get(k) != hb.get(k))
+            raise CheckpointError(f"{folder}: this rank's optimizer group {i} holds {x} and {y}, saved with different "
+                                  f"hyper-parameters ({diff}); build the optimizer with the groups of the run that "
+                                  f"saved it")
+        if found:
+            out.append((group, saved["hyper"][next(iter(found))]))
+    return out
+
+
+def lr_scheduler_state(parallel, meta: dict) -> dict | None:
+    """The scheduler's state this rank restores: its own when these are the ranks that saved
+    it (`_same_ranks`); else the saved one (rank 0's) with its per-group lists re-derived from
+    this rank's groups as restored (`base_lrs` from their `initial_lr`, `_last_lr` from their
+    `lr`), since another layout's ranks hold other groups."""
+    every = meta.get("lr_schedulers")
+    if _same_ranks(parallel, meta):
+        return every[parallel.comm.mesh.rank] if every is not None else meta.get("lr_scheduler")
+    state = meta.get("lr_scheduler")
+    if state is None:
+        return None
+    groups = parallel.optimizer.param_groups
+    state = dict(state)
+    if "base_lrs" in state:
+        state["base_lrs"] = [g.get("initial_lr", g["lr"]) for g in groups]
+    if "_last_lr" in state:
+        state["_last_lr"] = [g["lr"] for g in groups]
+    return state
 
 
 def _optimizer_targets(h, metadata, existing: dict, state: dict[str, Boxed]) -> dict:
@@ -181,13 +292,13 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(state["cuda"])), dtype=torch.uint8))
 
 
-def save_checkpoint(parallel, final: Path, meta: dict, files=()) -> None:
+def save_checkpoint(parallel, final: Path, meta: dict, files=(), lr_scheduler=None) -> None:
     """Collective: `save` made atomic and verifiable (`folders.write`), with `files` copied
-    in by rank 0."""
+    in by rank 0. A failure on any rank raises on every rank (`folders.write`)."""
     meta = {**meta, "layout": _layout_of(parallel)}
 
     def write(tmp: Path) -> dict[str, dict]:
-        written = save(parallel, tmp, meta)
+        written = save(parallel, tmp, meta, lr_scheduler)
         if parallel.comm.mesh.is_main:
             for f in files:  # described by reading (small)
                 shutil.copyfile(f, tmp / Path(f).name)

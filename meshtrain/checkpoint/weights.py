@@ -12,18 +12,18 @@ from pathlib import Path
 import torch
 
 from meshtrain.atomic import atomic_write
+from meshtrain.checkpoint.owner import RUN_FILE, read_run
 from meshtrain.config import Config, adopt_imported_model
 from meshtrain.data.tokenizer import TOKENIZER_FILE, ByteTokenizer, load_tokenizer
 
 WEIGHTS_FILE = "model.safetensors"
-RUN_FILE = "run.json"
 
 
 def save_model(out: Path, state: dict[str, torch.Tensor], cfg: Config, data) -> None:
     from safetensors.torch import save_file
 
     out.mkdir(parents=True, exist_ok=True)
-    meta = {"config": cfg.to_dict()}
+    meta = {**read_run(out), "config": cfg.to_dict()}  # beside what the run recorded of itself (its id)
     tokenizer = getattr(data, "tokenizer", None)
     if tokenizer is not None:
         meta["vocab_size"] = tokenizer.vocab_size

@@ -1,0 +1,130 @@
+"""A run owns its --out: another run's checkpoints are refused (or moved aside), --keep and
+--resume see only the run's own, a refused resume changes nothing, one job at a time holds
+the folder, and the launcher's ranks end with it."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from helpers import TINY, run_cli
+
+from meshtrain import report
+from meshtrain.checkpoint import folders, owner
+
+
+def _snapshot(out: Path) -> dict:
+    """Every file under `out` with its bytes: what must not change."""
+    return {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
+
+
+def _train(out, *flags, **kw):
+    return run_cli("train", *TINY, "--dp", "1", "--out", out, *flags, **kw)
+
+
+def test_a_fresh_run_into_another_runs_out_is_refused_and_a_refused_resume_changes_nothing(tmp_path):
+    out = tmp_path / "run"
+    assert _train(out, "--steps", "4", "--save-every", "2", "--keep", "1").returncode == 0
+    first = owner.read_run(out)["run_id"]
+    assert folders.steps_in_local(out) == [4] and folders.run_of(out / "step-4") == first
+    before = _snapshot(out)
+    refusals = [
+        (["--steps", "4"], "holds another run's checkpoints"),  # a fresh run
+        (["--steps", "6", "--resume", "--lr", "0.002"], "lr 0.001, not 0.002"),
+        (["--steps", "6", "--resume", "--warmup", "3"], "warmup 20, not 3"),
+        (["--steps", "4", "--resume"], "nothing left to train"),
+    ]
+    for flags, said in refusals:
+        r = _train(out, *flags)
+        assert r.returncode == 2 and said in r.stderr, (flags, r.stderr)
+        assert _snapshot(out) == before, flags  # the log (4 records), run.json, the checkpoint
+    assert "--overwrite" in _train(out, "--steps", "4").stderr
+
+    r = _train(out, "--steps", "6", "--resume")
+    assert r.returncode == 0, r.stderr
+    assert "re-derived from 6" in r.stderr  # --steps may grow: the schedule follows it, and says so
+    log = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [rec["step"] for rec in log] == [1, 2, 3, 4, 5, 6]
+    assert owner.read_run(out)["run_id"] == first and owner.read_run(out)["resumed_from"].endswith("step-4")
+
+    r = _train(out, "--steps", "2", "--save-every", "1", "--keep", "1", "--overwrite")
+    assert r.returncode == 0, r.stderr
+    aside, = out.glob("replaced-*")
+    assert folders.steps_in_local(aside) == [4] and (aside / "metrics.jsonl").is_file()
+    assert folders.steps_in_local(out) == [2] and owner.read_run(out)["run_id"] != first
+
+
+def test_keep_and_resume_see_only_this_runs_checkpoints(tmp_path):
+    ours, theirs = tmp_path / "ours", tmp_path / "theirs"
+    assert _train(ours, "--steps", "4", "--save-every", "2").returncode == 0
+    assert _train(theirs, "--steps", "6", "--save-every", "6").returncode == 0
+    shutil.copytree(theirs / "step-6", ours / "step-6")  # a newer checkpoint of another run
+    r = _train(ours, "--steps", "5", "--save-every", "5", "--keep", "1", "--resume")
+    assert r.returncode == 0, r.stderr
+    assert f"resumed from {ours}/step-4" in r.stderr  # not the newer step-6
+    assert folders.steps_in_local(ours) == [6, 5]  # ours pruned to one; theirs untouched
+    assert folders.run_of(ours / "step-6") == owner.read_run(theirs)["run_id"]
+
+
+def test_the_whole_log_is_plotted_after_a_resume(tmp_path, monkeypatch):
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 5.0 - s}) + "\n"
+                                                    for s in range(1, 7)))
+    drawn = {}
+    monkeypatch.setattr(report, "plot_losses", lambda steps, losses, path, title, val_losses=(): drawn.update(
+        steps=steps, losses=losses))
+
+    class Resumed:  # the resumed run's own result holds steps 5 and 6 only
+        losses, first_step, val_losses = [1.0, 0.0], 5, []
+    report.plot_run(Resumed, tmp_path, "t")
+    assert drawn["steps"] == [1, 2, 3, 4, 5, 6]
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return False
+    return fields[0] != "Z"
+
+
+def test_one_job_per_out_and_a_killed_launchers_lock_and_ranks(tmp_path):
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "meshtrain", "train", *TINY, "--dp", "2", "--steps", "5000", "--save-every", "4000",
+           "--out", str(out)]
+    launcher = subprocess.Popen(cmd, stderr=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+    metrics = out / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 2):
+        time.sleep(0.2)
+    second = _train(out, "--steps", "4")
+    assert second.returncode == 2, second.stderr
+    assert f"in use by another meshtrain job (host {os.uname().nodename}, pid {launcher.pid}, since" in second.stderr
+    ranks = _children(launcher.pid)
+    assert len(ranks) == 2
+    launcher.send_signal(signal.SIGKILL)
+    launcher.wait()
+    deadline = time.time() + 60
+    while time.time() < deadline and any(_alive(p) for p in ranks):
+        time.sleep(0.2)
+    assert not any(_alive(p) for p in ranks)  # the ranks ended with their launcher
+    assert (out / ".lock").exists()  # left behind by the kill
+    r = _train(out, "--steps", "2", "--overwrite")
+    assert r.returncode == 0, r.stderr
+    assert f"took over the lock of a run that is gone (host {os.uname().nodename}, pid {launcher.pid}" in r.stderr
+    assert not (out / ".lock").exists()
