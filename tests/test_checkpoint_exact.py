@@ -318,3 +318,14 @@ def test_export_of_such_a_checkpoint_exits_2_in_one_line(edit, message, tmp_path
     r = run_cli("export", "--ckpt", folder, "--out", tmp_path / "x")
     assert r.returncode == 2 and message in r.stderr, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "x").exists(), r.stderr
+
+
+def test_a_dtype_no_checkpoint_may_hold_is_refused_at_save_and_nothing_is_left(tmp_path):
+    """What `read_index` would refuse is refused when saving, before anything is written."""
+    model = MatrixThenVectors()
+    model.register_buffer("counts", torch.zeros(3, dtype=torch.uint16))
+    job = meshtrain.parallelize(model, meshtrain.init(), optimizer=two_groups, loss_fn=mse)
+    with pytest.raises(CheckpointError, match=r"buffer/counts is torch\.uint16, which checkpoints do not hold") as e:
+        job.save(tmp_path / "c")
+    assert "\n" not in str(e.value)
+    assert list(tmp_path.iterdir()) == []

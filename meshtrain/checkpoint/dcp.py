@@ -220,7 +220,12 @@ def read_index(folder: Path) -> Metadata:
 
 def save(state: dict[str, Boxed], folder: Path, distributed: bool) -> dict[str, dict]:
     """Collective (every rank of the default group, when `distributed`): write `state`;
-    returns the description of each file this rank wrote."""
+    returns the description of each file this rank wrote. A dtype that `read_index` would
+    refuse is refused here, before anything is written."""
+    odd = next((fqn for fqn, b in state.items() if b.dtype not in DTYPES.values()), None)
+    if odd is not None:
+        raise CheckpointError(f"checkpoint: {odd} is {state[odd].dtype}, which checkpoints do not hold (they hold "
+                              f"{', '.join(DTYPES)})")
     writer = IndexedWriter(folder)
     with _one_process_quietly(distributed):
         dcp.save(state, storage_writer=writer, planner=BoxSavePlanner(), no_dist=not distributed)
