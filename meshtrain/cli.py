@@ -1,4 +1,5 @@
-"""`meshtrain train | verify | bench | schedule | plan | generate` (the contract in DESIGN.md).
+"""`meshtrain train | verify | bench | schedule | plan | prepare | export | generate` (the
+contract in DESIGN.md).
 
 From a plain shell a multi-rank command validates its configuration, prepares the data,
 and starts dp×tp×pp local ranks through torchrun's engine; each rank runs this same command
@@ -38,7 +39,8 @@ def _add_run_flags(p: argparse.ArgumentParser, steps: int | None = None) -> None
                            help=f"{help_text} (default off)")
         else:
             default = getattr(getattr(defaults, section), name)
-            shown = f" (default {default})" if default is not None else ""
+            # an empty default ("": the preset's) or one the text already states is not shown twice
+            shown = f" (default {default})" if default not in (None, "") and "(default" not in help_text else ""
             p.add_argument(flag, type=typ, default=None, help=f"{help_text}{shown}", metavar=typ.__name__.upper())
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
 
@@ -101,21 +103,43 @@ def build_parser(plan_flags: bool = True) -> argparse.ArgumentParser:
                          description="Assemble the weights of a sharded checkpoint (a step-N folder, written in any "
                          "layout) at full shape, without starting ranks, and write them as safetensors files of at "
                          "most --max-shard-gb each (with model.safetensors.index.json when there are several), "
-                         "beside the run's configuration and tokenizer: `meshtrain generate --ckpt OUT` reads it.")
+                         "beside the run's configuration and tokenizer: `meshtrain generate --ckpt OUT` reads it. "
+                         "With --hf, a folder transformers loads as is (config.json with the special-token ids, "
+                         "generation_config.json, the tokenizer and its tokenizer_config.json), written one tensor at "
+                         "a time; `generate --ckpt OUT` reads that too.")
     exp.add_argument("--ckpt", required=True, metavar="DIR", help="a checkpoint folder (OUT/step-N)")
     exp.add_argument("--out", required=True, metavar="DIR", help="where to write the weights")
     exp.add_argument("--max-shard-gb", type=float, default=2.0, help="largest weight file, in GB (default 2)")
-    exp.add_argument("--hf", action="store_true", help="a folder transformers loads (Llama-architecture models)")
+    exp.add_argument("--hf", action="store_true", help="a folder transformers loads (Llama-architecture models); "
+                     "--ckpt may then also be a run's --out or a plain export")
+    exp.add_argument("--dtype", default=None, help="bf16|fp32: the weights' dtype (default: with --hf the run's "
+                     "--precision, else the saved fp32 master weights)")
     gen = sub.add_parser("generate", help="sample text from a model trained by `meshtrain train`")
     gen.add_argument("--ckpt", required=True, metavar="DIR", help="the --out folder of a training run, one of its "
-                     "checkpoints (OUT/step-N), or an exported folder")
+                     "checkpoints (OUT/step-N), or an exported folder (`export`'s, or `export --hf`'s)")
     gen.add_argument("--prompt", default="\n", help="text to continue")
     gen.add_argument("--tokens", type=int, default=200, help="tokens to generate (default 200)")
     gen.add_argument("--temperature", type=float, default=0.8, help="softmax temperature > 0 (default 0.8)")
     gen.add_argument("--top-k", type=int, default=50, help="sample among the k likeliest; 0: all (default 50)")
     gen.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     gen.add_argument("--device", default="auto", help="auto|cpu|cuda (default auto)")
+    _add_prepare_parser(sub)
     return p
+
+
+def _add_prepare_parser(sub) -> None:
+    prep = sub.add_parser("prepare", help="tokenize text once into the token folder `train --data DIR` reads",
+                          description="Tokenize text (a file, a folder of files, .jsonl files with a \"text\" field "
+                          "per line, or 'shakespeare') into a new folder of token files that `meshtrain train --data "
+                          "DIR` reads and numpy opens (docs/data.md): with --init-from, the Hugging Face folder's "
+                          "tokenizer.json applied to each whole document as `tokenizers` encodes it, then its EOS; "
+                          "else a BPE of --vocab-size tokens trained on the text (256: bytes).")
+    prep.add_argument("--data", required=True, metavar="PATH", help="the text: a file, a folder, or 'shakespeare'")
+    prep.add_argument("--init-from", metavar="DIR", help="a Hugging Face folder: its tokenizer.json, and the EOS its "
+                      "tokenizer_config.json (else config.json) names")
+    prep.add_argument("--vocab-size", type=int, metavar="N", help="without --init-from: the vocabulary of the BPE "
+                      f"trained on the text (256: the byte tokenizer; default {C.TrainConfig.vocab_size})")
+    prep.add_argument("--out", required=True, metavar="DIR", help="the new token folder (absent or empty)")
 
 
 def _dest(flag: str) -> str:
@@ -253,6 +277,8 @@ def main(argv: list[str] | None = None) -> int:
         return _generate(args)
     if args.command == "schedule":
         return _schedule(args)
+    if args.command == "prepare":
+        return _prepare(args)
     if args.command == "export":
         return _export(args)
     if args.command == "plan":
@@ -582,17 +608,49 @@ def _schedule_against_trace(args) -> int:
     return 0
 
 
-def _export(args) -> int:
-    if not args.max_shard_gb > 0:
-        print(f"meshtrain: error: --max-shard-gb {args.max_shard_gb}: must be positive", file=sys.stderr)
+def _prepare(args) -> int:
+    """`meshtrain prepare`: no processes, no torch; one line for each refusal."""
+    from meshtrain.data.corpus import DataError
+    from meshtrain.data.datasets import imported_tokenizer_and_rows, prepare_folder
+    from meshtrain.data.prepared import find
+    vocab, tokenizer = args.vocab_size if args.vocab_size is not None else C.TrainConfig.vocab_size, None
+    try:
+        if args.init_from is not None:
+            if args.vocab_size is not None:
+                raise C.ConfigError(f"--vocab-size {args.vocab_size} with --init-from {args.init_from}: the vocabulary "
+                                    f"is that folder's tokenizer's; give one of them")
+            tokenizer, vocab = imported_tokenizer_and_rows(Path(args.init_from))
+        elif not 256 <= vocab <= 2**20:
+            raise C.ConfigError(f"--vocab-size {vocab}: use 256 (bytes) up to {2**20:,}")
+        if args.data not in C.BUILTIN_DATA and find(args.data) is not None:
+            raise C.ConfigError(f"--data {args.data} is a prepared token folder already; train on it with "
+                                f"meshtrain train --data {args.data}")
+        meta = prepare_folder(args.data, Path(args.out), vocab, tokenizer, log=_log)
+    except (C.ConfigError, DataError) as e:
+        print(f"meshtrain: error: {e}", file=sys.stderr)
         return 2
-    from meshtrain.checkpoint.export import export
+    init = f" --init-from {args.init_from}" if args.init_from else ""
+    _log(f"prepared {meta['documents']:,} document(s) into {meta['n_tokens']:,} tokens ({meta['dtype']}, "
+         f"{len(meta['shards'])} shard(s)) in {args.out}; train on them: meshtrain train --data {args.out}{init}")
+    return 0
+
+
+def _export(args) -> int:
+    from meshtrain.checkpoint.export import DTYPES, export
     from meshtrain.checkpoint.sharded import CheckpointError
+    bad = [(not args.max_shard_gb > 0, f"--max-shard-gb {args.max_shard_gb}: must be positive"),
+           (args.dtype is not None and args.dtype not in DTYPES,
+            f"unknown dtype '{args.dtype}'; use --dtype {' | '.join(DTYPES)}")]
+    for is_bad, message in bad:
+        if is_bad:
+            print(f"meshtrain: error: {message}", file=sys.stderr)
+            return 2
+    dtype, max_shard_bytes = DTYPES.get(args.dtype), int(args.max_shard_gb * 1e9)
     try:
         if args.hf:
-            return _export_hf(Path(args.ckpt), Path(args.out))
-        files = export(Path(args.ckpt), Path(args.out), max_shard_bytes=int(args.max_shard_gb * 1e9), log=_log)
-    except CheckpointError as e:
+            return _export_hf(Path(args.ckpt), Path(args.out), dtype, max_shard_bytes)
+        files = export(Path(args.ckpt), Path(args.out), dtype=dtype, max_shard_bytes=max_shard_bytes, log=_log)
+    except (CheckpointError, FileNotFoundError, ValueError) as e:
         print(f"meshtrain: error: {e}", file=sys.stderr)
         return 2
     _log(f"exported {args.ckpt} to {args.out} ({len(files)} weight file{'s' if len(files) > 1 else ''}); "
@@ -600,28 +658,18 @@ def _export(args) -> int:
     return 0
 
 
-def _export_hf(ckpt: Path, out: Path) -> int:
-    """A Llama checkpoint (or run folder) as a Hugging Face folder, with its tokenizer."""
-    import shutil
-
-    from meshtrain.checkpoint.weights import load_model
-    from meshtrain.data.tokenizer import TOKENIZER_FILE
-    from meshtrain.models.hf import save_hf
-    from meshtrain.models.llama import Llama
-    try:
-        model, _, cfg = load_model(ckpt)
-    except (FileNotFoundError, ValueError) as e:
-        print(f"meshtrain: error: {e}", file=sys.stderr)
-        return 2
-    if not isinstance(model, Llama):
-        print(f"meshtrain: error: --hf writes a Llama-architecture model for transformers; {ckpt} holds "
-              f"{cfg.model.name}: export it without --hf", file=sys.stderr)
-        return 2
-    save_hf(model, out)
-    if (ckpt / TOKENIZER_FILE).is_file():
-        shutil.copyfile(ckpt / TOKENIZER_FILE, out / TOKENIZER_FILE)
-    _log(f"exported {ckpt} to {out} as a Hugging Face folder (config.json, model.safetensors); "
-         f"transformers.AutoModelForCausalLM.from_pretrained({str(out)!r}) loads it")
+def _export_hf(ckpt: Path, out: Path, dtype, max_shard_bytes: int) -> int:
+    """A Llama checkpoint (or run folder, or plain export) as a complete Hugging Face folder."""
+    from meshtrain.checkpoint.export import export_hf
+    from meshtrain.models.hf import SIDE_FILES, TOKENIZER
+    files = export_hf(ckpt, out, dtype=dtype, max_shard_bytes=max_shard_bytes, log=_log)
+    written = sorted(name for name in (*SIDE_FILES, TOKENIZER) if (out / name).is_file())
+    if "tokenizer.json" not in written:
+        _log(f"warning: {ckpt} keeps no tokenizer.json, so {out} has none: put the run's tokenizer there before "
+             f"loading it with transformers' AutoTokenizer")
+    _log(f"exported {ckpt} to {out} as a Hugging Face folder ({', '.join(written)} and {len(files)} weight "
+         f"file{'s' if len(files) > 1 else ''}); transformers.AutoModelForCausalLM.from_pretrained({str(out)!r}) "
+         f"loads it, and so does meshtrain generate --ckpt {out}")
     return 0
 
 

@@ -12,6 +12,7 @@ import os
 import re
 import tomllib
 from dataclasses import dataclass, field
+from typing import ClassVar
 from pathlib import Path
 
 from meshtrain.models.presets import PRESETS, GPTSpec, LlamaSpec, MLPSpec, parse_widths, spec_of
@@ -138,6 +139,9 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     layout: LayoutConfig = field(default_factory=LayoutConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    # The (section, field) pairs a user named, by flag or in the TOML file (`load` records
+    # them; a Config made in code names none): what --init-from must not silently override.
+    given: ClassVar[frozenset] = frozenset()
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -153,14 +157,16 @@ class Config:
 FLAGS = [
     ("--model", "model", "name", str, f"model preset: {', '.join(PRESETS)}"),
     ("--init-from", "model", "init_from", str, "a Hugging Face Llama folder (config.json, safetensors, "
-     "tokenizer.json): train from its weights, on --data tokenized by its tokenizer (the model is that folder's)"),
+     "tokenizer.json): train from its weights, on --data tokenized by its tokenizer (the model and its vocabulary "
+     "are that folder's: --vocab-size is refused, --seq-len up to its max_position_embeddings)"),
     ("--dropout", "model", "dropout", float, "dropout probability of the GPT, in [0, 1); masks drawn per sample "
      "from the seed, the same in every layout"),
     ("--mlp-hidden", "model", "mlp_hidden", str, "hidden widths of --model mlp, comma-separated, e.g. 1024,1024 "
      "(default 128,128,128)"),
     ("--attention", "model", "attention", str, "sdpa (fused kernel) | math (the score matrix materialised; "
      "the only path with attention-probability dropout)"),
-    ("--data", "train", "data", str, "'shakespeare' (bundled), 'digits' (for --model mlp), or a text file/folder"),
+    ("--data", "train", "data", str, "'shakespeare' (bundled), 'digits' (for --model mlp), a text file/folder, or a "
+     "token folder written by `meshtrain prepare` (docs/data.md)"),
     ("--dp", "layout", "dp", int, "data-parallel size (default: fill the world; 2 from a shell when tp=pp=1)"),
     ("--tp", "layout", "tp", int, "tensor-parallel size"),
     ("--cp", "layout", "cp", int, "context-parallel size: each sequence split over cp ranks, attention by a ring of "
@@ -192,7 +198,8 @@ FLAGS = [
      "(default: as even as possible)"),
     ("--steps", "train", "steps", int, "optimizer steps"),
     ("--batch-size", "train", "batch_size", int, "global batch in sequences, whatever the layout"),
-    ("--seq-len", "train", "seq_len", int, "tokens per sequence"),
+    ("--seq-len", "train", "seq_len", int, "tokens per sequence (with --init-from at most the folder's "
+     "max_position_embeddings)"),
     ("--lr", "train", "lr", float, "peak learning rate (warm-up then cosine)"),
     ("--warmup", "train", "warmup", int, "warm-up steps"),
     ("--clip", "train", "clip", float, "global gradient-norm clip (0: off)"),
@@ -218,7 +225,8 @@ FLAGS = [
      "learning rate, tokens/s, gradient norm, each rank's memory (pip install 'meshtrain[tb]')"),
     ("--skip-nonfinite", "train", "skip_nonfinite", bool, "skip (and count) a step whose loss or gradient norm "
      "is not finite, instead of stopping the run"),
-    ("--vocab-size", "train", "vocab_size", int, "BPE vocabulary size (256: byte tokenizer)"),
+    ("--vocab-size", "train", "vocab_size", int, "BPE vocabulary size (256: byte tokenizer); not with "
+     "--init-from, whose tokenizer's it is"),
     ("--pad-documents", "train", "pad_documents", bool, "each row starts at a document's start (a file, or a "
      ".jsonl line; a longer document is cut into several rows) and is padded to --seq-len, the padding left out "
      "of the loss, instead of random windows across documents (packing)"),
@@ -284,18 +292,22 @@ def load(path: str | None, overrides: dict[tuple[str, str], object],
     cfg = Config()
     for (section, name), value in (defaults or {}).items():
         setattr(getattr(cfg, section), name, value)
+    given = set(overrides)
     if path:
         if not os.path.isfile(path):
             raise ConfigError(f"--config {path}: no such file")
         try:
             with open(path, "rb") as f:
-                apply_sections(cfg, tomllib.load(f), source=path)
+                sections = tomllib.load(f)
+            apply_sections(cfg, sections, source=path)
+            given |= {(section, name) for section, values in sections.items() for name in values}
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"--config {path}: not valid TOML ({e})") from None
         except UnicodeDecodeError:
             raise ConfigError(f"--config {path}: not UTF-8 text; give a TOML file") from None
     for (section, name), value in overrides.items():
         setattr(getattr(cfg, section), name, value)
+    cfg.given = frozenset(given)
     return cfg
 
 
@@ -329,8 +341,10 @@ def strict_p2p_requested(environ=None) -> bool:
 
 def adopt_imported_model(cfg: Config) -> None:
     """With --init-from DIR the model is that folder's: its spec is registered as a preset
-    named after the folder (in every process that reads the configuration), and the
-    vocabulary is its embedding's. One line for a folder meshtrain cannot read."""
+    named after the folder (`hf-<folder>`, a folder already called hf-… keeping its name),
+    in every process that reads the configuration, and the vocabulary is its embedding's.
+    One line for a folder meshtrain cannot read, and for a --vocab-size the user gave
+    (flag or TOML) that is not the folder's: it would be ignored."""
     m = cfg.model
     if not m.init_from:
         return
@@ -344,7 +358,12 @@ def adopt_imported_model(cfg: Config) -> None:
     if not (folder / "tokenizer.json").is_file():
         raise ConfigError(f"--init-from {folder}: no tokenizer.json; meshtrain trains on text tokenized by the "
                           f"imported model's own tokenizer")
-    name = "hf-" + re.sub(r"[^A-Za-z0-9._-]", "_", folder.resolve().name)
+    stated = cfg.train.vocab_size
+    if stated != vocab and (("train", "vocab_size") in cfg.given or stated != TrainConfig.vocab_size):
+        raise ConfigError(f"--vocab-size {stated} with --init-from {folder}: the vocabulary is the folder's "
+                          f"({vocab:,} tokens, its tokenizer's); drop --vocab-size")
+    base = re.sub(r"[^A-Za-z0-9._-]", "_", folder.resolve().name)
+    name = "hf-" + re.sub(r"^hf[-_]", "", base, flags=re.IGNORECASE)
     PRESETS[name] = spec
     m.name, cfg.train.vocab_size = name, vocab
 
@@ -354,11 +373,34 @@ def imported_tokenizer(cfg: Config) -> Path | None:
     return Path(cfg.model.init_from, "tokenizer.json") if cfg.model.init_from else None
 
 
+def adopt_prepared_data(cfg: Config) -> None:
+    """--data DIR, a token folder `meshtrain prepare` wrote (recognised by its meta.json; a
+    folder of text stays text): the vocabulary is that folder's, unless --init-from's model
+    sets it (whose tokenizer the folder must have been prepared with: checked with the data).
+    One line for a folder of another format version, and for a --vocab-size the user gave
+    that is not the folder's."""
+    from meshtrain.data.corpus import DataError
+    from meshtrain.data.prepared import find, read_meta
+    tr = cfg.train
+    try:
+        folder = find(tr.data) if tr.data not in BUILTIN_DATA else None
+        meta = read_meta(folder) if folder is not None else None
+    except DataError as e:
+        raise ConfigError(str(e)) from None
+    if meta is None or cfg.model.init_from:
+        return
+    if tr.vocab_size != meta["vocab_size"] and ("train", "vocab_size") in getattr(cfg, "given", ()):
+        raise ConfigError(f"--vocab-size {tr.vocab_size} with --data {tr.data}: the folder holds ids of its own "
+                          f"{meta['vocab_size']:,}-token vocabulary; drop --vocab-size")
+    tr.vocab_size = meta["vocab_size"]
+
+
 def validate(cfg: Config, world_size: int | None = None) -> None:
     """Reject a configuration that cannot work, with one line naming the flag to change.
     `world_size` is the number of processes a launcher already started, if any. An unset
     --dp is filled in here (`fill_dp`)."""
     adopt_imported_model(cfg)
+    adopt_prepared_data(cfg)
     m, lay, tr = cfg.model, cfg.layout, cfg.train
     for section, name in [("layout", "dp"), ("layout", "tp"), ("layout", "pp"), ("layout", "cp"), ("layout", "chunks"),
                           ("layout", "microbatches"), ("train", "steps"), ("train", "batch_size"),
@@ -387,6 +429,12 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     if user_model and m.dropout:
         raise ConfigError(f"--dropout applies to the preset models; {m.name} has its own nn.Dropout: drop the flag")
     if not user_model and m.name not in PRESETS:
+        from meshtrain.plan.shapes import PUBLISHED  # pure data, no torch
+        if m.name in PUBLISHED:
+            how = ("train that architecture from a Hugging Face folder of it: --init-from DIR"
+                   if PUBLISHED[m.name].kind == "llama" else "meshtrain builds no GPT-3 of the paper's kind")
+            raise ConfigError(f"--model {m.name} is a published shape for `meshtrain plan`, not a model train "
+                              f"builds; {how}")
         raise ConfigError(f"unknown model '{m.name}'; use --model {' | '.join(PRESETS)}, or pkg.module:factory "
                           f"for your own")
     if not 0 <= m.dropout < 1:
@@ -450,6 +498,11 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     if isinstance(spec, (GPTSpec, LlamaSpec)):
         if isinstance(spec, GPTSpec) and tr.seq_len > spec.max_seq_len:  # RoPE (Llama) has no position table
             raise ConfigError(f"--seq-len {tr.seq_len} exceeds the {spec.max_seq_len} positions of {m.name}")
+        if m.init_from and tr.seq_len > spec.max_seq_len:  # the length it was made for, its rope scaling included
+            scaled = f", its {spec.rope_scaling.kind} rope scaling included" if spec.rope_scaling else ""
+            raise ConfigError(f"--seq-len {tr.seq_len} exceeds the {spec.max_seq_len} positions of --init-from "
+                              f"{m.init_from} (its max_position_embeddings{scaled}); use --seq-len "
+                              f"{spec.max_seq_len} or less")
         if not 256 <= tr.vocab_size <= 2**20:  # above 65,536 the token file holds uint32 ids
             raise ConfigError(f"--vocab-size {tr.vocab_size}: use 256 (bytes) up to {2**20:,}")
     _reject_unbuilt(lay, tr)

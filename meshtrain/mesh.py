@@ -163,5 +163,7 @@ class Mesh:
         return self.rank == 0
 
     def __repr__(self) -> str:
-        cp = f", cp={self.cp}" if self.cp > 1 else ""
-        return f"Mesh(pp={self.sizes['pp']}, dp={self.batch_dp}{cp}, tp={self.sizes['tp']}, rank={self.rank})"
+        """The sizes `size(axis)` answers: dp is the parameters' replicas, so under cp it is
+        written as the batch's dp × cp (`--dp 1 --cp 2`: dp=2 (batch dp 1 × cp 2))."""
+        dp = f"{self.sizes['dp']} (batch dp {self.batch_dp} × cp {self.cp}), cp={self.cp}" if self.cp > 1 else self.batch_dp
+        return f"Mesh(pp={self.sizes['pp']}, dp={dp}, tp={self.sizes['tp']}, rank={self.rank})"

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field, replace
 from meshtrain import faults, launch
 from meshtrain.board import Board
 from meshtrain.checkpoint import folders, owner
+from meshtrain.checkpoint.weights import imported_record
 from meshtrain.comm import Comm
 from meshtrain.config import (Config, LayoutConfig, TrainConfig, imported_tokenizer, lr_at, strict_p2p_requested,
                               tokens_per_sample)
@@ -425,7 +426,7 @@ def save(job: Job, cfg: Config, data, step: int, run_id: str) -> None:
     tokenizer = Path(getattr(data, "folder", None) or "", TOKENIZER_FILE)
     job.save(folders.step_dir(out, step), run=run_identity(cfg), run_id=run_id, layout_flags=cfg.layout.short(),
              config=cfg.to_dict(), vocab_size=getattr(data, "vocab_size", None),
-             files=[tokenizer] if tokenizer.is_file() else [])
+             files=[tokenizer] if tokenizer.is_file() else [], **imported_record(cfg))
     if cfg.train.keep:
         folders.prune(out, cfg.train.keep, job.parallel.comm, run=run_id)
     if job.mesh.is_main:

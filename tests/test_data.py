@@ -85,11 +85,14 @@ def test_token_files_hold_uint32_ids_above_a_65536_vocabulary(tmp_path):
 
     import numpy as np
 
-    from meshtrain.data.datasets import META_FILE, TOKENS_FILE, TextData
+    from meshtrain.data.datasets import META_FILE, TextData
+    from meshtrain.data.prepared import TokenWriter, tokenizer_identity
     from meshtrain.data.tokenizer import token_dtype
     assert token_dtype(2048) == np.uint16 and token_dtype(65536) == np.uint16 and token_dtype(128256) == np.uint32
     ids = np.arange(200_000, 200_000 + 5000, dtype=np.uint32)  # ids no uint16 holds
-    ids.tofile(tmp_path / TOKENS_FILE)
-    (tmp_path / META_FILE).write_text(json.dumps({"vocab_size": 256, "n_tokens": len(ids), "dtype": "uint32"}))
+    writer = TokenWriter(tmp_path, token_dtype(300_000))
+    writer.add(ids, np.array([0, len(ids)]))
+    writer.close(vocab_size=300_000, bos_id=None, eos_id=None, pad_id=0, tokenizer=tokenizer_identity(None))
+    assert json.loads((tmp_path / META_FILE).read_text())["dtype"] == "uint32"
     x, y = TextData(tmp_path, seq_len=16, seed=0).batch(0, 4, slice(0, 4))
     assert int(x.min()) >= 200_000 and torch.equal(x[:, 1:], y[:, :-1]) and torch.equal(y - x, torch.ones_like(x))

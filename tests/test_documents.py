@@ -18,7 +18,7 @@ from meshtrain import verifier as verify
 from meshtrain.comm import Comm
 from meshtrain.data.corpus import DataError
 from meshtrain.data.datasets import DOCUMENTS_FILE, META_FILE, TOKENS_FILE, TextData, prepare_text
-from meshtrain.data.tokenizer import EOS_TEXT, BPETokenizer, load_tokenizer
+from meshtrain.data.tokenizer import EOS_TEXT, load_tokenizer
 from meshtrain.job import IGNORE_INDEX
 from meshtrain.loss import cross_entropy_sum
 
@@ -51,15 +51,17 @@ def test_own_bpe_puts_endoftext_after_each_document(tmp_path):
     assert np.flatnonzero(tokens == eos).tolist() == (bounds[1:] - 1).tolist() and bounds[0] == 0
 
 
-def _imported(tmp_path, tokenizer_config: dict | None, config: dict):
-    """A Hugging Face-style folder: a BPE built with `tokenizers`, with special tokens, and
-    the JSON files that say which of them go around documents."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+def _imported(tmp_path, tokenizer_config: dict | None, config: dict, template: str | None = None):
+    """A Hugging Face-style folder: a BPE built with `tokenizers`, with special tokens, a
+    post-processor adding `template`'s around a sequence, and the JSON files that name the EOS."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
     tok.train_from_iterator(DOCS, trainers.BpeTrainer(vocab_size=300, show_progress=False,
                                                       special_tokens=["<unk>", "<s>", "</s>", "<pad>"],
                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    if template:
+        tok.post_processor = processors.TemplateProcessing(single=template, special_tokens=[("<s>", 1), ("</s>", 2)])
     hf = tmp_path / "hf"
     hf.mkdir()
     tok.save(str(hf / "tokenizer.json"))
@@ -69,27 +71,31 @@ def _imported(tmp_path, tokenizer_config: dict | None, config: dict):
     return hf / "tokenizer.json"
 
 
-@pytest.mark.parametrize("tokenizer_config, config, bos, eos, pad", [
-    # Llama's: BOS added, EOS not; the tokens named as strings and as added-token objects
+@pytest.mark.parametrize("tokenizer_config, config, template, bos, eos, pad", [
+    # Llama's: the post-processor puts BOS first, the EOS separates (tokens named as strings and
+    # as added-token objects; tokenizer_config.json's add_*_token keys are not what decides)
     ({"bos_token": "<s>", "eos_token": {"content": "</s>", "special": True}, "add_bos_token": True,
-      "add_eos_token": False}, {"bos_token_id": 5, "eos_token_id": 6}, 1, None, 2),
-    # no add_* keys: BOS and EOS wherever defined; the pad token pads
-    ({"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>"}, {}, 1, 2, 3),
-    # no tokenizer_config.json: config.json's ids (Llama 3's list of EOS ids: the first)
-    (None, {"bos_token_id": 1, "eos_token_id": [2, 3]}, 1, 2, 2),
-], ids=["llama-bos-only", "both", "config-ids"])
-def test_an_imported_tokenizer_s_bos_and_eos_go_around_each_document(tmp_path, tokenizer_config, config, bos,
-                                                                      eos, pad):
-    path = _imported(tmp_path, tokenizer_config, config)
+      "add_eos_token": False}, {"bos_token_id": 5, "eos_token_id": 6}, "<s> $A", 1, 2, 2),
+    # a post-processor that ends each sequence with the EOS already: no second one; the pad token pads
+    ({"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>"}, {}, "<s> $A </s>", 1, 2, 3),
+    # no post-processor, no tokenizer_config.json: config.json's EOS (Llama 3's list of EOS ids: the first)
+    (None, {"bos_token_id": 1, "eos_token_id": [2, 3]}, None, None, 2, 2),
+], ids=["llama-bos-template", "template-with-eos", "config-ids"])
+def test_an_imported_tokenizer_s_bos_and_eos_go_around_each_document(tmp_path, tokenizer_config, config, template,
+                                                                      bos, eos, pad):
+    path = _imported(tmp_path, tokenizer_config, config, template)
     cache = prepare_text(str(_folder(tmp_path)), 320, log=lambda msg: None, tokenizer=path)
     meta, tokens, bounds = _cache(cache)
     assert (meta["bos_id"], meta["eos_id"], meta["pad_id"], meta["documents"]) == (bos, eos, pad, 3)
-    tok = BPETokenizer.load(path)
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_file(str(path))
     assert tok.token_to_id("<s>") == 1 and tok.token_to_id("</s>") == 2
-    want = np.concatenate([np.array(([bos] if bos is not None else []) + tok.encode(d).tolist()
-                                    + ([eos] if eos is not None else [])) for d in DOCS])
+    want = np.concatenate([np.array(tok.encode(d).ids + ([] if template and template.endswith("</s>") else [eos]))
+                           for d in DOCS])  # `tokenizers`' own, whole document, then the separator
     assert np.array_equal(tokens, want)
-    assert np.flatnonzero(tokens == bos).tolist() == bounds[:-1].tolist()
+    assert np.flatnonzero(tokens == eos).tolist() == (bounds[1:] - 1).tolist()
+    if bos is not None:
+        assert np.flatnonzero(tokens == bos).tolist() == bounds[:-1].tolist()
 
 
 def test_a_jsonl_line_without_text_is_refused_naming_file_and_line(tmp_path):

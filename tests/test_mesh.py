@@ -50,3 +50,12 @@ def test_single_process_mesh_needs_no_group():
     t = torch.ones(3)
     Comm(mesh).all_reduce(t, "dp")
     assert mesh.world_size == 1 and mesh.coords() == {"pp": 0, "dp": 0, "tp": 0} and t.tolist() == [1, 1, 1]
+
+
+def test_a_mesh_prints_the_sizes_it_answers():
+    """Under cp the dp axis is the parameters' replicas, dp × cp: printed as `size("dp")`
+    says, with the batch's dp and cp beside it."""
+    mesh = Mesh({"dp": 1, "cp": 2, "tp": 2}, torch.device("cpu"))
+    assert mesh.size("dp") == 2 and mesh.batch_dp == 1
+    assert repr(mesh) == "Mesh(pp=1, dp=2 (batch dp 1 × cp 2), cp=2, tp=2, rank=0)"
+    assert repr(Mesh({"dp": 2, "pp": 2}, torch.device("cpu"))) == "Mesh(pp=2, dp=2, tp=1, rank=0)"

@@ -1,14 +1,19 @@
 """A sharded checkpoint of any layout as the one-process model's weights, without starting
 ranks: each tensor assembled at full shape from the boxes every rank wrote (DCP reads them
-into it), a group of tensors at a time, and written as safetensors files of at most
-`max_shard_bytes` each with Hugging Face's `model.safetensors.index.json` when there are
-several. The run's configuration and tokenizer go beside them, so `generate` reads the
-folder as it reads a training run's."""
+into it, converted to the dtype asked for as it is read), one tensor at a time, and streamed
+into safetensors files of at most `max_shard_bytes` each with Hugging Face's
+`model.safetensors.index.json` when there are several: what export holds at once is one
+tensor and one saved box of it, whatever the model's size. The run's configuration and
+tokenizer go beside them, so `generate` reads the folder as it reads a training run's; or,
+with `export_hf`, the files of a Hugging Face folder (`models.hf.write_hf`)."""
 
 from __future__ import annotations
 
 import json
+import math
+import os
 import shutil
+import struct
 from pathlib import Path
 from typing import Callable
 
@@ -22,6 +27,11 @@ from meshtrain.checkpoint.sharded import CheckpointError, read_meta
 MAX_SHARD_BYTES = 2 * 10**9  # Hugging Face's default shard size
 SHARD_INDEX = "model.safetensors.index.json"
 WEIGHTS_PREFIXES = ("model/", "buffer/")
+SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+                      torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+                      torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}  # export --dtype
+_SAFETENSORS_TORCH = {v: k for k, v in SAFETENSORS_DTYPES.items()}
 
 
 def is_sharded_checkpoint(folder: Path) -> bool:
@@ -35,14 +45,17 @@ def weight_shapes(ckpt: Path) -> dict[str, tuple[torch.Size, torch.dtype]]:
             if fqn.startswith(WEIGHTS_PREFIXES)}
 
 
-def consolidated(ckpt: Path, names: list[str] | None = None) -> dict[str, torch.Tensor]:
-    """The full tensors `names` (default: every weight and buffer) of the checkpoint."""
-    md = dcp.read_index(ckpt).state_dict_metadata
+def consolidated(ckpt: Path, names: list[str] | None = None, dtype: torch.dtype | None = None,
+                 md=None) -> dict[str, torch.Tensor]:
+    """The full tensors `names` (default: every weight and buffer) of the checkpoint, in
+    `dtype` where they are floating point (each saved box is converted as it is copied in;
+    default: as saved). `md`: the index's metadata, when the caller read it already."""
+    md = md if md is not None else dcp.read_index(ckpt).state_dict_metadata
     fqns = {fqn.split("/", 1)[1]: fqn for fqn in md if fqn.startswith(WEIGHTS_PREFIXES)}
     out, state = {}, {}
     for name in names if names is not None else list(fqns):
         m = md[fqns[name]]
-        t = torch.empty(m.size, dtype=m.properties.dtype)
+        t = torch.empty(m.size, dtype=_as(m.properties.dtype, dtype))
         out[name] = t
         state[fqns[name]] = Boxed(tuple(m.size), t.dtype, [Box((0,) * t.dim(), tuple(t.shape), t)])
     dcp.load(state, Path(ckpt), distributed=False)
@@ -61,18 +74,19 @@ def check_good(ckpt: Path) -> None:
         raise CheckpointError(f"--ckpt {ckpt}: {problem}")
 
 
-def write_shards(out: Path, sizes: dict[str, int], load: Callable[[list[str]], dict[str, torch.Tensor]], *,
-                 max_shard_bytes: int = MAX_SHARD_BYTES, log: Callable[[str], None] = lambda msg: None) -> list[Path]:
-    """Tensors (their byte `sizes`, by name, in order) as safetensors files of at most
+def write_shards(out: Path, tensors: dict[str, tuple[tuple[int, ...], torch.dtype]],
+                 read: Callable[[str], torch.Tensor], *, max_shard_bytes: int = MAX_SHARD_BYTES,
+                 log: Callable[[str], None] = lambda msg: None) -> list[Path]:
+    """Tensors (their shapes and dtypes, by name, in order) as safetensors files of at most
     `max_shard_bytes` each in `out` — `model.safetensors`, or numbered shards and Hugging
-    Face's index — asking `load(names)` for one shard's tensors at a time."""
-    from safetensors.torch import save_file
-
+    Face's index — asking `read(name)` for one tensor at a time and streaming it to its file
+    (`write_safetensors`): what is held at once is one tensor, whatever the shard's size."""
     from meshtrain.atomic import atomic_write
 
     groups: list[list[str]] = [[]]
     size = 0
-    for name, n in sizes.items():
+    for name, (shape, dtype) in tensors.items():
+        n = math.prod(shape) * dtype.itemsize
         if groups[-1] and size + n > max_shard_bytes:
             groups.append([])
             size = 0
@@ -82,33 +96,134 @@ def write_shards(out: Path, sizes: dict[str, int], load: Callable[[list[str]], d
         [out / f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
     weight_map = {}
     for path, names in zip(files, groups):
-        tensors = load(names)
-        atomic_write(path, lambda p: save_file(tensors, str(p), metadata={"format": "pt"}))
+        atomic_write(path, lambda p: write_safetensors(p, {n: tensors[n] for n in names}, read))
         weight_map.update({n: path.name for n in names})
         log(f"wrote {path} ({len(names)} tensors)")
     if len(files) > 1:
-        index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}
+        total = sum(math.prod(shape) * dtype.itemsize for shape, dtype in tensors.values())
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         atomic_write(out / SHARD_INDEX, lambda p: p.write_text(json.dumps(index, indent=2)))
     return files
 
 
-def export(ckpt: Path, out: Path, *, max_shard_bytes: int = MAX_SHARD_BYTES,
+def write_safetensors(path: Path, tensors: dict[str, tuple[tuple[int, ...], torch.dtype]],
+                      read: Callable[[str], torch.Tensor]) -> None:
+    """One safetensors file, its header first (computed from the shapes), then each tensor's
+    bytes as `read(name)` gives it: `safetensors.torch.save_file` would hold every tensor
+    and a bytes copy of each at once. The format: an 8-byte little-endian header length, a
+    JSON header (dtype, shape, data_offsets per tensor) padded with spaces to 8 bytes, the
+    data."""
+    header, at = {}, 0
+    for name, (shape, dtype) in tensors.items():
+        if dtype not in SAFETENSORS_DTYPES:
+            raise CheckpointError(f"{name} is {dtype}, which safetensors files do not hold")
+        n = math.prod(shape) * dtype.itemsize
+        header[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": [at, at + n]}
+        at += n
+    header["__metadata__"] = {"format": "pt"}
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text)))
+        f.write(text)
+        for name, (shape, dtype) in tensors.items():
+            t = read(name)
+            if tuple(t.shape) != tuple(shape) or t.dtype != dtype:
+                raise CheckpointError(f"{name}: read {list(t.shape)} {t.dtype}, expected {list(shape)} {dtype}")
+            f.write(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+            del t
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _as(saved: torch.dtype, dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype a tensor saved as `saved` is exported in: `dtype` for floating point ones."""
+    return dtype if dtype is not None and saved.is_floating_point else saved
+
+
+def weights_of(folder: Path) -> tuple[dict[str, tuple[tuple[int, ...], torch.dtype]],
+                                      Callable[[str, torch.dtype | None], torch.Tensor]]:
+    """A folder's weights (and buffers) by name — (shape, dtype as saved) — and a reader of
+    one of them, `read(name, dtype)`, converted to `dtype` where floating point: a sharded
+    checkpoint's (DCP reads the boxes of that tensor only) or a folder of safetensors (one
+    file, or the shards its index lists)."""
+    folder = Path(folder)
+    if is_sharded_checkpoint(folder):
+        md = dcp.read_index(folder).state_dict_metadata
+        shapes = {n: (tuple(s), d) for n, (s, d) in weight_shapes(folder).items()}
+        return shapes, lambda name, dtype=None: consolidated(folder, [name], dtype, md=md)[name]
+    from safetensors import safe_open
+
+    from meshtrain.models.hf import weight_files
+    where: dict[str, Path] = {}
+    shapes = {}
+    for path in weight_files(folder):
+        with safe_open(str(path), framework="pt") as f:
+            for key in f.keys():
+                sl = f.get_slice(key)
+                where[key] = path
+                shapes[key] = (tuple(sl.get_shape()), _SAFETENSORS_TORCH[sl.get_dtype()])
+
+    def read(name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        with safe_open(str(where[name]), framework="pt") as f:
+            t = f.get_tensor(name)
+        return t.to(_as(t.dtype, dtype))
+    return shapes, read
+
+
+def export(ckpt: Path, out: Path, *, dtype: torch.dtype | None = None, max_shard_bytes: int = MAX_SHARD_BYTES,
            log: Callable[[str], None] = lambda msg: None) -> list[Path]:
     """Write the checkpoint's weights as safetensors in `out` (and its run's configuration
-    and tokenizer); returns the weight files. Holds one shard's tensors at a time."""
+    and tokenizer), in `dtype` where floating point (default: as saved, the fp32 masters);
+    returns the weight files. Holds one tensor at a time."""
     from meshtrain.atomic import atomic_write
     from meshtrain.checkpoint.owner import RUN_FILE
 
     ckpt, out = Path(ckpt), Path(out)
     check_good(ckpt)
-    shapes = weight_shapes(ckpt)
+    shapes, read = weights_of(ckpt)
     out.mkdir(parents=True, exist_ok=True)
-    files = write_shards(out, {n: s.numel() * d.itemsize for n, (s, d) in shapes.items()},
-                         lambda names: consolidated(ckpt, names), max_shard_bytes=max_shard_bytes, log=log)
+    files = write_shards(out, {n: (s, _as(d, dtype)) for n, (s, d) in shapes.items()}, lambda n: read(n, dtype),
+                         max_shard_bytes=max_shard_bytes, log=log)
     meta = read_meta(ckpt)
     if "config" in meta:  # a command-line run's: what `generate` builds the model from
         run = {"config": meta["config"], "vocab_size": meta["vocab_size"], "step": meta["steps"]}
+        if "imported" in meta:  # the --init-from folder's configs, for `export --hf` of this folder
+            run["imported"] = meta["imported"]
         atomic_write(out / RUN_FILE, lambda p: p.write_text(json.dumps(run, indent=2)))
     for extra in sorted(set(p.name for p in ckpt.iterdir()) & {"tokenizer.json"}):
         atomic_write(out / extra, lambda p: shutil.copyfile(ckpt / extra, p))
     return files
+
+
+def export_hf(ckpt: Path, out: Path, *, dtype: torch.dtype | None = None, max_shard_bytes: int = MAX_SHARD_BYTES,
+              log: Callable[[str], None] = lambda msg: None) -> list[Path]:
+    """A command-line run's Llama — a sharded checkpoint of any layout, a run's --out or a
+    plain export — as a complete Hugging Face folder in `out` (`models.hf.write_hf`), in
+    `dtype` (default: the run's compute precision), streamed one tensor at a time from the
+    saved weights: no model is built but on the meta device. Refuses (ValueError, one line)
+    another architecture, and weights that are not that model's."""
+    from meshtrain.checkpoint.weights import describe
+    from meshtrain.models import hf
+    from meshtrain.models.presets import LlamaSpec
+
+    ckpt, out = Path(ckpt), Path(out)
+    saved = describe(ckpt)
+    if not isinstance(saved.spec, LlamaSpec):
+        raise ValueError(f"--hf writes a Llama-architecture model for transformers; {ckpt} holds "
+                         f"{saved.config.model.name}: export it without --hf")
+    shapes, read = weights_of(ckpt)
+    wanted = {hf.our_name(n): shape for n, shape in hf.hf_weights(saved.spec, saved.vocab_size).items()}
+    tied = {"lm_head.weight"} if saved.spec.tie_embeddings else set()
+    for name, shape in wanted.items():
+        if name not in shapes:
+            raise ValueError(f"--ckpt {ckpt}: no {name}, a weight of the run's model ({saved.config.model.name})")
+        if shapes[name][0] != shape:
+            raise ValueError(f"--ckpt {ckpt}: {name} is {list(shapes[name][0])}, but the run's model makes it "
+                             f"{list(shape)}")
+    extra = sorted(set(shapes) - set(wanted) - tied)
+    if extra:
+        raise ValueError(f"--ckpt {ckpt}: {extra[0]} is not a weight of the run's model ({saved.config.model.name})")
+    dtype = dtype or DTYPES.get(saved.config.layout.precision, torch.float32)
+    return hf.write_hf(out, saved.spec, saved.vocab_size, lambda name: read(hf.our_name(name), dtype), dtype,
+                       side=saved.imported, tokenizer=saved.tokenizer, max_shard_bytes=max_shard_bytes, log=log)

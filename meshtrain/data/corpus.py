@@ -43,17 +43,21 @@ def text_files(source: str) -> list[Path]:
 
 
 def read_documents(files: list[Path]) -> list[str]:
-    """The documents of the files, in order: a file's text, or a `.jsonl` file's lines' "text"
-    fields (blank lines skipped). A file that is not UTF-8 text, or a line without a "text"
-    string, is refused by name (and line)."""
-    docs = []
+    """The documents of the files, in order (`iter_documents`), in a list."""
+    return list(iter_documents(files))
+
+
+def iter_documents(files: list[Path]):
+    """The documents of the files, in order, one file read at a time: a file's text, or a
+    `.jsonl` file's lines' "text" fields (blank lines skipped). A file that is not UTF-8
+    text, or a line without a "text" string, is refused by name (and line)."""
     for p in files:
         try:
             text = p.read_text(encoding="utf-8")
         except UnicodeDecodeError as e:
             raise DataError(f"--data: {p} is not UTF-8 text (byte {e.start}); give text files") from None
         if p.suffix != ".jsonl":
-            docs.append(text)
+            yield text
             continue
         for n, line in enumerate(text.splitlines(), 1):
             if not line.strip():
@@ -65,8 +69,7 @@ def read_documents(files: list[Path]) -> list[str]:
             doc = record.get("text") if isinstance(record, dict) else None
             if not isinstance(doc, str):
                 raise DataError(f"--data: {p} line {n} has no \"text\" string; give each line a \"text\" field")
-            docs.append(doc)
-    return docs
+            yield doc
 
 
 def read_text(files: list[Path]) -> str:

@@ -1,10 +1,12 @@
 """Datasets whose global batch of step k is a pure function of (seed, k): every layout sees
 exactly the same samples, and each data-parallel rank takes its contiguous slice of rows.
 
-Text is cached once as a token stream of documents (each with the tokenizer's BOS before
-and EOS after it) and their boundaries; `TextData` draws random windows across documents
-(packing), or with `pad_documents` rows that start at a document's start, padded, whose
-padding targets are IGNORE_INDEX."""
+Text is tokenized once into a prepared token folder (`prepared.py`'s format: the documents'
+ids, each document as its tokenizer encodes it whole, with its separator, and their
+boundaries): `meshtrain prepare` writes one where the user says, `train --data TEXT` into a
+private cache. `TextData` reads one and draws random windows across documents (packing), or
+with `pad_documents` rows that start at a document's start, padded, whose padding targets
+are IGNORE_INDEX."""
 
 from __future__ import annotations
 
@@ -12,23 +14,26 @@ import fcntl
 import hashlib
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from meshtrain.atomic import atomic_write
-from meshtrain.data.corpus import DataError, read_documents, text_files
+from meshtrain.data import prepared
+from meshtrain.data.corpus import DataError, iter_documents, text_files
+from meshtrain.data.prepared import DOCUMENTS_FILE, META_FILE, TOKENS_FILE  # noqa: F401 (the format's names)
 from meshtrain.data.tokenizer import (TOKENIZER_FILE, BPETokenizer, ByteTokenizer, Specials, imported_specials,
-                                      load_tokenizer, token_dtype)
+                                      token_dtype)
 from meshtrain.loss import IGNORE_INDEX
 
-TOKENS_FILE = "tokens.bin"
-DOCUMENTS_FILE = "documents.bin"  # int64: the n+1 boundaries of the documents in tokens.bin
-META_FILE = "meta.json"
 LOCK_FILE = ".lock"
-CACHE_VERSION = 2  # 2: documents with BOS/EOS, documents.bin (1's caches are one stream of text)
+# 3: the prepared format, each document tokenized whole (2: documents tokenized line by line; 1: one stream)
+CACHE_VERSION = 3
+_DOCS_PER_BATCH, _CHARS_PER_BATCH = 4096, 1 << 24  # documents tokenized per call: bounds the memory
+# An imported folder's files copied into a prepared folder, byte for byte (AutoTokenizer reads them there)
+IMPORTED_TOKENIZER_FILES = (TOKENIZER_FILE, "tokenizer_config.json", "special_tokens_map.json")
 
 
 VAL_FRACTION = 0.01  # the held-out tail: never sampled for training
@@ -59,8 +64,8 @@ def check_length(n_tokens: int, seq_len: int) -> None:
 
 
 class TextData:
-    """Random windows of a memory-mapped token file (uint16, or uint32 for a vocabulary above
-    65,536, as its meta.json says): training windows from the first
+    """Random windows of a prepared token folder's ids (memory-mapped: uint16, or uint32 for a
+    vocabulary above 65,536, as its meta.json says): training windows from the first
     99% of the tokens, validation windows from the last 1% (never seen in training).
 
     `pad_documents`: instead, each row is one of the rows the documents are cut into — a
@@ -70,18 +75,17 @@ class TextData:
     boundary is cut there: its tail's rows start at the boundary."""
 
     def __init__(self, folder: Path, seq_len: int, seed: int, pad_documents: bool = False):
-        meta = json.loads((folder / META_FILE).read_text())
-        self.tokenizer = load_tokenizer(folder, meta["vocab_size"])
-        self.tokens = np.memmap(folder / TOKENS_FILE, dtype=np.dtype(meta.get("dtype", "uint16")), mode="r")
+        meta = prepared.read_meta(folder)
+        self.tokenizer = (ByteTokenizer() if meta["tokenizer"]["kind"] == prepared.BYTES
+                          else BPETokenizer.load(folder / TOKENIZER_FILE))
+        self.tokens = prepared.Tokens(folder, meta)
         self.folder, self.vocab_size, self.seq_len, self.seed = folder, meta["vocab_size"], seq_len, seed
         self.bos_id, self.eos_id, self.pad_id = meta.get("bos_id"), meta.get("eos_id"), meta.get("pad_id") or 0
         self.split = held_out(len(self.tokens))
         check_length(self.split, seq_len)
         self.pad_documents = pad_documents
         if pad_documents:
-            if not (folder / DOCUMENTS_FILE).is_file():
-                raise DataError(f"{folder} has no {DOCUMENTS_FILE}; delete the folder to rebuild it")
-            bounds = np.fromfile(folder / DOCUMENTS_FILE, dtype=np.int64)
+            bounds = prepared.document_bounds(folder, meta)
             self.doc_rows = (_document_rows(bounds, 0, self.split, seq_len),
                              _document_rows(bounds, self.split, len(self.tokens), seq_len))
             if not len(self.doc_rows[0][0]):
@@ -191,8 +195,8 @@ def _to_stderr(msg: str) -> None:
 
 
 def prepare_text(source: str, vocab_size: int, log=_to_stderr, tokenizer: Path | None = None) -> Path:
-    """Tokenize the text once into a cached folder (tokenizer.json, tokens.bin, documents.bin,
-    meta.json). Every file is written atomically: a reader never sees half. Returns the folder.
+    """Tokenize the text once into a cached prepared folder (`build_folder`); meta.json is
+    written last, so a reader never takes a half-built folder for one. Returns the folder.
     `tokenizer`: an imported model's tokenizer.json, used as it is (`vocab_size`: that
     model's embedding rows); else a BPE of `vocab_size` is trained on the text."""
     if tokenizer is None:
@@ -206,52 +210,162 @@ def prepare_text(source: str, vocab_size: int, log=_to_stderr, tokenizer: Path |
     with open(folder / LOCK_FILE, "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (folder / META_FILE).exists():
-            _build_text_cache(folder, files, source, vocab_size, log, tokenizer)
+            meta = build_folder(folder, files, source, vocab_size, log, tokenizer)
+            log(f"tokenized {len(files)} file(s) into {meta['n_tokens']:,} tokens (cached in {folder})")
     return folder
 
 
-def _build_text_cache(folder: Path, files: list[Path], source: str, vocab_size: int, log,
-                      imported: Path | None = None) -> None:
-    docs = read_documents(files)
+def prepare_folder(source: str, out: Path, vocab_size: int, tokenizer: Path | None = None, log=_to_stderr,
+                   shard_tokens: int = prepared.SHARD_TOKENS) -> dict:
+    """`meshtrain prepare`: the text of `source` tokenized into the new folder `out`
+    (`build_folder`), built beside it and renamed into place at the end, so that `out` is
+    whole or absent. Returns its meta.json."""
+    files = text_files(source)
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise DataError(f"--out {out} exists and is not empty; give a new folder (or remove that one)")
+    if tokenizer is None:
+        vocab_size = _usable_vocab(vocab_size)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        meta = build_folder(tmp, files, source, vocab_size, log, tokenizer, shard_tokens)
+        if out.exists():
+            out.rmdir()
+        os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return meta
+
+
+def imported_tokenizer_and_rows(folder: Path) -> tuple[Path, int]:
+    """A Hugging Face folder's tokenizer.json and the embedding rows its ids must fit
+    (config.json's `vocab_size`; without a config.json, the tokenizer's own size)."""
+    tokenizer = folder / TOKENIZER_FILE
+    if not tokenizer.is_file():
+        raise DataError(f"--init-from {folder}: no {TOKENIZER_FILE} there; give a Hugging Face folder with its "
+                        f"tokenizer")
+    config = folder / "config.json"
+    if not config.is_file():
+        return tokenizer, BPETokenizer.load(tokenizer).vocab_size
+    try:
+        rows = json.loads(config.read_text(encoding="utf-8")).get("vocab_size")
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:
+        raise DataError(f"--init-from {config}: not a JSON object ({e}); fix or remove it") from None
+    if not isinstance(rows, int) or isinstance(rows, bool) or rows < 1:
+        raise DataError(f"--init-from {config}: no positive integer vocab_size ({rows!r})")
+    return tokenizer, rows
+
+
+def _batches(docs):
+    """(documents, whether they are the last) in batches of a bounded size."""
+    batch, chars = [], 0
+    for doc in docs:
+        if batch and (len(batch) >= _DOCS_PER_BATCH or chars + len(doc) > _CHARS_PER_BATCH):
+            yield batch, False  # `doc` follows
+            batch, chars = [], 0
+        batch.append(doc)
+        chars += len(doc)
+    yield batch, True
+
+
+def build_folder(folder: Path, files: list[Path], source: str, vocab_size: int, log,
+                 imported: Path | None = None, shard_tokens: int = prepared.SHARD_TOKENS) -> dict:
+    """Tokenize the documents of `files` into the prepared folder `folder` (`prepared.py`),
+    reading one file at a time and writing batch by batch: with the `imported` tokenizer.json
+    (copied there byte for byte, with the files beside it that name its special tokens), the
+    byte tokenizer (`vocab_size` 256), or a BPE of `vocab_size` trained on the text first.
+    Returns meta.json. Text with no character is refused in one line."""
+    chars = 0
+
+    def counted(docs):
+        nonlocal chars
+        for doc in docs:
+            chars += len(doc)
+            yield doc
+
+    def no_text() -> DataError:
+        return DataError(f"--data {source}: no text there ({len(files)} file(s), every document empty); give text "
+                         f"files, or .jsonl files whose lines have a \"text\" field")
+
     if imported is not None:
         tokenizer = BPETokenizer.load(imported)
         if tokenizer.vocab_size > vocab_size:
             raise DataError(f"{imported}: the tokenizer has {tokenizer.vocab_size:,} tokens, more than the model's "
                             f"{vocab_size:,} embedding rows")
         specials = imported_specials(imported.parent, tokenizer, vocab_size)
-        tokenizer.save(folder / TOKENIZER_FILE)
+        for name in IMPORTED_TOKENIZER_FILES:
+            there = imported if name == TOKENIZER_FILE else imported.with_name(name)
+            if there.is_file():
+                shutil.copyfile(there, folder / name)
+        vocab, identity = vocab_size, prepared.tokenizer_identity(folder / TOKENIZER_FILE)
     elif vocab_size == ByteTokenizer.vocab_size:
-        tokenizer, specials = ByteTokenizer(), Specials()
+        tokenizer, specials, vocab = ByteTokenizer(), Specials(), vocab_size
+        identity = prepared.tokenizer_identity(None)
     else:
-        log(f"training a {vocab_size}-token BPE tokenizer on {sum(map(len, docs)) / 1e6:.1f} MB of text ...")
-        tokenizer = BPETokenizer.train_documents(docs, vocab_size)
+        log(f"training a {vocab_size}-token BPE tokenizer on the text of {len(files)} file(s) ...")
+        tokenizer = BPETokenizer.train_documents(counted(iter_documents(files)), vocab_size)
+        if not chars:
+            raise no_text()
         specials = tokenizer.own_specials()
         tokenizer.save(folder / TOKENIZER_FILE)
-    vocab = vocab_size if imported is not None else tokenizer.vocab_size  # the model's rows, or the BPE's
-    ids, bounds = tokenizer.encode_documents(docs, specials)
-    ids = ids.astype(token_dtype(vocab), copy=False)
-    atomic_write(folder / TOKENS_FILE, ids.tofile)
-    atomic_write(folder / DOCUMENTS_FILE, bounds.astype(np.int64, copy=False).tofile)
-    meta = {"source": source, "files": len(files), "documents": len(docs), "n_tokens": int(len(ids)),
-            "vocab_size": vocab, "dtype": str(ids.dtype), "bos_id": specials.bos, "eos_id": specials.eos,
-            "pad_id": specials.pad}
-    atomic_write(folder / META_FILE, lambda p: p.write_text(json.dumps(meta)))
-    log(f"tokenized {len(files)} file(s) into {len(ids):,} tokens (cached in {folder})")
+        vocab, identity = tokenizer.vocab_size, prepared.tokenizer_identity(folder / TOKENIZER_FILE)
+        chars = 0
+    writer = prepared.TokenWriter(folder, token_dtype(vocab), shard_tokens)
+    for batch, last in _batches(counted(iter_documents(files))):
+        writer.add(*tokenizer.encode_documents(batch, specials, last=last))
+    if not chars:
+        raise no_text()
+    return writer.close(vocab_size=vocab, bos_id=specials.bos, eos_id=specials.eos, pad_id=specials.pad,
+                        tokenizer=identity, source=source, files=len(files))
+
+
+def check_prepared(folder: Path, vocab_size: int, tokenizer: Path | None = None) -> dict:
+    """A prepared folder given as --data, checked before the ranks start: this format's version,
+    ids the model's `vocab_size` rows hold, and with --init-from (`tokenizer`) that folder's
+    tokenizer and document separator. Returns its meta.json."""
+    meta = prepared.read_meta(folder)
+    if tokenizer is not None:
+        prepared.check_tokenizer(folder, meta, tokenizer)
+        eos = imported_specials(tokenizer.parent, BPETokenizer.load(tokenizer), vocab_size).eos
+        if meta.get("eos_id") != eos:
+            raise DataError(f"--data {folder} was prepared with end-of-document id {meta.get('eos_id')}, but "
+                            f"--init-from {tokenizer.parent} says {eos}; prepare it again with --init-from "
+                            f"{tokenizer.parent}")
+    if meta["vocab_size"] > vocab_size:
+        raise DataError(f"--data {folder} holds ids of a {meta['vocab_size']:,}-token vocabulary, more than the "
+                        f"model's {vocab_size:,} embedding rows")
+    return meta
 
 
 def prepare(data: str, model: str, vocab_size: int, seq_len: int, log=_to_stderr,
             tokenizer: Path | None = None) -> Path | None:
-    """Build what the ranks will read (once, before they start); None when nothing is needed."""
+    """Build what the ranks will read (once, before they start), or check the prepared folder
+    --data names; None when nothing is needed."""
     if model == "mlp":
         return None
-    folder = prepare_text(data, vocab_size, log, tokenizer)
-    check_length(json.loads((folder / META_FILE).read_text())["n_tokens"], seq_len)
+    folder = _prepared(data)
+    if folder is not None:
+        meta = check_prepared(folder, vocab_size, tokenizer)
+    else:
+        folder = prepare_text(data, vocab_size, log, tokenizer)
+        meta = prepared.read_meta(folder)
+    check_length(meta["n_tokens"], seq_len)
     return folder
+
+
+def _prepared(data: str) -> Path | None:
+    """--data as a prepared token folder, or None (text; 'shakespeare' is the bundled corpus)."""
+    return prepared.find(data) if data != "shakespeare" else None
 
 
 def open_dataset(data: str, model: str, vocab_size: int, seq_len: int, seed: int, tokenizer: Path | None = None,
                  pad_documents: bool = False):
     if model == "mlp":
         return DigitsData(seed)
-    folder = prepare_text(data, vocab_size, tokenizer=tokenizer)  # cached: returns at once
+    # a prepared folder (checked by `prepare`), or the text's cache: built by `prepare`, returns at once
+    folder = _prepared(data) or prepare_text(data, vocab_size, tokenizer=tokenizer)
     return TextData(folder, seq_len, seed, pad_documents=pad_documents)

@@ -72,10 +72,11 @@ def load_hf(folder, device="cpu", dtype=None) -> torch.nn.Module:
     return hf.load_hf(folder, device=device, dtype=dtype)
 
 
-def save_hf(model: torch.nn.Module, folder, dtype=None) -> None:
-    """A `Llama` as a Hugging Face folder that transformers loads as is."""
+def save_hf(model: torch.nn.Module, folder, dtype=None, **side) -> None:
+    """A `Llama` as a Hugging Face folder that transformers loads as is (`side`: `like=` an
+    imported folder whose configs and tokenizer to carry over, or `tokenizer=`; `hf.save_hf`)."""
     from meshtrain.models import hf
-    hf.save_hf(model, folder, dtype=dtype)
+    hf.save_hf(model, folder, dtype=dtype, **side)
 
 
 def replace_submodule(model: torch.nn.Module, name: str, new: torch.nn.Module) -> None:

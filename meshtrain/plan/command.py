@@ -18,6 +18,10 @@ from meshtrain.plan.shapes import PUBLISHED, Shape, shape_of
 
 EXPLICIT = ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab")
 CLUSTER_FLAGS = ("gpu_mem_gib", "gpus_per_node", "peak_tflops", "intra_node_gbps", "inter_node_gbps")
+# What a device's memory holds besides the plan's tensors: the CUDA context (a few hundred MiB
+# to ~1 GiB with cuBLAS and NCCL loaded), NCCL's buffers, and the caching allocator's reserve
+# and fragmentation (a few % of a step's peak). `fits` means the plan's total fits the rest.
+DEFAULT_HEADROOM = 0.1
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -33,7 +37,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--micro-batch-size", type=int, help="sequences per micro-batch (sets --microbatches)")
     g.add_argument("--gpus", type=int, help="devices (default dp×tp×pp)")
     g.add_argument("--gpu", help=f"GPU preset: {' | '.join(GPU_PRESETS)} (default h100-80g)")
-    g.add_argument("--gpu-mem-gib", type=float, help="memory per device, GiB")
+    g.add_argument("--gpu-mem-gib", type=float, help="memory per device, GiB (the device's whole memory)")
+    g.add_argument("--mem-headroom", type=float, metavar="FRACTION", help="the fraction of each device's memory "
+                   "kept free for the CUDA context and the allocator's cache and fragmentation: a layout fits when "
+                   f"its total is at most the rest (default {DEFAULT_HEADROOM:g}: 8 GiB of 80; 0 plans to the last "
+                   "byte)")
     g.add_argument("--gpus-per-node", type=int, help="devices per node (tensor parallelism stays inside one)")
     g.add_argument("--peak-tflops", type=float, help="dense peak per device in the compute precision, TFLOP/s")
     g.add_argument("--intra-node-gbps", type=float, help="link per device inside a node, Gbit/s")
@@ -75,7 +83,7 @@ def workload_of(args, cfg: C.Config) -> Workload:
         except ValueError as e:
             raise PlanError(str(e)) from None
         seq = shape.seq_len if (cfg.model.name in PUBLISHED and args.seq_len is None) else tr.seq_len
-        if shape.kind == "gpt" and seq > shape.seq_len:
+        if (shape.kind == "gpt" or cfg.model.init_from) and seq > shape.seq_len:
             raise PlanError(f"--seq-len {seq} exceeds the {shape.seq_len} positions of {cfg.model.name}")
     if tr.batch_size < 1 or seq < 1:
         raise PlanError("--batch-size and --seq-len must be positive integers")
@@ -143,6 +151,28 @@ def _unit(nbytes: float) -> tuple[str, float]:
     return "bytes", 1
 
 
+def headroom_of(args) -> float:
+    """--mem-headroom: the fraction of each device's memory a plan leaves free."""
+    headroom = DEFAULT_HEADROOM if args.mem_headroom is None else args.mem_headroom
+    if not 0 <= headroom < 1:
+        raise PlanError(f"--mem-headroom {headroom:g}: give the fraction of each device's memory kept free, from 0 "
+                        f"to below 1 (default {DEFAULT_HEADROOM:g}, 8 GiB of 80)")
+    return headroom
+
+
+def budget(device_bytes: float | None, headroom: float) -> dict:
+    """The memory a plan may fill: the device's less the headroom (None: no device given)."""
+    usable = None if device_bytes is None else device_bytes * (1 - headroom)
+    return {"device_memory_bytes": device_bytes, "mem_headroom": headroom, "usable_bytes": usable}
+
+
+def budget_line(result: dict) -> str:
+    """What `fits` was judged against, for beside the verdict."""
+    device, usable = result["device_memory_bytes"], result["usable_bytes"]
+    return (f"in {usable / GIB:,.1f} GiB ({device / GIB:g} less --mem-headroom {result['mem_headroom']:g}, kept "
+            f"for the CUDA context and the allocator)")
+
+
 def describe(name: str, work: Workload | None, lay: C.LayoutConfig, result: dict, cluster_line: str) -> str:
     """The human report of one plan."""
     lines = [f"{name}: {result['n_params']:,} parameters" + (
@@ -161,6 +191,8 @@ def describe(name: str, work: Workload | None, lay: C.LayoutConfig, result: dict
                      f"({result['activation_bytes_per_layer'] / per_layer_size:,.1f} {per_layer_unit} kept per "
                      f"layer and micro-batch)")
     verdict = {True: "fits", False: "does NOT fit", None: ""}[result["fits"]]
+    if result["fits"] is not None and result.get("usable_bytes") is not None:
+        verdict += f" {budget_line(result)}"
     lines.append(f"  {'total':<22}{result['total_bytes'] / size:>12,.2f}   {verdict}")
     if result["predicted_step_time_s"] is not None:
         sent = {axis: nbytes for axis, nbytes in result["comm_bytes_per_step"].items() if nbytes}
@@ -175,8 +207,9 @@ def describe(name: str, work: Workload | None, lay: C.LayoutConfig, result: dict
     return "\n".join(lines)
 
 
-def params_only(args, cfg: C.Config, lay: C.LayoutConfig, cluster: Cluster) -> dict:
-    """`--params N`: model states only, the parameters split evenly over tp·pp."""
+def params_only(args, cfg: C.Config, lay: C.LayoutConfig, limits: dict) -> dict:
+    """`--params N`: model states only, the parameters split evenly over tp·pp, judged
+    against the usable memory of `limits` (`budget`)."""
     from meshtrain.plan.memory import model_state_bytes
     if args.params < 1:
         raise PlanError(f"--params {args.params:g}: give a positive parameter count")
@@ -184,9 +217,9 @@ def params_only(args, cfg: C.Config, lay: C.LayoutConfig, cluster: Cluster) -> d
                                grad_dtype=lay.grad_dtype, accounting=args.accounting)
     return {"n_params": int(args.params), "model_state_bytes": states, "activation_bytes": None,
             "activation_bytes_per_layer": None, "total_bytes": states["total"],
-            "fits": states["total"] <= cluster.memory_bytes, "flops_per_step": None, "bubble_fraction": None,
+            "fits": states["total"] <= limits["usable_bytes"], "flops_per_step": None, "bubble_fraction": None,
             "comm_bytes_per_step": None, "predicted_step_time_s": None, "mfu": None, "micro_batch_size": None,
-            "worst_stage": 0}
+            "worst_stage": 0, **limits}
 
 
 def run(args, cfg: C.Config) -> int:
@@ -209,6 +242,8 @@ def _run(args, cfg: C.Config) -> int:
     if args.accounting not in ACCOUNTINGS:
         raise PlanError(f"unknown accounting '{args.accounting}'; use --accounting paper | torch")
     out = sys.stderr if args.json else sys.stdout
+    headroom = headroom_of(args)
+    C.adopt_imported_model(cfg)  # --init-from DIR: plan that folder's model (a preset named after it)
     work = None if args.params is not None else workload_of(args, cfg)
     lay, gpus = layout_of(args, cfg, cfg.train.batch_size)
     try:
@@ -222,32 +257,35 @@ def _run(args, cfg: C.Config) -> int:
     if work is None:
         if args.search or args.measure:
             raise PlanError("--search and --measure need a model (--model or explicit dimensions), not --params")
-        result = params_only(args, cfg, lay, cluster)
+        result = params_only(args, cfg, lay, budget(cluster.memory_bytes, headroom))
         print(describe(f"{args.params:g} parameters", None, lay, result, cluster_line), file=out)
-        return _emit(args, result)
+        return _emit(args, dict(result, train_command=None))
     machine, peak = machine_of(args, cluster, lay.precision, gpus)
     work = replace(work, device=_trainer_device(args, cfg, machine))
     if args.machine:
         cluster_line = f"{gpus} ranks on the machine profiled in {args.machine}"
     options = dict(gpus_per_node=cluster.gpus_per_node, peak_flops=peak, accounting=args.accounting)
-    memory = None if args.machine and args.gpu_mem_gib is None else cluster.memory_bytes
+    limits = budget(None if args.machine and args.gpu_mem_gib is None else cluster.memory_bytes, headroom)
+    memory = limits["usable_bytes"]
     if args.search:
-        return _search(args, work, lay, gpus, machine, memory, options, name, cluster_line, out)
+        return _search(args, cfg, work, lay, gpus, machine, limits, options, name, cluster_line, out)
     if lay.world_size != gpus:
         raise PlanError(f"dp×cp×tp×pp = {lay.dp}×{lay.cp}×{lay.tp}×{lay.pp} = {lay.world_size}, not the {gpus} "
                         f"GPUs of --gpus; change --dp/--cp/--tp/--pp so that their product is {gpus}")
-    result = plan(work, lay, machine, memory_bytes=memory, **options)
+    result = dict(plan(work, lay, machine, memory_bytes=memory, **options), **limits)
     print(describe(name, work, lay, result, cluster_line), file=out)
     if args.measure:
         from meshtrain.plan.measured import measure_beside
         return measure_beside(cfg, work, lay, result, args)
-    return _emit(args, result)
+    command = train_command(args, cfg, work, lay, gpus, cluster.gpus_per_node, out)
+    return _emit(args, dict(result, train_command=command))
 
 
-def _search(args, work, base, gpus, machine, memory, options, name, cluster_line, out) -> int:
+def _search(args, cfg, work, base, gpus, machine, limits, options, name, cluster_line, out) -> int:
     import time
 
     from meshtrain.plan.search import search
+    memory = limits["usable_bytes"]
     if memory is None:
         raise PlanError("--search needs the device memory: give --gpu-mem-gib (or a --gpu preset)")
     t0 = time.perf_counter()
@@ -257,12 +295,14 @@ def _search(args, work, base, gpus, machine, memory, options, name, cluster_line
         if not found["tried"]:
             raise PlanError(f"no layout of {gpus} devices can run this model and batch (tp must divide the heads, "
                             "pp the blocks, dp the batch); change --gpus or --batch-size")
-        least = found["least_bytes"]
-        raise PlanError(f"{name} does not fit on {gpus} devices of {memory / GIB:g} GiB in any layout: the smallest "
-                        f"needs {least / GIB:,.1f} GiB per device, {(least - memory) / GIB:,.1f} GiB more; use more "
-                        "devices or larger ones")
-    print(f"searched {found['tried']} layouts of {gpus} devices in {took:.2f} s; {found['fit']} fit. "
-          f"Fastest first:", file=out)
+        least, device = found["least_bytes"], limits["device_memory_bytes"]
+        raise PlanError(f"{name} does not fit on {gpus} devices of {device / GIB:g} GiB in any layout: the smallest "
+                        f"needs {least / GIB:,.1f} GiB per device, {(least - memory) / GIB:,.1f} GiB more than the "
+                        f"{memory / GIB:,.1f} usable (--mem-headroom {limits['mem_headroom']:g}); use more devices "
+                        "or larger ones")
+    print(f"searched {found['tried']} layouts of {gpus} devices in {took:.2f} s; {found['fit']} fit in "
+          f"{memory / GIB:,.1f} GiB ({limits['device_memory_bytes'] / GIB:g} GiB less --mem-headroom "
+          f"{limits['mem_headroom']:g}). Fastest first:", file=out)
     print(f"{'#':>3} {'dp':>3} {'zero':>4} {'cp':>3} {'cp mode':<8} {'tp':>3} {'sp':>3} {'pp':>3} {'schedule':<14} {'mb':>3} "
           f"{'m':>5} {'recompute':<10} {'GiB':>8} {'step s':>9} {'MFU %':>6}", file=out)
     for i, (lay, r) in enumerate(found["best"], 1):
@@ -274,15 +314,84 @@ def _search(args, work, base, gpus, machine, memory, options, name, cluster_line
               f"{r['micro_batch_size']:>3} {lay.microbatches:>5} {lay.recompute:<10} {r['total_bytes'] / GIB:>8.1f} "
               f"{r['predicted_step_time_s']:>9.4g} {mfu:>6}", file=out)
     best_lay, best = found["best"][0]
+    best = dict(best, **limits)
     print("\nthe best, explained:", file=out)
     print(describe(name, work, best_lay, best, cluster_line), file=out)
-    result = dict(best, layout=best_lay.summary() | {"chunks": best_lay.chunks},
+    command = train_command(args, cfg, work, best_lay, gpus, options["gpus_per_node"], out)
+    result = dict(best, layout=best_lay.summary() | {"chunks": best_lay.chunks}, train_command=command,
                   search={"tried": found["tried"], "fit": found["fit"], "seconds": round(took, 3),
                           "top": [{"layout": lay.summary() | {"chunks": lay.chunks},
                                    "micro_batch_size": r["micro_batch_size"], "total_bytes": r["total_bytes"],
                                    "predicted_step_time_s": r["predicted_step_time_s"], "mfu": r["mfu"]}
                                   for lay, r in found["best"]]})
     return _emit(args, result)
+
+
+def train_flags(cfg: C.Config, work: Workload, lay: C.LayoutConfig) -> tuple[list[str] | None, str | None]:
+    """`meshtrain train`'s flags for this plan's model, layout and batch (None where `train`
+    cannot build the model), and a note on what to fill in or why there are none."""
+    name, m, note = cfg.model.name, cfg.model, None
+    if m.init_from:
+        model = ["--init-from", m.init_from]
+    elif name in PUBLISHED and PUBLISHED[name].kind == "llama":
+        folder = name.upper().replace("-", "_") + "_DIR"
+        model = ["--init-from", folder]
+        note = (f"{folder}: a Hugging Face folder of {name}'s architecture (config.json, safetensors, "
+                f"tokenizer.json); --model {name} is a shape the planner knows, not a model train builds")
+    elif name in PUBLISHED or name not in C.PRESETS:
+        what = "the paper's shape (biases, a tied head)" if name in PUBLISHED else "a shape, not a model"
+        return None, f"no train command: {name} is {what}, which meshtrain does not build"
+    else:
+        model = ["--model", name]
+        if cfg.train.vocab_size != C.TrainConfig.vocab_size:
+            model += ["--vocab-size", str(cfg.train.vocab_size)]
+    flags = model + ["--dp", str(lay.dp), "--tp", str(lay.tp), "--pp", str(lay.pp)]
+    if lay.cp > 1:
+        flags += ["--cp", str(lay.cp), "--cp-mode", lay.cp_mode]
+    if lay.zero:
+        flags += ["--zero", str(lay.zero)] + (["--keep-gathered"] if lay.keep_gathered else [])
+    if lay.sp:
+        flags.append("--sp")
+    if lay.pp > 1:
+        flags += ["--schedule", lay.schedule] + (["--chunks", str(lay.chunks)] if lay.chunks > 1 else [])
+        flags += ["--stage-layers", lay.stage_layers] if lay.stage_layers else []
+    if lay.microbatches > 1:
+        flags += ["--microbatches", str(lay.microbatches)]
+    if lay.recompute != "none":
+        flags += ["--recompute", lay.recompute]
+    if lay.precision != "fp32":
+        flags += ["--precision", lay.precision]
+    if lay.grad_dtype != "fp32":
+        flags += ["--grad-dtype", lay.grad_dtype]
+    if lay.dp_linear_sync != "allreduce":
+        flags += ["--dp-linear-sync", lay.dp_linear_sync]
+    if work.dropout:
+        flags += ["--dropout", f"{work.dropout:g}"]
+    if work.attention != "sdpa":
+        flags += ["--attention", work.attention]
+    return flags + ["--seq-len", str(work.seq), "--batch-size", str(work.batch)], note
+
+
+def train_command(args, cfg: C.Config, work: Workload, lay: C.LayoutConfig, gpus: int, per_node: int,
+                  out) -> str | None:
+    """Print (and return) the `meshtrain train` line of the planned layout, to copy."""
+    import shlex
+    if _given(args, EXPLICIT):
+        flags, note = None, "no train command: explicit dimensions are a shape, not a model meshtrain builds"
+    else:
+        flags, note = train_flags(cfg, work, lay)
+    command = shlex.join(["meshtrain", "train", *flags]) if flags else None
+    if command:
+        print(f"\nto train this layout:\n  {command}", file=out)
+        if gpus > per_node:
+            nodes = -(-gpus // per_node)
+            print(f"  ({gpus} ranks on {nodes} nodes: from a shell meshtrain starts ranks on its own machine "
+                  f"only; start them with a launcher, the same flags: torchrun --nnodes {nodes} --nproc-per-node "
+                  f"{per_node} --rdzv-backend c10d --rdzv-endpoint HOST:PORT -m meshtrain train ..., srun or "
+                  f"mpirun)", file=out)
+    if note:
+        print(("  " if command else "\n") + note, file=out)
+    return command
 
 
 def _emit(args, result: dict) -> int:

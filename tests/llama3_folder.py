@@ -1,0 +1,83 @@
+"""A Llama-3-style tokenizer built with `tokenizers` (no download) and a tiny Hugging Face
+Llama folder around it, for the tests of whole-document tokenization, `meshtrain prepare` and
+fine-tuning on prepared tokens.
+
+The tokenizer is Llama 3's recipe on a small vocabulary: its pre-tokenizer's regex (which keeps
+".\\n\\n" and "\\n\\n" as single pieces), byte-level BPE, and a post-processor that puts
+<|begin_of_text|> before each sequence; tokenizer_config.json names <|end_of_text|> as EOS."""
+
+import json
+from pathlib import Path
+
+LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                  r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+BOS, EOS = "<|begin_of_text|>", "<|end_of_text|>"
+
+_WORDS = ("the king is dead long live the king now is the winter of our discontent made glorious summer by "
+          "this sun of york and all the clouds that lowered upon our house in the deep bosom of the ocean buried").split()
+
+
+def documents(n: int = 12, seed: int = 0) -> list[str]:
+    """Multi-paragraph documents: sentences ending in '.', '!' or '?', paragraphs split by
+    blank lines, some lines broken inside a paragraph, a trailing newline on some."""
+    import random
+    rng = random.Random(seed)
+    docs = []
+    for _ in range(n):
+        paragraphs = []
+        for _ in range(rng.randint(2, 5)):
+            sentences = [" ".join(rng.choice(_WORDS) for _ in range(rng.randint(3, 12))).capitalize()
+                         + rng.choice(".!?") for _ in range(rng.randint(1, 4))]
+            paragraphs.append(rng.choice([" ", "\n"]).join(sentences))
+        docs.append("\n\n".join(paragraphs) + rng.choice(["", "\n"]))
+    return docs
+
+
+def llama3_tokenizer(docs: list[str], vocab_size: int = 384):
+    """A `tokenizers.Tokenizer` made as Llama 3's is, trained on `docs`: ids 0 and 1 are
+    <|begin_of_text|> and <|end_of_text|>."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(LLAMA3_PATTERN), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(docs, trainers.BpeTrainer(vocab_size=vocab_size, show_progress=False,
+                                                      special_tokens=[BOS, EOS],
+                                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.post_processor = processors.Sequence([
+        processors.ByteLevel(trim_offsets=False),
+        processors.TemplateProcessing(single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B:1", special_tokens=[(BOS, 0)])])
+    return tok
+
+
+def write_tokenizer(folder: Path, tok) -> Path:
+    """tokenizer.json and a tokenizer_config.json naming its BOS and EOS, as Llama 3's folders do."""
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": BOS, "eos_token": EOS, "tokenizer_class": "PreTrainedTokenizerFast"}))
+    return folder / "tokenizer.json"
+
+
+def hf_llama_folder(folder: Path, tok, vocab_size: int = 384, seed: int = 0):
+    """A tiny random LlamaForCausalLM saved in `folder` with the tokenizer beside it (GQA,
+    untied head, 2 layers); returns the model."""
+    import torch
+    import transformers
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
+                                      max_position_embeddings=128, bos_token_id=0, eos_token_id=1,
+                                      attn_implementation="eager")
+    model = transformers.LlamaForCausalLM(config).eval()
+    model.save_pretrained(folder)
+    write_tokenizer(folder, tok)
+    return model
+
+
+def write_documents(folder: Path, docs: list[str]) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    for i, doc in enumerate(docs):
+        (folder / f"{i:03}.txt").write_text(doc)
+    return folder
