@@ -690,7 +690,7 @@ def _generate(args) -> int:
     except (C.ConfigError, launch.LaunchError, FileNotFoundError, ValueError) as e:
         print(f"meshtrain: error: {e}", file=sys.stderr)
         return 2
-    prompt = list(tokenizer.encode(args.prompt))
+    prompt = tokenizer.encode_prompt(args.prompt)
     ids = sample(model, prompt, args.tokens, cfg.train.seq_len, temperature=args.temperature,
                  top_k=args.top_k, seed=args.seed)
     print(args.prompt + tokenizer.decode(ids))

@@ -200,3 +200,12 @@ def test_train_takes_a_prepared_folder_s_vocabulary_and_refuses_an_unversioned_o
     cfg = C.load(None, {**flags, ("train", "data"): str(text_folder)})
     C.validate(cfg)
     assert cfg.train.vocab_size == C.TrainConfig.vocab_size
+
+
+def test_a_prompt_is_encoded_as_transformers_encodes_it(llama3):
+    """`meshtrain generate` starts from the ids `tokenizer(prompt)` gives in transformers:
+    with the post-processor's BOS, as every training document began."""
+    _, _, hf, tok = llama3
+    ours = BPETokenizer.load(hf / "tokenizer.json").encode_prompt("ROMEO.\n\nWhat light")
+    assert ours == tok.encode("ROMEO.\n\nWhat light", add_special_tokens=True).ids
+    assert ours[0] == tok.token_to_id(BOS)

@@ -76,6 +76,9 @@ class ByteTokenizer:
     def encode(self, text: str) -> np.ndarray:
         return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.uint16)
 
+    def encode_prompt(self, text: str) -> list[int]:
+        return self.encode(text).tolist()  # no special tokens: every byte is text
+
     def decode(self, ids) -> str:
         return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
 
@@ -144,8 +147,13 @@ class BPETokenizer:
         atomic_write(path, lambda tmp: self._tok.save(str(tmp)))
 
     def encode(self, text: str) -> np.ndarray:
-        """The text's ids, whole, without the post-processor's special tokens (a prompt)."""
+        """The text's ids, whole, without the post-processor's special tokens."""
         return self._encode_texts(self.pieces(text))[0]
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """A prompt's ids as transformers' `tokenizer(prompt)` gives them: with the
+        post-processor's special tokens (Llama 3's BOS), as the model saw documents begin."""
+        return self._tok.encode(text, add_special_tokens=True).ids
 
     def encode_documents(self, docs: list[str], specials: Specials, last: bool = True) -> tuple[np.ndarray, np.ndarray]:
         """Every document's ids as `tokenizers` encodes the whole document with its special
