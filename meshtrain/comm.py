@@ -36,12 +36,15 @@ runs once per step, and each micro-batch gathers only its own B/m rows."""
 from __future__ import annotations
 
 from collections import defaultdict
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
-from meshtrain.mesh import Mesh
 from meshtrain.ring import all_gather_bytes, all_reduce_bytes
+
+if TYPE_CHECKING:  # for annotations only: the mesh makes its Comm (`Mesh.comm`), so a runtime import would be a cycle
+    from meshtrain.mesh import Mesh
 
 METRICS = "metrics"
 # torch 2.13 renamed the tensor forms of all-gather and reduce-scatter; 2.11 has only the old names.

@@ -1,0 +1,181 @@
+"""The package's import graph, read from the code (every `import`, function-level ones
+included; `if TYPE_CHECKING:` blocks and a module-level `__getattr__` re-export left out):
+no import cycle and the layering rules of docs/architecture.md.
+
+What the code breaks today is listed in `KNOWN` (issue 34 removes it a slice at a time): a
+cycle or a broken rule that is not listed fails, and so does a listed one that is gone, so
+the list stays exactly the debt that is left and can only shrink."""
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "meshtrain"
+
+# (who, what it may not import, why) — docs/architecture.md, "Layers".
+RULES = [
+    (("models",), ("*",), "models import nothing else of meshtrain"),
+    (("parallel",), ("models", "recipe", "config", "cli", "train", "job"),
+     "strategies name no model, recipe, config or command line"),
+    (("checkpoint", "plan"), ("config", "cli", "train"),
+     "checkpoints and the planner take typed inputs, not the command line's config"),
+]
+
+# The debt left (issue 34): each entry a cycle ("cycle: a, b, ...") or a broken rule ("a -> b").
+KNOWN = {
+    "cycle: checkpoint.export, checkpoint.weights, config, job, models, models.hf, parallel.compose, "
+    "parallel.context, parallel.dropout, parallel.recompute, parallel.tensor, parallel.zero, "
+    "parallel.zero_holdings, recipe",
+    "checkpoint.weights -> config",
+    "models -> plan.shapes",
+    "models.hf -> atomic",
+    "models.hf -> checkpoint.export",
+    "parallel.compose -> models",
+    "parallel.compose -> models.init",
+    "parallel.dropout -> models",
+    "parallel.flat_group -> models.init",
+    "parallel.pipeline.stages -> models.presets",
+    "parallel.tensor -> models",
+    "parallel.tensor -> models.init",
+    "parallel.tensor -> models.presets",
+    "parallel.zero -> models",
+    "plan.calibrate -> config",
+    "plan.command -> config",
+    "plan.measured -> config",
+    "plan.memory -> config",
+    "plan.planner -> config",
+    "plan.search -> config",
+}
+
+
+def module_name(path: Path, root: Path = PACKAGE) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _left_out(tree: ast.Module) -> set[int]:
+    """Lines that are no dependency of the module's own code: `if TYPE_CHECKING:` blocks and
+    a module-level `__getattr__` (a lazy re-export kept for old import paths)."""
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            out |= {n.lineno for n in ast.walk(node) if hasattr(n, "lineno")}
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef) and node.name == "__getattr__":
+            out |= {n.lineno for n in ast.walk(node) if hasattr(n, "lineno")}
+    return out
+
+
+def import_graph(root: Path = PACKAGE) -> dict[str, set[str]]:
+    """module -> the package's modules it imports (names relative to the package)."""
+    files = {module_name(p, root): p for p in root.rglob("*.py")}
+
+    def resolve(name: str) -> str | None:  # the longest module of the package `name` names
+        while name and name not in files:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph = {m: set() for m in files}
+    for module, path in files.items():
+        tree = ast.parse(path.read_text())
+        skip = _left_out(tree)
+        for node in ast.walk(tree):
+            if getattr(node, "lineno", None) in skip:
+                continue
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            else:
+                continue
+            for name in names:
+                head, _, rest = name.partition(".")
+                if head == root.name and rest and (target := resolve(rest)) and target != module:
+                    graph[module].add(target)
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan, iterative)."""
+    index, low, on, stack, found, counter = {}, {}, set(), [], [], [0]
+    for start in sorted(graph):
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = counter[0]
+        counter[0] += 1
+        stack.append(start)
+        on.add(start)
+        while work:
+            v, children = work[-1]
+            w = next(children, None)
+            if w is not None:
+                if w not in index:
+                    index[w] = low[w] = counter[0]
+                    counter[0] += 1
+                    stack.append(w)
+                    on.add(w)
+                    work.append((w, iter(sorted(graph[w]))))
+                elif w in on:
+                    low[v] = min(low[v], index[w])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                component = []
+                while True:
+                    w = stack.pop()
+                    on.discard(w)
+                    component.append(w)
+                    if w == v:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def _under(module: str, prefixes) -> bool:
+    return any(p == "*" or module == p or module.startswith(p + ".") for p in prefixes)
+
+
+def broken_rules(graph: dict[str, set[str]]) -> dict[str, str]:
+    """"a -> b" -> the rule it breaks."""
+    out = {}
+    for a, targets in graph.items():
+        for who, forbidden, why in RULES:
+            if _under(a, who):
+                for b in targets:
+                    if _under(b, forbidden) and not _under(b, who):
+                        out[f"{a} -> {b}"] = why
+    return out
+
+
+def debt(root: Path = PACKAGE) -> dict[str, str]:
+    graph = import_graph(root)
+    found = {"cycle: " + ", ".join(c): "an import cycle" for c in cycles(graph)}
+    found.update(broken_rules(graph))
+    return found
+
+
+def test_no_import_cycle_or_broken_layer_beyond_the_known_debt():
+    found = debt()
+    new = sorted(set(found) - KNOWN)
+    assert not new, "new: " + "; ".join(f"{d} ({found[d]})" for d in new)
+    gone = sorted(KNOWN - set(found))
+    assert not gone, "fixed, so take them out of KNOWN in tests/test_layers.py: " + "; ".join(gone)
+
+
+def test_the_reader_finds_a_reintroduced_cycle_and_a_model_importing_a_strategy(tmp_path):
+    """The graph reader on a package of its own: a function-level import that closes a
+    cycle and a model importing a strategy are both found; a TYPE_CHECKING import is not."""
+    pkg = tmp_path / "meshtrain"
+    (pkg / "models").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "models" / "__init__.py").write_text("")
+    (pkg / "mesh.py").write_text("def comm():\n    from meshtrain.comm import Comm\n    return Comm\n")
+    (pkg / "comm.py").write_text("from meshtrain.mesh import comm\n")
+    (pkg / "parallel.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                                     "    from meshtrain.models import gpt\n")
+    (pkg / "models" / "gpt.py").write_text("import meshtrain.parallel\n")
+    found = debt(pkg)
+    assert set(found) == {"cycle: comm, mesh", "models.gpt -> parallel"}
