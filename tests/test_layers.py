@@ -22,22 +22,16 @@ RULES = [
 
 # The debt left (issue 34): each entry a cycle ("cycle: a, b, ...") or a broken rule ("a -> b").
 KNOWN = {
-    "cycle: checkpoint.export, checkpoint.weights, config, job, models, models.hf, parallel.compose, "
-    "parallel.context, parallel.dropout, parallel.recompute, parallel.tensor, parallel.zero, "
-    "parallel.zero_holdings, recipe",
+    "cycle: checkpoint.export, checkpoint.weights",
     "checkpoint.weights -> config",
     "models -> plan.shapes",
     "models.hf -> atomic",
-    "models.hf -> checkpoint.export",
-    "parallel.compose -> models",
+    "models.hf -> checkpoint.safetensors_files",
     "parallel.compose -> models.init",
-    "parallel.dropout -> models",
     "parallel.flat_group -> models.init",
     "parallel.pipeline.stages -> models.presets",
-    "parallel.tensor -> models",
     "parallel.tensor -> models.init",
     "parallel.tensor -> models.presets",
-    "parallel.zero -> models",
     "plan.calibrate -> config",
     "plan.command -> config",
     "plan.measured -> config",

@@ -79,25 +79,13 @@ def save_hf(model: torch.nn.Module, folder, dtype=None, **side) -> None:
     hf.save_hf(model, folder, dtype=dtype, **side)
 
 
-def replace_submodule(model: torch.nn.Module, name: str, new: torch.nn.Module) -> None:
-    """Put `new` where the submodule called `name` is (strategies swap in parallel twins)."""
-    parent, _, child = name.rpartition(".")
-    setattr(model.get_submodule(parent) if parent else model, child, new)
-
-
-def find_block_list(model: torch.nn.Module, name: str | None = None) -> tuple[str, torch.nn.ModuleList]:
-    """The model's list of blocks: the one called `name`, or else its largest `nn.ModuleList`
-    or `nn.Sequential` (by parameters; the model itself may be one) — what strategies that
-    act per block (ZeRO-3, recompute) act on."""
-    import torch
-    if name is not None:
-        return name, model.get_submodule(name)
-    lists = [(n, m) for n, m in model.named_modules() if isinstance(m, (torch.nn.ModuleList, torch.nn.Sequential))]
-    if not lists:
-        raise ValueError("this strategy acts per block, and the model has no nn.ModuleList or nn.Sequential of "
-                         "blocks; name the modules (wrap=[...]) or the block list (a pipeline plan's `blocks`)")
-    return max(lists, key=lambda nm: sum(p.numel() for p in nm[1].parameters()))
-
-
 def count_params(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
+
+
+def __getattr__(name: str):
+    """Old import paths: the strategies' module helpers live in `parallel.modules` now."""
+    if name in ("replace_submodule", "find_block_list"):
+        from meshtrain.parallel import modules
+        return getattr(modules, name)
+    raise AttributeError(f"module 'meshtrain.models' has no attribute {name!r}")

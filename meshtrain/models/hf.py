@@ -345,7 +345,7 @@ def write_hf(folder, spec: LlamaSpec, vocab_size: int, read, dtype, *, side: dic
     `dtype` (a torch dtype), asking `read(hf_name)` for one tensor at a time (so no more than
     one is held at once here), sharded at `max_shard_bytes` (2 GB) with an index; then
     `write_side`'s files. Returns the weight files."""
-    from meshtrain.checkpoint.export import MAX_SHARD_BYTES, write_shards
+    from meshtrain.checkpoint.safetensors_files import MAX_SHARD_BYTES, write_shards
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)

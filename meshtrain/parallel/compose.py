@@ -22,7 +22,7 @@ import torch.nn as nn
 
 from meshtrain.comm import METRICS, Comm
 from meshtrain.loss import cross_entropy_sum
-from meshtrain.models import find_block_list
+from meshtrain.parallel.modules import find_block_list
 from meshtrain.models.init import InitSpec, materialize, to_placeholders
 from meshtrain.optim import FULL_SHAPE, OptimizerFactory, check_optimizer, keep_grad_views, optimizer_from
 from meshtrain.parallel.data import DataParallel

@@ -31,23 +31,10 @@ import torch
 import torch.nn as nn
 
 from meshtrain.comm import METRICS, Comm
+from meshtrain.parallel.head_tail import chunk_ids, sequence_positions  # noqa: F401 (part of this module's API)
 from meshtrain.parallel.tiles import MATH_TILE_BYTES, tile_rows
 
 CP = "cp"
-
-
-def chunk_ids(rank: int, cp: int) -> tuple[int, int]:
-    """The two of the 2·cp chunks of a sequence that cp rank `rank` holds (head-tail)."""
-    return rank, 2 * cp - 1 - rank
-
-
-def sequence_positions(seq_len: int, rank: int, cp: int, device=None) -> torch.Tensor:
-    """The global positions of the tokens cp rank `rank` holds, in its order."""
-    if seq_len % (2 * cp):
-        raise ValueError(f"a sequence of {seq_len} tokens does not split into 2·cp = {2 * cp} equal chunks; use a "
-                         f"multiple of {2 * cp}")
-    c = seq_len // (2 * cp)
-    return torch.cat([torch.arange(i * c, (i + 1) * c, device=device) for i in chunk_ids(rank, cp)])
 
 
 def shard_sequence(t: torch.Tensor, rank: int, cp: int) -> torch.Tensor:

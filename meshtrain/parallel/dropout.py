@@ -40,8 +40,8 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from meshtrain.comm import Comm
-from meshtrain.models import replace_submodule
-from meshtrain.parallel.context import sequence_positions
+from meshtrain.parallel.modules import replace_submodule
+from meshtrain.parallel.head_tail import sequence_positions
 
 
 class DropoutKeys:

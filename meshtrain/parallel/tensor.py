@@ -41,7 +41,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from meshtrain.comm import Comm
-from meshtrain.models import replace_submodule
+from meshtrain.parallel.modules import replace_submodule
 from meshtrain.models.init import is_placeholder, placeholder
 from meshtrain.parallel.dropout import SeededDropout
 from meshtrain.parallel.recompute import is_recomputed

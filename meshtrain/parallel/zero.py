@@ -50,7 +50,7 @@ import torch
 import torch.nn as nn
 
 from meshtrain.comm import Comm
-from meshtrain.models import find_block_list
+from meshtrain.parallel.modules import find_block_list
 from meshtrain.optim import FULL_SHAPE, SHARDED_OVER
 from meshtrain.parallel.data import check_replicas_agree, keep_grad_in, split_by_size
 from meshtrain.parallel.flat_group import FlatGroup, _buffer
