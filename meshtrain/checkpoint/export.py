@@ -5,7 +5,7 @@ into safetensors files of at most `max_shard_bytes` each with Hugging Face's
 `model.safetensors.index.json` when there are several: what export holds at once is one
 tensor and one saved box of it, whatever the model's size. The run's configuration and
 tokenizer go beside them, so `generate` reads the folder as it reads a training run's; or,
-with `export_hf`, the files of a Hugging Face folder (`models.hf.write_hf`)."""
+with `hf_export.export_hf`, the files of a Hugging Face folder (`models.hf.write_hf`)."""
 
 from __future__ import annotations
 
@@ -130,34 +130,10 @@ def export(ckpt: Path, out: Path, *, dtype: torch.dtype | None = None, max_shard
     return files
 
 
-def export_hf(ckpt: Path, out: Path, *, dtype: torch.dtype | None = None, max_shard_bytes: int = MAX_SHARD_BYTES,
-              log: Callable[[str], None] = lambda msg: None) -> list[Path]:
-    """A command-line run's Llama — a sharded checkpoint of any layout, a run's --out or a
-    plain export — as a complete Hugging Face folder in `out` (`models.hf.write_hf`), in
-    `dtype` (default: the run's compute precision), streamed one tensor at a time from the
-    saved weights: no model is built but on the meta device. Refuses (ValueError, one line)
-    another architecture, and weights that are not that model's."""
-    from meshtrain.checkpoint.weights import describe
-    from meshtrain.models import hf
-    from meshtrain.models.presets import LlamaSpec
-
-    ckpt, out = Path(ckpt), Path(out)
-    saved = describe(ckpt)
-    if not isinstance(saved.spec, LlamaSpec):
-        raise ValueError(f"--hf writes a Llama-architecture model for transformers; {ckpt} holds "
-                         f"{saved.config.model.name}: export it without --hf")
-    shapes, read = weights_of(ckpt)
-    wanted = {hf.our_name(n): shape for n, shape in hf.hf_weights(saved.spec, saved.vocab_size).items()}
-    tied = {"lm_head.weight"} if saved.spec.tie_embeddings else set()
-    for name, shape in wanted.items():
-        if name not in shapes:
-            raise ValueError(f"--ckpt {ckpt}: no {name}, a weight of the run's model ({saved.config.model.name})")
-        if shapes[name][0] != shape:
-            raise ValueError(f"--ckpt {ckpt}: {name} is {list(shapes[name][0])}, but the run's model makes it "
-                             f"{list(shape)}")
-    extra = sorted(set(shapes) - set(wanted) - tied)
-    if extra:
-        raise ValueError(f"--ckpt {ckpt}: {extra[0]} is not a weight of the run's model ({saved.config.model.name})")
-    dtype = dtype or DTYPES.get(saved.config.layout.precision, torch.float32)
-    return hf.write_hf(out, saved.spec, saved.vocab_size, lambda name: read(hf.our_name(name), dtype), dtype,
-                       side=saved.imported, tokenizer=saved.tokenizer, max_shard_bytes=max_shard_bytes, log=log)
+def __getattr__(name: str):
+    """`export_hf`'s old import path: it lives in `hf_export.py` (it reads the run's configs
+    through `weights.py`, which reads checkpoints through this module)."""
+    if name == "export_hf":
+        from meshtrain.checkpoint.hf_export import export_hf
+        return export_hf
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

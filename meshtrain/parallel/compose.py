@@ -26,7 +26,7 @@ from meshtrain.parallel.modules import find_block_list
 from meshtrain.models.init import InitSpec, materialize, to_placeholders
 from meshtrain.optim import FULL_SHAPE, OptimizerFactory, check_optimizer, keep_grad_views, optimizer_from
 from meshtrain.parallel.data import DataParallel
-from meshtrain.parallel.dropout import DropoutKeys, FunctionalDropout, seed_dropout
+from meshtrain.parallel.dropout import DropoutKeys, FunctionalDropout, seed_dropout, split_over_cp
 from meshtrain.parallel.options import Strategies
 from meshtrain.parallel.linear_gather import LinearGather, choose_linear_syncs
 from meshtrain.parallel.pipeline.engine import PipelineRunner
@@ -240,6 +240,7 @@ def parallelize(model: nn.Module, comm: Comm, options: Strategies, *, optimizer:
     # Context parallelism: attention by the ring, positions global (before recompute, so
     # that a recomputed block runs the ring again).
     if mesh.size("cp") > 1:
+        split_over_cp(model, mesh.coord("cp"), mesh.size("cp"))
         apply_context_parallel(model, comm, options.cp_mode)
     # Zero-bubble: the stage's linear layers (as the plan made them) keep their weight
     # gradients for the weight pass.

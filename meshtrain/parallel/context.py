@@ -31,10 +31,23 @@ import torch
 import torch.nn as nn
 
 from meshtrain.comm import METRICS, Comm
-from meshtrain.parallel.head_tail import chunk_ids, sequence_positions  # noqa: F401 (part of this module's API)
 from meshtrain.parallel.tiles import MATH_TILE_BYTES, tile_rows
 
 CP = "cp"
+
+
+def chunk_ids(rank: int, cp: int) -> tuple[int, int]:
+    """The two of the 2·cp chunks of a sequence that cp rank `rank` holds (head-tail)."""
+    return rank, 2 * cp - 1 - rank
+
+
+def sequence_positions(seq_len: int, rank: int, cp: int, device=None) -> torch.Tensor:
+    """The global positions of the tokens cp rank `rank` holds, in its order."""
+    if seq_len % (2 * cp):
+        raise ValueError(f"a sequence of {seq_len} tokens does not split into 2·cp = {2 * cp} equal chunks; use a "
+                         f"multiple of {2 * cp}")
+    c = seq_len // (2 * cp)
+    return torch.cat([torch.arange(i * c, (i + 1) * c, device=device) for i in chunk_ids(rank, cp)])
 
 
 def shard_sequence(t: torch.Tensor, rank: int, cp: int) -> torch.Tensor:
@@ -313,17 +326,11 @@ def apply_context_parallel(model: nn.Module, comm: Comm, mode: str = "ring") -> 
     """Make `model` run on its cp rank's tokens: every module with an attention `core`
     attends over the whole sequence by the ring (or, `mode="ulysses"`, by all-to-all;
     `Strategies` checks the mode), every module that computes `positions`
-    gives the global ones. Refused in one line for a model with no attention core."""
-    from meshtrain.parallel.dropout import SeededDropout
-
+    gives the global ones. Refused in one line for a model with no attention core. Keyed
+    dropout learns which tokens the rank holds from `dropout.split_over_cp`, which the caller
+    runs first."""
     mesh = comm.mesh
     ring = Ring(comm)
-    for m in model.modules():  # keyed dropout (`seed_dropout`) keeps the one-process mask of the rank's tokens
-        if isinstance(m, SeededDropout):
-            m.tokens = (ring.rank, ring.cp)
-        elif isinstance(m, nn.Dropout) and m.p > 0:
-            raise ValueError("context parallelism: an nn.Dropout that is not keyed (seed_dropout) would draw "
-                             "masks per rank; meshtrain.parallelize keys every active one")
     for m in attention_cores(model):
         if mode == "ulysses":
             _check_heads(m, mesh.size(CP))  # the heads this rank holds (after tensor parallelism)

@@ -40,8 +40,8 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from meshtrain.comm import Comm
+from meshtrain.parallel.context import sequence_positions
 from meshtrain.parallel.modules import replace_submodule
-from meshtrain.parallel.head_tail import sequence_positions
 
 
 class DropoutKeys:
@@ -250,3 +250,15 @@ def seed_dropout(model: nn.Module, keys: DropoutKeys) -> None:
     for name, module in list(model.named_modules()):
         if isinstance(module, nn.Dropout) and module.p > 0:
             replace_submodule(model, name, SeededDropout(module.p, keys, name))
+
+
+def split_over_cp(model: nn.Module, rank: int, cp: int) -> None:
+    """Context parallelism: every keyed dropout (`seed_dropout`) draws the one-process mask of
+    the tokens cp rank `rank` holds; an active dropout that is not keyed is refused (it would
+    draw masks per rank)."""
+    for m in model.modules():
+        if isinstance(m, SeededDropout):
+            m.tokens = (rank, cp)
+        elif isinstance(m, nn.Dropout) and m.p > 0:
+            raise ValueError("context parallelism: an nn.Dropout that is not keyed (seed_dropout) would draw "
+                             "masks per rank; meshtrain.parallelize keys every active one")
