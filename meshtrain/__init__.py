@@ -33,10 +33,10 @@ _API = {
     "cross_entropy": "meshtrain.loss_terms",
     "verify": "meshtrain.lockstep", "VerifyReport": "meshtrain.lockstep",
     "full_shape": "meshtrain.optim",
-    "TensorPlan": "meshtrain.parallel.tensor", "COLUMN": "meshtrain.parallel.tensor",
-    "ROW": "meshtrain.parallel.tensor", "VOCAB": "meshtrain.parallel.tensor", "REGION": "meshtrain.parallel.tensor",
-    "SEQUENCE": "meshtrain.parallel.tensor", "Fused": "meshtrain.parallel.tensor", "Heads": "meshtrain.parallel.tensor",
-    "PipelinePlan": "meshtrain.parallel.pipeline.stages",
+    "TensorPlan": "meshtrain.parallel.styles", "COLUMN": "meshtrain.parallel.styles",
+    "ROW": "meshtrain.parallel.styles", "VOCAB": "meshtrain.parallel.styles", "REGION": "meshtrain.parallel.styles",
+    "SEQUENCE": "meshtrain.parallel.styles", "Fused": "meshtrain.parallel.styles", "Heads": "meshtrain.parallel.styles",
+    "PipelinePlan": "meshtrain.parallel.pipeline.plan",
     "Recipe": "meshtrain.recipe",
 }
 __all__ = sorted(_API)

@@ -192,7 +192,7 @@ def _check_command(cfg: C.Config, args) -> None:
 
 
 def _check_build_fits_the_host(cfg: C.Config, local_ranks: int) -> None:
-    """Each rank draws only its part of the model (`models.init`): 1/(tp·pp) of the
+    """Each rank draws only its part of the model (`parallel.materialize`): 1/(tp·pp) of the
     parameters, 1/(tp·pp·dp) under ZeRO-3, in fp32 at least while drawing — so the host needs
     4 bytes a parameter of each local rank's part (a lower bound: gradients and moments come
     on top). A model that cannot fit is refused here, not by the kernel's OOM killer mid-build."""

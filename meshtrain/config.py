@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 from pathlib import Path
 
-from meshtrain.models.presets import PRESETS, GPTSpec, LlamaSpec, MLPSpec, parse_widths, spec_of
+from meshtrain.recipes import PRESETS, PUBLISHED, add_preset, family_of, is_preset, is_published, parse_widths, spec_of
 from meshtrain.recipe import is_user_model
 from meshtrain.parallel.options import (CP_MODES, GRAD_DTYPES, LINEAR_SYNCS, PRECISIONS, SCHEDULES, Strategies,
                                        parse_recompute)
@@ -38,7 +38,7 @@ class ModelConfig:
     mlp_hidden: str = ""  # the MLP's hidden widths, e.g. "1024,1024"; empty: the preset's
     init_from: str | None = None  # a Hugging Face Llama folder: its architecture, weights and tokenizer
 
-    def spec(self) -> GPTSpec | LlamaSpec | MLPSpec:
+    def spec(self):
         """The preset with this configuration's changes (validated first: `validate`)."""
         return spec_of(self.name, self.mlp_hidden)
 
@@ -364,7 +364,7 @@ def adopt_imported_model(cfg: Config) -> None:
                           f"({vocab:,} tokens, its tokenizer's); drop --vocab-size")
     base = re.sub(r"[^A-Za-z0-9._-]", "_", folder.resolve().name)
     name = "hf-" + re.sub(r"^hf[-_]", "", base, flags=re.IGNORECASE)
-    PRESETS[name] = spec
+    add_preset(name, spec)
     m.name, cfg.train.vocab_size = name, vocab
 
 
@@ -428,11 +428,10 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     user_model = is_user_model(m.name)
     if user_model and m.dropout:
         raise ConfigError(f"--dropout applies to the preset models; {m.name} has its own nn.Dropout: drop the flag")
-    if not user_model and m.name not in PRESETS:
-        from meshtrain.plan.shapes import PUBLISHED  # pure data, no torch
-        if m.name in PUBLISHED:
+    if not user_model and not is_preset(m.name):
+        if is_published(m.name):
             how = ("train that architecture from a Hugging Face folder of it: --init-from DIR"
-                   if PUBLISHED[m.name].kind == "llama" else "meshtrain builds no GPT-3 of the paper's kind")
+                   if family_of(PUBLISHED[m.name][0]).hf_folders else "meshtrain builds no GPT-3 of the paper's kind")
             raise ConfigError(f"--model {m.name} is a published shape for `meshtrain plan`, not a model train "
                               f"builds; {how}")
         raise ConfigError(f"unknown model '{m.name}'; use --model {' | '.join(PRESETS)}, or pkg.module:factory "
@@ -441,17 +440,19 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         raise ConfigError(f"--dropout {m.dropout}: use a probability in [0, 1)")
     if m.attention not in ATTENTIONS:
         raise ConfigError(f"unknown attention '{m.attention}'; use --attention {' | '.join(ATTENTIONS)}")
+    family = None if user_model else family_of(PRESETS[m.name])
     if m.mlp_hidden:
-        if user_model or not isinstance(PRESETS[m.name], MLPSpec):
+        if user_model or "hidden" not in family.options:
             raise ConfigError(f"--mlp-hidden sets the widths of --model mlp, not {m.name}; drop it")
         try:
             parse_widths(m.mlp_hidden)
         except ValueError:
             raise ConfigError(f"--mlp-hidden {m.mlp_hidden}: give positive comma-separated widths, "
                               f"e.g. 1024,1024") from None
-    if m.dropout and not user_model and not isinstance(PRESETS[m.name], GPTSpec):
+    if m.dropout and not user_model and "dropout" not in family.options:
         raise ConfigError(f"--dropout applies to the GPT models, not {m.name}; drop it")
-    if m.attention != "sdpa" and not user_model and isinstance(PRESETS[m.name], LlamaSpec):
+    if m.attention != "sdpa" and not user_model and "attention" not in family.options \
+            and family.attention_heads(PRESETS[m.name]):
         raise ConfigError(f"--attention {m.attention}: {m.name} computes attention with sdpa only; drop the flag")
     if lay.schedule not in SCHEDULES:
         raise ConfigError(f"unknown schedule '{lay.schedule}'; use --schedule {' | '.join(SCHEDULES)}")
@@ -460,9 +461,9 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     except ValueError:
         raise ConfigError(f"unknown recompute policy '{lay.recompute}'; use --recompute {' | '.join(RECOMPUTE)} "
                           f"(K a positive integer)") from None
-    if mode == "selective" and m.name == "mlp":
-        raise ConfigError("--recompute selective recomputes the attention core; mlp has no attention: use "
-                          "--recompute full or segments")
+    if mode == "selective" and not user_model and not family.attention_heads(PRESETS[m.name]):
+        raise ConfigError(f"--recompute selective recomputes the attention core; {m.name} has no attention: use "
+                          f"--recompute full or segments")
     if lay.precision not in PRECISIONS:
         raise ConfigError(f"unknown precision '{lay.precision}'; use --precision {' | '.join(PRECISIONS)}")
     if lay.zero not in (0, 1, 2, 3):
@@ -495,9 +496,10 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     spec = m.spec()
     _validate_tensor_parallel(cfg, spec)
     _validate_pipeline(cfg, spec)
-    if isinstance(spec, (GPTSpec, LlamaSpec)):
-        if isinstance(spec, GPTSpec) and tr.seq_len > spec.max_seq_len:  # RoPE (Llama) has no position table
-            raise ConfigError(f"--seq-len {tr.seq_len} exceeds the {spec.max_seq_len} positions of {m.name}")
+    if family.inputs == "tokens":
+        positions = family.max_positions(spec)  # a learned table (GPT); RoPE (Llama) has none
+        if positions is not None and tr.seq_len > positions:
+            raise ConfigError(f"--seq-len {tr.seq_len} exceeds the {positions} positions of {m.name}")
         if m.init_from and tr.seq_len > spec.max_seq_len:  # the length it was made for, its rope scaling included
             scaled = f", its {spec.rope_scaling.kind} rope scaling included" if spec.rope_scaling else ""
             raise ConfigError(f"--seq-len {tr.seq_len} exceeds the {spec.max_seq_len} positions of --init-from "
@@ -537,12 +539,11 @@ def _validate_context(cfg: Config, user_model: bool) -> None:
     m, lay, tr = cfg.model, cfg.layout, cfg.train
     if lay.cp_mode not in CP_MODES:
         raise ConfigError(f"unknown --cp-mode '{lay.cp_mode}'; use --cp-mode {' | '.join(CP_MODES)}")
-    if user_model or isinstance(PRESETS[m.name], MLPSpec):
+    heads = [] if user_model else family_of(PRESETS[m.name]).attention_heads(PRESETS[m.name])
+    if not heads:
         raise ConfigError(f"--cp {lay.cp}: context parallelism splits sequences for attention; {m.name} has none "
                           f"(meshtrain's GPT and Llama presets do): drop --cp")
-    spec = PRESETS[m.name]
     if lay.cp_mode == "ulysses":  # whole heads per rank, of those tp leaves it
-        heads = [("heads", spec.n_heads)] + ([("kv heads", spec.kv_heads)] if isinstance(spec, LlamaSpec) else [])
         for what, n in heads:
             if (n // lay.tp) % lay.cp:
                 per_rank = f" ({n // lay.tp} per tp rank)" if lay.tp > 1 else ""
@@ -561,10 +562,10 @@ def _validate_context(cfg: Config, user_model: bool) -> None:
 
 
 def _validate_data(cfg: Config) -> None:
-    data, is_mlp = cfg.train.data, cfg.model.name == "mlp"
-    if is_mlp and data != "digits":
-        raise ConfigError(f"--model mlp trains on images, not '{data}'; use --data digits")
-    if data == "digits" and not is_mlp:
+    data, images = cfg.train.data, family_of(cfg.model.spec()).inputs == "features"
+    if images and data != "digits":
+        raise ConfigError(f"--model {cfg.model.name} trains on images, not '{data}'; use --data digits")
+    if data == "digits" and not images:
         raise ConfigError("--data digits is for --model mlp; use --model mlp or text data")
     if cfg.train.pad_documents and data == "digits":
         raise ConfigError("--pad-documents cuts text documents into rows; --data digits has none: drop the flag")
@@ -578,22 +579,16 @@ def _divisors(n: int) -> str:
 
 def _validate_tensor_parallel(cfg: Config, spec) -> None:
     """Every dimension tensor parallelism splits must divide by tp; SP also splits the sequence."""
-    lay, tr, name = cfg.layout, cfg.train, cfg.model.name
-    if isinstance(spec, GPTSpec):
-        splits = [(spec.n_heads, "heads"), (spec.d_model, "hidden size"), (4 * spec.d_model, "MLP width"),
-                  (tr.vocab_size, "vocabulary (--vocab-size)")]
-    elif isinstance(spec, LlamaSpec):  # whole key/value heads per rank, so every query head finds its group's
-        splits = [(spec.n_heads, "query heads"), (spec.kv_heads, "key/value heads"), (spec.ffn_dim, "MLP width"),
-                  (tr.vocab_size, "vocabulary (--vocab-size)")]
-    else:
-        splits = [(width, "hidden width") for width in spec.hidden]
-    for size, what in splits:
+    lay, tr, name, family = cfg.layout, cfg.train, cfg.model.name, family_of(spec)
+    if lay.tp > 1 and family.tp_plan(spec) is None:
+        raise ConfigError(f"--tp {lay.tp}: {name} has no tensor-parallel plan; use --tp 1")
+    for size, what in family.tp_splits(spec, tr.vocab_size):
         if size % lay.tp:
             raise ConfigError(f"--tp {lay.tp} does not divide the {size} {what} of {name}; use --tp {_divisors(size)}")
     if lay.sp:
         if lay.tp == 1:
             raise ConfigError("--sp shards the sequence inside the tensor-parallel group; use --tp 2 or more with --sp")
-        if not isinstance(spec, (GPTSpec, LlamaSpec)):
+        if family.inputs != "tokens":
             raise ConfigError(f"--sp needs a model with a sequence; {name} has none: drop --sp")
         if tr.seq_len % lay.tp:
             raise ConfigError(f"--sp splits the sequence over tp: --seq-len {tr.seq_len} is not divisible by "
@@ -602,10 +597,13 @@ def _validate_tensor_parallel(cfg: Config, spec) -> None:
 
 def _validate_pipeline(cfg: Config, spec) -> None:
     """Blocks are split over pp·chunks virtual stages as evenly as possible; each needs one."""
-    lay, name = cfg.layout, cfg.model.name
-    blocks = spec.n_layers if isinstance(spec, (GPTSpec, LlamaSpec)) else len(spec.hidden)
-    if isinstance(spec, LlamaSpec) and spec.tie_embeddings and lay.pp > 1:
-        raise ConfigError(f"{name} ties its head to its embedding, which pp would put on two stages; use --pp 1")
+    lay, name, family = cfg.layout, cfg.model.name, family_of(spec)
+    if lay.pp > 1 and family.pipeline_plan(spec) is None:
+        raise ConfigError(f"--pp {lay.pp}: {name} has no pipeline plan; use --pp 1")
+    blocks = family.blocks(spec)
+    problem = family.pipeline_problem(spec) if lay.pp > 1 else None
+    if problem:
+        raise ConfigError(f"{name} {problem}")
     if blocks < lay.pp * lay.chunks:
         raise ConfigError(f"{name} has {blocks} blocks, fewer than pp×chunks = {lay.pp}×{lay.chunks}; "
                           f"use fewer stages or chunks")
@@ -717,7 +715,9 @@ def resumed_config(cfg: Config, world_size: int | None = None) -> Config | None:
 
 def tokens_per_sample(cfg: Config) -> int:
     """Loss terms per sample: one per token for text, one per image (the MLP, or digits)."""
-    return 1 if cfg.model.name == "mlp" or cfg.train.data == "digits" else cfg.train.seq_len
+    name = cfg.model.name
+    images = cfg.train.data == "digits" or (is_preset(name) and family_of(PRESETS[name]).inputs == "features")
+    return 1 if images else cfg.train.seq_len
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:

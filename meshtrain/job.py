@@ -23,7 +23,7 @@ import torch.nn as nn
 from meshtrain.comm import METRICS
 from meshtrain.loss import IGNORE_INDEX
 from meshtrain.loss_terms import LossTerms, accepts_loss_kwargs, cross_entropy, labels_for_count
-from meshtrain.models.init import stable_seed
+from meshtrain.parallel.materialize import stable_seed
 from meshtrain.mesh import Mesh
 from meshtrain.optim import OptimizerFactory, clip_grad_norm_
 from meshtrain.parallel.compose import Parallelized, parallelize as apply_strategies, set_micro_shape

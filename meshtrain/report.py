@@ -19,7 +19,7 @@ from meshtrain.config import Config, tokens_per_sample
 from meshtrain.recipe import is_user_model
 from meshtrain.generate import sample
 from meshtrain.metrics import peak_device_mib, peak_rss_mib, plot_losses, read_log
-from meshtrain.models import build_model
+from meshtrain.recipes.build import build_model
 from meshtrain.models.presets import GPTSpec, LlamaSpec
 from meshtrain.plan.cost import gpt_flops_per_step, llama_flops_per_step, mlp_flops_per_step, peak_flops
 from meshtrain.train import RunResult
@@ -73,7 +73,7 @@ def summary_json(cfg: Config, result: RunResult, per_rank: list[dict], device: t
         # what one block's forward leaves alive (block 0, first micro-batch): the formulas' per-layer figure
         "activation_bytes_per_layer_per_rank": [r["activation_bytes_per_layer"] for r in per_rank],
         "peak_rss_mib_per_rank": [r["peak_rss_mib"] for r in per_rank],
-        # every byte a rank allocated while it built its part of the model (models.init: no
+        # every byte a rank allocated while it built its part of the model (parallel.materialize: no
         # rank builds the whole model)
         "build_peak_bytes_per_rank": [r["build_peak_bytes"] for r in per_rank],
         **({"peak_device_mib_per_rank": [r["peak_device_mib"] for r in per_rank]}

@@ -28,18 +28,16 @@ from meshtrain.config import (Config, LayoutConfig, TrainConfig, imported_tokeni
 from meshtrain.data.datasets import open_dataset
 from meshtrain.data.tokenizer import TOKENIZER_FILE
 from meshtrain.metrics import ActivationMeter, BuildMeter, LayerProbe, StepLog
-from meshtrain.models import build_model
-from meshtrain.models.init import init_spec
 from meshtrain.optim import adamw, set_lr
 from meshtrain.job import Job, StepOutput, cross_entropy, parallelize
 from meshtrain.loss_terms import LossTerms
 from meshtrain.loss import IGNORE_INDEX, cross_entropy_sum
 from meshtrain.parallel.compose import Parallelized
 from meshtrain.parallel.compose import parallelize as apply_strategies
-from meshtrain.parallel.pipeline import stages
+from meshtrain.parallel.materialize import ModelRules
 from meshtrain.parallel.pipeline import trace as pipeline_trace
-from meshtrain.parallel.tensor import plan_for
-from meshtrain.recipe import RecipeData, is_user_model, load_recipe
+from meshtrain.recipe import Recipe, RecipeData, is_user_model, load_recipe
+from meshtrain.recipes.build import build_model, preset_recipe
 
 
 @dataclass
@@ -121,22 +119,32 @@ def _dataset(cfg: Config):
                         pad_documents=tr.pad_documents)
 
 
-def initial_weights(cfg: Config, model):
-    """What each rank draws its part of the weights from: the seed's rules, or --init-from's files."""
+def _data_facts(data) -> dict:
+    """What a preset's structure takes from its data: the vocabulary, or the inputs and classes."""
+    return {k: getattr(data, k) for k in ("vocab_size", "n_inputs", "n_classes") if hasattr(data, k)}
+
+
+def recipe_for(cfg: Config, data) -> Recipe:
+    """The configured preset as a recipe for `data` (its vocabulary, or its inputs and classes)."""
+    m = cfg.model
+    return preset_recipe(m.name, dropout=m.dropout, attention=m.attention, mlp_hidden=m.mlp_hidden,
+                         **_data_facts(data))
+
+
+def initial_weights(cfg: Config, model, recipe: Recipe):
+    """What each rank draws its part of the weights from: the recipe's (the seed's rules), or
+    --init-from's files."""
     if cfg.model.init_from:
         from meshtrain.models.hf import HFWeights
         return HFWeights(cfg.model.init_from, model)
-    return init_spec(model, cfg.train.seed)
+    return recipe.init.spec(model, cfg.train.seed) if isinstance(recipe.init, ModelRules) else recipe.init
 
 
 def model_for(cfg: Config, data, device):
     """The configured model for `data`: with its initial weights, or on `meta` its structure."""
-    tr = cfg.train
-    if cfg.model.name == "mlp":
-        return build_model("mlp", tr.seed, n_inputs=data.n_inputs, n_classes=data.n_classes,
-                           mlp_hidden=cfg.model.mlp_hidden, device=device)
-    return build_model(cfg.model.name, tr.seed, vocab_size=data.vocab_size, dropout=cfg.model.dropout,
-                       attention=cfg.model.attention, device=device)
+    m = cfg.model
+    return build_model(m.name, cfg.train.seed, dropout=m.dropout, attention=m.attention, mlp_hidden=m.mlp_hidden,
+                       device=device, **_data_facts(data))
 
 
 def exact_fp32_on_cuda() -> None:
@@ -159,35 +167,36 @@ def setup(cfg: Config, comm: Comm, **sync_options) -> tuple[object, Job]:
     tr = cfg.train
     comm.mesh.attach(comm, seed=tr.seed)
     if is_user_model(cfg.model.name):
-        return _setup_recipe(cfg, comm, sync_options)
-    data = _dataset(cfg)
-    # No rank builds the whole model: the structure on `meta`, cut and sharded by the
-    # strategies, then each rank draws only its part (`models.init`), under a meter of every
-    # byte it allocates meanwhile.
+        recipe = load_recipe(cfg.model.name)
+        data = RecipeData(recipe.batch) if recipe.batch is not None else _dataset(cfg)
+    else:
+        data = _dataset(cfg)
+        recipe = recipe_for(cfg, data)
     with BuildMeter() as meter:
-        model = model_for(cfg, data, "meta")
-        job = parallelize(model, comm.mesh, optimizer=adamw(tr.lr, tr.weight_decay), loss_fn=cross_entropy_sum,
-                          loss_reduction="sum", normalizer=loss_terms_per_step(cfg), init=initial_weights(cfg, model),
-                          tp_plan=plan_for(cfg.model.name) if cfg.layout.tp > 1 else None,
-                          pipeline=stages.plan_for(cfg.model.spec()), **_layout_arguments(cfg, sync_options))
+        model, init = _model_and_init(cfg, recipe)
+        loss_fn = cross_entropy if recipe.loss_fn == "cross_entropy" else recipe.loss_fn
+        normalizer = loss_terms_per_step(cfg) if recipe.loss_reduction == "sum" else None
+        job = parallelize(model, comm.mesh, optimizer=recipe.optimizer or adamw(tr.lr, tr.weight_decay),
+                          loss_fn=loss_fn, loss_reduction=recipe.loss_reduction, normalizer=normalizer, init=init,
+                          tp_plan=recipe.tp_plan if cfg.layout.tp > 1 else None, pipeline=recipe.pipeline,
+                          wrap=recipe.wrap, lr_scheduler=recipe.lr_scheduler, **_layout_arguments(cfg, sync_options))
     job.parallel.build_peak_bytes = meter.peak
     return data, job
 
 
-def _setup_recipe(cfg: Config, comm: Comm, sync_options: dict) -> tuple[object, Job]:
-    """A user's model (`--model pkg.module:factory`): built whole on every rank from the seed."""
+def _model_and_init(cfg: Config, recipe: Recipe):
+    """The recipe's model and what its weights are drawn from. With `init` (every preset) no
+    rank builds the whole model: the structure on `meta`, cut and sharded by the strategies,
+    then each rank draws only its part (`parallel.materialize`). Without, it is built whole on
+    every rank after `torch.manual_seed(--seed)`."""
     import torch
 
-    recipe, tr = load_recipe(cfg.model.name), cfg.train
-    data = RecipeData(recipe.batch) if recipe.batch is not None else _dataset(cfg)
-    with BuildMeter() as meter:
-        torch.manual_seed(tr.seed)
-        job = parallelize(recipe.make_model(), comm.mesh, optimizer=recipe.optimizer or adamw(tr.lr, tr.weight_decay),
-                          loss_fn=cross_entropy if recipe.loss_fn == "cross_entropy" else recipe.loss_fn, tp_plan=recipe.tp_plan if cfg.layout.tp > 1 else None,
-                          pipeline=recipe.pipeline, wrap=recipe.wrap, lr_scheduler=recipe.lr_scheduler,
-                          **_layout_arguments(cfg, sync_options))
-    job.parallel.build_peak_bytes = meter.peak
-    return data, job
+    if recipe.init is None:
+        torch.manual_seed(cfg.train.seed)
+        return recipe.make_model(), None
+    with torch.device("meta"):
+        model = recipe.make_model()
+    return model, initial_weights(cfg, model, recipe)
 
 
 def _layout_arguments(cfg: Config, sync_options: dict) -> dict:

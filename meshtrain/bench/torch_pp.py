@@ -21,7 +21,8 @@ from meshtrain.config import Config
 from meshtrain.loss import cross_entropy_sum
 from meshtrain.optim import adamw
 from meshtrain.parallel.compose import GradSyncs, Parallelized
-from meshtrain.parallel.pipeline.stages import Stage, plan_for
+from meshtrain.parallel.pipeline.stages import Stage
+from meshtrain.recipes import pipeline_plan_of
 from meshtrain.train import build
 
 SINGLE = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
@@ -69,7 +70,7 @@ def torch_pp_setup(cfg: Config, comm: Comm) -> Parallelized:
     mesh, lay = comm.mesh, cfg.layout
     _, model = build(cfg, mesh.device)
     n_params = sum(q.numel() for q in model.parameters())
-    stage = Stage(model, plan_for(cfg.model.spec()), mesh.coord("pp"), lay.pp, lay.chunks,
+    stage = Stage(model, pipeline_plan_of(cfg.model.spec()), mesh.coord("pp"), lay.pp, lay.chunks,
                   lay.stage_layer_counts())
     torch_stages = [PipelineStage(_VirtualStage(stage, c), stage.virtual(c), lay.pp * lay.chunks, mesh.device,
                                   group=mesh.group("pp")) for c in range(lay.chunks)]

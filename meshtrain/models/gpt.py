@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from meshtrain.models.presets import GPTSpec
+from meshtrain.models.specs import GPTSpec
 
 
 class Embedding(nn.Module):
@@ -99,7 +99,7 @@ class GPT(nn.Module):
         self.norm = nn.LayerNorm(spec.d_model)
         self.head = nn.Linear(spec.d_model, vocab_size, bias=False)
         # Its initial weights (GPT-2's) are drawn per parameter name by `build_model`:
-        # models/init.py, `gpt_rules`.
+        # meshtrain/recipes/gpt.py, `init_rules`.
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         x = self.embed(idx)

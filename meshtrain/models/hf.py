@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from meshtrain.models.presets import LlamaSpec, RopeScaling
+from meshtrain.models.specs import LlamaSpec, RopeScaling
 
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"

@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from meshtrain.models.presets import LlamaSpec, RopeScaling
+from meshtrain.models.specs import LlamaSpec, RopeScaling
 
 
 class RMSNorm(nn.Module):

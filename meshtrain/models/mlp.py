@@ -3,7 +3,7 @@
 import torch
 import torch.nn as nn
 
-from meshtrain.models.presets import MLPSpec
+from meshtrain.models.specs import MLPSpec
 
 
 class MLP(nn.Module):

@@ -23,7 +23,7 @@ import torch.nn as nn
 from meshtrain.comm import METRICS, Comm
 from meshtrain.loss import cross_entropy_sum
 from meshtrain.parallel.modules import find_block_list
-from meshtrain.models.init import InitSpec, materialize, to_placeholders
+from meshtrain.parallel.materialize import InitSpec, materialize, to_placeholders
 from meshtrain.optim import FULL_SHAPE, OptimizerFactory, check_optimizer, keep_grad_views, optimizer_from
 from meshtrain.parallel.data import DataParallel
 from meshtrain.parallel.dropout import DropoutKeys, FunctionalDropout, seed_dropout, split_over_cp

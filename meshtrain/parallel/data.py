@@ -55,7 +55,7 @@ class DataParallel:
                  elsewhere: list[nn.Parameter] = (), init_fingerprint: int | None = None):
         """`elsewhere`: parameters another synchroniser makes whole (the linear layers on the
         all-gather path); they get no bucket, but are checked to agree like the rest.
-        `init_fingerprint`: the weights were drawn from an init spec (`models.init`), and
+        `init_fingerprint`: the weights were drawn from an init spec (`parallel.materialize`), and
         replicas agree when their specs do."""
         self.comm, self.axis, self.on_launch = comm, axis, on_launch
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]

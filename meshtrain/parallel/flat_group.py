@@ -1,6 +1,6 @@
 """ZeRO's flat groups: parameters flattened into one zero-padded buffer of N·S elements, of
 which dp rank r owns [r·S, (r+1)·S) — its shard — and where each parameter's piece of it
-sits. Built from the parameters, or (placeholders, `models.init`) drawn one parameter at a
+sits. Built from the parameters, or (placeholders, `parallel.materialize`) drawn one parameter at a
 time, so that a rank never holds more than its part plus one parameter."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from meshtrain.comm import Comm
 from meshtrain.metrics import note_buffer
-from meshtrain.models.init import is_placeholder
+from meshtrain.parallel.materialize import is_placeholder
 from meshtrain.parallel.state import Where, shard_index
 
 
@@ -29,7 +29,7 @@ class FlatGroup:
 
     def __init__(self, index: int, label: str, named: list[tuple[str, nn.Parameter]], comm: Comm, axis: str,
                  keep_full: bool, draw: Callable[[str, nn.Parameter], torch.Tensor] | None = None):
-        """`draw(name, p)`: this rank's values of a placeholder parameter (`models.init`),
+        """`draw(name, p)`: this rank's values of a placeholder parameter (`parallel.materialize`),
         drawn as the group is built, so no rank holds more than its part plus one parameter."""
         self.index, self.label = index, label
         self.names, self.params = [n for n, _ in named], [p for _, p in named]

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import inspect
 from contextlib import nullcontext
-from dataclasses import dataclass, field
 from fnmatch import fnmatch
 
 import torch
@@ -42,96 +41,15 @@ import torch.nn.functional as F
 
 from meshtrain.comm import Comm
 from meshtrain.parallel.modules import replace_submodule
-from meshtrain.models.init import is_placeholder, placeholder
+from meshtrain.parallel.materialize import is_placeholder, placeholder
 from meshtrain.parallel.dropout import SeededDropout
 from meshtrain.parallel.recompute import is_recomputed
 from meshtrain.parallel.state import SHARD, set_shard, shard_positions
+from meshtrain.parallel.styles import (COLUMN, HEAD_SHARDED, REGION, ROW, SEQUENCE, SEQUENCE_SHARDED,  # noqa: F401
+                                       VOCAB, Fused, Heads, TensorPlan)
 
-COLUMN, ROW, VOCAB, REGION, SEQUENCE = "column", "row", "vocab", "region", "sequence"
-SEQUENCE_SHARDED, HEAD_SHARDED = "sequence-sharded", "head-sharded"
 TP = "tp"
 SEQ_DIM = 1  # activations are [batch, sequence, features]
-
-
-@dataclass(frozen=True)
-class Fused:
-    """The style of a fused linear: its output is the concatenation of `sections` (widths),
-    each split over tp in multiples of `unit`."""
-    sections: tuple[int, ...]
-    unit: int = 1
-
-
-class Heads:
-    """The style that divides a module's head-count attributes by tp."""
-
-    def __init__(self, *attrs: str):
-        self.attrs = attrs
-
-    def __repr__(self) -> str:
-        return f"Heads{self.attrs!r}"
-
-
-@dataclass(frozen=True)
-class TensorPlan:
-    """Module-name patterns (fnmatch, '*' for a block index) to a style or a tuple of styles;
-    `vocab_parallel_loss`: the output is sharded over the vocabulary, so the loss is the
-    vocabulary-parallel cross-entropy."""
-    styles: dict[str, object] = field(default_factory=dict)
-    vocab_parallel_loss: bool = False
-
-    def styles_of(self, name: str) -> tuple:
-        found = []
-        for pattern, styles in self.styles.items():
-            if fnmatch(name, pattern):
-                found += list(styles) if isinstance(styles, tuple) else [styles]
-        return tuple(found)
-
-
-# meshtrain's GPT: attention split by heads (q, k, v by columns, proj by rows), the MLP's fc
-# by columns and proj by rows, the token embedding and the head by vocabulary.
-GPT_PLAN = TensorPlan({
-    "embed.tok": VOCAB,
-    "embed.pos": SEQUENCE,
-    "blocks.*.attn": (REGION, Heads("n_heads")),  # n_heads per rank (what all-to-all attention splits)
-    "blocks.*.attn.[qkv]": COLUMN,
-    "blocks.*.attn.proj": ROW,
-    "blocks.*.attn.attn_drop": HEAD_SHARDED,
-    "blocks.*.mlp": REGION,
-    "blocks.*.mlp.fc": COLUMN,
-    "blocks.*.mlp.proj": ROW,
-    "embed.drop": SEQUENCE_SHARDED, "blocks.*.attn.drop": SEQUENCE_SHARDED, "blocks.*.mlp.drop": SEQUENCE_SHARDED,
-    "head": (REGION, COLUMN),
-}, vocab_parallel_loss=True)
-
-# meshtrain's Llama: q, k and v by columns (whole key/value heads per rank, so each rank's
-# query heads find their group's keys: n_kv_heads divisible by tp), o by rows; gate and up by
-# columns, down by rows; the embedding and the head by vocabulary. Under SP the attention
-# region gathers the whole sequence, so rotary positions are the global ones.
-LLAMA_PLAN = TensorPlan({
-    "embed_tokens": VOCAB,
-    "layers.*.self_attn": (REGION, Heads("n_heads", "n_kv_heads")),
-    "layers.*.self_attn.[qkv]_proj": COLUMN,
-    "layers.*.self_attn.o_proj": ROW,
-    "layers.*.mlp": REGION,
-    "layers.*.mlp.gate_proj": COLUMN,
-    "layers.*.mlp.up_proj": COLUMN,
-    "layers.*.mlp.down_proj": ROW,
-    "lm_head": (REGION, COLUMN),
-}, vocab_parallel_loss=True)
-
-# A plan for a model that is not a transformer: the MLP preset (blocks of Linear+ReLU, then
-# a head), written as a user would for their own module names. Linears alternate column and
-# row, so the ReLU between them runs on sharded features and one all-reduce ends each pair.
-MLP_PLAN = TensorPlan({
-    "blocks.0": REGION, "blocks.0.0": COLUMN, "blocks.1.0": ROW,
-    "blocks.2": REGION, "blocks.2.0": COLUMN, "head": ROW,
-})
-
-
-def plan_for(model_name: str) -> TensorPlan:
-    """The plan of a preset: meshtrain's own models are reached only through their plans."""
-    from meshtrain.models.presets import spec_of
-    return {"mlp": MLP_PLAN, "llama": LLAMA_PLAN}.get(spec_of(model_name).kind, GPT_PLAN)
 
 
 # ---- the conjugate operators ---------------------------------------------------------------
@@ -225,7 +143,7 @@ def _chunk(full: torch.Tensor, dim: int, comm: Comm) -> torch.Tensor:
 
 def _own_copy(t: torch.Tensor) -> torch.Tensor:
     """A copy for a new parameter; a placeholder's copy is a placeholder (its values are drawn
-    later, for this piece only: see models/init.py)."""
+    later, for this piece only: see parallel/materialize.py)."""
     return placeholder(t.shape, t.dtype, t.device) if is_placeholder(t) else t.clone()
 
 
@@ -513,3 +431,16 @@ class TensorParallelSync:
 
     def reset(self) -> None:
         pass
+
+
+def __getattr__(name: str):
+    """Old import paths: the built-in models' plans live in their recipes (`meshtrain.recipes`)."""
+    old = {"GPT_PLAN": ("gpt", "TP_PLAN"), "LLAMA_PLAN": ("llama", "TP_PLAN"), "MLP_PLAN": ("mlp", "TP_PLAN")}
+    if name in old:
+        import importlib
+        family, attr = old[name]
+        return getattr(importlib.import_module(f"meshtrain.recipes.{family}"), attr)
+    if name == "plan_for":
+        from meshtrain.recipes import tp_plan_of
+        return tp_plan_of
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

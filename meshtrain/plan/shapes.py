@@ -12,8 +12,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from meshtrain.models.presets import PRESETS, GPTSpec, LlamaSpec
-
 
 @dataclass(frozen=True)
 class Shape:
@@ -74,29 +72,10 @@ def megatron_params(layers: int, hidden: int, vocab: int, seq_len: int) -> float
     return 12 * l * h * h * (1 + 13 / (12 * h) + (vocab + seq_len) / (12 * l * h))
 
 
-# The published architectures (config files of the released checkpoints; GPT-3 from Brown
-# et al. 2020 with Megatron's vocabulary of 51,200).
-PUBLISHED: dict[str, Shape] = {
-    "gpt3-175b": Shape(layers=96, hidden=12288, heads=96, vocab=51200, seq_len=2048),
-    "llama2-7b": Shape(32, 4096, 32, 32000, 4096, "llama", kv_heads=32, ffn=11008),
-    "llama2-13b": Shape(40, 5120, 40, 32000, 4096, "llama", kv_heads=40, ffn=13824),
-    "llama2-70b": Shape(80, 8192, 64, 32000, 4096, "llama", kv_heads=8, ffn=28672),
-    "llama3-8b": Shape(32, 4096, 32, 128256, 8192, "llama", kv_heads=8, ffn=14336),
-    "llama3-70b": Shape(80, 8192, 64, 128256, 8192, "llama", kv_heads=8, ffn=28672),
-    "llama3-405b": Shape(126, 16384, 128, 128256, 8192, "llama", kv_heads=8, ffn=53248),
-}
-
-
-def shape_of(name: str, vocab_size: int = 2048) -> Shape:
-    """A published architecture, or one of meshtrain's GPT presets at `vocab_size` tokens."""
-    if name in PUBLISHED:
-        return PUBLISHED[name]
-    spec = PRESETS.get(name)
-    if isinstance(spec, LlamaSpec):
-        head_dim = spec.head_size if spec.head_size * spec.n_heads != spec.d_model else None
-        return Shape(spec.n_layers, spec.d_model, spec.n_heads, vocab_size, spec.max_seq_len, "llama",
-                     kv_heads=spec.kv_heads, ffn=spec.ffn_dim, head_dim=head_dim)
-    if not isinstance(spec, GPTSpec):
-        known = [n for n, s in PRESETS.items() if isinstance(s, (GPTSpec, LlamaSpec))] + list(PUBLISHED)
-        raise ValueError(f"unknown model '{name}' for the planner; use one of {', '.join(known)}")
-    return Shape(spec.n_layers, spec.d_model, spec.n_heads, vocab_size, spec.max_seq_len)
+def __getattr__(name: str):
+    """Old import paths: the published shapes and the presets' shapes are the model families'
+    recipes' (`meshtrain.recipes`): one registry of model shapes."""
+    if name in ("PUBLISHED", "shape_of"):
+        import meshtrain.recipes as recipes
+        return recipes.published_shapes() if name == "PUBLISHED" else recipes.shape_of
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -10,68 +10,11 @@ original indices), so verify and checkpoints match by name."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable
-
 import torch
 import torch.nn as nn
 
+from meshtrain.parallel.pipeline.plan import PipelinePlan
 from meshtrain.parallel.pipeline.schedules import split_layers
-
-
-@dataclass(frozen=True)
-class PipelinePlan:
-    """How to cut a model into stages: the modules `before` the blocks (run by the first
-    stage, in order), the name of the block list (an nn.ModuleList or nn.Sequential whose
-    children each take and return one tensor), the modules `after` (the last stage's), and
-    `activation_shape(rows, seq)`: the shape of what one block hands the next for a
-    micro-batch of `rows` samples of `seq` positions (`seq` is 1 for inputs without one)."""
-    before: tuple[str, ...]
-    blocks: str
-    after: tuple[str, ...]
-    activation_shape: Callable[[int, int], tuple[int, ...]]
-
-    def check(self, model: nn.Module, virtual_stages: int) -> None:
-        """One line if the plan does not fit `model` cut into `virtual_stages`: a name that is
-        no module, a block list that is no list or has too few blocks, or parameters that no
-        part covers (the stages must hold the whole model)."""
-        modules = dict(model.named_modules())
-        for name in (*self.before, self.blocks, *self.after):
-            if name not in modules:
-                raise ValueError(f"pipeline: {name!r} names no module of the model")
-        blocks = modules[self.blocks]
-        if not isinstance(blocks, (nn.ModuleList, nn.Sequential)):
-            raise ValueError(f"pipeline: blocks={self.blocks!r} is a {type(blocks).__name__}, not an nn.ModuleList "
-                             f"or nn.Sequential")
-        if len(blocks) < virtual_stages:
-            raise ValueError(f"pipeline: {len(blocks)} blocks cannot fill {virtual_stages} stages (pp·chunks); use "
-                             f"fewer stages or chunks")
-        covered = {id(p) for name in (*self.before, self.blocks, *self.after) for p in modules[name].parameters()}
-        missed = [n for n, p in model.named_parameters() if id(p) not in covered]
-        if missed:
-            raise ValueError(f"pipeline: the stages do not cover the model: {missed[0]} is in none of before, blocks "
-                             f"and after ({len(missed)} parameters missed)")
-
-
-def gpt_plan(d_model: int) -> PipelinePlan:
-    return PipelinePlan(("embed",), "blocks", ("norm", "head"), lambda b, s: (b, s, d_model))
-
-
-def mlp_plan(width: int) -> PipelinePlan:
-    return PipelinePlan((), "blocks", ("head",), lambda b, s: (b, width))
-
-
-def llama_plan(d_model: int) -> PipelinePlan:
-    """The Llama: the token embedding on the first stage, the final norm and head on the last."""
-    return PipelinePlan(("embed_tokens",), "layers", ("norm", "lm_head"), lambda b, s: (b, s, d_model))
-
-
-def plan_for(spec) -> PipelinePlan:
-    """How a preset (its spec) is cut: meshtrain's own models are reached only through their plans."""
-    from meshtrain.models.presets import GPTSpec, LlamaSpec
-    if isinstance(spec, GPTSpec):
-        return gpt_plan(spec.d_model)
-    return llama_plan(spec.d_model) if isinstance(spec, LlamaSpec) else mlp_plan(spec.hidden[-1])
 
 
 def refuse_tied_across_stages(model: nn.Module, plan: PipelinePlan) -> None:
@@ -138,3 +81,14 @@ class Stage:
 def _drop(model: nn.Module, name: str) -> None:
     parent, _, child = name.rpartition(".")
     delattr(model.get_submodule(parent) if parent else model, child)
+
+
+def __getattr__(name: str):
+    """Old import paths: the built-in models' pipeline plans live in their recipes (`meshtrain.recipes`)."""
+    if name in ("gpt_plan", "llama_plan", "mlp_plan"):
+        import importlib
+        return getattr(importlib.import_module(f"meshtrain.recipes.{name[:-5]}"), "pipeline_plan")
+    if name == "plan_for":
+        from meshtrain.recipes import pipeline_plan_of
+        return pipeline_plan_of
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,76 @@
+"""What the rest of meshtrain needs to know about a model family, in one place: its specs and
+presets, how to build it, its initial weights, its tensor-parallel and pipeline plans, the
+sizes a layout must divide and the shape the planner reads.
+
+A family is a subclass of `Family` whose methods answer for one spec; the strategies never
+see it (they take the plans and the initial weights as arguments), and the command line
+validates a layout through it. Nothing here imports torch: the command line checks flags and
+plans before torch loads, so a family imports its model class inside `build` and `owns`."""
+
+from __future__ import annotations
+
+
+class Family:
+    """A model family. `presets`: named specs (instances of `spec_type`) that train builds;
+    `published`: released architectures, name -> (spec, vocabulary), which the planner plans
+    (and train reaches through `--init-from` a folder of their weights); `inputs`: "tokens"
+    (sequences of ids) or "features" ([rows, n_inputs] floats, one class each); `options`:
+    the model flags it takes ("dropout", "attention", "hidden")."""
+    name: str = ""
+    spec_type: type = object
+    presets: dict = {}
+    published: dict = {}
+    inputs: str = "tokens"
+    options: tuple[str, ...] = ()
+    hf_folders: bool = False  # Hugging Face folders of it are read (`--init-from`) and written (`export --hf`)
+
+    def build(self, spec, *, vocab_size: int = 256, n_inputs: int = 64, n_classes: int = 10):
+        """The model's structure (an nn.Module) under the current default device (`meta` when
+        training: each rank then draws only its part)."""
+        raise NotImplementedError
+
+    def owns(self, model) -> bool:
+        """Whether `model` is one of this family's (for `init_rules` on a built model)."""
+        return False
+
+    def init_rules(self, model) -> dict:
+        """Each parameter's initialisation rule, read off the built structure:
+        {name: ("normal", std) | ("uniform", bound) | ("ones",) | ("zeros",)}."""
+        raise NotImplementedError
+
+    def tp_plan(self, spec):
+        """The tensor-parallel plan (`meshtrain.TensorPlan`), or None: tp refused."""
+        return None
+
+    def pipeline_plan(self, spec):
+        """How the model is cut into stages (`meshtrain.PipelinePlan`), or None: pp refused."""
+        return None
+
+    def blocks(self, spec) -> int:
+        """The number of blocks the pipeline cuts."""
+        raise NotImplementedError
+
+    def tp_splits(self, spec, vocab_size: int) -> list[tuple[int, str]]:
+        """(size, what) of every dimension the tensor-parallel plan splits."""
+        return []
+
+    def attention_heads(self, spec) -> list[tuple[str, int]]:
+        """("heads", n) of each head count attention splits (context parallelism's ulysses
+        needs each divisible); empty: no attention."""
+        return []
+
+    def max_positions(self, spec) -> int | None:
+        """The positions a learned table holds (a sequence may not be longer), or None."""
+        return None
+
+    def pipeline_problem(self, spec) -> str | None:
+        """Why this spec cannot be cut into stages (one line), or None."""
+        return None
+
+    def with_options(self, spec, *, dropout: float = 0.0, attention: str = "sdpa", hidden: tuple | None = None):
+        """The spec with the command line's model flags applied (those in `options`)."""
+        return spec
+
+    def shape(self, spec, vocab_size: int):
+        """The planner's `plan.shapes.Shape` of the spec, or None: not planned."""
+        return None
