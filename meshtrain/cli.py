@@ -21,8 +21,7 @@ from pathlib import Path
 from meshtrain import config as C
 from meshtrain.recipe import is_user_model
 from meshtrain import launch
-from meshtrain.models.presets import MLPSpec
-from meshtrain.plan.shapes import shape_of
+from meshtrain.recipes import family_of
 
 BENCH_PEERS = ("ddp", "zero1", "fsdp2", "dtensor-tp", "torch-pp")  # meshtrain.bench.PEERS, named here so a bad --vs fails without torch
 COMMAND_STEPS = {"verify": 10, "bench": 20}  # their default --steps, unless TOML or a flag says
@@ -199,18 +198,15 @@ def _check_build_fits_the_host(cfg: C.Config, local_ranks: int) -> None:
     if is_user_model(cfg.model.name):
         return  # built whole on every rank, by the user's code: nothing to estimate from flags
     spec = cfg.model.spec()
-    if isinstance(spec, MLPSpec):
-        if cfg.train.data != "digits":
-            return
-        widths = (64, *spec.hidden, 10)  # the digits' 8×8 pixels, 10 classes
-        n_params = sum((a + 1) * b for a, b in zip(widths, widths[1:]))
-    else:
-        n_params = shape_of(cfg.model.name, cfg.train.vocab_size).n_params()
+    family = family_of(spec)
+    n_params = family.n_params(spec, cfg.train.vocab_size)
+    if n_params is None:
+        return
     lay = cfg.layout
     part = n_params / (lay.tp * lay.pp * (lay.dp if lay.zero == 3 else 1))
     need, have = 4 * part * local_ranks, _available_host_bytes()
     if have is not None and need > have:
-        what = f"--mlp-hidden {cfg.model.mlp_hidden}" if isinstance(spec, MLPSpec) else f"--model {cfg.model.name}"
+        what = f"--mlp-hidden {cfg.model.mlp_hidden}" if cfg.model.mlp_hidden else f"--model {cfg.model.name}"
         raise C.ConfigError(f"{what}: building its part takes 4 bytes × {part / 1e9:.2f} B parameters on each of "
                             f"{local_ranks} local rank(s), {need / 2**30:.1f} GiB; this host has {have / 2**30:.1f} GiB "
                             f"available; use a smaller model, more sharding (--tp, --pp, --zero 3) or fewer ranks "

@@ -1,40 +1,22 @@
 """A model the user wrote, on the command line: `meshtrain train|verify --model
-pkg.module:factory`. `factory()` returns a `Recipe` (or just the `nn.Module`); the layout
-flags become `meshtrain.parallelize`'s arguments, and batches come from the recipe or from
-`--data` (token ids [B, seq] for text, 8×8 digits as [B, 64] floats with 10 classes).
+pkg.module:factory`. `factory()` returns a `Recipe` (`recipes/recipe.py`: the same type each
+shipped preset is) or just the `nn.Module`; the layout flags become
+`meshtrain.parallelize`'s arguments, and batches come from the recipe or from `--data`
+(token ids [B, seq] for text, 8×8 digits as [B, 64] floats with 10 classes).
 
 No torch import at module level: `config` asks `is_user_model` while it validates flags."""
 
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
 from typing import Callable
+
+from meshtrain.recipes.recipe import Recipe
 
 
 def is_user_model(name: str) -> bool:
     """`pkg.module:factory` names a user's model; a bare name is a preset."""
     return ":" in name
-
-
-@dataclass
-class Recipe:
-    """What the command line needs of a user's model. `make_model()` builds it with the same
-    weights on every call (seed inside, or the command line's `--seed` set before it is
-    called); `batch(step, batch_size)`: the global batch (inputs, targets) of a step, a pure
-    function of the step (None: the `--data` dataset's); `loss_fn` (by default
-    `meshtrain.cross_entropy`; None when the model returns its loss), `tp_plan`, `pipeline`,
-    `wrap`: as `meshtrain.parallelize` takes them; `optimizer`: a factory (None: AdamW at
-    `--lr`, `--weight-decay` on matrices); `lr_scheduler`: a factory (None: `--lr`'s warm-up
-    and cosine schedule, set each step)."""
-    make_model: Callable
-    batch: Callable | None = None
-    loss_fn: Callable | None = "cross_entropy"  # meshtrain.cross_entropy; None: the output's own .loss
-    tp_plan: object = None
-    pipeline: object = None
-    wrap: list[str] | None = None
-    optimizer: Callable | None = None
-    lr_scheduler: Callable | None = None
 
 
 def load_recipe(name: str) -> Recipe:

@@ -71,6 +71,12 @@ class Family:
         """The spec with the command line's model flags applied (those in `options`)."""
         return spec
 
+    def n_params(self, spec, vocab_size: int) -> int | None:
+        """The parameters a build holds (what the host must fit while ranks draw their parts),
+        or None: not known before it is built."""
+        shape = self.shape(spec, vocab_size)
+        return shape.n_params() if shape is not None else None
+
     def shape(self, spec, vocab_size: int):
         """The planner's `plan.shapes.Shape` of the spec, or None: not planned."""
         return None

@@ -77,6 +77,10 @@ class MLPFamily(Family):
     def tp_splits(self, spec: MLPSpec, vocab_size: int) -> list[tuple[int, str]]:
         return [(width, "hidden width") for width in spec.hidden]
 
+    def n_params(self, spec: MLPSpec, vocab_size: int) -> int:
+        widths = (64, *spec.hidden, 10)  # the digits' 8×8 pixels, 10 classes
+        return sum((a + 1) * b for a, b in zip(widths, widths[1:]))
+
     def with_options(self, spec: MLPSpec, *, dropout: float = 0.0, attention: str = "sdpa", hidden=None) -> MLPSpec:
         return replace(spec, hidden=tuple(hidden)) if hidden else spec
 

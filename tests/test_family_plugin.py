@@ -1,0 +1,49 @@
+"""A model family of a user's own (tests/families/minefam.py: a model, a TP plan, a pipeline
+plan, a preset) reached by its preset's name from the command line — through an entry point
+of the group `meshtrain.recipes`, as a package declares it — and trained under tp 2 and pp 2
+by `meshtrain verify` against one process, with no file of meshtrain edited."""
+
+import os
+from pathlib import Path
+
+import pytest
+
+from helpers import last_json, run_cli
+
+FAMILIES = Path(__file__).resolve().parent / "families"
+SMALL = ["--vocab-size", "256", "--seq-len", "16", "--batch-size", "8", "--device", "cpu", "--steps", "3"]
+
+
+@pytest.fixture(scope="module")
+def plugin_env(tmp_path_factory):
+    """A site folder holding the family's module and a dist-info that declares its entry point."""
+    site = tmp_path_factory.mktemp("site")
+    (site / "minefam.py").write_text((FAMILIES / "minefam.py").read_text())
+    info = site / "minefam-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: minefam\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text("[meshtrain.recipes]\nmixer = minefam:FAMILY\n")
+    path = os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH", "")) if p)
+    return {"PYTHONPATH": path}
+
+
+@pytest.mark.parametrize("layout", [["--tp", "2"], ["--pp", "2", "--microbatches", "2"]], ids=["tp2", "pp2"])
+def test_a_registered_family_verifies_under_tp_and_pp(plugin_env, layout):
+    r = run_cli("verify", "--model", "mixer-test", *layout, *SMALL, "--json", env=plugin_env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = last_json(r.stdout)
+    assert out["passed"] and out["max_grad_rel_diff"] < 1e-5 and out["max_update_rel_diff"] < 1e-4, out
+
+
+def test_the_family_is_validated_and_planned_by_its_own_answers(plugin_env):
+    """Its tensor-parallel splits refuse a tp that does not divide them, before any rank starts;
+    the planner, to which the family gives no shape, says so in one line."""
+    r = run_cli("train", "--model", "mixer-test", "--tp", "3", *SMALL, env=plugin_env)
+    assert r.returncode == 2 and "--tp 3 does not divide the 64 feed-forward width of mixer-test" in r.stderr, r.stderr
+    r = run_cli("plan", "--model", "mixer-test", env=plugin_env)
+    assert r.returncode == 2 and "unknown model 'mixer-test' for the planner" in r.stderr, r.stderr
+
+
+def test_a_name_no_family_registers_is_refused_with_the_presets():
+    r = run_cli("train", "--model", "mixer-test", *SMALL)
+    assert r.returncode == 2 and "unknown model 'mixer-test'" in r.stderr, r.stderr
