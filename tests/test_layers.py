@@ -35,9 +35,6 @@ KNOWN = {
     "plan.calibrate -> config",
     "plan.command -> config",
     "plan.measured -> config",
-    "plan.memory -> config",
-    "plan.planner -> config",
-    "plan.search -> config",
 }
 
 
