@@ -32,9 +32,6 @@ KNOWN = {
     "parallel.pipeline.stages -> models.presets",
     "parallel.tensor -> models.init",
     "parallel.tensor -> models.presets",
-    "plan.calibrate -> config",
-    "plan.command -> config",
-    "plan.measured -> config",
 }
 
 

@@ -97,7 +97,7 @@ def build_parser(plan_flags: bool = True) -> argparse.ArgumentParser:
                           f"architectures: {', '.join(PUBLISHED)}.")
     _add_run_flags(plan)
     if plan_flags:
-        from meshtrain.plan.command import add_arguments as add_plan_arguments
+        from meshtrain.cli.plan import add_arguments as add_plan_arguments
         add_plan_arguments(plan)
     exp = sub.add_parser("export", help="a sharded checkpoint of any layout as the one-process model's safetensors",
                          description="Assemble the weights of a sharded checkpoint (a step-N folder, written in any "
@@ -282,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "export":
         return _export(args)
     if args.command == "plan":
-        from meshtrain.plan.command import run as plan
+        from meshtrain.cli.plan import run as plan
         try:
             cfg = _config_from(args)
         except C.ConfigError as e:
