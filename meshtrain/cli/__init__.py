@@ -660,7 +660,7 @@ def _export(args) -> int:
 
 def _export_hf(ckpt: Path, out: Path, dtype, max_shard_bytes: int) -> int:
     """A Llama checkpoint (or run folder, or plain export) as a complete Hugging Face folder."""
-    from meshtrain.checkpoint.hf_export import export_hf
+    from meshtrain.cli.hf_export import export_hf
     from meshtrain.models.hf import SIDE_FILES, TOKENIZER
     files = export_hf(ckpt, out, dtype=dtype, max_shard_bytes=max_shard_bytes, log=_log)
     written = sorted(name for name in (*SIDE_FILES, TOKENIZER) if (out / name).is_file())
@@ -674,7 +674,7 @@ def _export_hf(ckpt: Path, out: Path, dtype, max_shard_bytes: int) -> int:
 
 
 def _generate(args) -> int:
-    from meshtrain.checkpoint.weights import load_model
+    from meshtrain.cli.run_model import load_model
     from meshtrain.generate import sample
 
     bad = [(args.tokens < 0, f"--tokens {args.tokens}: must not be negative"),
