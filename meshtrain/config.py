@@ -17,8 +17,8 @@ from pathlib import Path
 
 from meshtrain.recipes import PRESETS, PUBLISHED, add_preset, family_of, is_preset, is_published, parse_widths, spec_of
 from meshtrain.recipe import is_user_model
-from meshtrain.parallel.options import (CP_MODES, GRAD_DTYPES, LINEAR_SYNCS, PRECISIONS, SCHEDULES, Strategies,
-                                       parse_recompute)
+from meshtrain.parallel.options import (CP_MODES, GRAD_DTYPES, LINEAR_SYNCS, PRECISIONS, SCHEDULES, Layout,
+                                       parse_recompute, schedule_or_batch_problem)
 
 RECOMPUTE = ("none", "full", "selective", "segments[:K]")
 ATTENTIONS = ("sdpa", "math")
@@ -43,59 +43,9 @@ class ModelConfig:
         return spec_of(self.name, self.mlp_hidden)
 
 
-@dataclass
-class LayoutConfig:
-    # None: fill the world. Under a launcher world ÷ (tp·pp); from a shell 2 when tp = pp = 1
-    # (the default job), else 1. `validate` fills it in.
-    dp: int | None = None
-    tp: int = 1
-    pp: int = 1
-    cp: int = 1  # context parallelism: each sequence split over cp ranks
-    cp_mode: str = "ring"
-    zero: int = 0
-    sp: bool = False
-    schedule: str = "1f1b"
-    chunks: int = 1
-    microbatches: int = 1
-    recompute: str = "none"
-    precision: str = "fp32"
-    # Under bf16: "fp32" accumulates gradients over micro-batches and reduces them over dp in
-    # fp32 (Megatron's and torchtitan's default); "compute" keeps them in bf16 (half the bytes).
-    grad_dtype: str = "fp32"
-    bucket_mb: float = 25.0
-    keep_gathered: bool = False  # ZeRO-3: keep each block's parameters gathered from forward to backward
-    dp_linear_sync: str = "allreduce"  # per linear layer: all-reduce its weight gradient, or all-gather its rows
-    stage_layers: str = ""  # blocks per virtual stage, e.g. "3,3,2"; empty: as even as possible
-
-    def stage_layer_counts(self) -> list[int] | None:
-        return [int(n) for n in self.stage_layers.split(",")] if self.stage_layers else None
-
-    @property
-    def world_size(self) -> int:
-        return self.dp * self.cp * self.tp * self.pp
-
-    def short(self) -> str:
-        """One-line description for titles and logs."""
-        sp = " sp" if self.sp else ""
-        pp = f" {self.schedule}" + (f" chunks={self.chunks}" if self.chunks > 1 else "") if self.pp > 1 else ""
-        zero = f" zero={self.zero}" if self.zero else ""
-        cp = f" cp={self.cp} {self.cp_mode}" if self.cp > 1 else ""
-        return (f"dp={self.dp}{zero}{cp} tp={self.tp}{sp} pp={self.pp}{pp} microbatches={self.microbatches} "
-                f"{self.precision}")
-
-    def strategies(self, strict_p2p: bool = False) -> Strategies:
-        """The strategies' own options for this layout (the axis sizes live on the mesh)."""
-        return Strategies(zero=self.zero, precision=self.precision, grad_dtype=self.grad_dtype,
-                          recompute=self.recompute, sp=self.sp, schedule=self.schedule, chunks=self.chunks,
-                          microbatches=self.microbatches,
-                          stage_layers=tuple(self.stage_layer_counts() or ()) or None,
-                          bucket_mb=self.bucket_mb, keep_gathered=self.keep_gathered,
-                          dp_linear_sync=self.dp_linear_sync, strict_p2p=strict_p2p, cp_mode=self.cp_mode)
-
-    def summary(self) -> dict:
-        """The `layout` object of the JSON contract."""
-        keys = ("dp", "tp", "pp", "zero", "sp", "schedule", "microbatches", "recompute", "precision", "cp", "cp_mode")
-        return {k: getattr(self, k) for k in keys}
+# The [layout] section: the typed layout below the command line (`parallel.options.Layout`),
+# which the planner and the strategies take too.
+LayoutConfig = Layout
 
 
 @dataclass
@@ -615,20 +565,6 @@ def _validate_pipeline(cfg: Config, spec) -> None:
         if len(counts) != lay.pp * lay.chunks or sum(counts) != blocks or min(counts) < 1:
             raise ConfigError(f"--stage-layers {lay.stage_layers}: give pp×chunks = {lay.pp * lay.chunks} positive "
                               f"counts that sum to the {blocks} blocks of {name}")
-
-
-def schedule_or_batch_problem(lay: LayoutConfig, batch_size: int) -> str | None:
-    """What `train` and `plan` both refuse in a layout's schedule and batch: one line, or None."""
-    if lay.chunks > 1 and lay.schedule != "interleaved":
-        return f"--chunks {lay.chunks} needs --schedule interleaved ({lay.schedule} runs one chunk per stage)"
-    if lay.schedule == "interleaved" and lay.pp > 1 and lay.microbatches % lay.pp:
-        return (f"--schedule interleaved takes micro-batches in groups of the {lay.pp} stages; "
-                f"use --microbatches a multiple of {lay.pp}")
-    per_step = lay.dp * lay.microbatches
-    if batch_size % per_step:
-        return (f"--batch-size {batch_size} is not divisible by dp×microbatches = {lay.dp}×{lay.microbatches} = "
-                f"{per_step}; use a multiple of {per_step}")
-    return None
 
 
 def _reject_unbuilt(lay: LayoutConfig, tr: TrainConfig) -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from meshtrain.checkpoint.weights import save_model
+from meshtrain.cli.run_model import save_model
 from meshtrain.comm import Comm
 from meshtrain.config import Config, tokens_per_sample
 from meshtrain.recipe import is_user_model

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, replace
 from meshtrain import faults, launch
 from meshtrain.board import Board
 from meshtrain.checkpoint import folders, owner
-from meshtrain.checkpoint.weights import imported_record
+from meshtrain.cli.run_model import imported_record
 from meshtrain.comm import Comm
 from meshtrain.config import (Config, LayoutConfig, TrainConfig, imported_tokenizer, lr_at, strict_p2p_requested,
                               tokens_per_sample)

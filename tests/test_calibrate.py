@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from meshtrain.launch import threads_per_rank
-from meshtrain.plan.calibrate import _fit, calibrate
+from meshtrain.cli.calibrate import _fit, calibrate
 from meshtrain.plan.profile import FORMAT, KINDS, MachineProfile
 
 

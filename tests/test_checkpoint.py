@@ -315,7 +315,8 @@ def _zero3_saved(mesh0, folder):
 
 def test_export_of_a_zero3_checkpoint_is_the_one_process_state_in_shards(tmp_path):
     from meshtrain.checkpoint.export import SHARD_INDEX, export
-    from meshtrain.checkpoint.weights import _read_weights, load_model
+    from meshtrain.checkpoint.weights import _read_weights
+    from meshtrain.cli.run_model import load_model
     weights = run_ranks(_zero3_saved, 2, str(tmp_path), timeout=300)[0]
     ckpt = folders.step_dir(tmp_path, SAVED_AT)
     files = export(ckpt, tmp_path / "exported", max_shard_bytes=200_000)

@@ -84,7 +84,7 @@ def test_transformers_reads_the_special_ids_rope_and_tokens_of_the_imported_fold
 
 def test_the_export_is_the_run_s_model_in_its_compute_dtype_and_generate_reads_it(exported):
     from meshtrain.checkpoint.export import weights_of
-    from meshtrain.checkpoint.weights import load_model
+    from meshtrain.cli.run_model import load_model
     _, _, ckpt, out = exported
     shapes, read = weights_of(ckpt)
     with safe_open(str(out / "model.safetensors"), framework="pt") as f:
@@ -130,7 +130,8 @@ def test_export_holds_one_tensor_at_a_time_below_twice_the_largest_shard(dtype, 
     into its file: the peak is one tensor in the export's dtype and one saved box, whatever
     the shard or model size (the export used to build a second full model beside the
     consolidated weights)."""
-    from meshtrain.checkpoint.export import DTYPES, export_hf, weight_shapes
+    from meshtrain.checkpoint.export import DTYPES, weight_shapes
+    from meshtrain.cli.hf_export import export_hf
     _, _, ckpt, _ = exported
     saved = weight_shapes(ckpt)
     model_bytes = sum(s.numel() * DTYPES[dtype].itemsize for s, _ in saved.values())
@@ -148,11 +149,11 @@ def test_export_holds_one_tensor_at_a_time_below_twice_the_largest_shard(dtype, 
 def test_the_run_s_out_keeps_the_imported_configs_so_the_folder_may_go(exported, tmp_path):
     """The run's --out records the --init-from folder's configs: with the folder gone, its
     export is as complete, and generate reads the run. A step-N checkpoint keeps them when
-    the run saves them into its meta (`weights.imported_record`); else it is refused in one
+    the run saves them into its meta (`run_model.imported_record`); else it is refused in one
     line naming the folder."""
-    from meshtrain.checkpoint.export import export_hf
+    from meshtrain.cli.hf_export import export_hf
     from meshtrain.checkpoint.sharded import read_meta
-    from meshtrain.checkpoint.weights import load_model
+    from meshtrain.cli.run_model import load_model
     hf, run, ckpt, first = exported
     moved = tmp_path / "moved"
     shutil.move(hf, moved)

@@ -146,7 +146,7 @@ def test_a_checkpoint_trained_in_zero3_exports_for_transformers(tmp_path):
     transformers = pytest.importorskip("transformers")
     from helpers import run_cli
 
-    from meshtrain.checkpoint.weights import load_model
+    from meshtrain.cli.run_model import load_model
     r = run_cli("train", *LLAMA_TINY, "--dp", "2", "--zero", "3", "--steps", "3", "--save-every", "3",
                 "--out", tmp_path / "run")
     assert r.returncode == 0, r.stderr

@@ -12,7 +12,7 @@ import pytest
 
 from meshtrain import config as C
 from meshtrain.cli import _config_from, build_parser, main
-from meshtrain.plan.command import DEFAULT_HEADROOM, train_flags
+from meshtrain.cli.plan import DEFAULT_HEADROOM, train_flags
 from meshtrain.plan.planner import Workload
 from meshtrain.plan.search import layouts, search
 from meshtrain.plan.shapes import shape_of

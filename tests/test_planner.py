@@ -274,7 +274,7 @@ def test_a_measured_profile_gives_the_collectives_measured_times(tmp_path):
     """Between the sizes measured, a collective takes the measured times (log-log between
     them); beyond, the latency + bandwidth fit; more ranks than the profile measured share
     its cores."""
-    from meshtrain.plan.measured import ProfileRates
+    from meshtrain.plan.profile import ProfileRates
 
     rates = ProfileRates(_synthetic_profile(tmp_path / "m.json"), world=4)
     assert rates.collective_time("all_reduce", 1e3) == pytest.approx(1e-3)
@@ -312,7 +312,7 @@ def test_a_tensor_parallel_collective_waits_for_the_slower_rank_as_measured(tmp_
     """The profile's skew points (extra wait after so much compute) add, per tensor-parallel
     collective, the wait for the compute between two of them; a profile without them adds
     nothing, and data parallelism (its reductions overlap, no compute between) none."""
-    from meshtrain.plan.measured import ProfileRates
+    from meshtrain.plan.profile import ProfileRates
 
     base = _synthetic_profile(tmp_path / "m.json")
     skewed = replace(base, collective_skew=[{"compute_s": 1e-3, "extra_s": 0.0}, {"compute_s": 5e-3, "extra_s": 2e-3},
@@ -338,7 +338,7 @@ def test_the_optimizer_step_costs_what_the_profile_measured_per_parameter_and_te
     runs: gpt-small has 8 blocks of 15 tensors, 2 embedding tables, a final norm's 2 and the
     head; ZeRO steps 1/dp of the parameters, a pipeline stage its own blocks. A profile
     without the figures keeps the memory-bound estimate."""
-    from meshtrain.plan.measured import ProfileRates
+    from meshtrain.plan.profile import ProfileRates
 
     base = _synthetic_profile(tmp_path / "m.json")
     a, b = 4e-9, 1e-4
@@ -365,7 +365,7 @@ def test_each_step_pays_the_latency_of_its_one_number_all_reduces(tmp_path):
     """The gradient norm is summed over every axis of more than one rank and the loss over
     pp and dp: dp 2 makes two such all-reduces, tp 2 one, dp 2 · pp 2 four (four ranks on
     the profile's two cores: each twice as long), one process none."""
-    from meshtrain.plan.measured import ProfileRates
+    from meshtrain.plan.profile import ProfileRates
 
     profile = _synthetic_profile(tmp_path / "m.json")
     one = profile.collective_time("all_reduce", 4.0)  # 2·(n−1)/n of 4 bytes at n = 2

@@ -5,7 +5,7 @@ into safetensors files of at most `max_shard_bytes` each with Hugging Face's
 `model.safetensors.index.json` when there are several: what export holds at once is one
 tensor and one saved box of it, whatever the model's size. The run's configuration and
 tokenizer go beside them, so `generate` reads the folder as it reads a training run's; or,
-with `hf_export.export_hf`, the files of a Hugging Face folder (`models.hf.write_hf`)."""
+with `meshtrain.cli.hf_export.export_hf`, the files of a Hugging Face folder (`models.hf.write_hf`)."""
 
 from __future__ import annotations
 
@@ -131,9 +131,9 @@ def export(ckpt: Path, out: Path, *, dtype: torch.dtype | None = None, max_shard
 
 
 def __getattr__(name: str):
-    """`export_hf`'s old import path: it lives in `hf_export.py` (it reads the run's configs
-    through `weights.py`, which reads checkpoints through this module)."""
+    """`export_hf`'s old import path: it lives in `meshtrain/cli/hf_export.py` (it reads the
+    run's configuration through `cli/run_model.py`, which reads checkpoints through this module)."""
     if name == "export_hf":
-        from meshtrain.checkpoint.hf_export import export_hf
+        from meshtrain.cli.hf_export import export_hf
         return export_hf
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -23,7 +23,7 @@ from typing import Callable
 from meshtrain.atomic import atomic_write
 from meshtrain.checkpoint.folders import STEP_DIR, run_of, step_dir, steps_in_local
 
-RUN_FILE = "run.json"  # the run's id and start; at its end also its configuration (`weights.save_model`)
+RUN_FILE = "run.json"  # the run's id and start; at its end also its configuration (`cli.run_model.save_model`)
 RUN_ID_ENV = "MESHTRAIN_RUN_ID"  # how meshtrain's launcher hands the run id to its ranks
 ASIDE_PREFIX = "replaced-"
 # What a fresh run moves aside with --overwrite besides the checkpoints: the old run's record.

@@ -1,31 +1,35 @@
-"""The trained model on disk: the full (unsharded) weights in safetensors, the run's
-configuration, and the tokenizer, so that a folder is enough to sample from. Every file is
-written under a temporary name and renamed, so a checkpoint is never half-written.
-(The whole training state, sharded and resumable in any layout, is `sharded.py`'s.)"""
+"""The trained model on disk: the full (unsharded) weights in safetensors, the run's record
+beside them (`run.json`), and the tokenizer, so that a folder is enough to sample from.
+Every file is written under a temporary name and renamed, so a checkpoint is never
+half-written. (The whole training state, sharded and resumable in any layout, is
+`sharded.py`'s; what a command-line run saves and reads back with its configuration is
+`meshtrain.cli.run_model`'s.)"""
 
 from __future__ import annotations
 
 import json
 import shutil
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from meshtrain.atomic import atomic_write
 from meshtrain.checkpoint.owner import RUN_FILE, read_run
-from meshtrain.config import Config
-from meshtrain.data.tokenizer import TOKENIZER_FILE, ByteTokenizer, load_tokenizer
+from meshtrain.data.tokenizer import TOKENIZER_FILE, ByteTokenizer
 
 WEIGHTS_FILE = "model.safetensors"
+_MOVED = ("Saved", "describe", "imported_record", "load_model", "save_model")  # to meshtrain.cli.run_model
 
 
-def save_model(out: Path, state: dict[str, torch.Tensor], cfg: Config, data) -> None:
+def save_weights(out: Path, state: dict[str, torch.Tensor], record: dict, data) -> None:
+    """The weights `state` in OUT/model.safetensors, `record` (JSON-able) in OUT/run.json
+    beside the run's own record (its id), and `data`'s tokenizer: the model's embedding
+    rows as `vocab_size` (an imported tokenizer may have fewer tokens) and its tokenizer.json
+    unless it is the byte tokenizer."""
     from safetensors.torch import save_file
 
     out.mkdir(parents=True, exist_ok=True)
-    meta = {**read_run(out), "config": cfg.to_dict(), **imported_record(cfg)}  # beside the run's own record (its id)
+    meta = {**read_run(out), **record}
     tokenizer = getattr(data, "tokenizer", None)
     if tokenizer is not None:  # the model's embedding rows (an imported tokenizer may have fewer tokens)
         meta["vocab_size"] = getattr(data, "vocab_size", None) or tokenizer.vocab_size
@@ -36,137 +40,11 @@ def save_model(out: Path, state: dict[str, torch.Tensor], cfg: Config, data) -> 
     atomic_write(out / RUN_FILE, lambda p: p.write_text(json.dumps(meta, indent=2)))
 
 
-@dataclass
-class Saved:
-    """What a folder says of the model it holds: the run's configuration, the vocabulary, the
-    model's spec, the configs of the folder it was imported from (`models.hf.side_files`; {}
-    when it was not) and its tokenizer file (None: the byte tokenizer, or none was kept)."""
-    config: Config
-    vocab_size: int
-    spec: Any
-    imported: dict
-    tokenizer: Path | None
-
-
-def imported_record(cfg: Config) -> dict:
-    """What a checkpoint or a run's --out keeps of the --init-from folder, as JSON-able meta:
-    {"imported": its configs (`models.hf.side_files`)}, or {} for a run that imported none.
-    With it, `describe` (export --hf, generate) needs the folder no more."""
-    if not cfg.model.init_from:
-        return {}
-    from meshtrain.models.hf import side_files
-    return {"imported": side_files(cfg.model.init_from)}
-
-
 def is_hf_export(folder: Path) -> bool:
     """A Hugging Face folder (config.json beside its weights) that is no run's folder."""
     folder = Path(folder)
     return (folder / "config.json").is_file() and not (folder / RUN_FILE).exists() and \
         ((folder / WEIGHTS_FILE).is_file() or (folder / "model.safetensors.index.json").is_file())
-
-
-def describe(ckpt: Path) -> Saved:
-    """What a run's folder holds (a sharded checkpoint of any layout, a run's --out, or a plain
-    export): refused in one line (ValueError, FileNotFoundError, CheckpointError) where it is
-    none of those, or where the run imported a folder (--init-from) that is gone and the
-    checkpoint keeps no copy of its configs (checkpoints written before they did)."""
-    from meshtrain.checkpoint import export
-    from meshtrain.checkpoint.sharded import read_meta
-    from meshtrain.models.hf import CONFIG, side_files, spec_from_config
-
-    ckpt = Path(ckpt)
-    if export.is_sharded_checkpoint(ckpt):
-        export.check_good(ckpt)
-        meta = read_meta(ckpt)
-        if "config" not in meta:
-            raise ValueError(f"--ckpt {ckpt}: a checkpoint written by job.save, without a command-line run's "
-                             f"configuration; load it with job.load")
-    else:
-        meta = json.loads((ckpt / RUN_FILE).read_text()) if (ckpt / RUN_FILE).is_file() else {}
-        if "config" not in meta or not ((ckpt / WEIGHTS_FILE).exists() or (ckpt / export.SHARD_INDEX).exists()):
-            hf = " (it is a Hugging Face folder already)" if is_hf_export(ckpt) else ""
-            raise FileNotFoundError(f"--ckpt {ckpt}: no {WEIGHTS_FILE} and {RUN_FILE} there{hf}; "
-                                    f"train first (meshtrain train --out {ckpt})")
-    cfg = Config.from_dict(meta["config"])
-    imported, vocab = {}, int(meta["vocab_size"])
-    if cfg.model.init_from:
-        folder = Path(cfg.model.init_from)
-        imported = meta.get("imported") or {}
-        if CONFIG not in imported:
-            if not (folder / CONFIG).is_file():
-                raise ValueError(f"--ckpt {ckpt}: its run fine-tuned {folder} (--init-from), which is gone, and "
-                                 f"the checkpoint keeps no copy of its {CONFIG}; put that folder back")
-            imported = side_files(folder)
-        # its embedding's rows (a run's --out recorded its tokenizer's size before, which may be fewer)
-        spec, vocab = spec_from_config(imported[CONFIG], str(folder / CONFIG))
-    else:
-        spec = _preset(cfg)
-    tokenizer = ckpt / TOKENIZER_FILE if (ckpt / TOKENIZER_FILE).is_file() else None
-    return Saved(cfg, vocab, spec, imported, tokenizer)
-
-
-def _preset(cfg: Config):
-    from meshtrain.models import published_llama, published_llamas
-    from meshtrain.models.presets import PRESETS, spec_of
-    name = cfg.model.name
-    if name in published_llamas():
-        return published_llama(name)[0]
-    if name not in PRESETS:
-        raise ValueError(f"--ckpt: the run's model {name!r} is no preset meshtrain builds; load its weights "
-                         f"({WEIGHTS_FILE}) into your model yourself")
-    return spec_of(name, cfg.model.mlp_hidden)
-
-
-def load_model(ckpt: Path, device="cpu"):
-    """(model, tokenizer, config) from a folder written by `save_model` or `export.export`
-    (one safetensors file or several with their index), from a sharded checkpoint of any
-    layout (a step-N folder of a command-line run), or from a Hugging Face folder (`export
-    --hf`'s; its config then says only the context length, `train.seq_len`). The weights are
-    read in fp32."""
-    from meshtrain.checkpoint import export
-    from meshtrain.models import build_model
-    from meshtrain.models.llama import Llama
-    from meshtrain.models.presets import LlamaSpec
-
-    ckpt = Path(ckpt)
-    if is_hf_export(ckpt):
-        return _load_hf_export(ckpt, device)
-    saved = describe(ckpt)
-    cfg = saved.config
-    if cfg.model.name == "mlp":
-        raise ValueError("--ckpt holds the digits MLP, which does not generate text")
-    shapes, read = export.weights_of(ckpt)
-    if isinstance(saved.spec, LlamaSpec):  # no buffers: built on meta, filled from the saved weights
-        with torch.device("meta"):
-            model = Llama(saved.spec, saved.vocab_size)
-        model.to_empty(device="cpu")
-        if saved.spec.tie_embeddings:
-            model.lm_head.weight = model.embed_tokens.weight
-        names = dict(model.named_parameters())
-        missing = sorted(set(names) - set(shapes))
-        if missing:
-            raise ValueError(f"--ckpt {ckpt}: no {missing[0]}, a weight of the run's model ({cfg.model.name})")
-        with torch.no_grad():
-            for name, p in names.items():
-                p.copy_(read(name, torch.float32))
-    else:
-        model = build_model(cfg.model.name, cfg.train.seed, vocab_size=saved.vocab_size, dropout=cfg.model.dropout,
-                            attention=cfg.model.attention)
-        model.load_state_dict({n: read(n, torch.float32) for n in shapes})
-    return model.to(device).eval(), load_tokenizer(ckpt, saved.vocab_size), cfg
-
-
-def _load_hf_export(folder: Path, device):
-    """A Hugging Face folder's Llama in fp32, its tokenizer (tokenizer.json; the byte
-    tokenizer for a 256-token vocabulary) and a configuration saying its context length."""
-    from meshtrain.models.hf import load_hf
-    model = load_hf(folder)
-    if model.vocab_size != ByteTokenizer.vocab_size and not (folder / TOKENIZER_FILE).is_file():
-        raise FileNotFoundError(f"--ckpt {folder}: a Hugging Face folder without {TOKENIZER_FILE}; put the "
-                                f"model's tokenizer.json there")
-    cfg = Config()
-    cfg.model.name, cfg.model.init_from, cfg.train.seq_len = "llama", str(folder), model.spec.max_seq_len
-    return model.to(device).eval(), load_tokenizer(folder, model.vocab_size), cfg
 
 
 def _read_weights(folder: Path) -> dict[str, torch.Tensor]:
@@ -178,3 +56,11 @@ def _read_weights(folder: Path) -> dict[str, torch.Tensor]:
         return load_file(str(folder / WEIGHTS_FILE))
     files = sorted(set(json.loads((folder / SHARD_INDEX).read_text())["weight_map"].values()))
     return {k: v for f in files for k, v in load_file(str(folder / f)).items()}
+
+
+def __getattr__(name: str):
+    """The old import paths of what reads a run's configuration: `meshtrain.cli.run_model`."""
+    if name in _MOVED:
+        from meshtrain.cli import run_model
+        return getattr(run_model, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -31,6 +31,7 @@ import math
 
 from functools import lru_cache
 
+from meshtrain.parallel.options import parse_recompute
 from meshtrain.plan.block_terms import LlamaDims, cp_attention_delta, llama_kept_bytes, ring_backward_bytes
 
 PAPER_K = 12  # the ZeRO paper's optimizer bytes per parameter under mixed precision (fp32 master, m, v)
@@ -301,8 +302,6 @@ def recompute_units(blocks: int, recompute: str = "none") -> list[int]:
     units that keep only their input and run again whole in backward (`full`: one block each;
     `segments:K`: K each, the last shorter; `segments`: K = ⌈√blocks⌉); [] when no block is
     recomputed whole (`none`, `selective`)."""
-    from meshtrain.config import parse_recompute
-
     mode, k = parse_recompute(recompute)
     if mode in ("none", "selective"):
         return []
@@ -449,8 +448,6 @@ def torch_stage_activation_bytes(layers: int, seq: int, micro_batch: int, hidden
     parts = block_parts(s, b, h, heads, element_bytes=e, attention=attention, dropout=dropout, ffn=ffn, tp=t, sp=sp,
                         llama=llama, cp_mode=cp_mode, fused_blocks=fused_blocks)
     out = parts["out"]
-    from meshtrain.config import parse_recompute
-
     recompute_mode = parse_recompute(recompute)[0]
     runs = _runs_of(layers, pp, stage, chunks, tuple(stage_layers) if stage_layers else None)
     ids = 17 * b * s if t > 1 else 0  # the vocabulary-parallel lookup's local ids (two int64 copies), its mask

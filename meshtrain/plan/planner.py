@@ -31,8 +31,7 @@ import functools
 from dataclasses import dataclass
 
 from meshtrain.ring import all_reduce_bytes
-from meshtrain.config import SCHEDULES, LayoutConfig, parse_recompute, schedule_or_batch_problem
-from meshtrain.parallel.options import CP_MODES
+from meshtrain.parallel.options import CP_MODES, SCHEDULES, Layout, parse_recompute, schedule_or_batch_problem
 from meshtrain.plan import memory, sharing, traffic
 from meshtrain.plan.cost import hardware_flops, model_flops
 from meshtrain.plan.shapes import Shape
@@ -58,7 +57,7 @@ def _divisors(n: int) -> str:
     return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
 
 
-def check(work: Workload, lay: LayoutConfig, gpus: int | None = None) -> None:
+def check(work: Workload, lay: Layout, gpus: int | None = None) -> None:
     """Reject a layout that cannot run this workload, with one line naming the fix."""
     shape = work.shape
     for name in ("dp", "tp", "pp", "cp", "chunks", "microbatches"):
@@ -97,7 +96,7 @@ def check(work: Workload, lay: LayoutConfig, gpus: int | None = None) -> None:
         raise PlanError(problem)
 
 
-def _check_context(work: Workload, lay: LayoutConfig) -> None:
+def _check_context(work: Workload, lay: Layout) -> None:
     """What context parallelism cannot split: as `config` refuses it for a run."""
     shape = work.shape
     if lay.cp_mode not in CP_MODES:
@@ -122,7 +121,7 @@ _stage_activations = functools.lru_cache(maxsize=4096)(memory.torch_stage_activa
 class Device:
     """The facts of one (workload, layout) that memory, traffic and time share, by stage."""
 
-    def __init__(self, work: Workload, lay: LayoutConfig, accounting: str = "torch"):
+    def __init__(self, work: Workload, lay: Layout, accounting: str = "torch"):
         if accounting not in ACCOUNTINGS:
             raise PlanError(f"unknown accounting '{accounting}'; use --accounting paper | torch")
         # under context parallelism a rank holds seq/cp tokens of each sequence, and the cp
@@ -315,7 +314,7 @@ def _kind(d: Device, stage: int) -> int:
     return next(k for k in d.distinct_stages() if 0 < k < d.layout.pp - 1 and d.blocks_on(k) == d.blocks_on(stage))
 
 
-def _shared_pipeline(d: Device, lay: LayoutConfig, times: dict, per_micro: dict, cores: float):
+def _shared_pipeline(d: Device, lay: Layout, times: dict, per_micro: dict, cores: float):
     """(makespan, busy time per stage) of the schedule on `cores` shared by all ranks, each
     stage's micro-batch costing its own compute plus its transfers (spread over forward and
     backward as the compute is)."""
@@ -344,7 +343,7 @@ def _context_time(machine, d: Device, stage: int, cp: list[traffic.Transfer], ac
     return sent - min(sent, machine.comm_overlap * window)
 
 
-def _scalar_time(machine, lay: LayoutConfig, across: dict[str, bool]) -> float:
+def _scalar_time(machine, lay: Layout, across: dict[str, bool]) -> float:
     """The one-number all-reduces every step makes, each a collective's latency: the
     gradient norm's partial sums over each axis (`optim.clip_grad_norm_`) and the loss over
     pp and dp (`train_step`), on the axes of more than one rank."""
@@ -369,7 +368,7 @@ def _optimizer_time(machine, d: Device, stage: int, states: dict) -> float:
     return machine.elementwise_time(2 * shard) + 20 * machine.op_overhead_s
 
 
-def _crosses_nodes(lay: LayoutConfig, gpus_per_node: int) -> dict[str, bool]:
+def _crosses_nodes(lay: Layout, gpus_per_node: int) -> dict[str, bool]:
     """Whether each axis's groups span nodes: ranks are tp-major (tp innermost, then cp, dp, pp)."""
     inner = lay.tp * lay.cp
     return {"tp": lay.tp > gpus_per_node, "cp": lay.cp > 1 and inner > gpus_per_node,
@@ -377,7 +376,7 @@ def _crosses_nodes(lay: LayoutConfig, gpus_per_node: int) -> dict[str, bool]:
             "pp": lay.pp > 1 and inner * lay.dp * lay.pp > gpus_per_node}
 
 
-def plan(work: Workload, lay: LayoutConfig, machine, *, memory_bytes: float | None = None,
+def plan(work: Workload, lay: Layout, machine, *, memory_bytes: float | None = None,
          gpus_per_node: int = 8, peak_flops: float | None = None, accounting: str = "torch",
          time_unfit: bool = True) -> dict | None:
     """The plan of one layout (checked first), in the keys of the contract plus breakdowns;

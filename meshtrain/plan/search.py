@@ -20,8 +20,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Iterator
 
-from meshtrain.config import LayoutConfig
-from meshtrain.parallel.options import CP_MODES
+from meshtrain.parallel.options import CP_MODES, Layout
 from meshtrain.plan.planner import PlanError, Workload, check, plan
 
 RECOMPUTE_CHOICES = ("none", "selective", "full")
@@ -41,7 +40,7 @@ def _context_choices(work: Workload, rest: int) -> Iterator[tuple[int, str]]:
             yield from ((cp, mode) for mode in CP_MODES)
 
 
-def layouts(work: Workload, gpus: int, gpus_per_node: int, base: LayoutConfig) -> Iterator[LayoutConfig]:
+def layouts(work: Workload, gpus: int, gpus_per_node: int, base: Layout) -> Iterator[Layout]:
     """Every layout `check` accepts for `gpus` devices (`base` gives what is not searched)."""
     shape = work.shape
     for tp in _divisors(gpus):
@@ -70,11 +69,11 @@ def layouts(work: Workload, gpus: int, gpus_per_node: int, base: LayoutConfig) -
 
 
 def search(work: Workload, gpus: int, machine, *, memory_bytes: float, gpus_per_node: int = 8,
-           peak_flops: float | None = None, accounting: str = "torch", base: LayoutConfig | None = None,
+           peak_flops: float | None = None, accounting: str = "torch", base: Layout | None = None,
            top: int = 10) -> dict:
     """The `top` fitting layouts by predicted step time, with how many were tried and fit,
     and the smallest memory any layout needs (to say by how much nothing fits)."""
-    base = base or LayoutConfig()
+    base = base or Layout()
     tried, ranked, least = 0, [], None
     for lay in layouts(work, gpus, gpus_per_node, base):
         tried += 1

@@ -120,8 +120,7 @@ def machine_of(args, cluster: Cluster, precision: str, world: int):
     """The rates: a measured profile (--machine) or the cluster's roofline."""
     if not args.machine:
         return GpuRates(cluster, precision), cluster.peak_flops(precision)
-    from meshtrain.plan.profile import MachineProfile
-    from meshtrain.plan.measured import ProfileRates
+    from meshtrain.plan.profile import MachineProfile, ProfileRates
     try:
         profile = MachineProfile.load(args.machine)
     except ValueError as e:
@@ -235,7 +234,7 @@ def _run(args, cfg: C.Config) -> int:
         raise PlanError(f"plan models the presets and shapes; --model {cfg.model.name} is your own: give the planner "
                         f"a preset of its shape (--model NAME)")
     if args.calibrate:
-        from meshtrain.plan.measured import calibrate_to
+        from meshtrain.cli.measured import calibrate_to
         return calibrate_to(args.machine or "machine.json")
     if args.top < 1:
         raise PlanError(f"--top {args.top}: show at least one layout")
@@ -275,7 +274,7 @@ def _run(args, cfg: C.Config) -> int:
     result = dict(plan(work, lay, machine, memory_bytes=memory, **options), **limits)
     print(describe(name, work, lay, result, cluster_line), file=out)
     if args.measure:
-        from meshtrain.plan.measured import measure_beside
+        from meshtrain.cli.measured import measure_beside
         return measure_beside(cfg, work, lay, result, args)
     command = train_command(args, cfg, work, lay, gpus, cluster.gpus_per_node, out)
     return _emit(args, dict(result, train_command=command))

@@ -1,10 +1,10 @@
-"""The planner against this machine: rates from a measured profile (`--machine`), taking
-the profile (`--calibrate`), and a real run beside its prediction (`--measure`)."""
+"""The planner against this machine: taking a measured profile (`plan --calibrate`) and a
+real run beside its prediction (`plan --measure`). The profile as the planner's rates
+(`--machine`) is `plan.profile.ProfileRates`."""
 
 from __future__ import annotations
 
 import json
-import math
 import statistics
 import subprocess
 import sys
@@ -12,68 +12,8 @@ import tempfile
 from pathlib import Path
 
 from meshtrain import config as C
-from meshtrain.plan.calibrate import calibrate, stderr_progress
-from meshtrain.plan.planner import PlanError
-from meshtrain.plan.profile import MachineProfile
+from meshtrain.cli.calibrate import calibrate, stderr_progress
 from meshtrain.plan.planner import Device
-
-
-class ProfileRates:
-    """A measured profile as the rates the step-time model asks for. One machine: no link
-    crosses nodes; gloo's collectives run on the CPU that computes, so nothing overlaps.
-    The profile's ranks computed at once, one per core; `world` ranks share them
-    (`shared_cores`: how many ranks a core runs; `cores`: how many there are)."""
-
-    comm_overlap = 0.0
-
-    def __init__(self, profile: MachineProfile, world: int | None = None):
-        self.profile = profile
-        self.shared_cores = max(1.0, (world or profile.ranks) / profile.ranks)
-        self.cores = profile.ranks  # a pipeline's stages share them (`sharing.pipeline_time`)
-        self.op_overhead_s = profile.op_overhead_s
-
-    def matmul_time(self, m: int, k: int, n: int, dtype: str = "fp32", batch: int = 1) -> float:
-        return self.profile.matmul_time(m, k, n, dtype, batch)
-
-    def elementwise_time(self, nbytes: float) -> float:
-        """At the large-tensor mix's rate (`elementwise_bytes_per_s`), not at a rate by tensor
-        size: the in-cache rates of small tensors, timed on each rank alone in a loop, made
-        every prediction of `benchmarks/plan_accuracy.py` 5-28 % short (two ranks computing
-        side by side run ~20 % slower per step than one; the large-tensor rate stands in for
-        that contention, which the model has no term for)."""
-        return self.profile.elementwise_time(nbytes)
-
-    def optimizer_time(self, params: float, tensors: int) -> float | None:
-        return self.profile.optimizer_time(params, tensors)
-
-    def collective_time(self, kind: str, sent_bytes: float, across_nodes: bool = False) -> float:
-        """Between the sizes measured, the measured times themselves (interpolated in log-log,
-        each no more than any larger size's: load only ever slows a measurement); beyond
-        them, the profile's latency + bandwidth fit."""
-        kind = "p2p" if kind == "send" else kind
-        try:
-            measured = self.profile.collective(kind)
-        except ValueError as e:  # an older profile: one line, not a traceback
-            raise PlanError(str(e)) from None
-        points = sorted((p["sent_bytes"], p["time_s"]) for p in measured.get("points", []))
-        if sent_bytes <= 0 or len(points) < 2 or not points[0][0] <= sent_bytes <= points[-1][0]:
-            return self.profile.collective_time(kind, sent_bytes)
-        sizes, times = [math.log(x) for x, _ in points], [t for _, t in points]
-        for i in range(len(times) - 2, -1, -1):
-            times[i] = min(times[i], times[i + 1])
-        x = math.log(sent_bytes)
-        i = max(j for j in range(len(sizes) - 1) if sizes[j] <= x)
-        w = (x - sizes[i]) / (sizes[i + 1] - sizes[i])
-        return math.exp((1 - w) * math.log(times[i]) + w * math.log(times[i + 1]))
-
-    def skew_time(self, compute_s: float) -> float:
-        """A synchronous collective's wait for the slower rank after `compute_s` of compute."""
-        return self.profile.skew_time(compute_s)
-
-    def peak_flops(self, precision: str) -> float:
-        """The fastest matmul measured in this precision: what MFU is taken against here."""
-        rates = [p["flops_per_s"] for p in self.profile.matmul if p["dtype"] == precision]
-        return max(rates) if rates else 0.0
 
 
 def calibrate_to(path: str) -> int:

@@ -96,7 +96,7 @@ def build_parser(plan_flags: bool = True) -> argparse.ArgumentParser:
                           f"architectures: {', '.join(PUBLISHED)}.")
     _add_run_flags(plan)
     if plan_flags:
-        from meshtrain.plan.command import add_arguments as add_plan_arguments
+        from meshtrain.cli.plan import add_arguments as add_plan_arguments
         add_plan_arguments(plan)
     exp = sub.add_parser("export", help="a sharded checkpoint of any layout as the one-process model's safetensors",
                          description="Assemble the weights of a sharded checkpoint (a step-N folder, written in any "
@@ -278,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "export":
         return _export(args)
     if args.command == "plan":
-        from meshtrain.plan.command import run as plan
+        from meshtrain.cli.plan import run as plan
         try:
             cfg = _config_from(args)
         except C.ConfigError as e:
@@ -656,7 +656,7 @@ def _export(args) -> int:
 
 def _export_hf(ckpt: Path, out: Path, dtype, max_shard_bytes: int) -> int:
     """A Llama checkpoint (or run folder, or plain export) as a complete Hugging Face folder."""
-    from meshtrain.checkpoint.hf_export import export_hf
+    from meshtrain.cli.hf_export import export_hf
     from meshtrain.models.hf import SIDE_FILES, TOKENIZER
     files = export_hf(ckpt, out, dtype=dtype, max_shard_bytes=max_shard_bytes, log=_log)
     written = sorted(name for name in (*SIDE_FILES, TOKENIZER) if (out / name).is_file())
@@ -670,7 +670,7 @@ def _export_hf(ckpt: Path, out: Path, dtype, max_shard_bytes: int) -> int:
 
 
 def _generate(args) -> int:
-    from meshtrain.checkpoint.weights import load_model
+    from meshtrain.cli.run_model import load_model
     from meshtrain.generate import sample
 
     bad = [(args.tokens < 0, f"--tokens {args.tokens}: must not be negative"),

@@ -1,6 +1,6 @@
 """A command-line run's Llama as a complete Hugging Face folder, from whatever it was saved
 as (a sharded checkpoint of any layout, a run's --out, a plain export): the run's configs
-through `weights.describe`, the weights one tensor at a time through `export.weights_of`,
+through `run_model.describe`, the weights one tensor at a time through `export.weights_of`,
 the folder's files by `models.hf.write_hf`."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 
 from meshtrain.checkpoint.export import DTYPES, weights_of
 from meshtrain.checkpoint.safetensors_files import MAX_SHARD_BYTES
-from meshtrain.checkpoint.weights import describe
+from meshtrain.cli.run_model import describe
 from meshtrain.models import hf
 from meshtrain.models.presets import LlamaSpec
 
