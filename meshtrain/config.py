@@ -298,7 +298,7 @@ def adopt_imported_model(cfg: Config) -> None:
     m = cfg.model
     if not m.init_from:
         return
-    from meshtrain.models.hf import HFError, read_config, spec_from_config, weight_files
+    from meshtrain.hf import HFError, read_config, spec_from_config, weight_files
     folder = Path(m.init_from)
     try:
         spec, vocab = spec_from_config(read_config(folder), str(folder / "config.json"))

@@ -554,7 +554,7 @@ def parallelize(model: nn.Module, mesh: Mesh, *, optimizer: OptimizerFactory, lo
         raise ValueError("init: the model is on the meta device (no weights); pass init=fn(name, tensor, generator) "
                          "that fills each parameter, or build the model on a real device")
     check_same_weights(model, mesh)
-    if init is not None and not hasattr(init, "full_value"):  # a spec (InitSpec, models.hf.HFWeights) is used as is
+    if init is not None and not hasattr(init, "full_value"):  # a spec (InitSpec, hf.HFWeights) is used as is
         init = FunctionInit.of(model, init, mesh.seed)
     num_items = loss.kind == "own" and accepts_loss_kwargs(model)  # before a strategy wraps anything
     parallel = apply_strategies(model, mesh.comm, options, optimizer=optimizer, seed=mesh.seed, plan=tp_plan,

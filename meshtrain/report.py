@@ -20,8 +20,8 @@ from meshtrain.recipe import is_user_model
 from meshtrain.generate import sample
 from meshtrain.metrics import peak_device_mib, peak_rss_mib, plot_losses, read_log
 from meshtrain.recipes.build import build_model
-from meshtrain.models.presets import GPTSpec, LlamaSpec
-from meshtrain.plan.cost import gpt_flops_per_step, llama_flops_per_step, mlp_flops_per_step, peak_flops
+from meshtrain.plan.cost import peak_flops
+from meshtrain.recipes import family_of
 from meshtrain.train import RunResult
 
 
@@ -46,11 +46,8 @@ def flops_per_step(cfg: Config, data) -> float | None:
     if is_user_model(cfg.model.name):
         return None
     spec = cfg.model.spec()
-    if isinstance(spec, GPTSpec):
-        return gpt_flops_per_step(spec, data.vocab_size, cfg.train.batch_size, cfg.train.seq_len)
-    if isinstance(spec, LlamaSpec):
-        return llama_flops_per_step(spec, data.vocab_size, cfg.train.batch_size, cfg.train.seq_len)
-    return mlp_flops_per_step(spec, data.n_inputs, data.n_classes, cfg.train.batch_size)
+    facts = {k: getattr(data, k) for k in ("vocab_size", "n_inputs", "n_classes") if hasattr(data, k)}
+    return family_of(spec).flops_per_step(spec, cfg.train.batch_size, cfg.train.seq_len, **facts)
 
 
 def summary_json(cfg: Config, result: RunResult, per_rank: list[dict], device: torch.device) -> dict:

@@ -135,7 +135,7 @@ def initial_weights(cfg: Config, model, recipe: Recipe):
     """What each rank draws its part of the weights from: the recipe's (the seed's rules), or
     --init-from's files."""
     if cfg.model.init_from:
-        from meshtrain.models.hf import HFWeights
+        from meshtrain.hf import HFWeights
         return HFWeights(cfg.model.init_from, model)
     return recipe.init.spec(model, cfg.train.seed) if isinstance(recipe.init, ModelRules) else recipe.init
 

@@ -191,7 +191,7 @@ def _tiny_llama(vocab):
 
 def test_meshtrain_s_own_bpe_gets_its_end_of_text_as_eos_and_pad(tmp_path):
     from meshtrain.data.tokenizer import EOS_TEXT, BPETokenizer
-    from meshtrain.models.hf import save_hf
+    from meshtrain.hf import save_hf
     bpe = BPETokenizer.train_documents(["ROMEO.\nBut soft, what light through yonder window breaks?"] * 20, 300)
     bpe.save(tmp_path / "tokenizer.json")
     eos = bpe.token_to_id(EOS_TEXT)
@@ -208,7 +208,7 @@ def test_meshtrain_s_own_bpe_gets_its_end_of_text_as_eos_and_pad(tmp_path):
 
 def test_the_byte_tokenizer_is_written_as_a_byte_level_tokenizer_json(tmp_path):
     from meshtrain.data.tokenizer import ByteTokenizer
-    from meshtrain.models.hf import save_hf
+    from meshtrain.hf import save_hf
     save_hf(_tiny_llama(256), tmp_path)
     tok = transformers.AutoTokenizer.from_pretrained(tmp_path)
     text = "ROMEO. Ça va?\n\tnaïve — 東京 \x00\x7f"

@@ -47,3 +47,13 @@ def test_the_family_is_validated_and_planned_by_its_own_answers(plugin_env):
 def test_a_name_no_family_registers_is_refused_with_the_presets():
     r = run_cli("train", "--model", "mixer-test", *SMALL)
     assert r.returncode == 2 and "unknown model 'mixer-test'" in r.stderr, r.stderr
+
+
+def test_a_users_recipe_with_init_is_built_on_meta_and_drawn_per_rank():
+    """`Recipe(init=...)`: the command line builds the model on the meta device and each ZeRO-3
+    rank draws only its shard; the one-process reference draws the same values."""
+    env = {"PYTHONPATH": os.pathsep.join(p for p in (str(FAMILIES), os.environ.get("PYTHONPATH", "")) if p)}
+    r = run_cli("verify", "--model", "minefam:meta_recipe", "--dp", "2", "--zero", "3", *SMALL, "--json", env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = last_json(r.stdout)
+    assert out["passed"] and out["max_update_rel_diff"] < 1e-4, out

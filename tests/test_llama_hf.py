@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from meshtrain.models.hf import HFError, load_hf, save_hf
+from meshtrain.hf import HFError, load_hf, save_hf
 
 transformers = pytest.importorskip("transformers")
 
@@ -162,7 +162,7 @@ def test_init_from_a_folder_meshtrain_cannot_use_is_refused_before_ranks_start(t
 
 
 def test_each_rank_reads_only_its_slices_of_an_imported_weight(tmp_path):
-    from meshtrain.models.hf import HFWeights
+    from meshtrain.hf import HFWeights
     hf = _hf_model(num_key_value_heads=2)
     hf.save_pretrained(tmp_path)
     ours = load_hf(tmp_path)

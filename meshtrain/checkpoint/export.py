@@ -5,7 +5,7 @@ into safetensors files of at most `max_shard_bytes` each with Hugging Face's
 `model.safetensors.index.json` when there are several: what export holds at once is one
 tensor and one saved box of it, whatever the model's size. The run's configuration and
 tokenizer go beside them, so `generate` reads the folder as it reads a training run's; or,
-with `meshtrain.cli.hf_export.export_hf`, the files of a Hugging Face folder (`models.hf.write_hf`)."""
+with `meshtrain.cli.hf_export.export_hf`, the files of a Hugging Face folder (`meshtrain.hf.write_hf`)."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from meshtrain.checkpoint.dcp import Boxed
 from meshtrain.checkpoint.safetensors_files import (MAX_SHARD_BYTES, SAFETENSORS_DTYPES, SHARD_INDEX,
                                                     write_safetensors, write_shards)
 from meshtrain.checkpoint.sharded import CheckpointError, read_meta
+from meshtrain.checkpoint.weight_files import weight_files
 
 # Where they were before `safetensors_files.py`: callers import them from here.
 _REEXPORTED = (SHARD_INDEX, write_safetensors)
@@ -88,7 +89,6 @@ def weights_of(folder: Path) -> tuple[dict[str, tuple[tuple[int, ...], torch.dty
         return shapes, lambda name, dtype=None: consolidated(folder, [name], dtype, md=md)[name]
     from safetensors import safe_open
 
-    from meshtrain.models.hf import weight_files
     where: dict[str, Path] = {}
     shapes = {}
     for path in weight_files(folder):
@@ -128,12 +128,3 @@ def export(ckpt: Path, out: Path, *, dtype: torch.dtype | None = None, max_shard
     for extra in sorted(set(p.name for p in ckpt.iterdir()) & {"tokenizer.json"}):
         atomic_write(out / extra, lambda p: shutil.copyfile(ckpt / extra, p))
     return files
-
-
-def __getattr__(name: str):
-    """`export_hf`'s old import path: it lives in `meshtrain/cli/hf_export.py` (it reads the
-    run's configuration through `cli/run_model.py`, which reads checkpoints through this module)."""
-    if name == "export_hf":
-        from meshtrain.cli.hf_export import export_hf
-        return export_hf
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

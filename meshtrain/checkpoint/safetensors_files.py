@@ -1,5 +1,5 @@
 """Safetensors files written one tensor at a time, and Hugging Face's index over shards of
-them: what an export (`export.py`) and a Hugging Face folder (`models/hf.py`) both write.
+them: what an export (`export.py`) and a Hugging Face folder (`meshtrain/hf.py`) both write.
 No model and no checkpoint format is known here."""
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from typing import Callable
 import torch
 
 from meshtrain.checkpoint.folders import CheckpointError
+from meshtrain.checkpoint.weight_files import SHARD_INDEX  # noqa: F401 (its old home)
 
 MAX_SHARD_BYTES = 2 * 10**9  # Hugging Face's default shard size
-SHARD_INDEX = "model.safetensors.index.json"
 SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
                       torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
                       torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}

@@ -18,7 +18,6 @@ from meshtrain.checkpoint.owner import RUN_FILE, read_run
 from meshtrain.data.tokenizer import TOKENIZER_FILE, ByteTokenizer
 
 WEIGHTS_FILE = "model.safetensors"
-_MOVED = ("Saved", "describe", "imported_record", "load_model", "save_model")  # to meshtrain.cli.run_model
 
 
 def save_weights(out: Path, state: dict[str, torch.Tensor], record: dict, data) -> None:
@@ -56,11 +55,3 @@ def _read_weights(folder: Path) -> dict[str, torch.Tensor]:
         return load_file(str(folder / WEIGHTS_FILE))
     files = sorted(set(json.loads((folder / SHARD_INDEX).read_text())["weight_map"].values()))
     return {k: v for f in files for k, v in load_file(str(folder / f)).items()}
-
-
-def __getattr__(name: str):
-    """The old import paths of what reads a run's configuration: `meshtrain.cli.run_model`."""
-    if name in _MOVED:
-        from meshtrain.cli import run_model
-        return getattr(run_model, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

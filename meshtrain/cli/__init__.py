@@ -88,7 +88,7 @@ def build_parser(plan_flags: bool = True) -> argparse.ArgumentParser:
                        "--trace FILE` with its measured costs and compare the two")
     sched.add_argument("--png", metavar="FILE", help="also draw the timeline into FILE")
     sched.add_argument("--json", action="store_true", help="print one JSON object as the last line")
-    from meshtrain.plan.shapes import PUBLISHED
+    from meshtrain.recipes import PUBLISHED
     plan = sub.add_parser("plan", help="memory per device and step time of a layout, or the best layouts (no processes)",
                           description="Predict memory per device (model states, activations), FLOPs, traffic, "
                           "pipeline bubble, step time and MFU of a model on a cluster, for one layout or searched "
@@ -657,7 +657,7 @@ def _export(args) -> int:
 def _export_hf(ckpt: Path, out: Path, dtype, max_shard_bytes: int) -> int:
     """A Llama checkpoint (or run folder, or plain export) as a complete Hugging Face folder."""
     from meshtrain.cli.hf_export import export_hf
-    from meshtrain.models.hf import SIDE_FILES, TOKENIZER
+    from meshtrain.hf import SIDE_FILES, TOKENIZER
     files = export_hf(ckpt, out, dtype=dtype, max_shard_bytes=max_shard_bytes, log=_log)
     written = sorted(name for name in (*SIDE_FILES, TOKENIZER) if (out / name).is_file())
     if "tokenizer.json" not in written:

@@ -14,7 +14,8 @@ from dataclasses import replace
 from meshtrain import config as C
 from meshtrain.plan.cluster import GIB, GPU_PRESETS, Cluster, GpuRates, cluster_from
 from meshtrain.plan.planner import ACCOUNTINGS, PlanError, Workload, plan
-from meshtrain.plan.shapes import PUBLISHED, Shape, shape_of
+from meshtrain.plan.shapes import Shape
+from meshtrain.recipes import PUBLISHED, family_of, is_preset, is_published, shape_of
 
 EXPLICIT = ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab")
 CLUSTER_FLAGS = ("gpu_mem_gib", "gpus_per_node", "peak_tflops", "intra_node_gbps", "inter_node_gbps")
@@ -82,7 +83,7 @@ def workload_of(args, cfg: C.Config) -> Workload:
             shape = shape_of(cfg.model.name, tr.vocab_size)
         except ValueError as e:
             raise PlanError(str(e)) from None
-        seq = shape.seq_len if (cfg.model.name in PUBLISHED and args.seq_len is None) else tr.seq_len
+        seq = shape.seq_len if (is_published(cfg.model.name) and args.seq_len is None) else tr.seq_len
         if (shape.kind == "gpt" or cfg.model.init_from) and seq > shape.seq_len:
             raise PlanError(f"--seq-len {seq} exceeds the {shape.seq_len} positions of {cfg.model.name}")
     if tr.batch_size < 1 or seq < 1:
@@ -332,12 +333,12 @@ def train_flags(cfg: C.Config, work: Workload, lay: C.LayoutConfig) -> tuple[lis
     name, m, note = cfg.model.name, cfg.model, None
     if m.init_from:
         model = ["--init-from", m.init_from]
-    elif name in PUBLISHED and PUBLISHED[name].kind == "llama":
+    elif is_published(name) and family_of(PUBLISHED[name][0]).hf_folders:
         folder = name.upper().replace("-", "_") + "_DIR"
         model = ["--init-from", folder]
         note = (f"{folder}: a Hugging Face folder of {name}'s architecture (config.json, safetensors, "
                 f"tokenizer.json); --model {name} is a shape the planner knows, not a model train builds")
-    elif name in PUBLISHED or name not in C.PRESETS:
+    elif name in PUBLISHED or not is_preset(name):
         what = "the paper's shape (biases, a tied head)" if name in PUBLISHED else "a shape, not a model"
         return None, f"no train command: {name} is {what}, which meshtrain does not build"
     else:

@@ -28,7 +28,7 @@ def save_model(out: Path, state: dict[str, torch.Tensor], cfg: Config, data) -> 
 @dataclass
 class Saved:
     """What a folder says of the model it holds: the run's configuration, the vocabulary, the
-    model's spec, the configs of the folder it was imported from (`models.hf.side_files`; {}
+    model's spec, the configs of the folder it was imported from (`hf.side_files`; {}
     when it was not) and its tokenizer file (None: the byte tokenizer, or none was kept)."""
     config: Config
     vocab_size: int
@@ -39,11 +39,11 @@ class Saved:
 
 def imported_record(cfg: Config) -> dict:
     """What a checkpoint or a run's --out keeps of the --init-from folder, as JSON-able meta:
-    {"imported": its configs (`models.hf.side_files`)}, or {} for a run that imported none.
+    {"imported": its configs (`hf.side_files`)}, or {} for a run that imported none.
     With it, `describe` (export --hf, generate) needs the folder no more."""
     if not cfg.model.init_from:
         return {}
-    from meshtrain.models.hf import side_files
+    from meshtrain.hf import side_files
     return {"imported": side_files(cfg.model.init_from)}
 
 
@@ -54,7 +54,7 @@ def describe(ckpt: Path) -> Saved:
     checkpoint keeps no copy of its configs (checkpoints written before they did)."""
     from meshtrain.checkpoint import export
     from meshtrain.checkpoint.sharded import read_meta
-    from meshtrain.models.hf import CONFIG, side_files, spec_from_config
+    from meshtrain.hf import CONFIG, side_files, spec_from_config
 
     ckpt = Path(ckpt)
     if export.is_sharded_checkpoint(ckpt):
@@ -88,12 +88,11 @@ def describe(ckpt: Path) -> Saved:
 
 
 def _preset(cfg: Config):
-    from meshtrain.models import published_llama, published_llamas
-    from meshtrain.models.presets import PRESETS, spec_of
+    from meshtrain.recipes import PUBLISHED, is_preset, is_published, spec_of
     name = cfg.model.name
-    if name in published_llamas():
-        return published_llama(name)[0]
-    if name not in PRESETS:
+    if is_published(name) and not is_preset(name):
+        return PUBLISHED[name][0]
+    if not is_preset(name):
         raise ValueError(f"--ckpt: the run's model {name!r} is no preset meshtrain builds; load its weights "
                          f"({WEIGHTS_FILE}) into your model yourself")
     return spec_of(name, cfg.model.mlp_hidden)
@@ -106,9 +105,9 @@ def load_model(ckpt: Path, device="cpu"):
     --hf`'s; its config then says only the context length, `train.seq_len`). The weights are
     read in fp32."""
     from meshtrain.checkpoint import export
-    from meshtrain.models import build_model
+    from meshtrain.recipes.build import build_model
     from meshtrain.models.llama import Llama
-    from meshtrain.models.presets import LlamaSpec
+    from meshtrain.models.specs import LlamaSpec
 
     ckpt = Path(ckpt)
     if is_hf_export(ckpt):
@@ -141,7 +140,7 @@ def load_model(ckpt: Path, device="cpu"):
 def _load_hf_export(folder: Path, device):
     """A Hugging Face folder's Llama in fp32, its tokenizer (tokenizer.json; the byte
     tokenizer for a 256-token vocabulary) and a configuration saying its context length."""
-    from meshtrain.models.hf import load_hf
+    from meshtrain.hf import load_hf
     model = load_hf(folder)
     if model.vocab_size != ByteTokenizer.vocab_size and not (folder / TOKENIZER_FILE).is_file():
         raise FileNotFoundError(f"--ckpt {folder}: a Hugging Face folder without {TOKENIZER_FILE}; put the "

@@ -1,7 +1,7 @@
 """Plain PyTorch models — `gpt.GPT`, `llama.Llama`, `mlp.MLP` — and their constructor
 arguments (`specs`, no torch). They import nothing else of meshtrain: what the rest of the
 package knows about each (presets, initial weights, plans, the planner's shape) is its
-family's recipe (`meshtrain.recipes`), and Hugging Face folders are `models.hf`'s.
+family's recipe (`meshtrain.recipes`), and Hugging Face folders are `meshtrain.hf`'s.
 
 The names below the specs are old import paths, resolved lazily (`__getattr__`)."""
 
@@ -14,23 +14,11 @@ def count_params(model) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def load_hf(folder, device="cpu", dtype=None):
-    """A Hugging Face Llama folder (config.json + safetensors) as meshtrain's plain `Llama`."""
-    from meshtrain.models import hf
-    return hf.load_hf(folder, device=device, dtype=dtype)
-
-
-def save_hf(model, folder, dtype=None, **side) -> None:
-    """A `Llama` as a Hugging Face folder that transformers loads as is (`side`: `like=` an
-    imported folder whose configs and tokenizer to carry over, or `tokenizer=`; `hf.save_hf`)."""
-    from meshtrain.models import hf
-    hf.save_hf(model, folder, dtype=dtype, **side)
-
-
 _MOVED = {
     "build_model": "meshtrain.recipes.build",  # a preset with its weights: its recipe's
     "replace_submodule": "meshtrain.parallel.modules", "find_block_list": "meshtrain.parallel.modules",
     "published_llamas": "meshtrain.recipes.llama", "published_llama": "meshtrain.recipes.llama",
+    "load_hf": "meshtrain.hf", "save_hf": "meshtrain.hf",  # Hugging Face folders (the API contract's names)
 }
 
 

@@ -1,15 +1,11 @@
-"""Model FLOPs per step and the peak FLOP rates they are measured against (MFU).
+"""The peak FLOP rates model FLOPs are measured against (MFU), and a block's forward FLOPs
+by part for the planner. A whole step's model FLOPs are each model family's formula
+(`Family.flops_per_step` in `meshtrain.recipes`).
 
-The GPT's count is Megatron's (Narayanan et al. 2021, appendix). Forward, per layer: the
-four h×h attention projections and the two h×4h MLP matrices, 24·B·s·h² FLOPs; the attention
-scores and their weighting, 4·B·s²·h; once, the logits, 2·B·s·h·V. Backward costs twice
-forward, so a step is  72·B·s·l·h²·(1 + s/(6h) + V/(12·l·h)).
-It counts what the model needs, not what an implementation recomputes (activation
+A count what the model needs, not what an implementation recomputes (activation
 checkpointing adds work but not model FLOPs), so MFU compares layouts fairly."""
 
 from __future__ import annotations
-
-from meshtrain.models.presets import GPTSpec, MLPSpec
 
 # Dense peak FLOP/s per device by (device-name fragment, precision): the vendor's figures.
 # fp32 is the plain (non-tensor-core) rate: meshtrain keeps TF32 off so fp32 matches the CPU.
@@ -21,30 +17,6 @@ PEAK_FLOPS = {
     ("H100", "bf16"): 989e12, ("H100", "fp32"): 67e12,
     ("A100", "bf16"): 312e12, ("A100", "fp32"): 19.5e12,
 }
-
-
-def gpt_flops_per_step(spec: GPTSpec, vocab_size: int, batch: int, seq_len: int) -> float:
-    """Model FLOPs of one training step (forward and backward) of the GPT on `batch` sequences."""
-    s, h, l = seq_len, spec.d_model, spec.n_layers
-    return 72.0 * batch * s * l * h * h * (1 + s / (6 * h) + vocab_size / (12 * l * h))
-
-
-def llama_flops_per_step(spec, vocab_size: int, batch: int, seq_len: int) -> float:
-    """Model FLOPs of one training step of the Llama: 2 per weight and token forward (q, k,
-    v, o; gate, up, down; the head), the attention core 2·2·s·(h·head_dim) per token and
-    layer, backward twice the forward."""
-    d, hd, s = spec.d_model, spec.head_size, seq_len
-    per_layer = d * hd * (2 * spec.n_heads + 2 * spec.kv_heads) + 3 * d * spec.ffn_dim
-    forward = 2.0 * batch * s * (spec.n_layers * per_layer + d * vocab_size) + \
-        4.0 * batch * s * s * spec.n_layers * spec.n_heads * hd
-    return 3.0 * forward
-
-
-def mlp_flops_per_step(spec: MLPSpec, n_inputs: int, n_classes: int, batch: int) -> float:
-    """2 FLOPs per weight and sample forward, twice that backward."""
-    widths = (n_inputs, *spec.hidden, n_classes)
-    weights = sum(a * b for a, b in zip(widths, widths[1:]))
-    return 6.0 * batch * weights
 
 
 def peak_flops(device_name: str, precision: str) -> float | None:
@@ -95,3 +67,12 @@ def hardware_flops(shape, batch: int, seq: int, recompute: str = "none") -> floa
     """FLOPs the devices execute: model FLOPs plus the recomputation. With full recompute
     of a GPT, Narayanan et al. (2021) eq. 3: 96·B·s·l·h²·(1 + s/6h + V/(16·l·h))."""
     return model_flops(shape, batch, seq) + recomputed_flops(shape, batch, seq, recompute)
+
+
+def __getattr__(name: str):
+    """Old import paths: a step's model FLOPs are each family's recipe's."""
+    moved = {"gpt_flops_per_step": "gpt", "llama_flops_per_step": "llama", "mlp_flops_per_step": "mlp"}
+    if name in moved:
+        import importlib
+        return getattr(importlib.import_module(f"meshtrain.recipes.{moved[name]}"), "flops_per_step")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -10,6 +10,11 @@ plans before torch loads, so a family imports its model class inside `build` and
 from __future__ import annotations
 
 
+class HFError(ValueError):
+    """A Hugging Face folder meshtrain cannot read as a model of its families: one line naming
+    what and why."""
+
+
 class Family:
     """A model family. `presets`: named specs (instances of `spec_type`) that train builds;
     `published`: released architectures, name -> (spec, vocabulary), which the planner plans
@@ -76,6 +81,36 @@ class Family:
         or None: not known before it is built."""
         shape = self.shape(spec, vocab_size)
         return shape.n_params() if shape is not None else None
+
+    def flops_per_step(self, spec, batch: int, seq_len: int, *, vocab_size: int = 256, n_inputs: int = 64,
+                       n_classes: int = 10) -> float | None:
+        """Model FLOPs of one training step (forward and backward) on `batch` samples, what
+        MFU is measured by; None: no formula."""
+        return None
+
+    # ---- Hugging Face folders (`meshtrain.hf`), for a family with `hf_folders` ----------------
+
+    def hf_reads(self, config: dict) -> bool:
+        """Whether a `config.json` is of this family's architecture (its model_type)."""
+        return False
+
+    def spec_from_hf(self, config: dict, where: str) -> tuple:
+        """(spec, vocabulary) of a `config.json`; HFError (one line) for what the model cannot
+        represent."""
+        raise HFError(f"{where}: meshtrain's {self.name} reads no Hugging Face config")
+
+    def hf_config(self, spec, vocab_size: int, dtype: str, special_ids: dict) -> dict:
+        """The `config.json` transformers reads for `spec` (`special_ids`: bos/eos/pad, None
+        where unknown)."""
+        raise NotImplementedError
+
+    def hf_name(self, name: str) -> str:
+        """A parameter's name in Hugging Face's files."""
+        return name
+
+    def our_name(self, hf_name: str) -> str:
+        """The parameter a name in Hugging Face's files is."""
+        return hf_name
 
     def shape(self, spec, vocab_size: int):
         """The planner's `plan.shapes.Shape` of the spec, or None: not planned."""

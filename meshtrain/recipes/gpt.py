@@ -51,6 +51,16 @@ def pipeline_plan(d_model: int) -> PipelinePlan:
     return PipelinePlan(("embed",), "blocks", ("norm", "head"), lambda b, s: (b, s, d_model))
 
 
+def flops_per_step(spec: GPTSpec, vocab_size: int, batch: int, seq_len: int) -> float:
+    """Model FLOPs of one training step (forward and backward) on `batch` sequences:
+    Megatron's count (Narayanan et al. 2021, appendix). Forward, per layer: the four h×h
+    attention projections and the two h×4h MLP matrices, 24·B·s·h²; the attention scores and
+    their weighting, 4·B·s²·h; once, the logits, 2·B·s·h·V. Backward costs twice forward, so
+    a step is 72·B·s·l·h²·(1 + s/(6h) + V/(12·l·h))."""
+    s, h, l = seq_len, spec.d_model, spec.n_layers
+    return 72.0 * batch * s * l * h * h * (1 + s / (6 * h) + vocab_size / (12 * l * h))
+
+
 def init_rules(model) -> dict:
     """GPT-2's initialisation: matrices (embeddings too) N(0, 0.02), the residual projections
     N(0, 0.02/sqrt(2L)); LayerNorm weights 1, biases 0."""
@@ -102,6 +112,9 @@ class GPTFamily(Family):
 
     def with_options(self, spec: GPTSpec, *, dropout: float = 0.0, attention: str = "sdpa", hidden=None) -> GPTSpec:
         return replace(spec, dropout=dropout, attention=attention)
+
+    def flops_per_step(self, spec: GPTSpec, batch: int, seq_len: int, *, vocab_size: int = 256, **_) -> float:
+        return flops_per_step(spec, vocab_size, batch, seq_len)
 
     def shape(self, spec: GPTSpec, vocab_size: int) -> Shape:
         return Shape(spec.n_layers, spec.d_model, spec.n_heads, vocab_size, spec.max_seq_len)

@@ -1,15 +1,18 @@
 """meshtrain's Llama (`models/llama.py`) as a recipe: its presets and the published Llama 2
 and 3 shapes, Hugging Face's initialisation, its tensor-parallel and pipeline plans, what a
-layout must divide, and the planner's shape. (Its Hugging Face name map and config mapping
-are still `models/hf.py`'s.)"""
+layout must divide, the planner's shape, and its Hugging Face name map and `config.json`
+mapping (the folders themselves are `meshtrain.hf`'s). What the model cannot represent
+(biases, other RoPE types, partial rotary) is refused in one line naming the key."""
 
 from __future__ import annotations
 
-from meshtrain.models.specs import LlamaSpec
+from meshtrain.models.specs import LlamaSpec, RopeScaling
 from meshtrain.parallel.pipeline.plan import PipelinePlan
 from meshtrain.parallel.styles import COLUMN, REGION, ROW, VOCAB, Heads, TensorPlan
 from meshtrain.plan.shapes import Shape
-from meshtrain.recipes.family import Family
+from meshtrain.recipes.family import Family, HFError
+
+ROPE_TYPES = ("default", "llama3", "linear")
 
 PRESETS = {
     # The suite's (8 blocks to cut, 4 query heads sharing 2 key/value heads, a head size other
@@ -69,10 +72,101 @@ def pipeline_plan(d_model: int) -> PipelinePlan:
     return PipelinePlan(("embed_tokens",), "layers", ("norm", "lm_head"), lambda b, s: (b, s, d_model))
 
 
+def flops_per_step(spec: LlamaSpec, vocab_size: int, batch: int, seq_len: int) -> float:
+    """Model FLOPs of one training step: 2 per weight and token forward (q, k, v, o; gate, up,
+    down; the head), the attention core 2·2·s·(h·head_dim) per token and layer, backward
+    twice the forward."""
+    d, hd, s = spec.d_model, spec.head_size, seq_len
+    per_layer = d * hd * (2 * spec.n_heads + 2 * spec.kv_heads) + 3 * d * spec.ffn_dim
+    forward = 2.0 * batch * s * (spec.n_layers * per_layer + d * vocab_size) + \
+        4.0 * batch * s * s * spec.n_layers * spec.n_heads * hd
+    return 3.0 * forward
+
+
 def init_rules(model) -> dict:
     """Hugging Face's Llama initialisation: every matrix N(0, 0.02) (its initializer_range),
     RMSNorm weights 1. A tied head is the embedding (one parameter, one name)."""
     return {name: ("normal", 0.02) if p.dim() >= 2 else ("ones",) for name, p in model.named_parameters()}
+
+
+def hf_name(name: str) -> str:
+    """Hugging Face's names are ours under `model.`, but the head's."""
+    return name if name.startswith("lm_head.") else f"model.{name}"
+
+
+def our_name(name: str) -> str:
+    return name.removeprefix("model.")
+
+
+def spec_from_config(config: dict, where: str = "config.json") -> tuple[LlamaSpec, int]:
+    """(spec, vocabulary size) of a Hugging Face Llama `config.json`, in both the current
+    (`rope_parameters`) and the older (`rope_theta`, `rope_scaling`) spellings."""
+    for key in ("attention_bias", "mlp_bias"):
+        if config.get(key):
+            raise HFError(f"{where}: {key} is true; meshtrain's Llama has no biases")
+    if config.get("hidden_act", "silu") != "silu":
+        raise HFError(f"{where}: hidden_act {config['hidden_act']!r}; meshtrain's Llama uses silu (SwiGLU)")
+    try:
+        d, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
+        kv = int(config.get("num_key_value_heads") or heads)
+        spec = LlamaSpec(n_layers=int(config["num_hidden_layers"]), n_heads=heads, n_kv_heads=kv, d_model=d,
+                         head_dim=int(config.get("head_dim") or d // heads),
+                         ffn_dim=int(config["intermediate_size"]),
+                         max_seq_len=int(config.get("max_position_embeddings", 2048)),
+                         rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+                         tie_embeddings=bool(config.get("tie_word_embeddings", False)), **_rope(config, where))
+        vocab = int(config["vocab_size"])
+    except KeyError as e:
+        raise HFError(f"{where}: no {e.args[0]}") from None
+    if heads % kv:
+        raise HFError(f"{where}: num_key_value_heads {kv} does not divide num_attention_heads {heads}")
+    return spec, vocab
+
+
+def _rope(config: dict, where: str) -> dict:
+    params = dict(config.get("rope_parameters") or {})
+    if not params:  # the older spelling
+        params = dict(config.get("rope_scaling") or {})
+        params.setdefault("rope_theta", config.get("rope_theta", 10000.0))
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind not in ROPE_TYPES:
+        raise HFError(f"{where}: rope_type {kind!r}; meshtrain implements {', '.join(ROPE_TYPES)}")
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise HFError(f"{where}: partial_rotary_factor {params['partial_rotary_factor']}; meshtrain rotates whole heads")
+    scaling = None
+    if kind == "linear":
+        scaling = RopeScaling("linear", float(params["factor"]))
+    elif kind == "llama3":
+        scaling = RopeScaling("llama3", float(params["factor"]), float(params["low_freq_factor"]),
+                              float(params["high_freq_factor"]), int(params["original_max_position_embeddings"]))
+    return {"rope_theta": float(params["rope_theta"]), "rope_scaling": scaling}
+
+
+def config_from_spec(spec: LlamaSpec, vocab_size: int, dtype: str, special_ids: dict | None = None) -> dict:
+    """A `config.json` the current transformers reads, and for the rope the older one too
+    (`rope_parameters`; `rope_scaling` without the theta, and `rope_theta`, which transformers
+    5 also reads, the scaling first). `special_ids`: the bos/eos/pad ids (by "bos", "eos",
+    "pad"; an eos may be a list), written null where unknown rather than left to
+    LlamaConfig's defaults (1, 2)."""
+    scaling = None
+    if spec.rope_scaling is not None:
+        s = spec.rope_scaling
+        scaling = {"rope_type": s.kind, "type": s.kind, "factor": s.factor}
+        if s.kind == "llama3":
+            scaling.update(low_freq_factor=s.low_freq_factor, high_freq_factor=s.high_freq_factor,
+                           original_max_position_embeddings=s.original_max_position_embeddings)
+    rope = {"rope_type": "default", "rope_theta": spec.rope_theta}
+    if scaling is not None:
+        rope = {k: v for k, v in scaling.items() if k != "type"} | {"rope_theta": spec.rope_theta}
+    ids = special_ids or {}
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "dtype": dtype, "torch_dtype": dtype,
+            "vocab_size": vocab_size, "hidden_size": spec.d_model, "intermediate_size": spec.ffn_dim,
+            "num_hidden_layers": spec.n_layers, "num_attention_heads": spec.n_heads,
+            "num_key_value_heads": spec.kv_heads, "head_dim": spec.head_size, "hidden_act": "silu",
+            "max_position_embeddings": spec.max_seq_len, "rms_norm_eps": spec.rms_norm_eps,
+            "tie_word_embeddings": spec.tie_embeddings, "attention_bias": False, "mlp_bias": False,
+            "rope_parameters": rope, "rope_scaling": scaling, "rope_theta": spec.rope_theta,
+            **{f"{k}_token_id": ids.get(k) for k in ("bos", "eos", "pad")}}
 
 
 class LlamaFamily(Family):
@@ -110,6 +204,24 @@ class LlamaFamily(Family):
         if spec.tie_embeddings:
             return "ties its head to its embedding, which pp would put on two stages; use --pp 1"
         return None
+
+    def flops_per_step(self, spec: LlamaSpec, batch: int, seq_len: int, *, vocab_size: int = 256, **_) -> float:
+        return flops_per_step(spec, vocab_size, batch, seq_len)
+
+    def hf_reads(self, config: dict) -> bool:
+        return config.get("model_type") == "llama" or "LlamaForCausalLM" in (config.get("architectures") or [])
+
+    def spec_from_hf(self, config: dict, where: str) -> tuple[LlamaSpec, int]:
+        return spec_from_config(config, where)
+
+    def hf_config(self, spec: LlamaSpec, vocab_size: int, dtype: str, special_ids: dict) -> dict:
+        return config_from_spec(spec, vocab_size, dtype, special_ids)
+
+    def hf_name(self, name: str) -> str:
+        return hf_name(name)
+
+    def our_name(self, hf_name: str) -> str:
+        return our_name(hf_name)
 
     def shape(self, spec: LlamaSpec, vocab_size: int) -> Shape:
         head_dim = spec.head_size if spec.head_size * spec.n_heads != spec.d_model else None

@@ -27,6 +27,13 @@ def pipeline_plan(width: int) -> PipelinePlan:
     return PipelinePlan((), "blocks", ("head",), lambda b, s: (b, width))
 
 
+def flops_per_step(spec: MLPSpec, n_inputs: int, n_classes: int, batch: int) -> float:
+    """2 FLOPs per weight and sample forward, twice that backward."""
+    widths = (n_inputs, *spec.hidden, n_classes)
+    weights = sum(a * b for a, b in zip(widths, widths[1:]))
+    return 6.0 * batch * weights
+
+
 def init_rules(model) -> dict:
     """PyTorch's own `nn.Linear` initialisation, U(±1/sqrt(fan_in)) for weight and bias
     (kaiming_uniform with a = sqrt(5)), for a model of Linear layers."""
@@ -80,6 +87,10 @@ class MLPFamily(Family):
     def n_params(self, spec: MLPSpec, vocab_size: int) -> int:
         widths = (64, *spec.hidden, 10)  # the digits' 8×8 pixels, 10 classes
         return sum((a + 1) * b for a, b in zip(widths, widths[1:]))
+
+    def flops_per_step(self, spec: MLPSpec, batch: int, seq_len: int, *, n_inputs: int = 64, n_classes: int = 10,
+                       **_) -> float:
+        return flops_per_step(spec, n_inputs, n_classes, batch)
 
     def with_options(self, spec: MLPSpec, *, dropout: float = 0.0, attention: str = "sdpa", hidden=None) -> MLPSpec:
         return replace(spec, hidden=tuple(hidden)) if hidden else spec

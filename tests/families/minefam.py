@@ -98,3 +98,19 @@ class MixerFamily(Family):
 
 
 FAMILY = MixerFamily()
+
+
+def _draw(name, tensor, generator):
+    """The family's rules as `parallelize(init=)` takes them: a parameter's full tensor, filled."""
+    if tensor.dim() >= 2:
+        tensor.normal_(0.0, 0.02, generator=generator)
+    else:
+        tensor.fill_(1.0 if name.endswith("norm.weight") else 0.0)
+
+
+def meta_recipe():
+    """The same model as a user's `--model minefam:meta_recipe`: built on the meta device (its
+    `init` given), so each rank draws only its part."""
+    spec = MixerSpec(n_layers=4, d_model=16)
+    return meshtrain.Recipe(make_model=lambda: _modules()(spec, 256), init=_draw, tp_plan=TP_PLAN,
+                            pipeline=FAMILY.pipeline_plan(spec))
