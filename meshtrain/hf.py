@@ -22,6 +22,7 @@ from pathlib import Path
 from meshtrain.checkpoint import weight_files as files
 from meshtrain.recipes import FAMILIES, Family, family_of, family_of_model
 from meshtrain.recipes.family import HFError
+from meshtrain.atomic import atomic_write
 
 CONFIG = "config.json"
 WEIGHTS, INDEX = files.WEIGHTS, files.SHARD_INDEX
@@ -123,7 +124,6 @@ def write_side(folder, spec, vocab_size: int, dtype: str, side: dict[str, dict] 
 
     from tokenizers import Tokenizer
 
-    from meshtrain.atomic import atomic_write  # torch-free, but only a writer needs it
     folder, side = Path(folder), dict(side or {})
     written = []
 

@@ -18,6 +18,8 @@ import uuid
 from dataclasses import dataclass
 from datetime import timedelta
 
+from meshtrain.faults import RESTART_ENV
+
 # A collective that waits longer than this ends the job with an error instead of hanging
 # (`--timeout` shortens it once the first step is done: `set_collective_timeout`).
 COLLECTIVE_TIMEOUT = timedelta(minutes=5)
@@ -121,8 +123,6 @@ def _run_attempts(nproc: int, argv: list[str], max_restarts: int, restart_point,
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
-    from meshtrain.faults import RESTART_ENV
 
     for attempt in range(max_restarts + 1):
         config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc,

@@ -31,6 +31,7 @@ from meshtrain.config import parse_layout  # the command line's grammar of a lay
 from meshtrain.job import Job, cross_entropy, parallelize
 from meshtrain.mesh import Mesh
 from meshtrain.verifier import LayoutRecorder, compare, join_parts, lockstep_steps, same_ranks, shared_temp_folder
+from meshtrain.session import init
 
 # What the reference run takes from the layout's arguments: nothing that splits the model.
 _LAYOUT_ONLY = ("zero", "sp", "tp_plan", "pipeline", "schedule", "chunks", "microbatches", "recompute", "precision",
@@ -81,7 +82,6 @@ def verify(make_model: Callable[[], nn.Module], batches: Iterable, *, optimizer,
     its default, except the model's plans (tp_plan, pipeline, wrap), kept from `options`;
     an unset dp fills the world, which must be this one's — or the same layout when None."""
     if mesh is None:
-        from meshtrain.session import init
         mesh = init(dp=dp, tp=tp, pp=pp, seed=seed)
     batches = [_unpack(b) for b in batches]
     if not batches:
@@ -176,7 +176,6 @@ def _second_layout(mesh: Mesh, options: dict, resume_layout, seed: int) -> tuple
     if all(sizes.get(k, 1) == mesh.size(k) for k in ("tp", "pp", "cp")) and sizes.get("dp") in (None, mesh.batch_dp):
         mesh_b = mesh
     else:
-        from meshtrain.session import init
         try:
             mesh_b = init(dp=sizes.get("dp"), tp=sizes.get("tp", 1), pp=sizes.get("pp", 1), cp=sizes.get("cp", 1),
                           device=mesh.device.type, seed=seed)

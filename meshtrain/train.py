@@ -38,6 +38,8 @@ from meshtrain.parallel.materialize import ModelRules
 from meshtrain.parallel.pipeline import trace as pipeline_trace
 from meshtrain.recipe import Recipe, RecipeData, is_user_model, load_recipe
 from meshtrain.recipes.build import build_model, preset_recipe
+from meshtrain.hf import HFWeights
+from meshtrain.checkpoint.sharded import CheckpointError, read_meta
 
 
 @dataclass
@@ -135,7 +137,6 @@ def initial_weights(cfg: Config, model, recipe: Recipe):
     """What each rank draws its part of the weights from: the recipe's (the seed's rules), or
     --init-from's files."""
     if cfg.model.init_from:
-        from meshtrain.hf import HFWeights
         return HFWeights(cfg.model.init_from, model)
     return recipe.init.spec(model, cfg.train.seed) if isinstance(recipe.init, ModelRules) else recipe.init
 
@@ -463,7 +464,6 @@ def resume(job: Job, cfg: Config, run_id: str) -> tuple[int, str | None]:
     (any layout's, of run `run_id` when taken from OUT) and return its step and folder; else
     (0, None). Everything that can refuse it is checked before the state is loaded, and
     nothing in OUT is written here: a refused resume leaves OUT as it was."""
-    from meshtrain.checkpoint.sharded import CheckpointError, read_meta
     tr, comm = cfg.train, job.parallel.comm
     restarted = faults.restart_count() > 0
     if not (tr.resume or tr.resume_from or restarted):

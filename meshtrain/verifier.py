@@ -42,6 +42,7 @@ from meshtrain.config import Config, LayoutConfig
 from meshtrain.mesh import Mesh
 from meshtrain.parallel.state import digest
 from meshtrain.train import StepObserver, held_out_loss, setup, train, train_step
+from meshtrain.checkpoint.folders import step_dir
 
 # Relative differences allowed at a lockstep step (fp32), from what correct layouts measure
 # (data, tensor and sequence parallelism, gpt-test and gpt-small): gradients at most 7.9e-7
@@ -214,7 +215,6 @@ def part_config(cfg: Config, second: Config, part: str, folder: Path) -> Config:
     steps 1..K, saved after K into `folder`/first) or the resumed (`second`, from that
     checkpoint, into `folder`/resumed). Both keep --steps N, so the schedule is the
     uninterrupted run's."""
-    from meshtrain.checkpoint.folders import step_dir
     at = cfg.train.resume_at
     out = copy.deepcopy(cfg if part == FIRST else second)
     out.train.out, out.train.keep, out.train.resume, out.train.resume_from = str(Path(folder, part)), None, False, None

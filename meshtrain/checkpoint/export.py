@@ -23,6 +23,10 @@ from meshtrain.checkpoint.safetensors_files import (MAX_SHARD_BYTES, SAFETENSORS
                                                     write_safetensors, write_shards)
 from meshtrain.checkpoint.sharded import CheckpointError, read_meta
 from meshtrain.checkpoint.weight_files import weight_files
+from meshtrain.comm import Comm
+from meshtrain.mesh import Mesh
+from meshtrain.atomic import atomic_write
+from meshtrain.checkpoint.owner import RUN_FILE
 
 # Where they were before `safetensors_files.py`: callers import them from here.
 _REEXPORTED = (SHARD_INDEX, write_safetensors)
@@ -61,8 +65,6 @@ def consolidated(ckpt: Path, names: list[str] | None = None, dtype: torch.dtype 
 
 def check_good(ckpt: Path) -> None:
     """One process: the checkpoint's files are all there and intact."""
-    from meshtrain.comm import Comm
-    from meshtrain.mesh import Mesh
     if not is_sharded_checkpoint(ckpt):
         raise CheckpointError(f"--ckpt {ckpt}: not a sharded checkpoint (a step-N folder written by --save-every "
                               f"or job.save: it has a {folders.COMPLETE} marker and {dcp.INDEX})")
@@ -110,8 +112,6 @@ def export(ckpt: Path, out: Path, *, dtype: torch.dtype | None = None, max_shard
     """Write the checkpoint's weights as safetensors in `out` (and its run's configuration
     and tokenizer), in `dtype` where floating point (default: as saved, the fp32 masters);
     returns the weight files. Holds one tensor at a time."""
-    from meshtrain.atomic import atomic_write
-    from meshtrain.checkpoint.owner import RUN_FILE
 
     ckpt, out = Path(ckpt), Path(out)
     check_good(ckpt)

@@ -15,6 +15,7 @@ import torch
 
 from meshtrain.checkpoint.folders import CheckpointError
 from meshtrain.checkpoint.weight_files import SHARD_INDEX  # noqa: F401 (its old home)
+from meshtrain.atomic import atomic_write
 
 MAX_SHARD_BYTES = 2 * 10**9  # Hugging Face's default shard size
 SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -29,7 +30,6 @@ def write_shards(out: Path, tensors: dict[str, tuple[tuple[int, ...], torch.dtyp
     `max_shard_bytes` each in `out` — `model.safetensors`, or numbered shards and Hugging
     Face's index — asking `read(name)` for one tensor at a time and streaming it to its file
     (`write_safetensors`): what is held at once is one tensor, whatever the shard's size."""
-    from meshtrain.atomic import atomic_write
 
     groups: list[list[str]] = [[]]
     size = 0

@@ -16,6 +16,7 @@ import torch
 from meshtrain.atomic import atomic_write
 from meshtrain.checkpoint.owner import RUN_FILE, read_run
 from meshtrain.data.tokenizer import TOKENIZER_FILE, ByteTokenizer
+from meshtrain.checkpoint.weight_files import SHARD_INDEX
 
 WEIGHTS_FILE = "model.safetensors"
 
@@ -50,7 +51,6 @@ def _read_weights(folder: Path) -> dict[str, torch.Tensor]:
     """One safetensors file, or the shards its Hugging Face index lists."""
     from safetensors.torch import load_file
 
-    from meshtrain.checkpoint.export import SHARD_INDEX
     if (folder / WEIGHTS_FILE).exists():
         return load_file(str(folder / WEIGHTS_FILE))
     files = sorted(set(json.loads((folder / SHARD_INDEX).read_text())["weight_map"].values()))

@@ -33,6 +33,8 @@ from functools import lru_cache
 
 from meshtrain.parallel.options import parse_recompute
 from meshtrain.plan.block_terms import LlamaDims, cp_attention_delta, llama_kept_bytes, ring_backward_bytes
+from meshtrain.parallel.pipeline.schedules import split_layers
+from meshtrain.parallel.pipeline import schedules as S
 
 PAPER_K = 12  # the ZeRO paper's optimizer bytes per parameter under mixed precision (fp32 master, m, v)
 
@@ -124,7 +126,6 @@ def stage_runs(shape, *, pp: int = 1, stage: int = 0, chunks: int = 1, tp: int =
 
 @lru_cache(maxsize=65536)
 def _runs_of(layers: int, pp: int, stage: int, chunks: int, stage_layers: tuple[int, ...] | None) -> tuple[int, ...]:
-    from meshtrain.parallel.pipeline.schedules import split_layers
     ranges = split_layers(layers, pp * chunks, list(stage_layers) if stage_layers else None)
     return tuple(len(ranges[c * pp + stage]) for c in range(chunks))
 
@@ -335,7 +336,6 @@ def _chunks_at_backwards(schedule: str, pp: int, stage: int, microbatches: int,
     step's forward output after its backward) and the messages sent and not yet known
     complete — outputs and input gradients, which the engine frees when a later group with
     a receive (or the step's end) has waited for them (`transport.py`)."""
-    from meshtrain.parallel.pipeline import schedules as S
 
     if pp == 1:
         return ((0, (1,), 0, 0, 0, False),)

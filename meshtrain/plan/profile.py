@@ -17,6 +17,7 @@ from itertools import product
 from pathlib import Path
 
 from meshtrain.plan.planner import PlanError
+from meshtrain.atomic import atomic_write
 
 FORMAT = "meshtrain-machine-profile/1"
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "p2p", "all_to_all")
@@ -130,7 +131,6 @@ class MachineProfile:
         return self.collectives[kind]
 
     def save(self, path) -> None:
-        from meshtrain.atomic import atomic_write
         text = json.dumps({"format": FORMAT, **asdict(self)}, indent=1) + "\n"
         atomic_write(Path(path), lambda tmp: tmp.write_text(text))
 
