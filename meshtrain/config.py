@@ -19,6 +19,8 @@ from meshtrain.recipes import PRESETS, PUBLISHED, add_preset, family_of, is_pres
 from meshtrain.recipe import is_user_model
 from meshtrain.parallel.options import (CP_MODES, GRAD_DTYPES, LINEAR_SYNCS, PRECISIONS, SCHEDULES, Layout,
                                        parse_recompute, schedule_or_batch_problem)
+from meshtrain.hf import HFError, read_config, spec_from_config, weight_files
+from meshtrain.data.corpus import DataError
 
 RECOMPUTE = ("none", "full", "selective", "segments[:K]")
 ATTENTIONS = ("sdpa", "math")
@@ -298,7 +300,6 @@ def adopt_imported_model(cfg: Config) -> None:
     m = cfg.model
     if not m.init_from:
         return
-    from meshtrain.hf import HFError, read_config, spec_from_config, weight_files
     folder = Path(m.init_from)
     try:
         spec, vocab = spec_from_config(read_config(folder), str(folder / "config.json"))
@@ -329,7 +330,6 @@ def adopt_prepared_data(cfg: Config) -> None:
     sets it (whose tokenizer the folder must have been prepared with: checked with the data).
     One line for a folder of another format version, and for a --vocab-size the user gave
     that is not the folder's."""
-    from meshtrain.data.corpus import DataError
     from meshtrain.data.prepared import find, read_meta
     tr = cfg.train
     try:

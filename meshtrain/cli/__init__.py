@@ -21,7 +21,17 @@ from pathlib import Path
 from meshtrain import config as C
 from meshtrain.recipe import is_user_model
 from meshtrain import launch
-from meshtrain.recipes import family_of
+from meshtrain.recipes import PUBLISHED, family_of
+from meshtrain.checkpoint.folders import COMPLETE, step_dir, steps_in_local
+from meshtrain.checkpoint.owner import OwnerError, RUN_ID_ENV, read_run
+from meshtrain.data.corpus import DataError
+from meshtrain.checkpoint.lock import OutLock, OutLocked
+from meshtrain import board, faults
+from meshtrain.checkpoint import owner
+from meshtrain.parallel.pipeline.draw import draw_panels, draw_png, summary, text_timeline
+from meshtrain.parallel.pipeline.schedules import schedule
+from meshtrain.parallel.pipeline.simulate import simulate
+from meshtrain.hf import SIDE_FILES, TOKENIZER
 
 BENCH_PEERS = ("ddp", "zero1", "fsdp2", "dtensor-tp", "torch-pp")  # meshtrain.bench.PEERS, named here so a bad --vs fails without torch
 COMMAND_STEPS = {"verify": 10, "bench": 20}  # their default --steps, unless TOML or a flag says
@@ -88,7 +98,6 @@ def build_parser(plan_flags: bool = True) -> argparse.ArgumentParser:
                        "--trace FILE` with its measured costs and compare the two")
     sched.add_argument("--png", metavar="FILE", help="also draw the timeline into FILE")
     sched.add_argument("--json", action="store_true", help="print one JSON object as the last line")
-    from meshtrain.recipes import PUBLISHED
     plan = sub.add_parser("plan", help="memory per device and step time of a layout, or the best layouts (no processes)",
                           description="Predict memory per device (model states, activations), FLOPs, traffic, "
                           "pipeline bubble, step time and MFU of a model on a cluster, for one layout or searched "
@@ -226,8 +235,6 @@ def _available_host_bytes() -> int | None:
 
 
 def _latest_checkpoint(out: str) -> str:
-    from meshtrain.checkpoint.folders import step_dir, steps_in_local
-    from meshtrain.checkpoint.owner import RUN_ID_ENV
     steps = steps_in_local(Path(out), os.environ.get(RUN_ID_ENV))
     return f"{step_dir(Path(out), steps[0])} (or the newest good one before it)" if steps else \
         "the start (no checkpoint yet)"
@@ -235,7 +242,6 @@ def _latest_checkpoint(out: str) -> str:
 
 def _stopped_cleanly(out: str, since: float) -> str | None:
     """How the ranks stopped after a SIGTERM, when they all saved (`OUT/run.json`); else None."""
-    from meshtrain.checkpoint.owner import read_run
     stopped = read_run(Path(out)).get("stopped") or {}
     if stopped.get("by") == "SIGTERM" and stopped.get("at", 0) >= since:
         return f"stopped by SIGTERM after step {stopped['step']}; saved {stopped['saved']} (resume with --resume)"
@@ -245,7 +251,6 @@ def _stopped_cleanly(out: str, since: float) -> str | None:
 def _check_resume_source(tr: C.TrainConfig) -> None:
     """--resume and --resume-from name a checkpoint that exists (whether it is good, the
     ranks decide together once started)."""
-    from meshtrain.checkpoint.folders import COMPLETE, steps_in_local
     if tr.resume_from and not (Path(tr.resume_from) / COMPLETE).is_file():
         what = "does not exist" if not Path(tr.resume_from).exists() else f"has no {COMPLETE} marker"
         raise C.ConfigError(f"--resume-from {tr.resume_from}: {what}; give a checkpoint folder (OUT/step-N, "
@@ -285,10 +290,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"meshtrain: error: {e}", file=sys.stderr)
             return 2
         return plan(args, cfg)
-    from meshtrain.data.corpus import DataError
 
-    from meshtrain.checkpoint.lock import OutLocked
-    from meshtrain.checkpoint.owner import OwnerError
 
     renv, out_lock = None, None
     try:
@@ -304,7 +306,6 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "train":
             _check_resume_source(cfg.train)
             if cfg.train.tensorboard:
-                from meshtrain import board
                 if not board.available():
                     raise C.ConfigError(board.MISSING)
         for warning in C.warnings(cfg, args.command) if speaks else []:
@@ -351,9 +352,6 @@ def _own_out(cfg: C.Config, renv):
     launcher): the lock (`checkpoint.lock`), then the run id (`checkpoint.owner.claim`),
     handed to the ranks in the environment. None for the ranks of meshtrain's own launcher
     and the other ranks of an outside one."""
-    from meshtrain import faults
-    from meshtrain.checkpoint import owner
-    from meshtrain.checkpoint.lock import OutLock
 
     if renv is not None and (renv.rank != 0 or os.environ.get(owner.RUN_ID_ENV)):
         return None
@@ -372,7 +370,6 @@ def _own_out(cfg: C.Config, renv):
 def _release(out_lock) -> None:
     """Give --out back: the lock, and the run id this process handed to its ranks."""
     if out_lock is not None:
-        from meshtrain.checkpoint.owner import RUN_ID_ENV
         out_lock.release()
         os.environ.pop(RUN_ID_ENV, None)
 
@@ -528,9 +525,6 @@ def _schedule(args) -> int:
     """`meshtrain schedule`: no processes, no data; the simulator and what draws it."""
     import json
 
-    from meshtrain.parallel.pipeline.draw import draw_png, summary, text_timeline
-    from meshtrain.parallel.pipeline.schedules import schedule
-    from meshtrain.parallel.pipeline.simulate import simulate
 
     if args.trace:
         return _schedule_against_trace(args)
@@ -568,7 +562,6 @@ def _schedule_against_trace(args) -> int:
     against that run: makespans, order of operations, both timelines."""
     import json
 
-    from meshtrain.parallel.pipeline.draw import draw_panels, text_timeline
     from meshtrain.parallel.pipeline.trace import compare
 
     try:
@@ -606,7 +599,6 @@ def _schedule_against_trace(args) -> int:
 
 def _prepare(args) -> int:
     """`meshtrain prepare`: no processes, no torch; one line for each refusal."""
-    from meshtrain.data.corpus import DataError
     from meshtrain.data.datasets import imported_tokenizer_and_rows, prepare_folder
     from meshtrain.data.prepared import find
     vocab, tokenizer = args.vocab_size if args.vocab_size is not None else C.TrainConfig.vocab_size, None
@@ -657,7 +649,6 @@ def _export(args) -> int:
 def _export_hf(ckpt: Path, out: Path, dtype, max_shard_bytes: int) -> int:
     """A Llama checkpoint (or run folder, or plain export) as a complete Hugging Face folder."""
     from meshtrain.cli.hf_export import export_hf
-    from meshtrain.hf import SIDE_FILES, TOKENIZER
     files = export_hf(ckpt, out, dtype=dtype, max_shard_bytes=max_shard_bytes, log=_log)
     written = sorted(name for name in (*SIDE_FILES, TOKENIZER) if (out / name).is_file())
     if "tokenizer.json" not in written:

@@ -14,6 +14,7 @@ from pathlib import Path
 from meshtrain import config as C
 from meshtrain.cli.calibrate import calibrate, stderr_progress
 from meshtrain.plan.planner import Device
+from meshtrain.recipes import PRESETS, family_of
 
 
 def calibrate_to(path: str) -> int:
@@ -52,7 +53,6 @@ MEASURE_STEPS = 8
 def measure_beside(cfg: C.Config, work, lay: C.LayoutConfig, predicted: dict, args) -> int:
     """`plan --measure`: train the layout here for a few steps and print each rank's measured
     model states and activations beside the plan's, then the step time and the bubble."""
-    from meshtrain.recipes import PRESETS, family_of
     if cfg.model.name not in PRESETS or family_of(PRESETS[cfg.model.name]).inputs != "tokens":
         print("meshtrain: error: --measure runs meshtrain's own presets (gpt-tiny, gpt-test, gpt-small, gpt2, "
               "llama-test, llama-small), not a published shape", file=sys.stderr)

@@ -16,6 +16,9 @@ from meshtrain.plan.cluster import GIB, GPU_PRESETS, Cluster, GpuRates, cluster_
 from meshtrain.plan.planner import ACCOUNTINGS, PlanError, Workload, plan
 from meshtrain.plan.shapes import Shape
 from meshtrain.recipes import PUBLISHED, family_of, is_preset, is_published, shape_of
+from meshtrain.plan.profile import MachineProfile, ProfileRates
+from meshtrain.plan.memory import model_state_bytes
+from meshtrain.plan.search import search
 
 EXPLICIT = ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab")
 CLUSTER_FLAGS = ("gpu_mem_gib", "gpus_per_node", "peak_tflops", "intra_node_gbps", "inter_node_gbps")
@@ -121,7 +124,6 @@ def machine_of(args, cluster: Cluster, precision: str, world: int):
     """The rates: a measured profile (--machine) or the cluster's roofline."""
     if not args.machine:
         return GpuRates(cluster, precision), cluster.peak_flops(precision)
-    from meshtrain.plan.profile import MachineProfile, ProfileRates
     try:
         profile = MachineProfile.load(args.machine)
     except ValueError as e:
@@ -210,7 +212,6 @@ def describe(name: str, work: Workload | None, lay: C.LayoutConfig, result: dict
 def params_only(args, cfg: C.Config, lay: C.LayoutConfig, limits: dict) -> dict:
     """`--params N`: model states only, the parameters split evenly over tp·pp, judged
     against the usable memory of `limits` (`budget`)."""
-    from meshtrain.plan.memory import model_state_bytes
     if args.params < 1:
         raise PlanError(f"--params {args.params:g}: give a positive parameter count")
     states = model_state_bytes(args.params / (lay.tp * lay.pp), lay.zero, lay.dp * lay.cp, precision=lay.precision,
@@ -284,7 +285,6 @@ def _run(args, cfg: C.Config) -> int:
 def _search(args, cfg, work, base, gpus, machine, limits, options, name, cluster_line, out) -> int:
     import time
 
-    from meshtrain.plan.search import search
     memory = limits["usable_bytes"]
     if memory is None:
         raise PlanError("--search needs the device memory: give --gpu-mem-gib (or a --gpu preset)")

@@ -17,6 +17,9 @@ from meshtrain.checkpoint.owner import RUN_FILE
 from meshtrain.checkpoint.weights import WEIGHTS_FILE, is_hf_export, save_weights
 from meshtrain.config import Config
 from meshtrain.data.tokenizer import TOKENIZER_FILE, ByteTokenizer, load_tokenizer
+from meshtrain.hf import CONFIG, side_files, spec_from_config
+from meshtrain.recipes import PUBLISHED, is_preset, is_published, spec_of
+from meshtrain.models.specs import LlamaSpec
 
 
 def save_model(out: Path, state: dict[str, torch.Tensor], cfg: Config, data) -> None:
@@ -43,7 +46,6 @@ def imported_record(cfg: Config) -> dict:
     With it, `describe` (export --hf, generate) needs the folder no more."""
     if not cfg.model.init_from:
         return {}
-    from meshtrain.hf import side_files
     return {"imported": side_files(cfg.model.init_from)}
 
 
@@ -54,7 +56,6 @@ def describe(ckpt: Path) -> Saved:
     checkpoint keeps no copy of its configs (checkpoints written before they did)."""
     from meshtrain.checkpoint import export
     from meshtrain.checkpoint.sharded import read_meta
-    from meshtrain.hf import CONFIG, side_files, spec_from_config
 
     ckpt = Path(ckpt)
     if export.is_sharded_checkpoint(ckpt):
@@ -88,7 +89,6 @@ def describe(ckpt: Path) -> Saved:
 
 
 def _preset(cfg: Config):
-    from meshtrain.recipes import PUBLISHED, is_preset, is_published, spec_of
     name = cfg.model.name
     if is_published(name) and not is_preset(name):
         return PUBLISHED[name][0]
@@ -107,7 +107,6 @@ def load_model(ckpt: Path, device="cpu"):
     from meshtrain.checkpoint import export
     from meshtrain.recipes.build import build_model
     from meshtrain.models.llama import Llama
-    from meshtrain.models.specs import LlamaSpec
 
     ckpt = Path(ckpt)
     if is_hf_export(ckpt):
