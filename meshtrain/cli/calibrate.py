@@ -26,6 +26,8 @@ import traceback
 from datetime import datetime, timezone
 from itertools import product
 
+from meshtrain.config import TrainConfig
+from meshtrain.launch import RankEnv, finish, init_distributed
 from meshtrain.plan.profile import KINDS, MachineProfile
 
 # -- measurement ------------------------------------------------------------------------------
@@ -138,7 +140,6 @@ def _rank_main(rank, world, port, use_cuda, start, budget_s, quick, q):
         q.put(("error", f"rank {rank}: {traceback.format_exc()}"))
     q.close()
     q.join_thread()  # the message is in the pipe before the process leaves
-    from meshtrain.launch import finish
     finish(code)
 
 
@@ -193,7 +194,6 @@ def _measure(rank, world, port, use_cuda, start, budget_s, quick, say) -> dict:
     import torch
     import torch.distributed as dist
 
-    from meshtrain.launch import RankEnv, init_distributed
 
     device = torch.device("cuda", rank) if use_cuda else torch.device("cpu")
     init_distributed(RankEnv("calibrate", rank, world, rank, world, "127.0.0.1", port), device)
@@ -311,8 +311,7 @@ def _optimizer_step(r: _Rank, elements: int) -> dict[str, float]:
     AdamW (`optim.adamw`). Timed on 4 large fp32 tensors (per parameter, with the
     memory traffic of states far past the caches) and on 64 tiny ones (per tensor: the
     dispatch of each op, their 256 elements a rounding error), all ranks at once."""
-    from meshtrain.config import TrainConfig
-    from meshtrain.optim import adamw
+    from meshtrain.optim import adamw  # torch: only in the ranks
     torch = r.torch
 
     def seconds(count: int, size: int) -> float:

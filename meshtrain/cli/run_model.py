@@ -17,7 +17,7 @@ from meshtrain.checkpoint.owner import RUN_FILE
 from meshtrain.checkpoint.weights import WEIGHTS_FILE, is_hf_export, save_weights
 from meshtrain.config import Config
 from meshtrain.data.tokenizer import TOKENIZER_FILE, ByteTokenizer, load_tokenizer
-from meshtrain.hf import CONFIG, side_files, spec_from_config
+from meshtrain.hf import CONFIG, load_hf, side_files, spec_from_config
 from meshtrain.recipes import PUBLISHED, is_preset, is_published, spec_of
 from meshtrain.models.specs import LlamaSpec
 
@@ -139,7 +139,6 @@ def load_model(ckpt: Path, device="cpu"):
 def _load_hf_export(folder: Path, device):
     """A Hugging Face folder's Llama in fp32, its tokenizer (tokenizer.json; the byte
     tokenizer for a 256-token vocabulary) and a configuration saying its context length."""
-    from meshtrain.hf import load_hf
     model = load_hf(folder)
     if model.vocab_size != ByteTokenizer.vocab_size and not (folder / TOKENIZER_FILE).is_file():
         raise FileNotFoundError(f"--ckpt {folder}: a Hugging Face folder without {TOKENIZER_FILE}; put the "
