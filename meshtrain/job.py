@@ -13,7 +13,6 @@ from __future__ import annotations
 import math
 import sys
 from contextlib import nullcontext
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -25,7 +24,7 @@ from meshtrain.loss import IGNORE_INDEX
 from meshtrain.loss_terms import LossTerms, accepts_loss_kwargs, cross_entropy, labels_for_count
 from meshtrain.parallel.materialize import stable_seed
 from meshtrain.mesh import Mesh
-from meshtrain.optim import OptimizerFactory, clip_grad_norm_
+from meshtrain.optim import OptimizerFactory, clip_grads_, divide_, grad_norm
 from meshtrain.parallel.compose import Parallelized, parallelize as apply_strategies, set_micro_shape
 from meshtrain.parallel.context import attention_cores, gather_sequence, shard_sequence
 from meshtrain.parallel.options import Strategies
@@ -33,18 +32,41 @@ from meshtrain.parallel.pipeline.stages import PipelinePlan
 from meshtrain.parallel.state import digest
 from meshtrain.parallel.tensor import TensorPlan, check_plan
 
-@dataclass(frozen=True)
 class StepOutput:
     """What one `job.step` did: `loss`, the global batch's mean (the same on every rank);
     `grad_norm`, the global gradient norm before clipping; `lr`, the learning rate the step
     used (the first parameter group's); `stepped`, False when the norm was not finite and
     the update was skipped; `nonfinite`, then the first weight or gradient that is not
-    finite (by the one-process name)."""
-    loss: float
-    grad_norm: float
-    lr: float | None
-    stepped: bool
-    nonfinite: str | None = None
+    finite (by the one-process name).
+
+    `loss` stays on the device until it is read (then a float, kept): a loop that reads a
+    step's loss after it started the next one never makes the host wait for the device.
+    `loss_tensor` is the 0-dim device tensor itself."""
+
+    __slots__ = ("loss_tensor", "_loss", "grad_norm", "lr", "stepped", "nonfinite")
+
+    def __init__(self, loss, grad_norm: float, lr: float | None, stepped: bool, nonfinite: str | None = None):
+        self.loss_tensor = loss if torch.is_tensor(loss) else torch.tensor(float(loss))
+        self._loss = None if torch.is_tensor(loss) else float(loss)
+        self.grad_norm, self.lr, self.stepped, self.nonfinite = grad_norm, lr, stepped, nonfinite
+
+    @property
+    def loss(self) -> float:
+        if self._loss is None:
+            self._loss = self.loss_tensor.item()
+        return self._loss
+
+    def _values(self) -> tuple:
+        return self.loss, self.grad_norm, self.lr, self.stepped, self.nonfinite
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, StepOutput) and self._values() == other._values()
+
+    __hash__ = None
+
+    def __repr__(self) -> str:
+        return (f"StepOutput(loss={self.loss:g}, grad_norm={self.grad_norm:g}, lr={self.lr}, stepped={self.stepped}"
+                + (f", nonfinite={self.nonfinite!r})" if self.nonfinite else ")"))
 
 
 def take_rows(batch, rows: slice):
@@ -92,23 +114,26 @@ class Job:
 
     # ---- training -----------------------------------------------------------------------
 
-    def step(self, inputs, targets=None, *, rows: str = "global") -> StepOutput:
+    def step(self, inputs, targets=None, *, rows: str = "global", check: bool = False) -> StepOutput:
         """One optimizer step on a batch: `inputs` (a tensor, or a dict of the model's keyword
         arguments) and `targets` (None when the model returns its own loss). `rows="global"`:
         every rank passes the same global batch; `rows="local"`: each passes only its
-        data-parallel share, `inputs[mesh.rows(global_batch_size)]`."""
-        loss = self.backward(inputs, targets, rows=rows)
+        data-parallel share, `inputs[mesh.rows(global_batch_size)]` — checked across ranks on
+        the first step and whenever `check=True` (an object gather over the world)."""
+        loss = self.backward(inputs, targets, rows=rows, check=check)
         return self.update(loss)
 
-    def backward(self, inputs, targets=None, *, rows: str = "global", meter=None) -> float:
+    def backward(self, inputs, targets=None, *, rows: str = "global", meter=None,
+                 check: bool = False) -> torch.Tensor:
         """The first half of `step`: forward and backward over this rank's micro-batches and
-        the gradient sync, the gradients those of the global batch's mean; returns that mean.
-        `update` is the second half."""
+        the gradient sync, the gradients those of the global batch's mean; returns that mean
+        (a 0-dim tensor on the device: nothing is read on the host). `update` is the second
+        half."""
         p, mesh, m = self.parallel, self.mesh, self.options.microbatches
         if isinstance(inputs, dict) and mesh.size("pp") > 1:
             raise ValueError("a batch dict under pipeline parallelism: pass inputs and targets tensors (the stages "
                              "send one tensor between them)")
-        mine, offset, count = self._rows_of(inputs, targets, _batch_rows(inputs), rows)
+        mine, offset, count = self._rows_of(inputs, targets, _batch_rows(inputs), rows, check)
         micro = (mine.stop - mine.start) // m
         if self._pipeline is not None and mesh.size("pp") > 1:
             x = inputs[:micro]
@@ -131,36 +156,43 @@ class Job:
             p.dropout_keys.settle()
         p.grad_sync.finish_grad_sync()
         loss, counted = self._global_mean(total)
-        if counted:  # the runner back-propagated sums: the gradients of the mean, once, before clipping
-            for t in {id(t): t for t in p.trained if t.grad is not None}.values():
-                t.grad.div_(counted)
+        if counted is not None:  # the runner back-propagated sums: the gradients of the mean, once, before clipping
+            divide_([t.grad for t in {id(t): t for t in p.trained if t.grad is not None}.values()], counted)
         if not self._loss.settled:  # the first step says how a watched loss is weighted
             self._say_how_the_loss_is_weighted(inputs, targets)
         self._loss.settled = True
         return loss
 
-    def _global_mean(self, total: torch.Tensor) -> tuple[float, float]:
+    def _global_mean(self, total: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Collective: the global batch's mean loss from every rank's share `total`, and the
-        number of terms a watched loss counted as it ran (0 when none: the shares were
-        already divided by the global count). The loss lives on the last pipeline stage of
-        each replica, so both are summed over pp and dp (× cp)."""
+        number of terms a watched loss counted as it ran (1 when it counted none: a model
+        divided by `num_items_in_batch`; None when no loss is watched: the shares were already
+        divided by the global count), both 0-dim device tensors. The loss lives on
+        the last pipeline stage of each replica, so both are summed over pp and dp (× cp).
+        Nothing is read on the host but on the step that checks a model's own division by
+        `num_items_in_batch` (the first)."""
         terms = self._loss
         if not terms.watched:
             for axis in ("pp", "dp"):
                 self.parallel.comm.all_reduce(total, axis, purpose=METRICS)
-            return total.item(), 0.0
+            return total, None
         sums = torch.stack([total.double(), terms.counted, terms.checked])
         for axis in ("pp", "dp"):
             self.parallel.comm.all_reduce(sums, axis, purpose=METRICS)
-        total, counted, checked = sums.tolist()
-        expected = float(terms.num_items) if terms.num_items is not None else None
+        total, counted, checked = sums.unbind()
+        if not terms.settled:  # the first step: the model's own division checked (a stage may hold no loss)
+            self._check_num_items(checked.item())
+        counted = torch.where(counted > 0, counted, torch.ones_like(counted))  # 0: the shares were normalised
+        return total / counted, counted
+
+    def _check_num_items(self, checked: float) -> None:
+        expected = self._loss.num_items.item() if self._loss.num_items is not None else None
         if checked and checked != expected:
             self.parallel.zero_grad()  # the step is refused whole: nothing accumulates into the next
             raise ValueError(f"loss_fn=None: the model divided its summed loss by num_items_in_batch = {expected:g} "
                              f"(its labels that are not -100, counted as transformers' Trainer counts them), but "
                              f"its cross-entropy had {checked:g} terms; pass shift_labels in the batch, or set "
                              f"model.accepts_loss_kwargs = False for meshtrain to count the terms itself")
-        return (total / counted if counted else total), counted
 
     def _say_how_the_loss_is_weighted(self, inputs, targets) -> None:
         """Collective, once: a watched loss weighted by rows while its targets hold the
@@ -194,14 +226,17 @@ class Job:
         self._loss.start_step(n, self.mesh.device)
         return {"num_items_in_batch": n}
 
-    def update(self, loss: float) -> StepOutput:
+    def update(self, loss: torch.Tensor) -> StepOutput:
         """The second half of `step`: clip, step the optimizer and the scheduler, zero the
-        gradients. A step whose gradient norm is not finite is skipped, with a warning."""
+        gradients. A step whose gradient norm is not finite is skipped, with a warning.
+        Reading the norm to decide that is the step's one host sync (docs/host-syncs.md)."""
         p = self.parallel
-        norm = clip_grad_norm_(p.trained, self.clip_grad_norm or 0.0, p.comm)
+        norm_t = grad_norm(p.trained, p.comm)
+        norm = norm_t.item()  # the skip decision: the host waits for the backward here
         lr = self.optimizer.param_groups[0].get("lr") if self.optimizer.param_groups else None
         stepped, nonfinite = math.isfinite(norm), None
         if stepped:
+            clip_grads_(p.trained, self.clip_grad_norm or 0.0, norm_t)
             p.optimizer.step()
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
@@ -214,9 +249,11 @@ class Job:
         self.steps += 1
         return StepOutput(loss=loss, grad_norm=norm, lr=lr, stepped=stepped, nonfinite=nonfinite)
 
-    def _rows_of(self, inputs, targets, n: int, rows: str) -> tuple[slice, int, float]:
+    def _rows_of(self, inputs, targets, n: int, rows: str, check: bool = False) -> tuple[slice, int, object]:
         """(this rank's rows of what it was passed, where they start in the global batch, the
-        global count of loss terms), with one line for a batch the layout cannot split."""
+        global count of loss terms: a number or a 0-dim tensor), with one line for a batch the
+        layout cannot split. Local shares are compared across ranks on the first step and when
+        `check` asks (an object gather: the host waits for every rank)."""
         mesh, m = self.mesh, self.options.microbatches
         dp = mesh.batch_dp  # the ranks of a cp group share their rows
         if rows == "global":
@@ -229,6 +266,16 @@ class Job:
             raise ValueError(f"rows={rows!r}: use 'global' (every rank passes the global batch) or 'local'")
         if n % m:
             raise ValueError(f"rows='local': this rank's {n} rows do not split into microbatches={m}")
+        if check or not self._loss.settled:
+            self._check_local_shares(inputs, n, dp)
+        if self._loss.watched:  # its terms are counted as it runs
+            return slice(0, n), mesh.batch_coord * n, 1.0
+        count = torch.as_tensor(self._loss.count(targets, n)).to(mesh.device, torch.float64)
+        self.parallel.comm.all_reduce(count, "dp", purpose=METRICS)  # over dp × cp: each row cp times
+        return slice(0, n), mesh.batch_coord * n, count / mesh.size("cp")
+
+    def _check_local_shares(self, inputs, n: int, dp: int) -> None:
+        mesh = self.mesh
         shares = self.parallel.comm.all_gather_object((mesh.batch_coord, n, _fingerprint(inputs)))
         sizes = {s[1] for s in shares}
         if len(sizes) != 1:
@@ -243,11 +290,6 @@ class Job:
         if dp > 1 and len({next(iter(fps)) for fps in by_coord.values()}) == 1:
             raise ValueError("rows='local': every data-parallel rank passed the same rows; pass "
                              "batch[mesh.rows(global_batch_size)], or rows='global' with the whole batch")
-        if self._loss.watched:  # its terms are counted as it runs
-            return slice(0, n), mesh.batch_coord * n, 1.0
-        count = torch.tensor(self._loss.count(targets, n), dtype=torch.float64, device=mesh.device)
-        self.parallel.comm.all_reduce(count, "dp", purpose=METRICS)  # over dp × cp: each row cp times
-        return slice(0, n), mesh.batch_coord * n, count.item() / mesh.size("cp")
 
     def _sequence_shard(self, batch):
         """Context parallelism: this cp rank's two chunks (head-tail) of every sequence of a
@@ -309,7 +351,7 @@ class Job:
                     y = self._to_device(take_rows(targets, mine), cast=False)
                     y = self._sequence_shard(y) if self.mesh.size("cp") > 1 else y
                 total += p.loss_fn(out, y).double() / count
-        return self._global_mean(total)[0]
+        return self._global_mean(total)[0].item()
 
     def _output(self, x):
         """The module's output in evaluation mode on this rank's tokens of `x` (on the

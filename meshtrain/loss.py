@@ -18,31 +18,28 @@ IGNORE_INDEX = -100  # the target a loss skips: padding
 
 
 class _CrossEntropySum(torch.autograd.Function):
-    # The targets are saved as given (no copy kept per micro-batch). Where none is ignored
-    # (packed windows) nothing else changes; where some are, their rows are masked in backward
-    # at the cost of a valid copy of the targets (9 bytes a token, beside the logits' two).
-    # Knowing which costs one device sync per micro-batch, `ignored.any()`.
+    # The targets are saved as given (no copy kept per micro-batch); the ignored ones are
+    # masked in forward and found again in backward. Masking always costs two token-sized
+    # passes beside the logits' vocabulary-sized ones, and never asks the device whether any
+    # target is ignored (`ignored.any()` would make the host wait once per micro-batch).
     @staticmethod
     def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, ignore_index: int) -> torch.Tensor:
         top = logits.detach().amax(dim=-1, keepdim=True)
         lse = (logits - top).exp_().sum(dim=-1).log_().add_(top.squeeze(-1))
         ctx.save_for_backward(logits, targets, lse)
+        ctx.ignore_index = ignore_index
         ignored = targets == ignore_index
-        ctx.ignore_index = ignore_index if bool(ignored.any()) else None
-        if ctx.ignore_index is None:
-            return (lse - logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)).sum()
         picked = logits.gather(-1, targets.masked_fill(ignored, 0).unsqueeze(-1)).squeeze(-1)
         return (lse - picked).masked_fill_(ignored, 0.0).sum()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         logits, targets, lse = ctx.saved_tensors
-        ignored = None if ctx.ignore_index is None else targets == ctx.ignore_index
+        ignored = targets == ctx.ignore_index
         g = (logits - lse.unsqueeze(-1)).exp_()  # softmax
-        index = targets if ignored is None else targets.masked_fill(ignored, 0)
-        g.scatter_add_(-1, index.unsqueeze(-1), torch.full_like(lse, -1.0).unsqueeze(-1))
+        g.scatter_add_(-1, targets.masked_fill(ignored, 0).unsqueeze(-1), torch.full_like(lse, -1.0).unsqueeze(-1))
         g.mul_(grad)
-        return (g if ignored is None else g.masked_fill_(ignored.unsqueeze(-1), 0.0)), None, None
+        return g.masked_fill_(ignored.unsqueeze(-1), 0.0), None, None
 
 
 def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:

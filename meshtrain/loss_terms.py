@@ -265,13 +265,16 @@ class LossTerms:
             return value
         return self._settled(value, rows)
 
-    def count(self, targets, rows: int) -> float:
+    def count(self, targets, rows: int) -> float | torch.Tensor:
         """The normalizer of a "ce" or "sum" loss: the terms of the global (or this rank's)
-        batch; 1 for a watched loss, whose terms are counted as it runs."""
+        batch, a 0-dim tensor where they are counted from the targets (left where the targets
+        are: never read on the host); 1 for a watched loss, whose terms are counted as it runs."""
         if self.kind == "ce":
-            return float((targets != self.ignore_index).sum())
+            return (targets != self.ignore_index).sum()
         if self.kind == "sum":
             n = self.normalizer(targets) if callable(self.normalizer) else self.normalizer
+            if torch.is_tensor(n):
+                return n
             return float(n) if n is not None else 1.0
         return 1.0
 

@@ -77,33 +77,77 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
         group["lr"] = lr
 
 
-def clip_grad_norm_(params, max_norm: float, comm: Comm) -> float:
-    """Scale gradients so that their global norm is at most `max_norm`; returns the norm.
+def _by_device_and_dtype(tensors) -> list[list[torch.Tensor]]:
+    """The tensors grouped so that each group is one `torch._foreach_*` launch."""
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.device, t.dtype), []).append(t)
+    return list(groups.values())
+
+
+def scale_(tensors, factor) -> None:
+    """Multiply the tensors in place by `factor` (a number, or a 0-dim tensor that stays on
+    its device: nothing is read on the host), one launch per device and dtype."""
+    for group in _by_device_and_dtype(tensors):
+        if torch.is_tensor(factor):
+            torch._foreach_mul_(group, factor.to(group[0].device, group[0].dtype))
+        else:
+            torch._foreach_mul_(group, factor)
+
+
+def divide_(tensors, divisor: torch.Tensor) -> None:
+    """Divide the tensors in place by a 0-dim tensor (on the device), one launch per device
+    and dtype."""
+    for group in _by_device_and_dtype(tensors):
+        torch._foreach_div_(group, divisor.to(group[0].device, group[0].dtype))
+
+
+def grad_norm(params, comm: Comm) -> torch.Tensor:
+    """The global gradient norm, an fp32 0-dim tensor on the mesh's device (nothing read on
+    the host).
 
     Every rank issues the same collectives whatever gradients it holds (a pipeline stage owns
     some parameters, a shard may be empty): one all-reduce of one number per mesh axis,
     counted under `metrics`. Each tensor's squared norm counts once: a replicated gradient
     only on the ranks at coordinate 0 of the axes it is replicated over; a sharded one
     (`SHARDED_OVER`) on every rank of those axes; pipeline stages hold different parameters,
-    so every stage counts. A norm that is not finite is returned as it is, with nothing
-    scaled: the caller skips the step."""
+    so every stage counts. The per-tensor norms are one `torch._foreach_norm` per device and
+    dtype, taken in fp32."""
     mesh = comm.mesh
-    total = torch.zeros((), dtype=torch.float32, device=mesh.device)
+    counted = []
     for p in params:
         if p.grad is None:
             continue
         sharded = set(getattr(p, SHARDED_OVER, ()))
         if all(mesh.coord(axis) == 0 for axis in REPLICATED_AXES if axis not in sharded):
-            total += local_tensor(p.grad).detach().float().pow(2).sum()
+            counted.append(local_tensor(p.grad).detach())
+    squares = [torch.stack(torch._foreach_norm(group, 2.0, dtype=torch.float32)).to(mesh.device).square().sum()
+               for group in _by_device_and_dtype(counted)]
+    total = torch.stack(squares).sum() if squares else torch.zeros((), dtype=torch.float32, device=mesh.device)
     for axis in AXES:
         comm.all_reduce(total, axis, purpose=METRICS)
-    norm = math.sqrt(total.item())
-    if max_norm > 0 and math.isfinite(norm) and norm > max_norm:
-        scale = max_norm / (norm + 1e-6)
-        for p in params:
-            if p.grad is not None:
-                p.grad.mul_(scale)
-    return norm
+    return total.sqrt()
+
+
+def clip_grads_(params, max_norm: float, norm: torch.Tensor) -> None:
+    """Scale the gradients so that their global norm `norm` (a device tensor) is at most
+    `max_norm`, as torch's `clip_grad_norm_(foreach=True)` does: by min(1, max/(norm+1e-6))
+    computed on the device, one launch per device and dtype."""
+    if max_norm > 0:
+        grads = [local_tensor(p.grad) for p in params if p.grad is not None]
+        scale_(grads, (max_norm / (norm + 1e-6)).clamp(max=1.0))
+
+
+def clip_grad_norm_(params, max_norm: float, comm: Comm) -> float:
+    """Scale gradients so that their global norm is at most `max_norm`; returns the norm
+    (reading it is the one host sync). A norm that is not finite is returned as it is, with
+    nothing scaled: the caller skips the step."""
+    params = list(params)
+    norm = grad_norm(params, comm)
+    value = norm.item()
+    if math.isfinite(value):
+        clip_grads_(params, max_norm, norm)
+    return value
 
 
 def optimizer_from(factory: OptimizerFactory, named: list[tuple[str, torch.Tensor]]) -> torch.optim.Optimizer:

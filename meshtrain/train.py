@@ -241,9 +241,10 @@ def loss_terms_per_step(cfg: Config):
     return cfg.train.batch_size * tokens_per_sample(cfg)
 
 
-def count_targets(targets) -> int:
-    """The targets a loss counts: those that are not IGNORE_INDEX (padding)."""
-    return int((targets != IGNORE_INDEX).sum())
+def count_targets(targets) -> torch.Tensor:
+    """The targets a loss counts: those that are not IGNORE_INDEX (padding), a 0-dim tensor
+    where the targets are (never read on the host)."""
+    return (targets != IGNORE_INDEX).sum()
 
 
 def train_step(job: Job, data, step: int, cfg: Config, *, observer: StepObserver | None = None,

@@ -49,15 +49,27 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None
 
 
 class Rotary(nn.Module):
-    """cos and sin of each position's angles, [seq, head_dim] (both halves alike). The
-    frequencies are recomputed each call (head_dim/2 numbers): no buffer for a meta-device
-    build, a pipeline cut or a checkpoint to carry."""
+    """cos and sin of each position's angles, [seq, head_dim] (both halves alike), built once
+    per (positions, dtype, device) and kept in a plain dict, not a buffer: nothing for a
+    meta-device build, a pipeline cut or a checkpoint to carry, and no host-to-device copy
+    per call. Under `torch.compile` the tables are traced and fused instead."""
 
     def __init__(self, head_dim: int, theta: float, scaling: RopeScaling | None):
         super().__init__()
         self.head_dim, self.theta, self.scaling = head_dim, theta, scaling
+        self._tables: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, n: int, device: torch.device, dtype: torch.dtype, positions) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tables of the n tokens at `positions(n, device)` (a module's own `positions`:
+        context parallelism replaces it, so the function is part of the key)."""
+        if torch.compiler.is_compiling():
+            return self._table(positions(n, device), dtype)
+        key = (n, dtype, device, getattr(positions, "__func__", positions))
+        if key not in self._tables:
+            self._tables[key] = self._table(positions(n, device), dtype)
+        return self._tables[key]
+
+    def _table(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         inv_freq = inverse_frequencies(self.head_dim, self.theta, self.scaling).to(positions.device)
         freqs = positions[:, None].float() * inv_freq
         angles = torch.cat((freqs, freqs), dim=-1)
@@ -92,7 +104,7 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
-        cos, sin = self.rotary(self.positions(s, x.device), x.dtype)
+        cos, sin = self.rotary(s, x.device, x.dtype, self.positions)
         # However many heads the projections give (a tensor-parallel plan keeps whole groups).
         q, k, v = (proj(x).view(b, s, -1, self.head_dim).transpose(1, 2) for proj in (self.q_proj, self.k_proj,
                                                                                       self.v_proj))
