@@ -304,34 +304,19 @@ def train(cfg: Config, comm: Comm, *, observer: StepObserver | None = None, prog
     board = Board(Path(tr.out), comm) if tr.tensorboard else None
     try:
         losses, times, comm_per_step, comm_detail, skipped, val_losses = [], [], {}, {}, [], []
-        for step in range(start, tr.steps):
-            if observer:
-                observer.before_step(p, step + 1)
-            sent_before = comm.detailed_totals()
-            t0 = time.perf_counter()
-            # The activation peak is measured on the first step (the meter costs Python time per op).
-            out = train_step(job, data, step, cfg, observer=observer, meter=meter if step == start else None)
+
+        def report(step: int, out: StepOutput, dt: float, val: float | None) -> None:
+            """A step's numbers, read after the next step was started (its loss read then waits
+            for nothing the device has not done): the losses, the bar, the board, the log."""
             loss = out.loss
-            if step == start:
-                probe.close()
-                launch.set_collective_timeout(mesh, tr.timeout)  # built and stepped once: the steady bound
-            dt = time.perf_counter() - t0
-            comm_detail = _per_axis({k: v - sent_before.get(k, 0.0) for k, v in comm.detailed_totals().items()})
-            comm_per_step = {axis: sum(kinds.values()) for axis, kinds in comm_detail.items()}
             losses.append(loss)
-            times.append(dt)
-            if not (out.stepped and math.isfinite(loss)):
+            if out.stepped and not math.isfinite(loss):
                 if not tr.skip_nonfinite:
-                    raise NonFinite(f"step {step + 1}: the loss is {loss:g} and the gradient norm {out.grad_norm:g}"
-                                    + (f"; the first tensor that is not: {out.nonfinite}" if out.nonfinite else "")
-                                    + "; lower --lr, or pass --skip-nonfinite to skip such steps")
+                    raise NonFinite(f"step {step + 1}: the loss is {loss:g} and the gradient norm {out.grad_norm:g}; "
+                                    f"lower --lr, or pass --skip-nonfinite to skip such steps")
                 skipped.append(step + 1)
             if observer:
                 observer.after_step(p, step + 1, loss)
-                observer.held_out(job, data, step + 1)
-            val = validate(job, data, cfg, step + 1)
-            if val is not None:
-                val_losses.append((step + 1, val))
             if bar is not None:
                 bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_step / dt:,.0f}")
                 bar.update()
@@ -341,9 +326,45 @@ def train(cfg: Config, comm: Comm, *, observer: StepObserver | None = None, prog
             if step_log is not None:
                 step_log.write({"step": step + 1, "loss": loss, "lr": lr_at(step, tr), "step_time_s": dt,
                                 "tokens_per_s": tokens_per_step / dt, **({"val_loss": val} if val is not None else {})})
+
+        pending = None  # the last step, reported after the next one started
+        for step in range(start, tr.steps):
+            if observer:
+                observer.before_step(p, step + 1)
+            sent_before = comm.detailed_totals()
+            t0 = time.perf_counter()
+            # The activation peak is measured on the first step (the meter costs Python time per op).
+            out = train_step(job, data, step, cfg, observer=observer, meter=meter if step == start else None)
+            if step == start:
+                probe.close()
+                launch.set_collective_timeout(mesh, tr.timeout)  # built and stepped once: the steady bound
+            dt = time.perf_counter() - t0
+            comm_detail = _per_axis({k: v - sent_before.get(k, 0.0) for k, v in comm.detailed_totals().items()})
+            comm_per_step = {axis: sum(kinds.values()) for axis, kinds in comm_detail.items()}
+            times.append(dt)
+            if not out.stepped:  # known now: the norm was read to decide the skip
+                if not tr.skip_nonfinite:
+                    raise NonFinite(f"step {step + 1}: the loss is {out.loss:g} and the gradient norm {out.grad_norm:g}"
+                                    + (f"; the first tensor that is not: {out.nonfinite}" if out.nonfinite else "")
+                                    + "; lower --lr, or pass --skip-nonfinite to skip such steps")
+                skipped.append(step + 1)
+            if pending is not None:
+                report(*pending)
+            pending = None
+            if observer:  # verify compares each step as it ends
+                observer.held_out(job, data, step + 1)
+            val = validate(job, data, cfg, step + 1)
+            if val is not None:
+                val_losses.append((step + 1, val))
+            pending = (step, out, dt, val)
+            if observer:
+                report(*pending)
+                pending = None
             checkpoint_after(job, cfg, data, step + 1, preemption, run_id)
             if stop_after is not None and step + 1 >= stop_after:
                 break
+        if pending is not None:
+            report(*pending)
         if bar is not None:
             bar.close()
         for axis in ("dp", "tp", "pp", "cp"):
