@@ -77,7 +77,7 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
         group["lr"] = lr
 
 
-def _by_device_and_dtype(tensors) -> list[list[torch.Tensor]]:
+def by_device_and_dtype(tensors) -> list[list[torch.Tensor]]:
     """The tensors grouped so that each group is one `torch._foreach_*` launch."""
     groups: dict[tuple, list[torch.Tensor]] = {}
     for t in tensors:
@@ -88,7 +88,7 @@ def _by_device_and_dtype(tensors) -> list[list[torch.Tensor]]:
 def scale_(tensors, factor) -> None:
     """Multiply the tensors in place by `factor` (a number, or a 0-dim tensor that stays on
     its device: nothing is read on the host), one launch per device and dtype."""
-    for group in _by_device_and_dtype(tensors):
+    for group in by_device_and_dtype(tensors):
         if torch.is_tensor(factor):
             torch._foreach_mul_(group, factor.to(group[0].device, group[0].dtype))
         else:
@@ -98,7 +98,7 @@ def scale_(tensors, factor) -> None:
 def divide_(tensors, divisor: torch.Tensor) -> None:
     """Divide the tensors in place by a 0-dim tensor (on the device), one launch per device
     and dtype."""
-    for group in _by_device_and_dtype(tensors):
+    for group in by_device_and_dtype(tensors):
         torch._foreach_div_(group, divisor.to(group[0].device, group[0].dtype))
 
 
@@ -122,7 +122,7 @@ def grad_norm(params, comm: Comm) -> torch.Tensor:
         if all(mesh.coord(axis) == 0 for axis in REPLICATED_AXES if axis not in sharded):
             counted.append(local_tensor(p.grad).detach())
     squares = [torch.stack(torch._foreach_norm(group, 2.0, dtype=torch.float32)).to(mesh.device).square().sum()
-               for group in _by_device_and_dtype(counted)]
+               for group in by_device_and_dtype(counted)]
     total = torch.stack(squares).sum() if squares else torch.zeros((), dtype=torch.float32, device=mesh.device)
     for axis in AXES:
         comm.all_reduce(total, axis, purpose=METRICS)

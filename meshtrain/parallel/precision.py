@@ -19,7 +19,7 @@ from typing import Callable
 
 import torch
 
-from meshtrain.optim import OptimizerFactory
+from meshtrain.optim import OptimizerFactory, by_device_and_dtype
 
 COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -73,12 +73,12 @@ class MasterWeights:
             for t in self.tensors:
                 self.masters[t].grad = None if t.grad is None else t.grad.to(torch.float32)
         self.inner.step()
-        with torch.no_grad():
+        with torch.no_grad():  # the compute copies from the masters: one launch per device and dtype
+            for group in by_device_and_dtype(self.tensors):
+                torch._foreach_copy_(group, [self.masters[t] for t in group])
+        if not self.persistent_grads:
             for t in self.tensors:
-                master = self.masters[t]
-                t.copy_(master)
-                if not self.persistent_grads:
-                    master.grad = None  # the upcast gradient lives for the update only
+                self.masters[t].grad = None  # the upcast gradient lives for the update only
         for hook in self._post_hooks:
             hook(self, (), {})
 

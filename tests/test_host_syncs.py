@@ -1,0 +1,105 @@
+"""The step a GPU never waits on: the calls that make the host wait for the device
+(`meshtrain.host_syncs.HostSyncs`) counted over a whole `train_step` (after the first, which
+settles the loss's weighting) in every layout family, each remaining one named; and what
+such a counter cannot see, tested where it happens: the RoPE tables built once, the local
+shares' object gather on the first step only."""
+
+import pytest
+import torch
+from distributed import run_ranks
+from helpers import small_config
+
+# The one sync a step keeps: the gradient norm read to decide whether the step is skipped.
+ALLOWED = {("item", "update")}
+
+LAYOUTS = {  # (world, layout flags, mesh axes)
+    "dp2-microbatches": (2, dict(dp=2, microbatches=2), {}),
+    "dp2-zero3": (2, dict(dp=2, zero=3), {}),
+    "dp2-zero1-bf16": (2, dict(dp=2, zero=1, precision="bf16"), {}),
+    "tp2-sp": (2, dict(tp=2, sp=True), dict(tp=2)),
+    "pp2-1f1b": (2, dict(pp=2, microbatches=2), dict(pp=2)),
+    "pp2-zb": (2, dict(pp=2, microbatches=2, schedule="zb"), dict(pp=2)),
+    "cp2-ring": (2, dict(cp=2), dict(cp=2)),
+    "dp2-recompute-full": (2, dict(dp=2, recompute="full"), {}),
+}
+
+
+def _count(mesh, model: str, layout: dict):
+    from meshtrain.host_syncs import HostSyncs, optimizer_steps
+    from meshtrain.train import setup, train_step
+    cfg = small_config(model, 3, 8, **layout)
+    data, job = setup(cfg, mesh.comm)
+    train_step(job, data, 0, cfg)
+    with HostSyncs(optimizer_steps(job.optimizer)) as syncs:
+        out = train_step(job, data, 1, cfg)
+    return dict(syncs.where), out.loss
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("model", ["llama-test", "gpt-test"])
+def test_a_step_syncs_once(model, layout):
+    world, flags, axes = LAYOUTS[layout]
+    for where, loss in run_ranks(_count, world, model, flags, **axes):
+        named = {(kind, place.rsplit(" ", 1)[-1]) for kind, place in where}
+        assert sum(where.values()) <= 1 and named <= ALLOWED, where
+        assert loss == loss  # read after the step: a float
+
+
+def test_the_counter_sees_a_sync():
+    """The counter is not blind: a `.item()` and a `bool()` on a tensor are counted, a host
+    step counter passed as `host` is not."""
+    from meshtrain.host_syncs import HostSyncs
+    step = torch.tensor(3.0)
+    with HostSyncs(host=[step]) as syncs:
+        t = torch.ones(3)
+        t.sum().item()
+        bool(t.any())
+        step.item()
+    assert syncs.count == 2, syncs.report()
+
+
+def test_rope_tables_built_once():
+    """RoPE's cos and sin are built once per (length, dtype, device, positions) and reused:
+    no host-to-device copy per attention call (which the counter cannot see)."""
+    from meshtrain.models import llama
+    from meshtrain.recipes.build import build_model
+    built = []
+    table = llama.Rotary._table
+    try:
+        llama.Rotary._table = lambda self, p, d: built.append(len(p)) or table(self, p, d)
+        model = build_model("llama-test", 64)
+        ids = torch.randint(0, 64, (2, 16))
+        model(ids), model(ids)
+        layers = len(model.layers)
+        assert built == [16] * layers
+        model(ids[:, :8])
+        assert built == [16] * layers + [8] * layers
+    finally:
+        llama.Rotary._table = table
+
+
+def _gathers(mesh):
+    """rows='local': the shares are compared across ranks (an object gather) on the first
+    step and when check=True asks, not on every step."""
+    import torch.nn as nn
+
+    import meshtrain
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+    job = meshtrain.parallelize(model, mesh, optimizer=lambda named: torch.optim.SGD((p for _, p in named), lr=0.1))
+    comm = job.parallel.comm
+    calls = []
+    gather = comm.all_gather_object
+    comm.all_gather_object = lambda obj: calls.append(1) or gather(obj)
+    x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
+    rows = mesh.rows(8)
+    counts = []
+    for check in (False, False, False, True):
+        job.step(x[rows], y[rows], rows="local", check=check)
+        counts.append(len(calls))
+    return counts
+
+
+def test_local_rows_checked_on_the_first_step_only():
+    for counts in run_ranks(_gathers, 2):
+        assert counts == [1, 1, 1, 2], counts
