@@ -78,6 +78,7 @@ class Comm:
         """Bytes sent so far, by (axis, collective)."""
         return dict(self._sent)
 
+    @torch.compiler.disable  # collectives run eagerly: a compiled block breaks its graph here
     def _run(self, axis: str, kind: str, purpose: str | None, nbytes: float, async_op: bool, call,
              channel: str | None = None):
         """Count, then issue `call(group)` (the axis's group, or its `channel`); a group of
@@ -146,6 +147,7 @@ class Comm:
                          lambda g: dist.broadcast(tensor, group=g, async_op=async_op,
                                                   src=self.mesh.rank_at(axis, src_coord)))
 
+    @torch.compiler.disable
     def exchange(self, ops: list[tuple[bool, torch.Tensor, int, int]], axis: str, *, purpose: str | None = None,
                  wrap: bool = False):
         """One group of point-to-point transfers with neighbours along `axis`, issued together

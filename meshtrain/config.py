@@ -17,7 +17,7 @@ from pathlib import Path
 
 from meshtrain.recipes import PRESETS, PUBLISHED, add_preset, family_of, is_preset, is_published, parse_widths, spec_of
 from meshtrain.recipe import is_user_model
-from meshtrain.parallel.options import (CP_MODES, GRAD_DTYPES, LINEAR_SYNCS, PRECISIONS, SCHEDULES, Layout,
+from meshtrain.parallel.options import (COMPILE_BACKENDS, CP_MODES, GRAD_DTYPES, LINEAR_SYNCS, PRECISIONS, SCHEDULES, Layout,
                                        parse_recompute, schedule_or_batch_problem)
 from meshtrain.hf import HFError, read_config, spec_from_config, weight_files
 from meshtrain.data.corpus import DataError
@@ -146,6 +146,10 @@ FLAGS = [
      "output-gradients and form it locally (fewer bytes when the global rows B < 2·n_in·n_out/(n_in+n_out)); "
      "auto picks the cheaper per layer"),
     ("--bucket-mb", "layout", "bucket_mb", float, "DP gradient bucket size in MB"),
+    ("--compile", "layout", "compile", bool, "torch.compile each block's forward (after tensor parallelism, before "
+     "checkpointing and ZeRO; collectives stay eager between compiled graphs; docs/compile.md)"),
+    ("--compile-backend", "layout", "compile_backend", str, "with --compile: " + " | ".join(COMPILE_BACKENDS) +
+     " (inductor, the default, generates kernels; aot_eager traces and differentiates without generating code)"),
     ("--stage-layers", "layout", "stage_layers", str, "blocks per pipeline (virtual) stage, e.g. 3,3,2 "
      "(default: as even as possible)"),
     ("--steps", "train", "steps", int, "optimizer steps"),
@@ -420,6 +424,9 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         raise ConfigError(f"--zero {lay.zero}: use --zero 0, 1, 2 or 3")
     if lay.grad_dtype not in GRAD_DTYPES:
         raise ConfigError(f"unknown gradient dtype '{lay.grad_dtype}'; use --grad-dtype {' | '.join(GRAD_DTYPES)}")
+    if lay.compile_backend not in COMPILE_BACKENDS:
+        raise ConfigError(f"unknown --compile-backend '{lay.compile_backend}'; use --compile-backend "
+                          f"{' | '.join(COMPILE_BACKENDS)}")
     if lay.dp_linear_sync not in LINEAR_SYNCS:
         raise ConfigError(f"unknown linear-layer sync '{lay.dp_linear_sync}'; use --dp-linear-sync "
                           f"{' | '.join(LINEAR_SYNCS)}")

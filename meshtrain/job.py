@@ -27,7 +27,8 @@ from meshtrain.mesh import Mesh
 from meshtrain.optim import OptimizerFactory, clip_grads_, divide_, grad_norm
 from meshtrain.parallel.compose import Parallelized, parallelize as apply_strategies, set_micro_shape
 from meshtrain.parallel.context import attention_cores, gather_sequence, shard_sequence
-from meshtrain.parallel.options import Strategies
+from meshtrain.parallel.compile import check_compilable, eager_while
+from meshtrain.parallel.options import CompileOptions, Strategies
 from meshtrain.parallel.pipeline.stages import PipelinePlan
 from meshtrain.parallel.state import digest
 from meshtrain.parallel.tensor import TensorPlan, check_plan
@@ -150,8 +151,8 @@ class Job:
                 x, y = self._sequence_shard(x), self._sequence_shard(y)
             return {**x, **extra} if extra else x, (micro if self._loss.kind == "own" else y)
 
-        with meter if meter is not None else nullcontext():  # the command line's activation meter
-            total = p.runner.run(p, micro_batch, m, count)
+        with meter if meter is not None else nullcontext(), eager_while(meter is not None and p.compiled):
+            total = p.runner.run(p, micro_batch, m, count)  # the command line's activation meter, eagerly
         if p.dropout_keys is not None:
             p.dropout_keys.settle()
         p.grad_sync.finish_grad_sync()
@@ -530,7 +531,8 @@ def parallelize(model: nn.Module, mesh: Mesh, *, optimizer: OptimizerFactory, lo
                 lr_scheduler: Callable | None = None, wrap: list[str] | None = None, init=None,
                 bucket_mb: float = 25.0, keep_gathered: bool = False, dp_linear_sync: str = "allreduce",
                 stage_layers: list[int] | None = None, rows_per_step: int | None = None, strict_p2p: bool = False,
-                sync_options: dict | None = None, cp_mode: str = "ring") -> Job:
+                sync_options: dict | None = None, cp_mode: str = "ring", compile: bool = False,
+                compile_backend: str = "inductor") -> Job:
     """Apply the strategies to `model` (in place) on `mesh` (`meshtrain.init`) and build the
     optimizer on what each rank holds.
 
@@ -560,14 +562,18 @@ def parallelize(model: nn.Module, mesh: Mesh, *, optimizer: OptimizerFactory, lo
     transfers under NCCL's rules on gloo), `sync_options` (passed to the gradient
     synchroniser: the tests' probes). On a mesh with cp > 1 (context parallelism) every
     sequence is split over the cp ranks and attention runs by `cp_mode`: "ring" (keys and
-    values around the ring) or "ulysses" (all-to-all to whole heads)."""
+    values around the ring) or "ulysses" (all-to-all to whole heads). `compile`: each block's
+    forward compiled by `torch.compile` with `compile_backend` ("inductor", "aot_eager" or
+    "eager"), in torchtitan's order (docs/compile.md); pass the plain model, not one
+    `torch.compile` returned."""
     options = Strategies(zero=zero, precision=precision, grad_dtype=grad_dtype or "fp32", recompute=recompute,
                          sp=sp, schedule=schedule, chunks=chunks, microbatches=microbatches, bucket_mb=bucket_mb,
                          keep_gathered=keep_gathered, dp_linear_sync=dp_linear_sync,
                          stage_layers=tuple(stage_layers) if stage_layers else None, strict_p2p=strict_p2p,
-                         cp_mode=cp_mode)
+                         cp_mode=cp_mode, compile=CompileOptions(compile_backend) if compile else None)
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: {type(model).__name__} is not a torch.nn.Module")
+    check_compilable(model, options.compile)
     if not isinstance(mesh, Mesh):
         raise TypeError("mesh: pass what meshtrain.init() returned")
     if lr_scheduler is not None and not callable(lr_scheduler):

@@ -35,7 +35,7 @@ from meshtrain.session import init
 
 # What the reference run takes from the layout's arguments: nothing that splits the model.
 _LAYOUT_ONLY = ("zero", "sp", "tp_plan", "pipeline", "schedule", "chunks", "microbatches", "recompute", "precision",
-                "grad_dtype", "wrap", "bucket_mb")
+                "grad_dtype", "wrap", "bucket_mb", "compile", "compile_backend")
 # What a resume layout keeps from the first layout's arguments when it does not name them: how
 # the model is split (the plans), not whether it is.
 _MODEL_PLANS = ("tp_plan", "pipeline", "wrap")

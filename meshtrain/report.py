@@ -20,6 +20,7 @@ from meshtrain.recipe import is_user_model
 from meshtrain.generate import sample
 from meshtrain.metrics import peak_device_mib, peak_rss_mib, plot_losses, read_log
 from meshtrain.recipes.build import build_model
+from meshtrain.parallel.compile import compile_stats
 from meshtrain.plan.cost import peak_flops
 from meshtrain.recipes import family_of
 from meshtrain.train import RunResult
@@ -34,7 +35,8 @@ def gather(result: RunResult, comm: Comm) -> dict | None:
     and the full weights; rank 0 gets them, the others None."""
     mine = {"model_state": result.model_state, "activation_bytes": result.activation_bytes,
             "activation_bytes_per_layer": result.activation_bytes_per_layer, "peak_rss_mib": round(peak_rss_mib(), 1),
-            "peak_device_mib": peak_device_mib(comm.mesh.device), "build_peak_bytes": result.parallel.build_peak_bytes}
+            "peak_device_mib": peak_device_mib(comm.mesh.device), "build_peak_bytes": result.parallel.build_peak_bytes,
+            "compiled": compile_stats() if result.parallel.compiled else None}
     per_rank = comm.all_gather_object(mine)
     state = result.parallel.full_state_dict(with_optimizer=False)["model"]  # rank 0's; the optimizer's not needed
     return {"per_rank": per_rank, "state": state} if comm.mesh.is_main else None
@@ -75,6 +77,11 @@ def summary_json(cfg: Config, result: RunResult, per_rank: list[dict], device: t
         "build_peak_bytes_per_rank": [r["build_peak_bytes"] for r in per_rank],
         **({"peak_device_mib_per_rank": [r["peak_device_mib"] for r in per_rank]}
            if per_rank[0].get("peak_device_mib") is not None else {}),  # CUDA: the allocator's peak
+        **({"compile": {"backend": cfg.layout.compile_backend,
+                        "graphs_per_rank": [r["compiled"]["graphs"] for r in per_rank],
+                        "graph_breaks_per_rank": [r["compiled"]["graph_breaks"] for r in per_rank],
+                        "break_reasons": per_rank[0]["compiled"]["break_reasons"]}}
+           if per_rank[0].get("compiled") is not None else {}),  # what dynamo made of the blocks
         "comm_bytes_per_step": result.comm_per_step,
         "comm_bytes_detail": result.comm_detail_per_step,  # each axis by collective
         "skipped_steps": result.skipped_steps,

@@ -208,7 +208,8 @@ def _layout_arguments(cfg: Config, sync_options: dict) -> dict:
                 microbatches=lay.microbatches, stage_layers=lay.stage_layer_counts(), bucket_mb=lay.bucket_mb,
                 keep_gathered=lay.keep_gathered, dp_linear_sync=lay.dp_linear_sync,
                 rows_per_step=tr.batch_size * tokens_per_sample(cfg), strict_p2p=strict_p2p_requested(),
-                sync_options=sync_options, cp_mode=lay.cp_mode)
+                sync_options=sync_options, cp_mode=lay.cp_mode,
+                compile=lay.compile, compile_backend=lay.compile_backend)
 
 
 def job_for(p: Parallelized, cfg: Config) -> Job:

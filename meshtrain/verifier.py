@@ -40,6 +40,7 @@ import torch
 from meshtrain.comm import Comm
 from meshtrain.config import Config, LayoutConfig
 from meshtrain.mesh import Mesh
+from meshtrain.parallel.compile import compile_stats
 from meshtrain.parallel.state import digest
 from meshtrain.train import StepObserver, held_out_loss, setup, train, train_step
 from meshtrain.checkpoint.folders import step_dir
@@ -196,7 +197,7 @@ def record(cfg: Config, comm: Comm, label: str, *, resume_at: int | None = None,
     if not comm.mesh.is_main:
         return None
     return {"losses": result.losses, "steps": recorder.records, "problems": recorder.problems,
-            "curve_only": curve_only(cfg)}
+            "curve_only": curve_only(cfg), "compiled": compile_stats() if result.parallel.compiled else None}
 
 
 def _with_out(cfg: Config, folder) -> Config:
@@ -246,6 +247,7 @@ def join_parts(first: dict, resumed: dict, at: int, layout, ranks_alike: bool) -
     steps = {step: rec for step, rec in steps.items() if rec}  # not lockstep-checked (low precision): no step record
     return {"losses": first["losses"] + resumed["losses"], "steps": steps,
             "problems": first["problems"] + resumed["problems"], "curve_only": first["curve_only"],
+            "compiled": resumed["compiled"] or first["compiled"],  # counted in these processes: both parts
             "resume": {"at": at, "layout": layout, "saved": saved, "restored": restored,
                        "rng": (rng_saved, rng_restored) if ranks_alike else None}}
 
@@ -435,6 +437,7 @@ def compare(layout: dict, reference: dict) -> dict:
         "losses": {"layout": layout["losses"], "reference": reference["losses"]}, "loss_rel_diffs": loss_diffs,
         "first_failure": failures[0] if failures else None, "failures": failures[:20],
         "passed": not failures,
+        "compile": layout.get("compiled"),  # rank 0's graphs and graph breaks, when the layout was compiled
     }
 
 
@@ -507,6 +510,10 @@ def report(cfg: Config, result: dict, json_mode: bool) -> int:
           f"(largest: {result['worst_param']}), {drift} {tol['drift']:g}", file=out)
     for failure in result["failures"]:
         print(f"  {failure}", file=out)
+    if result.get("compile") is not None:
+        c = result["compile"]
+        print(f"compiled ({cfg.layout.compile_backend}): {c['graphs']} graphs, {c['graph_breaks']} graph breaks on "
+              f"rank 0" + "".join(f"; {n}× {reason}" for reason, n in c["break_reasons"].items()), file=out)
     verdict = "PASS" if result["passed"] else f"FAIL (first: {result['first_failure']})"
     what = f"{verdict}: {cfg.model.name} with {cfg.layout.short()}"
     if result["resume_at"] is None:
@@ -520,7 +527,7 @@ def report(cfg: Config, result: dict, json_mode: bool) -> int:
                 "max_update_rel_diff", "worst_update", "judged_by_gradient",
                 "max_step_loss_rel_diff", "max_eval_rel_diff", "max_loss_rel_diff", "max_param_rel_diff", "worst_param", "drifted",
                 "tolerances", "first_failure", "failures", "passed", "losses", "resume_at", "resume_layout",
-                "max_resume_rel_diff", "worst_resume")
+                "max_resume_rel_diff", "worst_resume", "compile")
         print(json.dumps({"steps": cfg.train.steps, "layout": cfg.layout.summary(),
                           **{k: result[k] for k in keys}}), flush=True)
     return 0 if result["passed"] else 1

@@ -33,6 +33,7 @@ from meshtrain.parallel.pipeline.engine import PipelineRunner
 from meshtrain.parallel.pipeline.schedules import schedule
 from meshtrain.parallel.pipeline.stages import PipelinePlan, Stage
 from meshtrain.parallel.precision import COMPUTE_DTYPES, MasterWeights, fp32_loss, grad_holder
+from meshtrain.parallel.compile import compile_blocks
 from meshtrain.parallel.context import apply_context_parallel
 from meshtrain.parallel.recompute import apply_recompute
 from meshtrain.parallel.runner import PlainRunner
@@ -104,6 +105,7 @@ class Parallelized:
     holdings: object = None  # ParamHoldings unless a strategy (ZeRO) says otherwise
     compute_dtype: torch.dtype = torch.float32  # floating inputs are cast to it (bf16 under mixed precision)
     notes: list[str] = field(default_factory=list)  # what the strategies decided, to say once at start
+    compiled: bool = False  # each block's forward compiled (`parallel/compile.py`)
     build_peak_bytes: int | None = None  # the most this rank held while it built its part (train.setup)
     # what a micro-batch's forward and loss run inside (a model computing its own loss: the
     # job's count of its terms, `loss_terms.LossTerms.watching`)
@@ -246,13 +248,19 @@ def parallelize(model: nn.Module, comm: Comm, options: Strategies, *, optimizer:
     # gradients for the weight pass.
     if mesh.size("pp") > 1 and options.schedule == "zb":
         runner.split_backward()
-    # Activation checkpointing, on the blocks as cut into stages and sharded above.
-    if options.recompute != "none":
+    # The blocks as cut into stages and sharded above, in runs of consecutive ones.
+    if options.recompute != "none" or options.compile is not None:
         if mesh.size("pp") > 1:
             runs = [[stage.blocks._modules[str(i)] for i in ids] for ids in stage.block_ids]
         else:
             runs = [list(find_block_list(model, pipeline.blocks if pipeline is not None else None)[1])]
-        apply_recompute(runs, options.recompute, keys)
+    # Each block's forward compiled (torchtitan's order: after TP, before checkpointing and
+    # ZeRO, whose hooks then run eagerly around it).
+    if options.compile is not None:
+        compile_blocks([b for run in runs for b in run], options.compile)
+    # Activation checkpointing.
+    if options.recompute != "none":
+        apply_recompute(runs, options.recompute, keys, mlp_chunks=options.compile is None)
     # Gradients in the compute dtype, or (grad_dtype fp32) in fp32 buffers apart from the
     # bf16 tensors, which the fp32 masters then hold as their `.grad`.
     grad_dtype = torch.float32 if options.grad_dtype == "fp32" else compute_dtype
@@ -303,7 +311,8 @@ def parallelize(model: nn.Module, comm: Comm, options: Strategies, *, optimizer:
         syncs.append(TensorParallelSync([grad_holder(optimizer, t) for t in tensors], comm))
     grad_sync = syncs[0] if len(syncs) == 1 else GradSyncs(*syncs)
     p = Parallelized(model, loss_fn, grad_sync, optimizer, runner, comm, n_params, dropout_keys=keys,
-                        holdings=holdings, compute_dtype=compute_dtype, notes=notes)
+                        holdings=holdings, compute_dtype=compute_dtype, notes=notes,
+                        compiled=options.compile is not None)
     if micro_shape is not None:
         set_micro_shape(p, pipeline, *micro_shape, options.sp)
     return p

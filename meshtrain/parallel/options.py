@@ -13,6 +13,21 @@ PRECISIONS = ("fp32", "bf16")
 GRAD_DTYPES = ("compute", "fp32")
 LINEAR_SYNCS = ("allreduce", "allgather", "auto")
 CP_MODES = ("ring", "ulysses")  # context parallelism's attention
+COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
+
+
+@dataclass(frozen=True)
+class CompileOptions:
+    """How `compile=True` compiles each block (`parallel/compile.py`): `backend`, torch.compile's
+    ("inductor" generates kernels; "aot_eager" traces and differentiates the graph without
+    generating code: what the test suite runs); `fullgraph`: refuse graph breaks (holds only
+    where a block has no collective inside)."""
+    backend: str = "inductor"
+    fullgraph: bool = False
+
+    def __post_init__(self):
+        if self.backend not in COMPILE_BACKENDS:
+            raise ValueError(f"compile backend {self.backend!r}: use {', '.join(COMPILE_BACKENDS)}")
 
 
 @dataclass(frozen=True)
@@ -41,6 +56,7 @@ class Strategies:
     dp_linear_sync: str = "allreduce"
     strict_p2p: bool = False
     cp_mode: str = "ring"
+    compile: CompileOptions | None = None  # each block's forward compiled (None: eager)
 
     def __post_init__(self):
         checks = [("zero", self.zero in (0, 1, 2, 3), "0, 1, 2 or 3"),
@@ -98,6 +114,8 @@ class Layout:
     keep_gathered: bool = False  # ZeRO-3: keep each block's parameters gathered from forward to backward
     dp_linear_sync: str = "allreduce"  # per linear layer: all-reduce its weight gradient, or all-gather its rows
     stage_layers: str = ""  # blocks per virtual stage, e.g. "3,3,2"; empty: as even as possible
+    compile: bool = False  # each block's forward compiled by torch.compile
+    compile_backend: str = "inductor"
 
     def stage_layer_counts(self) -> list[int] | None:
         return [int(n) for n in self.stage_layers.split(",")] if self.stage_layers else None
@@ -112,8 +130,9 @@ class Layout:
         pp = f" {self.schedule}" + (f" chunks={self.chunks}" if self.chunks > 1 else "") if self.pp > 1 else ""
         zero = f" zero={self.zero}" if self.zero else ""
         cp = f" cp={self.cp} {self.cp_mode}" if self.cp > 1 else ""
+        compiled = f" compile={self.compile_backend}" if self.compile else ""
         return (f"dp={self.dp}{zero}{cp} tp={self.tp}{sp} pp={self.pp}{pp} microbatches={self.microbatches} "
-                f"{self.precision}")
+                f"{self.precision}{compiled}")
 
     def strategies(self, strict_p2p: bool = False) -> Strategies:
         """The strategies' own options for this layout (the axis sizes live on the mesh)."""
@@ -122,11 +141,13 @@ class Layout:
                           microbatches=self.microbatches,
                           stage_layers=tuple(self.stage_layer_counts() or ()) or None,
                           bucket_mb=self.bucket_mb, keep_gathered=self.keep_gathered,
-                          dp_linear_sync=self.dp_linear_sync, strict_p2p=strict_p2p, cp_mode=self.cp_mode)
+                          dp_linear_sync=self.dp_linear_sync, strict_p2p=strict_p2p, cp_mode=self.cp_mode,
+                          compile=CompileOptions(self.compile_backend) if self.compile else None)
 
     def summary(self) -> dict:
         """The `layout` object of the JSON contract."""
-        keys = ("dp", "tp", "pp", "zero", "sp", "schedule", "microbatches", "recompute", "precision", "cp", "cp_mode")
+        keys = ("dp", "tp", "pp", "zero", "sp", "schedule", "microbatches", "recompute", "precision", "cp", "cp_mode",
+                "compile")
         return {k: getattr(self, k) for k in keys}
 
 

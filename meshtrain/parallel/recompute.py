@@ -175,9 +175,13 @@ def attention_modules(blocks: list[nn.Module]) -> list[nn.Module]:
     return found
 
 
-def apply_recompute(runs: list[list[nn.Module]], policy: str, keys: DropoutKeys | None = None) -> None:
+def apply_recompute(runs: list[list[nn.Module]], policy: str, keys: DropoutKeys | None = None,
+                    mlp_chunks: bool = True) -> None:
     """Checkpoint the blocks of each run (consecutive blocks that execute one after the
-    other: the whole list, or a pipeline chunk's) by `policy` ("none" does nothing)."""
+    other: the whole list, or a pipeline chunk's) by `policy` ("none" does nothing).
+    `mlp_chunks=False`: `full` checkpoints each block whole, its MLP not in row chunks (a
+    compiled block: its recomputation must save what its forward saved, and the chunks'
+    skipped recomputation does not)."""
     mode, k = parse_recompute(policy)
     if mode == "none":
         return
@@ -185,7 +189,7 @@ def apply_recompute(runs: list[list[nn.Module]], policy: str, keys: DropoutKeys 
         if mode == "full":
             _mark(blocks)
             for block in blocks:
-                for mlp in mlp_modules(block):
+                for mlp in mlp_modules(block) if mlp_chunks else []:
                     mlp.forward = _mlp_in_row_chunks(mlp.forward, keys)
                 block.forward = _checkpointed(block.forward, keys, block=True)
             continue
