@@ -4,7 +4,11 @@
 # text file in the repository (the bundled corpus is a pip package it does not have):
 #   1. one-GPU `train` of the GPT-2-shaped preset, fp32 and bf16 (fp32 masters): tokens/s, MFU;
 #   2. `verify` of a CUDA run against the one-process CPU reference;
-#   3. with two or more GPUs, `verify --dp N` over NCCL.
+#   3. with two or more GPUs, `verify --dp N` over NCCL;
+#   4. tests/test_block_kernels.py: the ring's fused CUDA block kernels (flash bf16/fp16,
+#      efficient fp32, cuDNN bf16) against sdpa (needs pytest; if missing, the outcome says so);
+#   5. a one-GPU bf16 Llama `train` with torch.cuda.set_sync_debug_mode("warn"): every
+#      synchronizing CUDA call warns, and the warnings are counted by where they were made.
 # The JSON line of each lands in $OUT (the device tool's output folder) or ./gpu-check.
 # DEVICE=cpu MODEL=gpt-test SEQ_LEN=32 rehearses the script on a machine without a GPU.
 # Every step runs whatever the others did; the end lists each step's outcome, and the script
@@ -59,6 +63,36 @@ for f in "$RESULTS"/verify*.json; do
   $PY -c "import json; j = json.load(open('$f')); print('$f', 'PASS' if j['passed'] else 'FAIL', 'grad',
 '%.1e' % j['max_grad_rel_diff'], 'update', '%.1e' % j['max_update_rel_diff'], j['first_failure'] or '')" || true
 done
+
+echo "== 4. the ring's block kernels: tests/test_block_kernels.py" >&2
+if ! $PY -c "import pytest" 2>/dev/null; then
+  OUTCOMES+=("MISSING 4. block kernels: $PY has no pytest, so tests/test_block_kernels.py did not run")
+elif $PY -m pytest -q -rs -p no:cacheprovider tests/test_block_kernels.py > "$RESULTS/block-kernels.txt" 2>&1; then
+  OUTCOMES+=("ok      4. block kernels: $(tail -n 1 "$RESULTS/block-kernels.txt")")
+else
+  OUTCOMES+=("FAILED  4. block kernels: $(tail -n 1 "$RESULTS/block-kernels.txt")")
+fi
+
+# The CLI run in this process (world size 1 runs in-process), with every synchronizing CUDA call
+# warning, each occurrence printed (warnings' default shows a line once).
+SYNC_DEBUG="import runpy, sys, warnings, torch
+warnings.simplefilter('always')
+if torch.cuda.is_available(): torch.cuda.set_sync_debug_mode('warn')
+sys.argv = ['meshtrain'] + sys.argv[1:]
+runpy.run_module('meshtrain', run_name='__main__')"
+SYNC_OUT=$(mktemp -d "${TMPDIR:-/tmp}/gpu-check-sync.XXXXXX")
+step "5. train llama-small bf16 on one $DEVICE device, sync debug on" "$RESULTS/train-llama-bf16-sync.json" \
+  $PY -c "$SYNC_DEBUG" train --model llama-small --data "$DATA" --device "$DEVICE" --dp 1 --steps 10 --warmup 2 \
+  --batch-size 8 --seq-len "$SEQ_LEN" --precision bf16 --out "$SYNC_OUT/run" --json 2> "$SYNC_OUT/stderr.txt"
+{ echo "synchronizing CUDA calls warned: $(grep -c 'synchronizing CUDA operation' "$SYNC_OUT/stderr.txt")"
+  echo "by where (count, file:line):"
+  grep 'synchronizing CUDA operation' "$SYNC_OUT/stderr.txt" | sed 's/: UserWarning.*//' | sort | uniq -c | sort -rn
+  if [[ ${OUTCOMES[-1]} == FAILED* ]]; then  # why: the run's last other stderr lines
+    echo "the run failed; its last other stderr lines:"
+    awk '/synchronizing CUDA operation/ {skip = 1; next} skip {skip = 0; next} {print}' "$SYNC_OUT/stderr.txt" | tail -n 20
+  fi
+} | tee "$RESULTS/sync-warnings.txt"
+rm -rf "$SYNC_OUT"
 
 echo "== outcomes" >&2
 printf '%s\n' "${OUTCOMES[@]}" | tee "$RESULTS/outcomes.txt"

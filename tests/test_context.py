@@ -14,7 +14,7 @@ from test_llama import make_model as make_llama
 
 import meshtrain
 from meshtrain.models import build_model
-from meshtrain.parallel import context
+from meshtrain.parallel import block_kernels, context
 from meshtrain.parallel.context import sequence_positions, shard_sequence
 
 
@@ -42,18 +42,16 @@ def _whole(q, k, v):
 def _ring_against_sdpa(_mesh, cp, heads, kv_heads, contiguous, mode="ring", kernel="fused"):
     """Ring (or all-to-all) attention on this rank's tokens against sdpa on the whole
     sequence: outputs and the gradients of q, k, v; and the block areas this rank computed.
-    `kernel`: the blocks in CPU's fused flash kernel, or in the math one CUDA runs, whole
-    or in score tiles of 3 query rows (of 8 or 4: uneven)."""
-    assert context.fused_blocks(torch.device("cpu"))  # this torch has the CPU kernel
+    `kernel`: the blocks in CPU's fused flash kernel, or forced (`Ring`'s kernel) into the
+    math one, whole or in score tiles of 3 query rows (of 8 or 4: uneven)."""
+    assert block_kernels.choose_kernel("cpu", torch.float32).name == "cpu-flash"  # this torch has the CPU kernel
     b, s, d = 2, 32, 8
-    if kernel.startswith("math"):
-        context.fused_blocks = lambda device: False
-    if kernel == "math-tiled":
-        context.MATH_TILE_BYTES = 3 * b * heads * (s // (2 * cp)) * 4
+    forced = {"fused": None, "math": "math",
+              "math-tiled": block_kernels.math_kernel(3 * b * heads * (s // (2 * cp)) * 4)}[kernel]
     if contiguous:  # the split without balancing: rank r holds chunks 2r and 2r + 1
         context.chunk_ids = lambda rank, cp: (2 * rank, 2 * rank + 1)
     comm = meshtrain.init(cp=cp).comm
-    ring = context.Ring(comm)
+    ring = context.Ring(comm, forced)
     g = torch.Generator().manual_seed(0)
     q = torch.randn(b, heads, s, d, generator=g, requires_grad=True)
     k, v = (torch.randn(b, kv_heads, s, d, generator=g, requires_grad=True) for _ in range(2))

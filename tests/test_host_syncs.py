@@ -60,7 +60,8 @@ def test_the_counter_sees_a_sync():
 
 def test_rope_tables_built_once():
     """RoPE's cos and sin are built once per (length, dtype, device, positions) and reused:
-    no host-to-device copy per attention call (which the counter cannot see)."""
+    no host-to-device copy per attention call (which the counter cannot see), and one table
+    for all the model's layers, not one per layer."""
     from meshtrain.models import llama
     from meshtrain.recipes.build import build_model
     built = []
@@ -70,10 +71,11 @@ def test_rope_tables_built_once():
         model = build_model("llama-test", 64)
         ids = torch.randint(0, 64, (2, 16))
         model(ids), model(ids)
-        layers = len(model.layers)
-        assert built == [16] * layers
+        assert built == [16]
         model(ids[:, :8])
-        assert built == [16] * layers + [8] * layers
+        assert built == [16, 8]
+        tables = {id(layer.self_attn.rotary._tables) for layer in model.layers}
+        assert len(tables) == 1 and len(model.layers) > 1
     finally:
         llama.Rotary._table = table
 

@@ -52,19 +52,21 @@ class Rotary(nn.Module):
     """cos and sin of each position's angles, [seq, head_dim] (both halves alike), built once
     per (positions, dtype, device) and kept in a plain dict, not a buffer: nothing for a
     meta-device build, a pipeline cut or a checkpoint to carry, and no host-to-device copy
-    per call. Under `torch.compile` the tables are traced and fused instead."""
+    per call. The model's layers share one dict (`tables`), so a rank holds one table per
+    length, not one per layer (2·s·head_dim elements each: 64 MiB a layer for Llama-3 8B at
+    128k tokens in bf16). Under `torch.compile` the tables are traced and fused instead."""
 
-    def __init__(self, head_dim: int, theta: float, scaling: RopeScaling | None):
+    def __init__(self, head_dim: int, theta: float, scaling: RopeScaling | None, tables: dict | None = None):
         super().__init__()
         self.head_dim, self.theta, self.scaling = head_dim, theta, scaling
-        self._tables: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._tables: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {} if tables is None else tables
 
     def forward(self, n: int, device: torch.device, dtype: torch.dtype, positions) -> tuple[torch.Tensor, torch.Tensor]:
         """The tables of the n tokens at `positions(n, device)` (a module's own `positions`:
         context parallelism replaces it, so the function is part of the key)."""
         if torch.compiler.is_compiling():
             return self._table(positions(n, device), dtype)
-        key = (n, dtype, device, getattr(positions, "__func__", positions))
+        key = (self.head_dim, self.theta, self.scaling, n, dtype, device, getattr(positions, "__func__", positions))
         if key not in self._tables:
             self._tables[key] = self._table(positions(n, device), dtype)
         return self._tables[key]
@@ -91,12 +93,12 @@ class Attention(nn.Module):
     sequence it sees (0..s-1: under sequence parallelism the attention region sees the whole
     sequence), so a block is a function of one tensor, as the strategies drive blocks."""
 
-    def __init__(self, spec: LlamaSpec):
+    def __init__(self, spec: LlamaSpec, rope_tables: dict | None = None):
         super().__init__()
         d, hd = spec.d_model, spec.head_size
         self.head_dim = hd
         self.n_heads, self.n_kv_heads = spec.n_heads, spec.kv_heads
-        self.rotary = Rotary(hd, spec.rope_theta, spec.rope_scaling)
+        self.rotary = Rotary(hd, spec.rope_theta, spec.rope_scaling, rope_tables)
         self.q_proj = nn.Linear(d, spec.n_heads * hd, bias=False)
         self.k_proj = nn.Linear(d, spec.kv_heads * hd, bias=False)
         self.v_proj = nn.Linear(d, spec.kv_heads * hd, bias=False)
@@ -139,10 +141,10 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, spec: LlamaSpec):
+    def __init__(self, spec: LlamaSpec, rope_tables: dict | None = None):
         super().__init__()
         self.input_layernorm = RMSNorm(spec.d_model, spec.rms_norm_eps)
-        self.self_attn = Attention(spec)
+        self.self_attn = Attention(spec, rope_tables)
         self.post_attention_layernorm = RMSNorm(spec.d_model, spec.rms_norm_eps)
         self.mlp = MLP(spec)
 
@@ -160,7 +162,8 @@ class Llama(nn.Module):
             raise ValueError(f"n_kv_heads {spec.kv_heads} does not divide n_heads {spec.n_heads}")
         self.spec, self.vocab_size = spec, vocab_size
         self.embed_tokens = nn.Embedding(vocab_size, spec.d_model)
-        self.layers = nn.ModuleList(Block(spec) for _ in range(spec.n_layers))
+        rope_tables: dict = {}  # one RoPE table per length for every layer (`Rotary`)
+        self.layers = nn.ModuleList(Block(spec, rope_tables) for _ in range(spec.n_layers))
         self.norm = RMSNorm(spec.d_model, spec.rms_norm_eps)
         self.lm_head = nn.Linear(spec.d_model, vocab_size, bias=False)
         if spec.tie_embeddings:

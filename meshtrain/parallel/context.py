@@ -16,10 +16,12 @@ layer, forward 2·b·s·d_kv·(cp−1)/cp elements in the compute dtype; backwar
 plus 2·b·s·d_kv fp32 (the gradients' cp hops). A block whose keys all lie after its
 queries is skipped; the diagonal ones are causal.
 
-The block kernel is exact softmax attention in fp32: torch's fused flash kernel on CPU
-(`fused_blocks`), the math one elsewhere, in score tiles of at most 64 MiB
-(`parallel/tiles.py`). Its backward takes the merged output and log-sum-exp, as the
-flash-attention backward does.
+The block kernel (`parallel/block_kernels.py`) is chosen once per call from q's device and
+dtype: FlashAttention (or cuDNN) on CUDA in bf16/fp16, the memory-efficient kernel on CUDA
+in fp32, torch's fused flash kernel in fp32 on CPU, exact fp32 math elsewhere. q, k and v
+go in in their own dtype (the kernel casts what its op needs); a block's output and
+log-sum-exp merge into fp32 accumulators. Its backward takes the merged output and
+log-sum-exp, as the flash-attention backward does.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import torch
 import torch.nn as nn
 
 from meshtrain.comm import METRICS, Comm
-from meshtrain.parallel.tiles import MATH_TILE_BYTES, tile_rows
+from meshtrain.parallel.block_kernels import BlockKernel, choose_kernel
 
 CP = "cp"
 
@@ -55,70 +57,11 @@ def shard_sequence(t: torch.Tensor, rank: int, cp: int) -> torch.Tensor:
     return t[:, sequence_positions(t.shape[1], rank, cp, t.device)]
 
 
-def _scores(q, k, scale: float, causal: bool, first: int = 0) -> torch.Tensor:
-    """The fp32 attention scores of a block's queries from row `first` on (fp32 q, k), the
-    diagonal block's later keys masked."""
-    scores = torch.matmul(q, k.transpose(-2, -1)) * scale
-    if causal:
-        mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).triu(1 + first)
-        scores.masked_fill_(mask, float("-inf"))
-    return scores
-
-
-def _row_chunks(q, k) -> list[slice]:
-    """The math kernel's query rows per score tile (`tiles.tile_rows`)."""
-    b, h, n, _ = q.shape
-    rows = tile_rows(b, h, n, k.shape[2], MATH_TILE_BYTES)
-    return [slice(i, min(i + rows, n)) for i in range(0, n, rows)]
-
-
-def fused_blocks(device: torch.device) -> bool:
-    """Whether the blocks run in torch's fused flash kernel: on CPU, where it returns the
-    log-sum-exp and has a matching backward (`_scaled_dot_product_flash_attention_for_cpu`,
-    private, in torch since 2.2); elsewhere the math kernel below."""
-    return device.type == "cpu" and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
-
-
-def _block(q, k, v, scale: float, causal: bool):
-    """Softmax attention of one block in fp32: (output, log-sum-exp). q: [b, h, c, d]; k, v:
-    [b, h, c', d] (already repeated to h heads). The diagonal block's mask is top-left
-    causal, as the fused kernel's is for a square block."""
-    q, k, v = q.float(), k.float(), v.float()
-    if fused_blocks(q.device):
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
-    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-    lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
-    for rows in _row_chunks(q, k):  # one score tile alive at a time: the probabilities in place
-        scores = _scores(q[:, :, rows], k, scale, causal, rows.start)
-        lse[:, :, rows] = torch.logsumexp(scores, dim=-1)
-        out[:, :, rows] = torch.matmul(scores.sub_(lse[:, :, rows].unsqueeze(-1)).exp_(), v)
-    return out, lse
-
-
-def _block_backward(dout, q, k, v, out, lse, scale: float, causal: bool):
-    """The gradients of one block's (q, k, v) given the merged output and log-sum-exp of its
-    queries (fp32): P = exp(S − lse); dV = Pᵀ·dO; dS = P ∘ (dO·Vᵀ − rowsum(dO ∘ O))."""
-    q, k, v = q.float(), k.float(), v.float()
-    if fused_blocks(q.device):
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout, q, k, v, out, lse, 0.0, causal, scale=scale)
-    dq = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-    dk, dv = torch.zeros_like(k), torch.zeros_like(v)
-    for rows in _row_chunks(q, k):  # a tile's rows give their dq and add to dk, dv; at most two tiles alive
-        g = dout[:, :, rows]
-        p = _scores(q[:, :, rows], k, scale, causal, rows.start).sub_(lse[:, :, rows].unsqueeze(-1)).exp_()
-        dv += torch.matmul(p.transpose(-2, -1), g)
-        ds = p.mul_(torch.matmul(g, v.transpose(-2, -1)).sub_((g * out[:, :, rows]).sum(-1, keepdim=True)))
-        ds.mul_(scale)
-        dq[:, :, rows] = torch.matmul(ds, k)
-        dk += torch.matmul(ds.transpose(-2, -1), q[:, :, rows])
-    return dq, dk, dv
-
-
 def _merge(out, lse, part, part_lse):
-    """Fold a block's (output, log-sum-exp) into the running ones, in place (online softmax)."""
+    """Fold a block's (output, log-sum-exp) into the running fp32 ones, in place (online
+    softmax); a bf16 kernel's output is upcast first."""
     new = torch.logaddexp(lse, part_lse)
-    out.mul_(torch.exp(lse - new).unsqueeze(-1)).add_(part * torch.exp(part_lse - new).unsqueeze(-1))
+    out.mul_(torch.exp(lse - new).unsqueeze(-1)).add_(part.float() * torch.exp(part_lse - new).unsqueeze(-1))
     lse.copy_(new)
 
 
@@ -144,13 +87,18 @@ def _pairs(rank: int, owner: int, cp: int):
 
 
 class Ring:
-    """The cp ring of one rank: its neighbours' transfers, and the block areas it computed
-    (query × key positions per kernel call, for the balance measurement)."""
+    """The cp ring of one rank: its neighbours' transfers, the block areas it computed
+    (query × key positions per kernel call, for the balance measurement), and a block kernel
+    to force (a `BlockKernel` or its name; tests), else chosen per call from q."""
 
-    def __init__(self, comm: Comm):
+    def __init__(self, comm: Comm, kernel: BlockKernel | str | None = None):
         self.comm, self.mesh = comm, comm.mesh
         self.cp, self.rank = self.mesh.size(CP), self.mesh.coord(CP)
         self.area = 0
+        self.kernel = kernel
+
+    def kernel_for(self, q: torch.Tensor) -> BlockKernel:
+        return choose_kernel(q.device, q.dtype, self.kernel)
 
     def pass_on(self, tensors: list[torch.Tensor]):
         """Send `tensors` to the next rank and receive their like from the previous one, as
@@ -197,27 +145,31 @@ class RingAttention(torch.autograd.Function):
         b, h, n, d = q.shape
         out = torch.zeros((b, n, h, d), dtype=torch.float32, device=q.device).transpose(1, 2)
         lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
+        kernel, state = ring.kernel_for(q), None
         for kk, vv, blocks in _visits(ring, k, v, q.shape[1] // k.shape[1]):
             for qs, ks, causal in blocks:
-                part, part_lse = _block(q[:, :, qs], kk[:, :, ks], vv[:, :, ks], scale, causal)
+                part, part_lse, state = kernel.forward(q[:, :, qs], kk[:, :, ks], vv[:, :, ks], scale, causal)
                 _merge(out[:, :, qs], lse[:, :, qs], part, part_lse)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.ring, ctx.scale = ring, scale
+        # every block is c × c: the last one's op state serves each block's backward
+        ctx.ring, ctx.scale, ctx.kernel, ctx.state = ring, scale, kernel, state
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        ring, scale, group = ctx.ring, ctx.scale, q.shape[1] // k.shape[1]
-        dout = dout.float()
+        ring, scale, group, kernel = ctx.ring, ctx.scale, q.shape[1] // k.shape[1], ctx.kernel
+        dtype = kernel.compute_dtype(q.dtype)
+        dout, out_k = dout.to(dtype), out.to(dtype)  # once, in the op's dtype (fp32 on CPU: no copy of out)
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         arriving, grad_handles = None, []
         for kk, vv, blocks in _visits(ring, k, v, group):
             dk = torch.zeros(kk.shape, dtype=torch.float32, device=q.device)
             dv = torch.zeros_like(dk)
             for qs, ks, causal in blocks:
-                _accumulate(_block_backward(dout[:, :, qs], q[:, :, qs], kk[:, :, ks], vv[:, :, ks], out[:, :, qs],
-                                            lse[:, :, qs], scale, causal), dq[:, :, qs], dk[:, :, ks], dv[:, :, ks])
+                _accumulate(kernel.backward(dout[:, :, qs], q[:, :, qs], kk[:, :, ks], vv[:, :, ks], out_k[:, :, qs],
+                                            lse[:, :, qs], ctx.state, scale, causal),
+                            dq[:, :, qs], dk[:, :, ks], dv[:, :, ks])
             dk, dv = _fold(dk, group), _fold(dv, group)
             if arriving is not None:  # the accumulators of this block's gradients, from the ranks before
                 _wait(grad_handles)
@@ -337,9 +289,10 @@ def apply_context_parallel(model: nn.Module, comm: Comm, mode: str = "ring") -> 
             m.core = types.MethodType(ulysses_core(comm, m.core), m)
         else:
             m.core = types.MethodType(ring_core(ring), m)
+    positions = global_positions(ring)  # one function for every module: tables keyed by it are shared
     for m in model.modules():
         if callable(getattr(m, "positions", None)):
-            m.positions = types.MethodType(global_positions(ring), m)
+            m.positions = types.MethodType(positions, m)
     comm.prepare_p2p(CP)
     return ring
 

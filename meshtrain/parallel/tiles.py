@@ -1,7 +1,8 @@
 """The math attention kernel's score tiles, bounded: the ring's math block kernel (what runs
-off CPU) takes a block's queries in row chunks whose fp32 scores stay within
-`MATH_TILE_BYTES`, as a fused kernel's tiles are bounded; a (s/2cp)² tile per head would
-be gigabytes at long sequences. Torch-free: the planner counts the same tiles."""
+where no fused one does: `block_kernels.math_kernel`) takes a block's queries in row chunks
+whose fp32 scores stay within `MATH_TILE_BYTES`, as a fused kernel's tiles are bounded; a
+(s/2cp)² tile per head would be gigabytes at long sequences. Torch-free: the planner counts
+the same tiles."""
 
 MATH_TILE_BYTES = 64 * 2 ** 20
 

@@ -249,8 +249,11 @@ def block_parts(seq: int, micro_batch: int, hidden: int, heads: int, *, element_
     e, b, s, h, a, t = element_bytes, micro_batch, seq, hidden, heads, tp
     f = ffn or 4 * h
     w = t if sp else 1
+    # a Llama's RoPE table (cos and sin, 2·s·head_dim) is built by the first block and shared by
+    # every layer (`models.llama.Rotary`): the layer probe sees it in block 0, the step holds one
+    table = 2 * s * llama.head_dim * e if llama else 0
     kept = torch_activation_bytes_per_layer(s, b, h, a, element_bytes=e, attention=attention, dropout=dropout,
-                                            ffn=f, tp=t, sp=sp, llama=llama, cp_mode=cp_mode)
+                                            ffn=f, tp=t, sp=sp, llama=llama, cp_mode=cp_mode) - table
     out = b * s * h * e // w
     scores = b * (a // t) * s * s
     mlp_tensors = 4 if llama else 2  # SwiGLU keeps gate, up, SiLU and product; a GPT fc's output and GELU's
@@ -295,7 +298,8 @@ def block_parts(seq: int, micro_batch: int, hidden: int, heads: int, *, element_
     chunked = (mlp(first) + other) if b > 1 else mlp(b) + extra(b)
     recomputed_peak = recomputed - tail - mlp(b) + max(chunked, ring)  # the MLP's backward, or later the ring's
     return {"kept": kept, "out": out, "tail": tail, "selective": selective, "forward_peak": forward_peak,
-            "backward_extra": backward_extra, "recomputed": recomputed, "recomputed_peak": recomputed_peak}
+            "backward_extra": backward_extra, "recomputed": recomputed, "recomputed_peak": recomputed_peak,
+            "table": table}
 
 
 def recompute_units(blocks: int, recompute: str = "none") -> list[int]:
@@ -459,7 +463,11 @@ def torch_stage_activation_bytes(layers: int, seq: int, micro_batch: int, hidden
     kept_loss = b * s * (vocab // t) * 4 + (9 * b * s if t > 1 else 0)
     # at the loss (its forward: the logits kept, their shifted exponentials, a few fp32 numbers
     # per token, and under bf16 the bf16 logits, which the caller still holds)
-    loss = ((2 * b * s * (vocab // t) * 4 + 20 * b * s) if t > 1 else b * s * vocab * 4 + 16 * b * s)
+    # (one process in fp32: the ignored targets are always masked, never asked about — no host
+    # sync — so the mask, a byte a token, and the masked targets' int64 copy are there too; in
+    # bf16 the moment is the logits' gradient cast back, after they are freed)
+    masked = 9 * b * s if e == 4 else 0
+    loss = ((2 * b * s * (vocab // t) * 4 + 20 * b * s) if t > 1 else b * s * vocab * 4 + 16 * b * s + masked)
     loss += b * s * (vocab // t) * e if e < 4 else 0  # the bf16 logits the caller holds
 
     split = schedule == "zb" and stage > 0  # the first stage runs each backward whole
@@ -527,7 +535,7 @@ def torch_stage_activation_bytes(layers: int, seq: int, micro_batch: int, hidden
         # (its own micro-batch's included) and one ∇W.
         kept = sum(n * chunk[i][0] for i, n in enumerate(held)) + stored * store + (received + sent) * out
         peak = max(peak, kept + weight_grad if weight else kept - chunk[c][0] + chunk[c][1])
-    return peak
+    return peak + parts["table"]  # one RoPE table per rank, whatever it holds of the blocks
 
 
 def torch_activation_bytes(layers: int, seq: int, micro_batch: int, hidden: int, heads: int, vocab: int, *,

@@ -1,0 +1,153 @@
+"""`--compile` / `parallelize(compile=True)`: each block's forward compiled, verified against
+one uncompiled process in every layout family (the suite runs dynamo with the `aot_eager`
+backend, which traces forward and backward graphs as inductor does but generates no code;
+inductor runs under `slow`), a user's own model against a plain PyTorch loop, names
+unchanged, and the refusals: a model compiled before `parallelize`, an unknown backend, a
+torch that cannot compile."""
+
+import json
+
+import pytest
+import torch
+from distributed import run_ranks
+from helpers import run_cli
+from test_api import OPTIMIZERS, PIPELINE, PLAN, SCHEDULER, batches, make_model, plain_loop
+
+import meshtrain
+from meshtrain import verifier
+
+SMALL = ("--seq-len", "32", "--vocab-size", "256", "--batch-size", "8", "--steps", "3")
+
+# The acceptance matrix: ZeRO-3, TP + SP, PP 1F1B and zero-bubble, the CP ring, full
+# recompute (with dropout), bf16 with ZeRO-1; GPT and Llama alternate.
+LAYOUTS = {
+    "zero3": ("gpt-test", "--dp", "2", "--zero", "3"),
+    "tp2-sp": ("llama-test", "--tp", "2", "--sp"),
+    "pp2-1f1b": ("gpt-test", "--pp", "2", "--microbatches", "2"),
+    "pp2-zb": ("llama-test", "--pp", "2", "--microbatches", "2", "--schedule", "zb"),
+    "cp2-ring": ("llama-test", "--cp", "2"),
+    "recompute-full-dropout": ("gpt-test", "--dp", "2", "--recompute", "full", "--dropout", "0.1"),
+    "zero1-bf16": ("llama-test", "--dp", "2", "--zero", "1", "--precision", "bf16"),
+}
+
+
+def _verify_compiled(layout: str, backend: str) -> dict:
+    model, *flags = LAYOUTS[layout]
+    r = run_cli("verify", "--model", model, *flags, *SMALL, "--compile", "--compile-backend", backend, "--json",
+                timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def _check(report: dict) -> None:
+    assert report["passed"], report["failures"]
+    assert report["layout"]["compile"] is True
+    assert report["compile"]["graphs"] >= 1, report["compile"]  # dynamo compiled the blocks, not skipped them
+    tol = report["tolerances"]  # unchanged: the same bounds as every other layout
+    assert (tol["grad"], tol["update"], tol["step_loss"]) == (verifier.GRAD_TOLERANCE, verifier.UPDATE_TOLERANCE,
+                                                              verifier.STEP_LOSS_TOLERANCE)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_verify_compiled_aot_eager(layout):
+    _check(_verify_compiled(layout, "aot_eager"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["zero3", "tp2-sp", "pp2-zb", "cp2-ring", "recompute-full-dropout"])
+def test_verify_compiled_inductor(layout):
+    _check(_verify_compiled(layout, "inductor"))
+
+
+def test_blocks_without_collectives_compile_whole():
+    """Under ZeRO-3 a block holds no collective (its gathers are hooks around the call): one
+    graph, no break. Under TP each tensor-parallel layer's communication breaks the graph
+    (Comm's collectives run eagerly), and the break is named."""
+    zero3 = _verify_compiled("zero3", "aot_eager")["compile"]
+    assert zero3["graph_breaks"] == 0, zero3
+    tp = _verify_compiled("tp2-sp", "aot_eager")["compile"]
+    assert tp["graph_breaks"] > 0 and any("disable" in reason for reason in tp["break_reasons"]), tp
+
+
+# ---- a user's own model through the Python API ---------------------------------------------
+
+API_LAYOUTS = {"dp2-zero3": ({"dp": 2}, {"zero": 3}),
+               "tp2-fused-qkv": ({"tp": 2}, {"tp_plan": PLAN}),
+               "pp2": ({"pp": 2}, {"pipeline": PIPELINE, "microbatches": 2})}
+
+
+def _train_compiled(_harness_mesh, names):
+    results = {}
+    for name in names:
+        axes, options = API_LAYOUTS[name]
+        mesh = meshtrain.init(**axes)
+        model = make_model()
+        before = [n for n, _ in model.named_parameters()]
+        job = meshtrain.parallelize(model, mesh, optimizer=OPTIMIZERS["adamw"], loss_fn=meshtrain.cross_entropy,
+                                    clip_grad_norm=1.0, lr_scheduler=SCHEDULER, compile=True,
+                                    compile_backend="aot_eager", **options)
+        names_kept = all(n in before for n, _ in job.module.named_parameters())
+        losses = [job.step(x, y).loss for x, y in batches()]
+        weights = job.state_dict()["model"]
+        if mesh.is_main:
+            results[name] = (losses, weights, names_kept)
+    return results
+
+
+def test_a_compiled_users_model_trains_what_a_plain_loop_trains():
+    results = run_ranks(_train_compiled, 2, list(API_LAYOUTS), timeout=600)[0]
+    plain_losses, plain_weights = plain_loop("adamw")
+    initial = {n: p.detach() for n, p in make_model().named_parameters()}
+    for name, (losses, weights, names_kept) in results.items():
+        assert names_kept, name
+        assert weights.keys() == plain_weights.keys(), name  # no `_orig_mod.` anywhere
+        for a, b in zip(losses, plain_losses):
+            assert abs(a - b) / abs(b) < 1e-5, (name, losses, plain_losses)
+        for n, w in plain_weights.items():
+            update, ref = (weights[n] - initial[n]).double(), (w - initial[n]).double()
+            assert (update - ref).norm() / ref.norm() < 1e-3, (name, n)
+
+
+# ---- refusals --------------------------------------------------------------------------------
+
+def _one_process_job(model, **options):
+    return meshtrain.parallelize(model, meshtrain.init(), optimizer=OPTIMIZERS["sgd"], **options)
+
+
+def test_a_model_compiled_before_parallelize_is_refused_in_one_line():
+    with pytest.raises(ValueError, match="compile=True") as caught:
+        _one_process_job(torch.compile(make_model(), backend="aot_eager"))
+    assert "\n" not in str(caught.value) and "_orig_mod" in str(caught.value)
+    model = make_model()
+    model.blocks[1] = torch.compile(model.blocks[1], backend="aot_eager")
+    with pytest.raises(ValueError, match="blocks.1 was compiled"):
+        _one_process_job(model)
+
+
+def test_compiled_blocks_keep_names_state_dict_and_checkpoints(tmp_path):
+    """Only the blocks' forward methods change: names, state dict and a saved checkpoint are
+    those of the plain model, and the compiled job loads what it saved."""
+    job = _one_process_job(make_model(), compile=True, compile_backend="aot_eager", loss_fn=meshtrain.cross_entropy)
+    plain = make_model()
+    assert [n for n, _ in job.module.named_parameters()] == [n for n, _ in plain.named_parameters()]
+    assert job.module.state_dict().keys() == plain.state_dict().keys()
+    x, y = batches(1)[0]
+    job.step(x, y)
+    job.save(tmp_path / "ckpt")
+    again = _one_process_job(make_model(), compile=True, compile_backend="aot_eager", loss_fn=meshtrain.cross_entropy)
+    again.load(tmp_path / "ckpt")
+    for (n, a), (_, b) in zip(job.module.named_parameters(), again.module.named_parameters()):
+        assert torch.equal(a, b), n
+
+
+def test_an_unknown_backend_is_refused_before_any_rank_starts():
+    r = run_cli("train", "--compile", "--compile-backend", "tvm", "--steps", "1")
+    assert r.returncode == 2 and "--compile-backend" in r.stderr and "aot_eager" in r.stderr, r.stderr
+    with pytest.raises(ValueError, match="compile backend 'tvm'"):
+        _one_process_job(make_model(), compile=True, compile_backend="tvm")
+
+
+def test_a_torch_that_cannot_compile_is_refused_in_one_line(monkeypatch):
+    monkeypatch.setattr(torch._dynamo, "is_dynamo_supported", lambda: False)
+    with pytest.raises(ValueError, match="leave --compile off"):
+        _one_process_job(make_model(), compile=True, compile_backend="aot_eager")
