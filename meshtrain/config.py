@@ -477,6 +477,12 @@ def warnings(cfg: Config, command: str = "train") -> list[str]:
     if tr.max_restarts and not tr.save_every and command == "train":
         found.append(f"--max-restarts {tr.max_restarts} without --save-every: a restart starts over from step 0")
     lay = cfg.layout
+    if lay.compile and lay.recompute == "full":
+        found.append("--compile with --recompute full checkpoints each block whole (no MLP row chunks, whose "
+                     "skipped recomputation a compiled graph cannot do): one block's whole MLP more at the backward's "
+                     "peak" + ("; the plan counts the chunks" if command == "plan" else ""))
+    if lay.compile and command == "plan":
+        found.append("--compile: the plan models eager blocks (inductor may keep fewer tensors for backward)")
     if lay.pp > 1 and lay.microbatches < lay.pp:
         found.append(f"--microbatches {lay.microbatches} < --pp {lay.pp}: most stages idle through most of the step "
                      f"(the bubble); use --microbatches {lay.pp} or more")

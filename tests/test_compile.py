@@ -147,6 +147,11 @@ def test_an_unknown_backend_is_refused_before_any_rank_starts():
         _one_process_job(make_model(), compile=True, compile_backend="tvm")
 
 
+def test_bench_refuses_compile():
+    r = run_cli("bench", "--vs", "ddp", "--compile")
+    assert r.returncode == 2 and "eager peer" in r.stderr, r.stderr
+
+
 def test_a_torch_that_cannot_compile_is_refused_in_one_line(monkeypatch):
     monkeypatch.setattr(torch._dynamo, "is_dynamo_supported", lambda: False)
     with pytest.raises(ValueError, match="leave --compile off"):

@@ -33,7 +33,7 @@ def mutant_config(**layout) -> Config:
     return c
 
 
-# The layouts the mutants run in: data parallelism; tensor parallelism with and without SP;
+# The layouts the mutants run in: data parallelism (also with each block compiled); tensor parallelism with and without SP;
 # pipelines (1F1B, GPipe, zero-bubble) and a pipeline with data parallelism; ZeRO stages 1
 # and 3; data parallelism with every linear layer on the all-gather path; a pipeline that
 # recomputes its blocks, with dropout; context parallelism (the ring), with dropout.
@@ -45,7 +45,8 @@ LAYOUTS = {"dp": mutant_config(), "tp": mutant_config(dp=1, tp=2, microbatches=1
            "zero3": mutant_config(zero=3), "dp-allgather": mutant_config(dp_linear_sync="allgather"),
            "pp-recompute": mutant_config(dp=1, pp=2, microbatches=4, recompute="full"),
            "pp-zb": mutant_config(dp=1, pp=2, microbatches=4, schedule="zb"),
-           "cp": mutant_config(dp=1, cp=2, microbatches=1), "cp-dropout": mutant_config(dp=1, cp=2, microbatches=1)}
+           "cp": mutant_config(dp=1, cp=2, microbatches=1), "cp-dropout": mutant_config(dp=1, cp=2, microbatches=1),
+           "dp-compile": mutant_config(compile=True, compile_backend="aot_eager")}
 LAYOUTS["pp-recompute"].model.dropout = 0.1
 LAYOUTS["cp-dropout"].model.dropout = 0.1
 
@@ -332,6 +333,23 @@ def evaluation_skips_the_cp_split():
 
 
 # name -> (the mutant, the layout it runs in)
+def compiled_block_miscomputes():
+    """--compile: the compiled graphs compute their first output 0.1 % off (a stand-in for a
+    miscompiled kernel). Verify's reference is never compiled, so it must see the difference."""
+    from meshtrain.parallel import compose
+
+    def perturbed(gm, example_inputs):
+        def run(*args):
+            outs = gm(*args)
+            return type(outs)([outs[0] * 1.001, *outs[1:]])
+        return run
+
+    def compile_blocks(blocks, options):
+        for block in blocks:
+            block.forward = torch.compile(block.forward, backend=perturbed, dynamic=False)
+    return [mock.patch.object(compose, "compile_blocks", compile_blocks)]
+
+
 MUTANTS = {f.__name__: (f, layout) for f, layout in (
     (local_loss_normalizer, "dp"), (averaged_on_top_of_the_sum, "dp"), (bucket_skipped_on_a_middle_step, "dp"),
     (data_slice_shifted, "dp"), (one_gradient_unsynchronised, "dp"), (microbatches_not_accumulated, "dp"),
@@ -343,7 +361,8 @@ MUTANTS = {f.__name__: (f, layout) for f, layout in (
     (mlp_chunks_drop_with_the_first_chunks_rows, "pp-recompute"), (weight_pass_tells_no_synchroniser, "pp-zb"),
     (store_keeps_one_micro_batch_per_layer, "pp-zb"), (blocks_merged_without_the_lse_correction, "cp"),
     (keys_not_placed_head_tail, "cp"), (gradients_not_reduced_over_cp, "cp"),
-    (dropout_masks_drawn_per_cp_rank, "cp-dropout"), (evaluation_skips_the_cp_split, "cp"))}
+    (dropout_masks_drawn_per_cp_rank, "cp-dropout"), (evaluation_skips_the_cp_split, "cp"),
+    (compiled_block_miscomputes, "dp-compile"))}
 # Mutants that train correctly and fail the held-out check (`job.evaluate` after the step).
 EVALUATION = {"evaluation_skips_the_cp_split"}
 # The step at which each mutant first does harm.
@@ -365,7 +384,7 @@ def _records_of_every_mutant(mesh, layouts):
 
 @pytest.fixture(scope="module")
 def verdicts():
-    records = run_ranks(_records_of_every_mutant, 2, ["dp", "zero1", "zero3", "dp-allgather"])[0]
+    records = run_ranks(_records_of_every_mutant, 2, ["dp", "zero1", "zero3", "dp-allgather", "dp-compile"])[0]
     records.update(run_ranks(_records_of_every_mutant, 2, ["tp", "tp-sp"], tp=2)[0])
     records.update(run_ranks(_records_of_every_mutant, 2, ["pp", "pp-gpipe", "pp-recompute", "pp-zb"], pp=2)[0])
     records.update(run_ranks(_records_of_every_mutant, 4, ["dp-pp"], pp=2)[0])

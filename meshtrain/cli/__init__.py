@@ -183,6 +183,9 @@ def _check_command(cfg: C.Config, args) -> None:
     if args.command == "train" and args.trace and cfg.layout.pp < 2:
         raise C.ConfigError(f"--trace records a pipeline's timeline; use --pp 2 or more (this run has pp={cfg.layout.pp})")
     if args.command == "bench":
+        if cfg.layout.compile:
+            raise C.ConfigError("bench --compile would time compiled blocks against an eager peer; bench eager against "
+                                "eager, and time --compile with benchmarks/compile.py")
         if args.vs not in BENCH_PEERS:
             raise C.ConfigError(f"unknown peer '{args.vs}'; use --vs {' | '.join(BENCH_PEERS)}")
         lay = cfg.layout
