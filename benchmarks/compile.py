@@ -5,7 +5,7 @@ which include the compilation), the ratio compiled / eager, the first step's tim
 compilation's cost) and what dynamo made of the blocks (graphs, graph breaks).
 
     python benchmarks/compile.py [--model gpt-small] [--backend inductor] [--steps 20]
-        [--batch-size 8] [--seq-len 256] [--precision fp32] [--recompute none]
+        [--batch-size 8] [--seq-len 256] [--precision fp32] [--recompute none] [--device cpu]
 """
 
 import argparse
@@ -27,7 +27,7 @@ def config(args, compiled: bool) -> Config:
     cfg.layout.dp, cfg.layout.precision, cfg.layout.recompute = 1, args.precision, args.recompute
     cfg.layout.compile, cfg.layout.compile_backend = compiled, args.backend
     cfg.train.steps, cfg.train.batch_size, cfg.train.seq_len = args.steps, args.batch_size, args.seq_len
-    cfg.train.device = "cpu"
+    cfg.train.device = args.device
     return cfg
 
 
@@ -41,16 +41,17 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
     ap.add_argument("--recompute", default="none")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     args = ap.parse_args()
-    comm = Mesh.single(torch.device("cpu")).comm
+    device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
+    comm = Mesh.single(device).comm
     sides = {name: (config(args, name == "compiled"),) for name in ("eager", "compiled")}
     jobs = {name: (cfg, *setup(cfg, comm)) for name, (cfg,) in sides.items()}
     times = {name: [] for name in jobs}
     for step in range(args.steps):
         for name, (cfg, data, job) in jobs.items():
             t0 = time.perf_counter()
-            out = train_step(job, data, step, cfg)
-            out.loss  # the step's loss read: the whole step done
+            train_step(job, data, step, cfg).loss  # the loss read: the whole step done
             times[name].append(time.perf_counter() - t0)
     medians = {name: statistics.median(t[args.warmup:]) for name, t in times.items()}
     print(json.dumps({"model": args.model, "backend": args.backend, "precision": args.precision,

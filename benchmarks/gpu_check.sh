@@ -9,7 +9,10 @@
 #      efficient fp32, cuDNN bf16) against sdpa (needs pytest; if missing, the outcome says so);
 #   5. a one-GPU bf16 Llama `train` with torch.cuda.set_sync_debug_mode("warn"): every
 #      synchronizing CUDA call warns, and the warnings are counted by where they were made.
-# The JSON line of each lands in $OUT (the device tool's output folder) or ./gpu-check.
+#   6. benchmarks/compile.py: llama-small bf16 with each block compiled (inductor) against
+#      eager, interleaved in one process: the compiled ÷ eager step ratio on this GPU.
+# outcomes.txt, summary.txt and results.tgz (each step's JSON line and log) land in $OUT (the
+# device tool's output folder) or ./gpu-check.
 # DEVICE=cpu MODEL=gpt-test SEQ_LEN=32 rehearses the script on a machine without a GPU.
 # Every step runs whatever the others did; the end lists each step's outcome, and the script
 # exits non-zero if any failed.
@@ -17,7 +20,12 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 DATA=${DATA:-benchmarks/data/hamlet.txt}
-RESULTS=${OUT:-gpu-check}
+# The steps write into a folder of their own; $OUT (or ./gpu-check) gets three files at the end —
+# outcomes.txt, summary.txt and results.tgz (every JSON line and log, not the run folders) —
+# since the device tool brings back at most 8 files.
+OUT_DIR=${OUT:-gpu-check}
+RESULTS=$(mktemp -d "${TMPDIR:-/tmp}/gpu-check.XXXXXX")
+mkdir -p "$OUT_DIR"
 DEVICE=${DEVICE:-cuda}
 MODEL=${MODEL:-gpt2}
 SEQ_LEN=${SEQ_LEN:-1024}
@@ -94,6 +102,15 @@ step "5. train llama-small bf16 on one $DEVICE device, sync debug on" "$RESULTS/
 } | tee "$RESULTS/sync-warnings.txt"
 rm -rf "$SYNC_OUT"
 
+step "6. --compile against eager: llama-small bf16 on one $DEVICE device" "$RESULTS/compile.json" \
+  $PY benchmarks/compile.py --model llama-small --device "$DEVICE" --precision bf16 --batch-size 8 \
+  --seq-len "$SEQ_LEN" --steps 20
+cat "$RESULTS/compile.json" >> "$RESULTS/sync-warnings.txt"
+
 echo "== outcomes" >&2
 printf '%s\n' "${OUTCOMES[@]}" | tee "$RESULTS/outcomes.txt"
+cp "$RESULTS/outcomes.txt" "$OUT_DIR/"
+cat "$RESULTS"/machine.txt "$RESULTS"/sync-warnings.txt > "$OUT_DIR/summary.txt" 2>/dev/null
+tail -n 3 "$RESULTS"/block-kernels.txt >> "$OUT_DIR/summary.txt" 2>/dev/null
+tar czf "$OUT_DIR/results.tgz" --exclude='./run' --exclude='./run-*' -C "$RESULTS" .
 ! printf '%s\n' "${OUTCOMES[@]}" | grep -q '^FAILED'
