@@ -179,12 +179,12 @@ class IndexedWriter(FileSystemWriter):
 class IndexedReader(FileSystemReader):
     """DCP's file reader, its index read from the JSON (never the pickle)."""
 
-    def __init__(self, path):
+    def __init__(self, path, metadata: Metadata | None = None):
         super().__init__(path)
-        self._folder = Path(path)
+        self._folder, self._metadata = Path(path), metadata
 
     def read_metadata(self, *args, **kwargs) -> Metadata:
-        return read_index(self._folder)
+        return self._metadata if self._metadata is not None else read_index(self._folder)
 
 
 def read_index(folder: Path) -> Metadata:
@@ -232,10 +232,12 @@ def save(state: dict[str, Boxed], folder: Path, distributed: bool) -> dict[str, 
     return writer.written
 
 
-def load(state: dict[str, Boxed], folder: Path, distributed: bool) -> None:
-    """Collective: fill every box of `state` from the checkpoint in `folder`."""
+def load(state: dict[str, Boxed], folder: Path, distributed: bool, metadata: Metadata | None = None) -> None:
+    """Collective: fill every box of `state` from the checkpoint in `folder` (its index
+    `metadata`, when the caller has read it already: read once)."""
     with _one_process_quietly(distributed):
-        dcp.load(state, storage_reader=IndexedReader(folder), planner=BoxLoadPlanner(), no_dist=not distributed)
+        dcp.load(state, storage_reader=IndexedReader(folder, metadata), planner=BoxLoadPlanner(),
+                 no_dist=not distributed)
 
 
 @contextmanager

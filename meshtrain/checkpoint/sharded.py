@@ -153,7 +153,8 @@ def load(parallel, folder: Path) -> dict:
     in `folder` (any layout's), reading only the saved boxes that overlap them; returns its
     `state.json`. Refuses (`CheckpointError`, on every rank alike) another model's."""
     comm, folder = parallel.comm, Path(folder)
-    metadata = dcp.read_index(folder).state_dict_metadata
+    index = dcp.read_index(folder)
+    metadata = index.state_dict_metadata
     restored = parallel.holdings.restored()
     _check_same_model(parallel, metadata, restored, folder)
     meta = read_meta(folder)
@@ -168,10 +169,11 @@ def load(parallel, folder: Path) -> dict:
         _add(state, _model(h.name), h.shape, h.tensor.dtype, boxes(h.tensor, h.where, h.shape))
     for name, b in persistent_buffers(parallel.module):
         _add(state, f"buffer/{name}", b.shape, b.dtype, _whole(b))
-    optimizer_state = {}
+    optimizer_state, saved_keys = {}, _optimizer_keys(metadata)
     for h in parallel.holdings.checkpointed():
-        optimizer_state[h.tensor] = _optimizer_targets(h, metadata, parallel.optimizer.state.get(h.tensor, {}), state)
-    dcp.load(state, folder, distributed=comm.mesh.world_size > 1)
+        optimizer_state[h.tensor] = _optimizer_targets(h, saved_keys.get(h.name, []),
+                                                       parallel.optimizer.state.get(h.tensor, {}), state)
+    dcp.load(state, folder, distributed=comm.mesh.world_size > 1, metadata=index)
     for t, entry in optimizer_state.items():
         parallel.optimizer.state.pop(t, None)
         if entry:
@@ -233,16 +235,22 @@ def lr_scheduler_state(parallel, meta: dict) -> dict | None:
     return state
 
 
-def _optimizer_targets(h, metadata, existing: dict, state: dict[str, Boxed]) -> dict:
-    """The optimizer state of one held tensor, ready to be read into (the tensors it has,
-    or new ones shaped as the checkpoint's keys say), its boxes added to `state`."""
-    prefix = _optim(h.name, "")
-    entry = {}
+def _optimizer_keys(metadata) -> dict[str, list[tuple[object, str, object]]]:
+    """The saved optimizer state by parameter name: [(key, fqn, metadata)], in one pass over
+    the index (looked up per tensor, so a load stays linear in the number of tensors)."""
+    out: dict[str, list] = {}
     for fqn, md in metadata.items():
-        if not fqn.startswith(prefix) or "/" in fqn[len(prefix):]:
-            continue
-        key = fqn[len(prefix):]
-        key = int(key) if key.isdigit() else key
+        if fqn.startswith("optim/"):
+            name, _, key = fqn[len("optim/"):].rpartition("/")
+            out.setdefault(name, []).append((int(key) if key.isdigit() else key, fqn, md))
+    return out
+
+
+def _optimizer_targets(h, saved: list[tuple[object, str, object]], existing: dict, state: dict[str, Boxed]) -> dict:
+    """The optimizer state of one held tensor, ready to be read into (the tensors it has,
+    or new ones shaped as the checkpoint's keys `saved` say), its boxes added to `state`."""
+    entry = {}
+    for key, fqn, md in saved:
         dtype, old = md.properties.dtype, existing.get(key)
         if tuple(md.size) == tuple(h.shape) and len(h.shape) > 0:
             t = old if torch.is_tensor(old) and old.shape == h.tensor.shape and old.dtype == dtype else \
