@@ -363,8 +363,10 @@ MUTANTS = {f.__name__: (f, layout) for f, layout in (
     (keys_not_placed_head_tail, "cp"), (gradients_not_reduced_over_cp, "cp"),
     (dropout_masks_drawn_per_cp_rank, "cp-dropout"), (evaluation_skips_the_cp_split, "cp"),
     (compiled_block_miscomputes, "dp-compile"))}
-# Mutants that train correctly and fail the held-out check (`job.evaluate` after the step).
-EVALUATION = {"evaluation_skips_the_cp_split"}
+# Mutants that first fail the held-out check (`job.evaluate` after the step): one that trains
+# correctly, and the miscompiled block, whose first step runs eagerly (the activation meter's:
+# docs/compile.md), so that its first compiled forward is step 1's evaluation.
+EVALUATION = {"evaluation_skips_the_cp_split", "compiled_block_miscomputes"}
 # The step at which each mutant first does harm.
 FIRST_BAD_STEP = {name: MIDDLE if name == "bucket_skipped_on_a_middle_step" else 1 for name in MUTANTS}
 
@@ -411,6 +413,13 @@ def test_verify_fails_on_the_mutant_naming_step_and_tensor(verdicts, name):
         return
     # a tensor is named: a parameter's gradient or update, or a rank's copy of one
     assert re.search(r"(gradient|update|weights)", first) and re.search(r"\.(weight|bias)\b", first), first
+
+
+def test_a_miscompiled_block_is_caught_in_training_too(verdicts):
+    """After the eager first step the compiled blocks train: the later sampled steps' gradients
+    differ, and verify names them."""
+    failures = verdicts["compiled_block_miscomputes"]["failures"]
+    assert any(re.match(r"step [2-9]\d*: .*\.(weight|bias) gradient", f) for f in failures), failures
 
 
 def test_unsynchronised_gradient_is_caught_on_the_rank_that_holds_it(verdicts):
