@@ -45,8 +45,8 @@ def main() -> None:
     args = ap.parse_args()
     device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
     comm = Mesh.single(device).comm
-    sides = {name: (config(args, name == "compiled"),) for name in ("eager", "compiled")}
-    jobs = {name: (cfg, *setup(cfg, comm)) for name, (cfg,) in sides.items()}
+    configs = {"eager": config(args, False), "compiled": config(args, True)}
+    jobs = {name: (cfg, *setup(cfg, comm)) for name, cfg in configs.items()}
     times = {name: [] for name in jobs}
     for step in range(args.steps):
         for name, (cfg, data, job) in jobs.items():

@@ -17,8 +17,8 @@ from pathlib import Path
 
 from meshtrain.recipes import PRESETS, PUBLISHED, add_preset, family_of, is_preset, is_published, parse_widths, spec_of
 from meshtrain.recipe import is_user_model
-from meshtrain.parallel.options import (COMPILE_BACKENDS, CP_MODES, GRAD_DTYPES, LINEAR_SYNCS, PRECISIONS, SCHEDULES, Layout,
-                                       parse_recompute, schedule_or_batch_problem)
+from meshtrain.parallel.options import (COMPILE_BACKENDS, CP_MODES, GRAD_DTYPES, LINEAR_SYNCS, PRECISIONS, SCHEDULES,
+                                       Layout, parse_recompute, schedule_or_batch_problem)
 from meshtrain.hf import HFError, read_config, spec_from_config, weight_files
 from meshtrain.data.corpus import DataError
 

@@ -13,9 +13,9 @@ It is applied after the tensor-parallel plan, context parallelism and zero-bubbl
 checkpointing (whose recomputation then calls the compiled forward again) and ZeRO.
 Collectives run eagerly between compiled graphs: every collective of `comm.Comm` is
 `torch.compiler.disable`d, so dynamo breaks the graph at a tensor-parallel layer's
-communication instead of tracing a process group. `fullgraph` therefore holds only where a
-block has no collective inside (dp, ZeRO, pp without tp or cp); elsewhere the graph breaks
-are counted by `graph_breaks`."""
+communication instead of tracing a process group. `fullgraph` is not asked for: it would
+hold only where a block has no collective inside (dp, ZeRO, pp without tp or cp), and
+`compile_stats` counts the breaks where it does not."""
 
 from __future__ import annotations
 
@@ -25,13 +25,12 @@ from contextlib import nullcontext
 import torch
 import torch.nn as nn
 
-from meshtrain.parallel.options import COMPILE_BACKENDS, CompileOptions
+from meshtrain.parallel.options import CompileOptions
 
 
 def compile_problem(backend: str) -> str | None:
-    """Why this torch cannot compile with `backend`, in one line, or None."""
-    if backend not in COMPILE_BACKENDS:
-        return f"compile backend {backend!r}: use {', '.join(COMPILE_BACKENDS)}"
+    """Why this torch cannot compile with `backend` (a name `CompileOptions` accepted), in one
+    line, or None."""
     if not hasattr(torch, "compile") or not hasattr(torch, "_dynamo"):
         return f"--compile: torch {torch.__version__} has no torch.compile; use torch >= 2.11 or leave --compile off"
     if not torch._dynamo.is_dynamo_supported():
@@ -60,8 +59,7 @@ def check_compilable(model: nn.Module, options: CompileOptions | None) -> None:
 def compile_blocks(blocks: list[nn.Module], options: CompileOptions) -> None:
     """Replace each block's `forward` by its compiled self, in place."""
     for block in blocks:
-        block.forward = torch.compile(block.forward, backend=options.backend, fullgraph=options.fullgraph,
-                                      dynamic=False)
+        block.forward = torch.compile(block.forward, backend=options.backend, dynamic=False)
 
 
 def compiled_first(model: nn.Module) -> str | None:

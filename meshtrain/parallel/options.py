@@ -20,10 +20,8 @@ COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
 class CompileOptions:
     """How `compile=True` compiles each block (`parallel/compile.py`): `backend`, torch.compile's
     ("inductor" generates kernels; "aot_eager" traces and differentiates the graph without
-    generating code: what the test suite runs); `fullgraph`: refuse graph breaks (holds only
-    where a block has no collective inside)."""
+    generating code: what the test suite runs)."""
     backend: str = "inductor"
-    fullgraph: bool = False
 
     def __post_init__(self):
         if self.backend not in COMPILE_BACKENDS:
