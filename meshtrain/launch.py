@@ -269,25 +269,29 @@ def let_collective_threads_finish() -> None:
 
 def die_with_launcher() -> None:
     """A rank of meshtrain's launcher ends when the launcher dies, however it dies (`kill -9`
-    included): the kernel sends it SIGTERM then (Linux's parent-death signal; elsewhere a
-    thread watching the parent's pid). SIGTERM, not SIGKILL: with --save-every the ranks save
-    the step they are in and stop, as after a scheduler's preemption."""
-    launcher = int(os.environ.get(LAUNCHER_PID_ENV, 0))
+    included): SIGTERM, not SIGKILL: with --save-every the ranks save the step they are in
+    and stop, as after a scheduler's preemption."""
+    die_with_parent(int(os.environ.get(LAUNCHER_PID_ENV, 0)), signal.SIGTERM)
+
+
+def die_with_parent(parent: int, sig: int) -> None:
+    """This process gets `sig` when its parent `parent` dies, however it dies: Linux's
+    parent-death signal, elsewhere a thread watching the parent's pid."""
     try:
         import ctypes
         libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(1, int(signal.SIGTERM), 0, 0, 0) != 0:  # PR_SET_PDEATHSIG
+        if libc.prctl(1, int(sig), 0, 0, 0) != 0:  # PR_SET_PDEATHSIG
             raise OSError
     except (OSError, AttributeError):
         import threading
 
         def watch() -> None:
-            while os.getppid() == launcher:
+            while os.getppid() == parent:
                 time.sleep(1.0)
-            os.kill(os.getpid(), signal.SIGTERM)
-        threading.Thread(target=watch, name="meshtrain-launcher-watch", daemon=True).start()
-    if os.getppid() != launcher:  # it died before the signal was armed
-        os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), sig)
+        threading.Thread(target=watch, name="meshtrain-parent-watch", daemon=True).start()
+    if os.getppid() != parent:  # it died before the signal was armed
+        os.kill(os.getpid(), sig)
 
 
 def at_finish(callback) -> None:

@@ -142,16 +142,22 @@ def build_parser(plan_flags: bool = True) -> argparse.ArgumentParser:
 def _add_prepare_parser(sub) -> None:
     prep = sub.add_parser("prepare", help="tokenize text once into the token folder `train --data DIR` reads",
                           description="Tokenize text (a file, a folder of files, .jsonl files with a \"text\" field "
-                          "per line, or 'shakespeare') into a new folder of token files that `meshtrain train --data "
-                          "DIR` reads and numpy opens (docs/data.md): with --init-from, the Hugging Face folder's "
-                          "tokenizer.json applied to each whole document as `tokenizers` encodes it, then its EOS; "
-                          "else a BPE of --vocab-size tokens trained on the text (256: bytes).")
+                          "per line, Parquet files with a \"text\" column, or 'shakespeare') into a new folder of "
+                          "token files that `meshtrain train --data DIR` reads and numpy opens (docs/data.md): with "
+                          "--init-from, the Hugging Face folder's tokenizer.json applied to each whole document as "
+                          "`tokenizers` encodes it, then its EOS; else a BPE of --vocab-size tokens trained on the "
+                          "text (256: bytes). Documents are streamed and encoded by --workers processes: memory "
+                          "does not grow with the corpus, and the ids are the same whatever --workers.")
     prep.add_argument("--data", required=True, metavar="PATH", help="the text: a file, a folder, or 'shakespeare'")
     prep.add_argument("--init-from", metavar="DIR", help="a Hugging Face folder: its tokenizer.json, and the EOS its "
                       "tokenizer_config.json (else config.json) names")
     prep.add_argument("--vocab-size", type=int, metavar="N", help="without --init-from: the vocabulary of the BPE "
                       f"trained on the text (256: the byte tokenizer; default {C.TrainConfig.vocab_size})")
     prep.add_argument("--out", required=True, metavar="DIR", help="the new token folder (absent or empty)")
+    prep.add_argument("--workers", type=int, metavar="N", help="processes that tokenize (1: in this one; default: "
+                      "the cores this process may use)")
+    prep.add_argument("--text-field", default="text", metavar="NAME", help="the field of a .jsonl line, or the "
+                      "column of a Parquet file, that holds the text (default: text)")
 
 
 def _dest(flag: str) -> str:
@@ -605,11 +611,17 @@ def _schedule_against_trace(args) -> int:
 
 
 def _prepare(args) -> int:
-    """`meshtrain prepare`: no processes, no torch; one line for each refusal."""
-    from meshtrain.data.datasets import imported_tokenizer_and_rows, prepare_folder
+    """`meshtrain prepare`: no torch; one line for each refusal, and for an interruption
+    (Ctrl-C, SIGTERM: the workers stopped, --out left absent, exit 128 + the signal)."""
+    from meshtrain.data.build import default_workers, imported_tokenizer_and_rows, prepare_folder
     from meshtrain.data.prepared import find
     vocab, tokenizer = args.vocab_size if args.vocab_size is not None else C.TrainConfig.vocab_size, None
+    workers = args.workers if args.workers is not None else default_workers()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _interrupt)
     try:
+        if workers < 1:
+            raise C.ConfigError(f"--workers {workers}: use 1 (tokenize in this process) or more")
         if args.init_from is not None:
             if args.vocab_size is not None:
                 raise C.ConfigError(f"--vocab-size {args.vocab_size} with --init-from {args.init_from}: the vocabulary "
@@ -620,14 +632,31 @@ def _prepare(args) -> int:
         if args.data not in C.BUILTIN_DATA and find(args.data) is not None:
             raise C.ConfigError(f"--data {args.data} is a prepared token folder already; train on it with "
                                 f"meshtrain train --data {args.data}")
-        meta = prepare_folder(args.data, Path(args.out), vocab, tokenizer, log=_log)
+        meta = prepare_folder(args.data, Path(args.out), vocab, tokenizer, log=_log, workers=workers,
+                              text_field=args.text_field, progress=True)
     except (C.ConfigError, DataError) as e:
         print(f"meshtrain: error: {e}", file=sys.stderr)
         return 2
+    except _Interrupted as e:
+        print(f"meshtrain: error: prepare stopped by {e.signal.name}; --out {args.out} was not written (its "
+              f"unfinished folder removed): run it again", file=sys.stderr)
+        return 128 + e.signal
     init = f" --init-from {args.init_from}" if args.init_from else ""
     _log(f"prepared {meta['documents']:,} document(s) into {meta['n_tokens']:,} tokens ({meta['dtype']}, "
          f"{len(meta['shards'])} shard(s)) in {args.out}; train on them: meshtrain train --data {args.out}{init}")
     return 0
+
+
+class _Interrupted(KeyboardInterrupt):
+    """Ctrl-C or SIGTERM, raised where the process is, so that what it was building is removed."""
+
+    def __init__(self, signum: int = signal.SIGINT):
+        super().__init__()
+        self.signal = signal.Signals(signum)
+
+
+def _interrupt(signum, frame):
+    raise _Interrupted(signum)
 
 
 def _export(args) -> int:

@@ -14,7 +14,6 @@ import fcntl
 import hashlib
 import json
 import os
-import shutil
 import sys
 from pathlib import Path
 
@@ -22,18 +21,16 @@ import numpy as np
 import torch
 
 from meshtrain.data import prepared
-from meshtrain.data.corpus import DataError, iter_documents, text_files
+from meshtrain.data.build import (build_folder, imported_tokenizer_and_rows, prepare_folder,  # noqa: F401 (moved)
+                                  usable_vocab)
+from meshtrain.data.corpus import DataError, text_files
 from meshtrain.data.prepared import DOCUMENTS_FILE, META_FILE, TOKENS_FILE  # noqa: F401 (the format's names)
-from meshtrain.data.tokenizer import (TOKENIZER_FILE, BPETokenizer, ByteTokenizer, Specials, imported_specials,
-                                      token_dtype)
+from meshtrain.data.tokenizer import TOKENIZER_FILE, BPETokenizer, ByteTokenizer, imported_specials
 from meshtrain.loss import IGNORE_INDEX
 
 LOCK_FILE = ".lock"
 # 3: the prepared format, each document tokenized whole (2: documents tokenized line by line; 1: one stream)
 CACHE_VERSION = 3
-_DOCS_PER_BATCH, _CHARS_PER_BATCH = 4096, 1 << 24  # documents tokenized per call: bounds the memory
-# An imported folder's files copied into a prepared folder, byte for byte (AutoTokenizer reads them there)
-IMPORTED_TOKENIZER_FILES = (TOKENIZER_FILE, "tokenizer_config.json", "special_tokens_map.json")
 
 
 VAL_FRACTION = 0.01  # the held-out tail: never sampled for training
@@ -167,17 +164,6 @@ def _document_rows(bounds: np.ndarray, lo: int, hi: int, seq_len: int) -> tuple[
     return starts, np.repeat(e, n)
 
 
-def _usable_vocab(vocab_size: int) -> int:
-    """The byte tokenizer is the fallback when `tokenizers` is missing."""
-    try:
-        import tokenizers  # noqa: F401
-    except ImportError:
-        if vocab_size != ByteTokenizer.vocab_size:
-            print("meshtrain: `tokenizers` is not installed; using the byte tokenizer (vocab 256)", file=sys.stderr)
-        return ByteTokenizer.vocab_size
-    return vocab_size
-
-
 def _text_cache_folder(source: str, vocab_size: int, tokenizer: Path | None = None) -> tuple[Path, list[Path]]:
     files = text_files(source)
     imported = []
@@ -200,7 +186,7 @@ def prepare_text(source: str, vocab_size: int, log=_to_stderr, tokenizer: Path |
     `tokenizer`: an imported model's tokenizer.json, used as it is (`vocab_size`: that
     model's embedding rows); else a BPE of `vocab_size` is trained on the text."""
     if tokenizer is None:
-        vocab_size = _usable_vocab(vocab_size)
+        vocab_size = usable_vocab(vocab_size)
     folder, files = _text_cache_folder(source, vocab_size, tokenizer)
     if (folder / META_FILE).exists():
         return folder
@@ -213,114 +199,6 @@ def prepare_text(source: str, vocab_size: int, log=_to_stderr, tokenizer: Path |
             meta = build_folder(folder, files, source, vocab_size, log, tokenizer)
             log(f"tokenized {len(files)} file(s) into {meta['n_tokens']:,} tokens (cached in {folder})")
     return folder
-
-
-def prepare_folder(source: str, out: Path, vocab_size: int, tokenizer: Path | None = None, log=_to_stderr,
-                   shard_tokens: int = prepared.SHARD_TOKENS) -> dict:
-    """`meshtrain prepare`: the text of `source` tokenized into the new folder `out`
-    (`build_folder`), built beside it and renamed into place at the end, so that `out` is
-    whole or absent. Returns its meta.json."""
-    files = text_files(source)
-    out = Path(out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise DataError(f"--out {out} exists and is not empty; give a new folder (or remove that one)")
-    if tokenizer is None:
-        vocab_size = _usable_vocab(vocab_size)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
-        meta = build_folder(tmp, files, source, vocab_size, log, tokenizer, shard_tokens)
-        if out.exists():
-            out.rmdir()
-        os.rename(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return meta
-
-
-def imported_tokenizer_and_rows(folder: Path) -> tuple[Path, int]:
-    """A Hugging Face folder's tokenizer.json and the embedding rows its ids must fit
-    (config.json's `vocab_size`; without a config.json, the tokenizer's own size)."""
-    tokenizer = folder / TOKENIZER_FILE
-    if not tokenizer.is_file():
-        raise DataError(f"--init-from {folder}: no {TOKENIZER_FILE} there; give a Hugging Face folder with its "
-                        f"tokenizer")
-    config = folder / "config.json"
-    if not config.is_file():
-        return tokenizer, BPETokenizer.load(tokenizer).vocab_size
-    try:
-        rows = json.loads(config.read_text(encoding="utf-8")).get("vocab_size")
-    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:
-        raise DataError(f"--init-from {config}: not a JSON object ({e}); fix or remove it") from None
-    if not isinstance(rows, int) or isinstance(rows, bool) or rows < 1:
-        raise DataError(f"--init-from {config}: no positive integer vocab_size ({rows!r})")
-    return tokenizer, rows
-
-
-def _batches(docs):
-    """(documents, whether they are the last) in batches of a bounded size."""
-    batch, chars = [], 0
-    for doc in docs:
-        if batch and (len(batch) >= _DOCS_PER_BATCH or chars + len(doc) > _CHARS_PER_BATCH):
-            yield batch, False  # `doc` follows
-            batch, chars = [], 0
-        batch.append(doc)
-        chars += len(doc)
-    yield batch, True
-
-
-def build_folder(folder: Path, files: list[Path], source: str, vocab_size: int, log,
-                 imported: Path | None = None, shard_tokens: int = prepared.SHARD_TOKENS) -> dict:
-    """Tokenize the documents of `files` into the prepared folder `folder` (`prepared.py`),
-    reading one file at a time and writing batch by batch: with the `imported` tokenizer.json
-    (copied there byte for byte, with the files beside it that name its special tokens), the
-    byte tokenizer (`vocab_size` 256), or a BPE of `vocab_size` trained on the text first.
-    Returns meta.json. Text with no character is refused in one line."""
-    chars = 0
-
-    def counted(docs):
-        nonlocal chars
-        for doc in docs:
-            chars += len(doc)
-            yield doc
-
-    def no_text() -> DataError:
-        return DataError(f"--data {source}: no text there ({len(files)} file(s), every document empty); give text "
-                         f"files, or .jsonl files whose lines have a \"text\" field")
-
-    if imported is not None:
-        tokenizer = BPETokenizer.load(imported)
-        if tokenizer.vocab_size > vocab_size:
-            raise DataError(f"{imported}: the tokenizer has {tokenizer.vocab_size:,} tokens, more than the model's "
-                            f"{vocab_size:,} embedding rows")
-        specials = imported_specials(imported.parent, tokenizer, vocab_size)
-        for name in IMPORTED_TOKENIZER_FILES:
-            there = imported if name == TOKENIZER_FILE else imported.with_name(name)
-            if there.is_file():
-                shutil.copyfile(there, folder / name)
-        vocab, identity = vocab_size, prepared.tokenizer_identity(folder / TOKENIZER_FILE)
-    elif vocab_size == ByteTokenizer.vocab_size:
-        tokenizer, specials, vocab = ByteTokenizer(), Specials(), vocab_size
-        identity = prepared.tokenizer_identity(None)
-    else:
-        log(f"training a {vocab_size}-token BPE tokenizer on the text of {len(files)} file(s) ...")
-        tokenizer = BPETokenizer.train_documents(counted(iter_documents(files)), vocab_size)
-        if not chars:
-            raise no_text()
-        specials = tokenizer.own_specials()
-        tokenizer.save(folder / TOKENIZER_FILE)
-        vocab, identity = tokenizer.vocab_size, prepared.tokenizer_identity(folder / TOKENIZER_FILE)
-        chars = 0
-    writer = prepared.TokenWriter(folder, token_dtype(vocab), shard_tokens)
-    for batch, last in _batches(counted(iter_documents(files))):
-        writer.add(*tokenizer.encode_documents(batch, specials, last=last))
-    if not chars:
-        raise no_text()
-    return writer.close(vocab_size=vocab, bos_id=specials.bos, eos_id=specials.eos, pad_id=specials.pad,
-                        tokenizer=identity, source=source, files=len(files))
 
 
 def check_prepared(folder: Path, vocab_size: int, tokenizer: Path | None = None) -> dict:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -115,12 +116,28 @@ class TokenWriter:
         return meta
 
 
+def building_folder(out: Path, pid: int) -> Path:
+    """Where process `pid` builds the token folder `out` (hidden, beside it) before renaming it into place."""
+    return out.with_name(f".{out.name}.tmp{pid}")
+
+
+def is_building_folder(folder: Path, out: Path | None = None) -> bool:
+    """A folder named as `building_folder` names them (`out`'s, or any)."""
+    name = re.escape(out.name) if out is not None else ".+"
+    return re.fullmatch(rf"\.{name}\.tmp\d+", folder.name) is not None
+
+
 def find(data: str) -> Path | None:
     """`--data` as a prepared token folder (a folder whose meta.json names this format, of any
     version: `read_meta` refuses another), or None (text). A token folder of an older
-    meshtrain, without a format, is refused in one line."""
+    meshtrain, without a format, and an unfinished one (a prepare's building folder, or token
+    files without meta.json: its prepare was interrupted) are refused in one line."""
     folder = Path(data)
     meta_file = folder / META_FILE
+    if folder.is_dir() and not meta_file.is_file() and (is_building_folder(folder.resolve())
+                                                         or (folder / TOKENS_FILE).is_file()):
+        raise DataError(f"--data {data}: an unfinished token folder (no {META_FILE}: its `meshtrain prepare` was "
+                        f"interrupted); prepare it again: meshtrain prepare --data TEXT --out DIR")
     if not folder.is_dir() or not meta_file.is_file():
         return None
     try:
