@@ -69,6 +69,7 @@ class TrainConfig:
     overwrite: bool = False  # a fresh run into an `out` holding another run's checkpoints moves them aside
     save_every: int | None = None  # a sharded checkpoint every N steps (and at the end)
     keep: int | None = None  # the newest K checkpoints kept (None: all)
+    async_save: bool = False  # checkpoints written by a thread while training goes on
     skip_nonfinite: bool = False  # a non-finite loss or gradient norm skips the step (default: stops the run)
     max_restarts: int = 0  # meshtrain's own launch: restart the ranks after one fails, resuming
     eval_every: int | None = None  # the held-out loss every N steps (and at the end)
@@ -172,6 +173,9 @@ FLAGS = [
     ("--save-every", "train", "save_every", int, "write a sharded checkpoint OUT/step-N every N steps and at "
      "the end (every rank writes what it owns)"),
     ("--keep", "train", "keep", int, "keep the newest K checkpoints (default: all)"),
+    ("--async-save", "train", "async_save", bool, "write each checkpoint in the background: the step blocks only "
+     "while the state is copied aside (host memory the size of each rank's state; pinned on a GPU); needs "
+     "--save-every, and --keep 2 or more"),
     ("--max-restarts", "train", "max_restarts", int, "when a rank dies, restart all ranks up to N times, each "
      "resuming from the latest good checkpoint (under an outside torchrun, use torchrun's own --max-restarts)"),
     ("--eval-every", "train", "eval_every", int, "the loss on the held-out split (the last 1%% of the data, never "
@@ -377,6 +381,11 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         raise ConfigError(f"--timeout {tr.timeout}: must be a positive number of seconds")
     if tr.max_restarts < 0:
         raise ConfigError(f"--max-restarts {tr.max_restarts}: must not be negative")
+    if tr.async_save and not tr.save_every:
+        raise ConfigError("--async-save without --save-every: there is no checkpoint to write; add --save-every N")
+    if tr.async_save and tr.keep == 1:
+        raise ConfigError("--async-save with --keep 1: the previous checkpoint is what a run falls back on while the "
+                          "next is written in the background (or should it prove damaged); use --keep 2 or more")
     if tr.warmup < 0 or tr.clip < 0:
         raise ConfigError(f"--warmup and --clip must not be negative (got {tr.warmup}, {tr.clip})")
     user_model = is_user_model(m.name)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import sys
+import time
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Callable
@@ -104,6 +105,7 @@ class Job:
         self.optimizer = getattr(parallel.optimizer, "inner", parallel.optimizer)
         self.lr_scheduler = lr_scheduler(self.optimizer) if lr_scheduler is not None else None
         self.steps = 0  # optimizer steps taken (dropout masks are keyed by it)
+        self._saver = None  # the background saver, made by the first `save(background=True)`
         self._passes_num_items = num_items  # the model's forward takes num_items_in_batch
         if loss.kind == "own":  # the model computes its loss in its forward: watched there
             parallel.loss_scope = loss.watching
@@ -428,13 +430,29 @@ class Job:
         if self.lr_scheduler is not None and "lr_scheduler" in state:
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])
 
-    def save(self, directory, *, files=(), **meta) -> None:
+    def save(self, directory, *, files=(), background: bool = False, then=None, **meta) -> float:
         """Collective: a sharded checkpoint in `directory` (every rank writes what it owns;
         written whole or not at all; `checkpoint.sharded`). `meta`: JSON-able facts to keep
-        beside the state (read back by `load`); `files`: paths copied in beside it (a tokenizer)."""
+        beside the state (read back by `load`); `files`: paths copied in beside it (a tokenizer).
+        `background`: return once the state is copied aside, and write it in a thread
+        (`checkpoint.background`; `wait_for_saves` joins it, the next save waits for it), then
+        run `then(comm)` there with the save's own communicator (a prune). Returns the seconds
+        the call blocked."""
         from meshtrain.checkpoint.sharded import save_checkpoint
+        t0 = time.perf_counter()
+        self.wait_for_saves()  # one save at a time: the previous one committed first
+        if background and self._saver is None:
+            from meshtrain.checkpoint.background import BackgroundSaver
+            self._saver = BackgroundSaver(self.parallel.comm)
         save_checkpoint(self.parallel, Path(directory), {**meta, "steps": self.steps}, files=files,
-                        lr_scheduler=self.lr_scheduler)
+                        lr_scheduler=self.lr_scheduler, saver=self._saver if background else None, then=then)
+        return time.perf_counter() - t0
+
+    def wait_for_saves(self) -> None:
+        """Collective: until a background save in flight is written and committed (its
+        failure raised here, on every rank alike)."""
+        if self._saver is not None:
+            self._saver.wait()
 
     def load(self, directory, *, check: bool = True) -> dict:
         """Collective: the state `save` wrote, in any layout (each rank reads only the parts it
@@ -443,6 +461,7 @@ class Job:
         hyper-parameters saved for its parameters' names, and the scheduler this rank's state
         (`sharded.lr_scheduler_state`)."""
         from meshtrain.checkpoint.sharded import load, load_checkpoint, lr_scheduler_state
+        self.wait_for_saves()
         meta = (load_checkpoint if check else load)(self.parallel, Path(directory))
         self.steps = meta["steps"]
         scheduler = lr_scheduler_state(self.parallel, meta) if self.lr_scheduler is not None else None

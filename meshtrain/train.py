@@ -39,6 +39,7 @@ from meshtrain.parallel.pipeline import trace as pipeline_trace
 from meshtrain.recipe import Recipe, RecipeData, is_user_model, load_recipe
 from meshtrain.recipes.build import build_model, preset_recipe
 from meshtrain.hf import HFWeights
+from meshtrain.checkpoint.folders import CorruptCheckpoint
 from meshtrain.checkpoint.sharded import CheckpointError, read_meta
 
 
@@ -364,6 +365,7 @@ def train(cfg: Config, comm: Comm, *, observer: StepObserver | None = None, prog
             checkpoint_after(job, cfg, data, step + 1, preemption, run_id)
             if stop_after is not None and step + 1 >= stop_after:
                 break
+        job.wait_for_saves()  # an --async-save in flight: written and committed before the run ends
         if pending is not None:
             report(*pending)
         if bar is not None:
@@ -440,10 +442,11 @@ def checkpoint_after(job: Job, cfg: Config, data, step: int, preemption: Preempt
     faults.inject("term", rank, step)
     due = bool(tr.save_every) and (step % tr.save_every == 0 or step == tr.steps)
     if due:
-        save(job, cfg, data, step, run_id)
+        save(job, cfg, data, step, run_id, background=tr.async_save)
     if preemption is not None and job.parallel.comm.any_rank(preemption.seen):
         if not due:
             save(job, cfg, data, step, run_id)
+        job.wait_for_saves()
         folder, out = folders.step_dir(Path(tr.out), step), Path(tr.out)
         stopped = {"by": "SIGTERM", "step": step, "saved": str(folder), "at": time.time()}
         # What meshtrain's launcher reads to exit 0 after a clean stop.
@@ -452,18 +455,27 @@ def checkpoint_after(job: Job, cfg: Config, data, step: int, preemption: Preempt
         raise Preempted(step, folder)
 
 
-def save(job: Job, cfg: Config, data, step: int, run_id: str) -> None:
-    """Collective: the sharded checkpoint OUT/step-N; then this run's oldest beyond --keep removed."""
-    out = Path(cfg.train.out)
+def save(job: Job, cfg: Config, data, step: int, run_id: str, background: bool = False) -> None:
+    """Collective: the sharded checkpoint OUT/step-N; then this run's oldest beyond --keep
+    removed. `background` (--async-save): written by a thread once the state is staged, the
+    prune run there too, after the commit."""
+    out, folder, main = Path(cfg.train.out), folders.step_dir(Path(cfg.train.out), step), job.mesh.is_main
     t0 = time.perf_counter()
     tokenizer = Path(getattr(data, "folder", None) or "", TOKENIZER_FILE)
-    job.save(folders.step_dir(out, step), run=run_identity(cfg), run_id=run_id, layout_flags=cfg.layout.short(),
-             config=cfg.to_dict(), vocab_size=getattr(data, "vocab_size", None),
-             files=[tokenizer] if tokenizer.is_file() else [], **imported_record(cfg))
-    if cfg.train.keep:
-        folders.prune(out, cfg.train.keep, job.parallel.comm, run=run_id)
-    if job.mesh.is_main:
-        print(f"meshtrain: saved {folders.step_dir(out, step)} in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+
+    def then(comm) -> None:
+        if cfg.train.keep:
+            folders.prune(out, cfg.train.keep, comm, run=run_id)
+        if main:
+            print(f"meshtrain: saved {folder} in {time.perf_counter() - t0:.1f} s"
+                  + (" (in the background)" if background else ""), file=sys.stderr)
+
+    blocked = job.save(folder, run=run_identity(cfg), run_id=run_id, layout_flags=cfg.layout.short(),
+                       config=cfg.to_dict(), vocab_size=getattr(data, "vocab_size", None),
+                       files=[tokenizer] if tokenizer.is_file() else [], background=background, then=then,
+                       **imported_record(cfg))
+    if background and main:
+        print(f"meshtrain: saving {folder} in the background (the step blocked {blocked:.2f} s)", file=sys.stderr)
 
 
 def _on_rank_0(comm: Comm, doing: str, write) -> None:
@@ -492,22 +504,41 @@ def resume(job: Job, cfg: Config, run_id: str) -> tuple[int, str | None]:
     if not (tr.resume or tr.resume_from or restarted):
         return 0, None
     say = _say if job.mesh.is_main else (lambda msg: None)
-    if restarted and not tr.resume_from:  # the latest checkpoint of this run, if it got to one
-        folder = folders.latest_good(Path(tr.out), comm, say, run=run_id)
-        if folder is None:
-            say(f"restart {faults.restart_count()}: no checkpoint of this run in {tr.out} yet; starting over")
-            return 0, None
-    elif tr.resume_from:
+    if tr.resume_from:
         folder = Path(tr.resume_from)
         problem = folders.check(folder, comm)
         if problem is not None:
             raise CheckpointError(f"--resume-from {folder}: {problem}")
-    else:
-        folder = folders.latest_good(Path(tr.out), comm, say, run=run_id)
-        if folder is None:
-            raise CheckpointError(f"--resume: no good checkpoint of run {run_id or '(unnamed)'} in {tr.out} "
-                                  f"(write them with --save-every N)")
-    meta = read_meta(folder)
+        meta = _checked_load(job, cfg, folder)
+    else:  # the newest good checkpoint of this run; one whose boxes fail their checksums is passed by
+        below = None
+        while True:
+            folder = folders.latest_good(Path(tr.out), comm, say, run=run_id, below=below)
+            if folder is None and restarted:
+                say(f"restart {faults.restart_count()}: no checkpoint of this run in {tr.out} yet; starting over")
+                return 0, None
+            if folder is None:
+                raise CheckpointError(f"--resume: no good checkpoint of run {run_id or '(unnamed)'} in {tr.out} "
+                                      f"(write them with --save-every N)")
+            try:
+                meta = _checked_load(job, cfg, folder)
+                break
+            except CorruptCheckpoint as e:
+                say(f"checkpoint {e}; trying the one before")
+                below = int(folders.STEP_DIR.match(folder.name).group(1))
+    planned = (meta.get("config") or {}).get("train", {}).get("steps")
+    if isinstance(planned, int) and planned != tr.steps and job.lr_scheduler is None:
+        say(f"--steps {tr.steps}: the saved run planned {planned}; its learning-rate schedule is re-derived from "
+            f"{tr.steps} (at step {meta['steps'] + 1}: {lr_at(meta['steps'], tr):.3g}, where the saved plan had "
+            f"{lr_at(meta['steps'], replace(tr, steps=planned)):.3g})")
+    say(f"resumed from {folder} (step {meta['steps']}, saved as {meta.get('layout_flags', '?')})")
+    return meta["steps"], str(folder)
+
+
+def _checked_load(job: Job, cfg: Config, folder: Path) -> dict:
+    """Collective: the checkpoint in `folder` (checked good: `folders.check`) loaded, once
+    what the run's identity and --steps ask of it hold; its saved facts."""
+    tr, meta = cfg.train, read_meta(folder)
     saved, mine = meta.get("run", {}), run_identity(cfg)
     for key in mine:
         if key in saved and saved[key] != mine[key]:
@@ -517,14 +548,7 @@ def resume(job: Job, cfg: Config, run_id: str) -> tuple[int, str | None]:
     if meta["steps"] >= tr.steps:
         raise CheckpointError(f"{folder} is at step {meta['steps']}, and --steps is {tr.steps}: nothing left to "
                               f"train; raise --steps")
-    planned = (meta.get("config") or {}).get("train", {}).get("steps")
-    meta = job.load(folder, check=False)  # checked above
-    if isinstance(planned, int) and planned != tr.steps and job.lr_scheduler is None:
-        say(f"--steps {tr.steps}: the saved run planned {planned}; its learning-rate schedule is re-derived from "
-            f"{tr.steps} (at step {meta['steps'] + 1}: {lr_at(meta['steps'], tr):.3g}, where the saved plan had "
-            f"{lr_at(meta['steps'], replace(tr, steps=planned)):.3g})")
-    say(f"resumed from {folder} (step {meta['steps']}, saved as {meta.get('layout_flags', '?')})")
-    return meta["steps"], str(folder)
+    return job.load(folder, check=False)
 
 
 def _per_axis(sent: dict[tuple[str, str], float]) -> dict[str, dict[str, int]]:

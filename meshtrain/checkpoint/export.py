@@ -21,6 +21,7 @@ from meshtrain.checkpoint.boxes import Box
 from meshtrain.checkpoint.dcp import Boxed
 from meshtrain.checkpoint.safetensors_files import (MAX_SHARD_BYTES, SAFETENSORS_DTYPES, SHARD_INDEX,
                                                     write_safetensors, write_shards)
+from meshtrain.checkpoint.folders import CorruptCheckpoint
 from meshtrain.checkpoint.sharded import CheckpointError, read_meta
 from meshtrain.checkpoint.weight_files import weight_files
 from meshtrain.comm import Comm
@@ -59,7 +60,9 @@ def consolidated(ckpt: Path, names: list[str] | None = None, dtype: torch.dtype 
         t = torch.empty(m.size, dtype=_as(m.properties.dtype, dtype))
         out[name] = t
         state[fqns[name]] = Boxed(tuple(m.size), t.dtype, [Box((0,) * t.dim(), tuple(t.shape), t)])
-    dcp.load(state, Path(ckpt), distributed=False)
+    problem = dcp.load(state, Path(ckpt), distributed=False).problem
+    if problem is not None:  # the boxes' checksums, checked as they were read
+        raise CorruptCheckpoint(f"--ckpt {ckpt}: {problem}")
     return out
 
 

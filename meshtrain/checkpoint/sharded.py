@@ -5,18 +5,21 @@ checkpoint written in one layout loads in any other.
 
 Tensors (`dcp.py`): `model/NAME` (the weights the optimizer steps: fp32 masters under
 mixed precision; the low-precision copy is derived), `optim/NAME/KEY` (the optimizer state
-by parameter name, not index: pipeline stages' groups would collide), `buffer/NAME`. The
-rest is JSON (`state.json`, written by rank 0 from what every rank sends it): the step
-(batches are a pure function of seed and step, so the step is the data position), the
-optimizer's hyper-parameters by parameter name (each rank's groups hold other parameters),
-the scheduler's state (each rank's where they differ), each rank's random-number state, and
-what the caller adds (the run's identity)."""
+by parameter name, not index: pipeline stages' groups would collide), `buffer/NAME`, and
+`rng/RANK/DEVICE`, each rank's random-number state, written by that rank alone and read
+back only by the same rank of the same layout (never gathered). The rest is JSON
+(`state.json`, written by rank 0 from what every rank sends it): the step (batches are a
+pure function of seed and step, so the step is the data position), the optimizer's
+hyper-parameters by parameter name (each rank's groups hold other parameters), the
+scheduler's state (each rank's where they differ), and what the caller adds (the run's
+identity)."""
 
 from __future__ import annotations
 
 import base64
 import json
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -24,7 +27,7 @@ import torch
 from meshtrain.checkpoint import dcp, folders
 from meshtrain.checkpoint.boxes import Box, boxes
 from meshtrain.checkpoint.dcp import Boxed
-from meshtrain.checkpoint.folders import CheckpointError, decide
+from meshtrain.checkpoint.folders import CheckpointError, CorruptCheckpoint, decide
 
 STATE = "state.json"
 
@@ -60,7 +63,17 @@ def saved_state(parallel) -> dict[str, Boxed]:
                 _add(state, _optim(h.name, key), v.shape, v.dtype, _whole(v))
     for name, b in persistent_buffers(parallel.module):
         _add(state, f"buffer/{name}", b.shape, b.dtype, _whole(b))
+    for fqn, t in _rng_states(parallel.comm.mesh.rank).items():
+        _add(state, fqn, t.shape, t.dtype, _whole(t))
     return state
+
+
+def _rng_states(rank: int) -> dict[str, torch.Tensor]:
+    """This rank's random-number states as the tensors torch gives (copies), by entry name."""
+    out = {f"rng/{rank}/cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out[f"rng/{rank}/cuda"] = torch.cuda.get_rng_state()
+    return out
 
 
 def persistent_buffers(module) -> list[tuple[str, torch.Tensor]]:
@@ -70,31 +83,46 @@ def persistent_buffers(module) -> list[tuple[str, torch.Tensor]]:
     return [(n, b) for n, b in module.named_buffers() if n in kept]
 
 
-def save(parallel, folder: Path, meta: dict, lr_scheduler=None) -> dict[str, dict]:
-    """Collective: write this layout's state into `folder` (an empty folder; `folders.write`
-    makes it atomic); returns the description of each file this rank wrote. `meta`:
-    JSON-able facts of the run, rank 0's; `lr_scheduler`: the scheduler whose state every
-    rank saves. What a rank reads of its own state is checked on every rank first, and a
-    failure there raises on every rank (`folders.decide`) before anything is written."""
+@dataclass
+class Snapshot:
+    """What a save writes, taken at one moment: this rank's boxes (views of its memory, or of
+    a staged copy) and, on rank 0, the checkpoint's JSON facts."""
+    state: dict[str, Boxed]
+    body: dict | None
+
+
+def snapshot(parallel, meta: dict, lr_scheduler=None) -> Snapshot:
+    """Collective: this layout's state as a save writes it. `meta`: JSON-able facts of the
+    run, rank 0's; `lr_scheduler`: the scheduler whose state every rank saves. What a rank
+    reads of its own state is checked on every rank, and a failure there raises on every
+    rank (`folders.decide`) before anything is written."""
     comm = parallel.comm
     state, mine, error = None, None, None
     try:
         state = saved_state(parallel)
         scheduler = _plain(lr_scheduler.state_dict(), "the lr scheduler's state") if lr_scheduler is not None else None
-        mine = {"rng": _rng_state(), "groups": hyper_parameters(parallel), "lr_scheduler": scheduler}
+        mine = {"groups": hyper_parameters(parallel), "lr_scheduler": scheduler}
+        if comm.mesh.is_main:
+            _plain(meta, "the facts saved beside the state")
     except Exception as e:
         error = e
-    every = decide(comm, error, f"saving {Path(folder).name.removesuffix('.tmp')}", mine)
-    written = dcp.save(state, folder, distributed=comm.mesh.world_size > 1)
+    every = decide(comm, error, "saving a checkpoint", mine)
+    body = None
     if comm.mesh.is_main:
         body = {**meta, "optimizer_groups": _by_name([part["groups"] for part in every]),
-                **_schedulers([part["lr_scheduler"] for part in every]), "rng": [part["rng"] for part in every],
-                "world_size": comm.mesh.world_size}
-        try:
-            text = json.dumps(body, indent=1)
-        except TypeError as e:
-            raise TypeError(f"checkpoint: the facts saved beside the state: not plain data ({e})") from None
-        written[STATE] = folders.write_synced(Path(folder) / STATE, text.encode())
+                **_schedulers([part["lr_scheduler"] for part in every]), "world_size": comm.mesh.world_size}
+    return Snapshot(state, body)
+
+
+def write_snapshot(snap: Snapshot, folder: Path, comm, files=(), process_group=None) -> dict[str, dict]:
+    """Collective (over `process_group`, the default group when None): write `snap` into
+    `folder` (an empty folder; `folders.write` makes it atomic), rank 0 its `state.json` and
+    a copy of each of `files`; returns the description of each file this rank wrote."""
+    written = dcp.save(snap.state, folder, distributed=comm.mesh.world_size > 1, process_group=process_group)
+    if snap.body is not None:
+        written[STATE] = folders.write_synced(Path(folder) / STATE, json.dumps(snap.body, indent=1).encode())
+        for f in files:  # described by reading (small)
+            shutil.copyfile(f, Path(folder) / Path(f).name)
     return written
 
 
@@ -148,10 +176,13 @@ def read_meta(folder: Path) -> dict:
     return json.loads((Path(folder) / STATE).read_text())
 
 
-def load(parallel, folder: Path) -> dict:
+def load(parallel, folder: Path, reads: list | None = None) -> dict:
     """Collective: fill this rank's weights, optimizer state and buffers from the checkpoint
-    in `folder` (any layout's), reading only the saved boxes that overlap them; returns its
-    `state.json`. Refuses (`CheckpointError`, on every rank alike) another model's."""
+    in `folder` (any layout's), reading each saved box that overlaps them once (under ZeRO-1
+    and 2 the weights only of its pieces: `read_on_load`); returns its `state.json`. Refuses
+    (`CheckpointError`, on every rank alike) another model's, and (`CorruptCheckpoint`) one
+    whose bytes read on any rank fail their checksum. `reads`: a list that gets the (file,
+    offset, length) of each read of this rank."""
     comm, folder = parallel.comm, Path(folder)
     index = dcp.read_index(folder)
     metadata = index.state_dict_metadata
@@ -165,7 +196,7 @@ def load(parallel, folder: Path) -> dict:
         error = e
     decide(comm, error, f"loading {folder}")  # refused on every rank before anything is read
     state: dict[str, Boxed] = {}
-    for h in restored:
+    for h in parallel.holdings.read_on_load():
         _add(state, _model(h.name), h.shape, h.tensor.dtype, boxes(h.tensor, h.where, h.shape))
     for name, b in persistent_buffers(parallel.module):
         _add(state, f"buffer/{name}", b.shape, b.dtype, _whole(b))
@@ -173,13 +204,24 @@ def load(parallel, folder: Path) -> dict:
     for h in parallel.holdings.checkpointed():
         optimizer_state[h.tensor] = _optimizer_targets(h, saved_keys.get(h.name, []),
                                                        parallel.optimizer.state.get(h.tensor, {}), state)
-    dcp.load(state, folder, distributed=comm.mesh.world_size > 1, metadata=index)
+    same_ranks = _same_ranks(parallel, meta)
+    rng = {fqn: torch.empty_like(t) for fqn, t in _rng_states(comm.mesh.rank).items() if fqn in metadata} \
+        if same_ranks else {}
+    for fqn, t in rng.items():
+        _add(state, fqn, t.shape, t.dtype, _whole(t))
+    reader = dcp.load(state, folder, distributed=comm.mesh.world_size > 1, metadata=index)
+    if reads is not None:
+        reads += reader.reads
+    problem = next((p for p in comm.all_gather_object(reader.problem) if p is not None), None)
+    if problem is not None:  # on every rank alike: the caller may try an older checkpoint
+        raise CorruptCheckpoint(f"{folder}: {problem}")
+    parallel.holdings.finish_load()
     for t, entry in optimizer_state.items():
         parallel.optimizer.state.pop(t, None)
         if entry:
             parallel.optimizer.state[t] = entry
-    if _same_ranks(parallel, meta):
-        _set_rng_state(meta["rng"][comm.mesh.rank])  # the same ranks: each its own random state
+    if same_ranks:  # the same ranks: each its own random state
+        _set_rng_state(_rng_from(rng) if rng else _decoded(meta["rng"][comm.mesh.rank]))
     for group, saved in groups:
         group.update({k: tuple(v) if isinstance(group.get(k), tuple) else v for k, v in saved.items()})
     return meta
@@ -287,32 +329,35 @@ def _layout_of(parallel) -> dict:
     return dict(parallel.comm.mesh.sizes)
 
 
-def _rng_state() -> dict:
-    state = {"cpu": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = base64.b64encode(torch.cuda.get_rng_state().numpy().tobytes()).decode()
-    return state
+def _rng_from(read: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """{device: state} of the `rng/RANK/DEVICE` entries read."""
+    return {fqn.rsplit("/", 1)[1]: t for fqn, t in read.items()}
 
 
-def _set_rng_state(state: dict) -> None:
-    torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(state["cpu"])), dtype=torch.uint8))
+def _decoded(saved: dict) -> dict[str, torch.Tensor]:
+    """A checkpoint of an earlier meshtrain: every rank's states in state.json, base64."""
+    return {device: torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
+            for device, text in saved.items()}
+
+
+def _set_rng_state(state: dict[str, torch.Tensor]) -> None:
+    torch.set_rng_state(state["cpu"])
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(state["cuda"])), dtype=torch.uint8))
+        torch.cuda.set_rng_state(state["cuda"])
 
 
-def save_checkpoint(parallel, final: Path, meta: dict, files=(), lr_scheduler=None) -> None:
-    """Collective: `save` made atomic and verifiable (`folders.write`), with `files` copied
-    in by rank 0. A failure on any rank raises on every rank (`folders.write`)."""
-    meta = {**meta, "layout": _layout_of(parallel)}
-
-    def write(tmp: Path) -> dict[str, dict]:
-        written = save(parallel, tmp, meta, lr_scheduler)
-        if parallel.comm.mesh.is_main:
-            for f in files:  # described by reading (small)
-                shutil.copyfile(f, tmp / Path(f).name)
-        return written
-
-    folders.write(Path(final), parallel.comm, write)
+def save_checkpoint(parallel, final: Path, meta: dict, files=(), lr_scheduler=None, saver=None, then=None) -> None:
+    """Collective: `snapshot`, written atomically and verifiably (`folders.write`), with
+    `files` copied in by rank 0, then `then(comm)` (a prune). A failure on any rank raises
+    on every rank. `saver`: a `background.BackgroundSaver` that stages the snapshot and writes
+    it in a thread (this returns once it is staged)."""
+    snap = snapshot(parallel, {**meta, "layout": _layout_of(parallel)}, lr_scheduler)
+    if saver is not None:
+        saver.save(snap, Path(final), files, then)
+        return
+    folders.write(Path(final), parallel.comm, lambda tmp: write_snapshot(snap, tmp, parallel.comm, files))
+    if then is not None:
+        then(parallel.comm)
 
 
 def load_checkpoint(parallel, folder: Path) -> dict:

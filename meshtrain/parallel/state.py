@@ -254,6 +254,13 @@ class ParamHoldings:
     def _params(self) -> list[Held]:
         return params_held(self.module, self.comm)
 
+    def read_on_load(self) -> list[Held]:
+        """What a checkpoint load reads on this rank: everything it restores."""
+        return self.restored()
+
+    def finish_load(self) -> None:
+        """Nothing to rebuild after a load: each rank read all it holds."""
+
     def load(self, model: dict[str, torch.Tensor], optim: dict[str, dict]) -> None:
         params = dict(self.module.named_parameters())  # this stage's (the state holds every stage's)
         with torch.no_grad():

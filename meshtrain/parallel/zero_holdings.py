@@ -48,6 +48,19 @@ class ZeroHoldings:
         held = params_held(self.module, self.comm) if self.zero.stage < 3 else pieces
         return held + masters_of(pieces, self.optimizer)
 
+    def read_on_load(self) -> list[Held]:
+        """What a checkpoint load reads on this rank: its pieces (and their masters) only —
+        under stages 1 and 2 the full parameters are then all-gathered over dp
+        (`finish_load`), so the dp ranks read the weights once between them, not each."""
+        pieces = self._pieces_held()
+        return pieces + masters_of(pieces, self.optimizer)
+
+    def finish_load(self) -> None:
+        """Collective over dp, after a load: stages 1 and 2 rebuild the full parameters from
+        the pieces every rank read."""
+        if self.zero.stage < 3:
+            self.zero.gather_params()
+
     def _piece_tensor(self, value: torch.Tensor, kind: str, key: str | None) -> torch.Tensor | None:
         """What this rank holds of `kind` for one of its pieces (None: nothing yet)."""
         if kind == "model":
