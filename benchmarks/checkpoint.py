@@ -1,7 +1,11 @@
-"""Sharded checkpoints: save and load time and size per layout, and the save beside writing
-the same bytes (the whole state: weights and optimizer moments) as one safetensors file
-from one process, fsynced as ours are. Each repetition saves ours, then the baseline, then
-loads ours (checksums verified), so machine noise falls on all three alike.
+"""Sharded checkpoints: save and load time and size per layout; the save beside writing the
+same bytes (the whole state: weights and optimizer moments) as one safetensors file from one
+process, fsynced as ours are, and beside each rank writing its own data file's bytes raw in
+one sequential write (fsynced, before the save on odd repetitions and after it on even
+ones): the save's throughput as a fraction of the disk's; and
+`--async-save`'s blocking time (the step waits while the state is copied aside) and its time
+until committed. Each repetition runs all of them in turn, so machine noise falls on all
+alike.
 
     python benchmarks/checkpoint.py --out benchmarks/results/checkpoint.json
 
@@ -52,13 +56,39 @@ def _measure(mesh0, model: str, layout: dict, folder: str, repeats: int):
     full = job.state_dict()  # the same bytes, whole, on rank 0 (not timed)
     flat = {**{f"model/{k}": v for k, v in full["model"].items()},
             **{f"optim/{n}/{k}": v for n, e in full["optim"].items() for k, v in e.items()}} if mesh.is_main else {}
-    saves, baselines, loads = [], [], []
+    saves, baselines, loads, raws, blocked, committed = [], [], [], [], [], []
+    mine = None  # this rank's data file's bytes, from the first save (read untimed)
+
+    def raw_write() -> None:
+        comm.barrier()
+        t0 = time.perf_counter()
+        with open(Path(folder, f"raw-{mesh.rank}"), "wb") as f:
+            f.write(mine)
+            os.fsync(f.fileno())
+        comm.barrier()  # every rank's write done: the slowest's time, as a save's
+        raws.append(time.perf_counter() - t0)
+        Path(folder, f"raw-{mesh.rank}").unlink()
+
     for i in range(repeats):
         target = Path(folder, f"ours-{i}")
+        if mine is not None and i % 2:
+            raw_write()  # before the save on odd repetitions: the disk's lag falls on both alike
         comm.barrier()
         t0 = time.perf_counter()
         job.save(target)
         saves.append(time.perf_counter() - t0)
+        if mine is None:
+            mine = (target / f"__{mesh.rank}_0.distcp").read_bytes()
+        if i % 2 == 0:
+            raw_write()
+        comm.barrier()
+        t0 = time.perf_counter()
+        blocked.append(job.save(Path(folder, f"async-{i}"), background=True))
+        job.wait_for_saves()
+        committed.append(time.perf_counter() - t0)
+        comm.barrier()
+        if mesh.is_main:
+            shutil.rmtree(Path(folder, f"async-{i}"))
         if mesh.is_main:
             t0 = time.perf_counter()
             path = Path(folder, f"baseline-{i}.safetensors")
@@ -78,8 +108,10 @@ def _measure(mesh0, model: str, layout: dict, folder: str, repeats: int):
             shutil.rmtree(target)
     if not mesh.is_main:
         return None
-    return {"save_s": saves, "load_s": loads, "baseline_save_s": baselines, "checkpoint_bytes": size,
-            "baseline_bytes": baseline_bytes, "n_params": job.parallel.n_params}
+    return {"save_s": saves, "load_s": loads, "baseline_save_s": baselines, "raw_write_s": raws,
+            "async_blocked_s": blocked, "async_committed_s": committed, "checkpoint_bytes": size,
+            "staging_bytes_rank0": job._saver.stager.bytes, "baseline_bytes": baseline_bytes,
+            "n_params": job.parallel.n_params}
 
 
 def main() -> None:
@@ -97,12 +129,17 @@ def main() -> None:
         with tempfile.TemporaryDirectory(prefix="meshtrain-ckpt-bench-", dir=os.environ.get("BENCH_DIR")) as folder:
             r = run_ranks(_measure, world, model, layout, folder, args.repeats, tp=layout.get("tp", 1),
                           timeout=3600)[0]
-        med = {k: statistics.median(r[k]) for k in ("save_s", "load_s", "baseline_save_s")}
-        r.update({f"{k}_median": v for k, v in med.items()}, ratio_save_to_baseline=med["save_s"] / med["baseline_save_s"])
+        med = {k: statistics.median(r[k]) for k in ("save_s", "load_s", "baseline_save_s", "raw_write_s",
+                                                      "async_blocked_s", "async_committed_s")}
+        r.update({f"{k}_median": v for k, v in med.items()}, ratio_save_to_baseline=med["save_s"] / med["baseline_save_s"],
+                 throughput_of_raw_write=med["raw_write_s"] / med["save_s"])
         results[name] = r
         print(f"{name}: {r['checkpoint_bytes'] / 1e6:,.1f} MB; save {med['save_s']:.2f} s, load {med['load_s']:.2f} s; "
               f"one safetensors file of the same state {med['baseline_save_s']:.2f} s "
-              f"({r['baseline_bytes'] / 1e6:,.1f} MB): ratio {r['ratio_save_to_baseline']:.2f}", flush=True)
+              f"({r['baseline_bytes'] / 1e6:,.1f} MB): ratio {r['ratio_save_to_baseline']:.2f}; raw sequential write of "
+              f"each rank's bytes {med['raw_write_s']:.2f} s: the save runs at {r['throughput_of_raw_write']:.0%} of it; "
+              f"--async-save blocks {med['async_blocked_s']:.3f} s, committed after {med['async_committed_s']:.2f} s "
+              f"(staging {r['staging_bytes_rank0'] / 1e6:,.1f} MB on rank 0)", flush=True)
     Path(args.out).write_text(json.dumps(results, indent=1))
 
 
