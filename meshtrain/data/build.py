@@ -92,8 +92,7 @@ def prepare_folder(source: str, out: Path, vocab_size: int, tokenizer: Path | No
         vocab_size = usable_vocab(vocab_size)
     out.parent.mkdir(parents=True, exist_ok=True)
     _remove_abandoned(out, log)
-    tmp = prepared.building_folder(out, os.getpid())
-    shutil.rmtree(tmp, ignore_errors=True)
+    tmp = prepared.building_folder(out, os.getpid())  # one of a dead process of this pid was removed just now
     tmp.mkdir()
     lock = _try_lock(tmp)
     try:
