@@ -22,23 +22,25 @@ def _job(layers: int):
     return job
 
 
-def _seconds(layers: int, folder) -> tuple[float, float]:
-    """(save, load) seconds: the better of two of each, so that the machine's noise falls on
-    both sizes alike."""
-    job = _job(layers)
-    save = load = float("inf")
-    for rep in range(2):
-        t0 = time.perf_counter()
-        job.save(folder / str(rep))
-        save = min(save, time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        job.load(folder / str(rep))
-        load = min(load, time.perf_counter() - t0)
-    return save, load
+def _best_times(jobs: dict[int, object], folder, reps: int = 3) -> dict[int, tuple[float, float]]:
+    """(save, load) seconds of each job: the best of `reps`, the sizes alternated rep by rep,
+    so that the machine's noise falls on both sizes alike."""
+    best = {n: [float("inf"), float("inf")] for n in jobs}
+    for rep in range(reps):
+        for n, job in jobs.items():
+            where = folder / f"{n}-{rep}"
+            t0 = time.perf_counter()
+            job.save(where)
+            best[n][0] = min(best[n][0], time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            job.load(where)
+            best[n][1] = min(best[n][1], time.perf_counter() - t0)
+    return {n: tuple(b) for n, b in best.items()}
 
 
 def test_save_and_load_grow_linearly_with_tensors(tmp_path):
-    small, large = _seconds(400, tmp_path / "small"), _seconds(1600, tmp_path / "large")
+    times = _best_times({400: _job(400), 1600: _job(1600)}, tmp_path)
+    small, large = times[400], times[1600]
     assert large[0] < 6 * small[0], ("save", small, large)
     assert large[1] < 6 * small[1], ("load", small, large)
 
