@@ -102,13 +102,20 @@ def test_a_flipped_byte_in_a_box_a_rank_reads_fails_the_load_on_every_rank(tmp_p
 
 def _as_format_1(folder: Path) -> None:
     """Rewrite a checkpoint as meshtrain wrote it before format 2: each box a `torch.save`
-    record, the index's last field DCP's transforms (None), the marker with whole-file CRCs."""
+    record, the index's last field DCP's transforms (None), each rank's RNG state in
+    state.json (base64), the marker with whole-file CRCs."""
+    import base64
     import io
     raw = json.loads((folder / dcp.INDEX).read_text())
     data = {name: (folder / name).read_bytes() for name in {e[2] for e in raw["storage"]}}
     records: dict[str, bytearray] = {name: bytearray() for name in data}
-    storage = []
+    storage, rng = [], {}
     for fqn, offset, name, start, length, _ in raw["storage"]:
+        if fqn.startswith("rng/"):
+            _, rank, device = fqn.split("/")
+            rng.setdefault(int(rank), {})[device] = base64.b64encode(data[name][start:start + length]).decode()
+            del raw["tensors"][fqn]
+            continue
         chunk = next(s for o, s in raw["tensors"][fqn]["chunks"] if o == offset)
         t = torch.frombuffer(bytearray(data[name][start:start + length]), dtype=dcp.DTYPES[raw["tensors"][fqn]["dtype"]])
         buf = io.BytesIO()
@@ -118,6 +125,8 @@ def _as_format_1(folder: Path) -> None:
     for name, record in records.items():
         (folder / name).write_bytes(bytes(record))
     (folder / dcp.INDEX).write_text(json.dumps({**raw, "format": "meshtrain-dcp-1", "storage": storage}))
+    state = json.loads((folder / "state.json").read_text())
+    (folder / "state.json").write_text(json.dumps({**state, "rng": [rng[r] for r in sorted(rng)]}))
     marker = json.loads((folder / "COMPLETE").read_text())
     marker["files"] = {name: {"bytes": (folder / name).stat().st_size, "crc32": folders.file_crc(folder / name)}
                        for name in marker["files"]}
@@ -132,8 +141,29 @@ def test_a_checkpoint_of_format_1_still_loads(tmp_path):
                                 optimizer=lambda named: torch.optim.AdamW((p for _, p in named), lr=1e-2))
     job.step(torch.randn(3, 4), torch.zeros(3, 2))
     job.save(tmp_path / "c")
-    want = {k: v.clone() for k, v in job.state_dict()["model"].items()}
+    want, rng = {k: v.clone() for k, v in job.state_dict()["model"].items()}, torch.get_rng_state()
     _as_format_1(tmp_path / "c")
     job.step(torch.randn(3, 4), torch.zeros(3, 2))  # moved on: the load must bring it back
     job.load(tmp_path / "c")
     assert all(torch.equal(want[k], v) for k, v in job.state_dict()["model"].items())
+    assert torch.equal(torch.get_rng_state(), rng)
+
+
+def _rng_round_trip(mesh0, folder: str):
+    """Each rank's RNG state as saved, and as a load in the same layout brings it back."""
+    job = _job({"dp": 2, "zero": 1})
+    torch.manual_seed(100 + job.mesh.rank)  # a state of its own on each rank
+    saved = torch.get_rng_state()
+    job.save(folder)
+    torch.rand(10)  # moved on
+    sharded.load(job.parallel, Path(folder))
+    return saved, torch.get_rng_state()
+
+
+def test_each_rank_s_random_state_is_its_own_entry_and_comes_back_in_the_same_layout(tmp_path):
+    results = run_ranks(_rng_round_trip, 2, str(tmp_path / "c"))
+    assert all(torch.equal(saved, back) for saved, back in results)
+    assert not torch.equal(results[0][0], results[1][0])
+    index = json.loads((tmp_path / "c" / dcp.INDEX).read_text())
+    assert {"rng/0/cpu", "rng/1/cpu"} <= set(index["tensors"])
+    assert "rng" not in json.loads((tmp_path / "c" / "state.json").read_text())  # nothing gathered
