@@ -43,3 +43,51 @@ def test_an_async_save_writes_the_synchronous_bytes_and_a_kill_during_it_falls_b
     assert "rank 1 failed (signal 9, SIGKILL); restart 1 of 1" in err
     assert f"resumed from {tmp_path / 'killed'}/step-2 (step 2" in err
     assert killed["losses"] == sync["losses"][2:]
+
+
+def _api_background(mesh0, folder):
+    """A user's own model at tp 2 · ZeRO-1 (dp 1): saved in the background after two steps,
+    then stepped on before the thread may write (it waits for the steps: the race made
+    certain); a fresh job loads the state of the save's moment, not the one the steps after
+    it made."""
+    import threading
+
+    import meshtrain
+    from meshtrain.checkpoint import background
+    from test_api import OPTIMIZERS, PLAN, batches, make_model
+
+    stepped, write = threading.Event(), background.folders.write
+
+    def after_the_steps(*args):
+        stepped.wait()
+        return write(*args)
+    background.folders.write = after_the_steps  # in this rank's process only
+
+    def job():
+        return meshtrain.parallelize(make_model(), meshtrain.init(tp=2), optimizer=OPTIMIZERS["adamw"],
+                                     tp_plan=PLAN, zero=1)
+    first = job()
+    x = batches(4)
+    for inputs, targets in x[:2]:
+        first.step(inputs, targets)
+    at_save = first.state_dict()
+    blocked = first.save(folder, background=True)
+    for inputs, targets in x[2:]:  # the staged copy is what gets written
+        first.step(inputs, targets)
+    stepped.set()
+    first.wait_for_saves()
+    second = job()
+    second.load(folder)
+    got = second.state_dict()
+    return blocked, at_save, got, first.state_dict()
+
+
+def test_a_background_save_of_a_user_s_model_holds_the_state_of_its_moment(tmp_path):
+    import torch
+    from distributed import run_ranks
+    blocked, at_save, got, later = run_ranks(_api_background, 2, str(tmp_path / "c"), tp=2)[0]
+    assert blocked > 0
+    for name, value in at_save["model"].items():
+        assert torch.equal(got["model"][name], value), name
+    assert any(not torch.equal(later["model"][n], v) for n, v in at_save["model"].items())  # it did move on
+    assert all(torch.equal(got["optim"][n][k], v) for n, entry in at_save["optim"].items() for k, v in entry.items())
