@@ -1,14 +1,16 @@
-"""`meshtrain prepare` on a generated corpus of 100 MB and 200 MB (.jsonl, random words from a
-fixed vocabulary of 20,000 made-up words, Zipf-distributed, documents of 20 to 2,000 words;
-the same bytes on every run), each size with --workers 1 and 2, and each tokenizer asked
-for, the worker counts interleaved `--reps` times (the machine is shared): wall time, the
-tokenize pass's tokens/s (prepare's own line), peak resident memory
-(the largest process: `wait4`'s rusage of prepare, which holds its reaped workers'; and the
-sum over its process tree, sampled every 50 ms from /proc), and whether the ids of 1 and 2
-workers are the same bytes (sha256 of every token and boundary file). One JSON line a run,
-appended to benchmarks/results/prepare_scale.jsonl.
+"""`meshtrain prepare` on generated corpora of 100 MB and 200 MB (.jsonl, made-up words from
+a fixed vocabulary of 20,000, Zipf-distributed, documents of 20 to 2,000 words; the same
+bytes on every run; `--formats parquet`: the same documents as a Parquet file, row groups
+of 2,048 rows), each with --workers 1 and 2 interleaved `--reps` times (the machine is
+shared) and each tokenizer asked for: wall time, the tokenize pass's tokens/s (prepare's
+own line), peak resident memory (the largest process of its tree: the rusage of a small
+process that starts prepare, which holds its children's maxima; and the sum over the tree,
+sampled every 50 ms from /proc), and whether the ids of 1 and 2 workers are the same bytes
+(sha256 of every token and boundary file). One JSON line a run, appended to
+benchmarks/results/prepare_scale.jsonl.
 
-    python benchmarks/prepare_scale.py [--sizes-mb 100 200] [--workers 1 2] [--tokenizers bytes bpe4096] [--reps 1]
+    python benchmarks/prepare_scale.py [--sizes-mb 100 200] [--workers 1 2] [--tokenizers bytes bpe4096]
+                                       [--formats jsonl parquet] [--reps 1]
 """
 
 import argparse
@@ -47,6 +49,16 @@ def generate(path: Path, megabytes: int, seed: int = 0) -> None:
             written += len(line)
 
 
+def as_parquet(jsonl: Path) -> Path:
+    """The documents of `jsonl` as a Parquet file beside it (one "text" column), written by a
+    process of its own: this one stays small, so it cannot count in a run's peak memory."""
+    path = jsonl.with_suffix(".parquet")
+    subprocess.run([sys.executable, "-c", "import sys, pyarrow.json as j, pyarrow.parquet as q; "
+                    "q.write_table(j.read_json(sys.argv[1]), sys.argv[2], row_group_size=2048)", str(jsonl), str(path)],
+                   check=True)
+    return path
+
+
 def _tree(pid: int) -> list[int]:
     """`pid` and every process below it."""
     out, todo = [], [pid]
@@ -71,33 +83,40 @@ def _rss_kib(pid: int) -> int:
     return 0
 
 
+# Starts prepare and prints, at its end, the largest resident set of any process of its tree:
+# a process of its own, small, since a child's ru_maxrss counts what it was forked from.
+MEASURE = ("import resource, subprocess, sys\n"
+           "code = subprocess.call(sys.argv[1:])\n"
+           "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, file=sys.stderr)\n"
+           "sys.exit(code)")
+
+
 def run(data: Path, out: Path, flags: list[str], workers: int) -> dict:
     """One `meshtrain prepare`, its time, rate and memory."""
     cmd = [sys.executable, "-m", "meshtrain", "prepare", "--data", str(data), "--out", str(out), "--workers",
            str(workers), *flags]
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-c", MEASURE, *cmd], stderr=subprocess.PIPE, text=True)
     peak_tree, done = [0], threading.Event()
 
     def sample() -> None:
         while not done.is_set():
-            peak_tree[0] = max(peak_tree[0], sum(_rss_kib(p) for p in _tree(proc.pid)))
+            peak_tree[0] = max(peak_tree[0], sum(_rss_kib(p) for p in _tree(proc.pid)[1:]))
             time.sleep(0.05)
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
     err = proc.stderr.read()
-    _, status, usage = os.wait4(proc.pid, 0)
+    proc.wait()
     wall = time.perf_counter() - t0
     done.set()
     sampler.join()
-    proc.returncode = os.waitstatus_to_exitcode(status)
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{err}")
     rate = re.search(r"in ([\d.]+) s: ([\d,]+) tokens/s", err)
     meta = json.loads((out / "meta.json").read_text())
     return {"n_tokens": meta["n_tokens"], "documents": meta["documents"], "wall_s": round(wall, 2),
             "tokenize_s": float(rate.group(1)), "tokens_per_s": int(rate.group(2).replace(",", "")),
-            "peak_rss_mib_largest_process": round(usage.ru_maxrss / 1024, 1),
+            "peak_rss_mib_largest_process": round(int(err.strip().splitlines()[-1]) / 1024, 1),
             "peak_rss_mib_process_tree": round(peak_tree[0] / 1024, 1), "ids_sha256": ids_sha256(out, meta)}
 
 
@@ -111,34 +130,45 @@ def ids_sha256(folder: Path, meta: dict) -> str:
     return h.hexdigest()
 
 
+def compare(data: Path, fmt: str, tok: str, args, tmp: Path) -> None:
+    """The worker counts on one corpus and tokenizer, interleaved `args.reps` times: a JSON
+    line each, printed and appended to the results."""
+    rows = []
+    for rep in range(args.reps):
+        for w in args.workers:
+            out = tmp / f"out-{tok}-{w}"
+            rows.append({"bench": "prepare_scale", "corpus_mb": round(data.stat().st_size / 1e6, 1), "format": fmt,
+                         "tokenizer": tok, "workers": w, "rep": rep, "cpus": os.cpu_count(),
+                         **run(data, out, TOKENIZERS[tok], w)})
+            subprocess.run(["rm", "-rf", str(out)], check=True)
+    same = len({r["ids_sha256"] for r in rows}) == 1
+    for r in rows:
+        r["ids_same_across_workers"] = same
+        print(json.dumps(r), flush=True)
+        with open(RESULTS, "a") as f:
+            f.write(json.dumps(r) + "\n")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes-mb", type=int, nargs="+", default=[100, 200])
     ap.add_argument("--workers", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--tokenizers", nargs="+", default=list(TOKENIZERS), choices=list(TOKENIZERS))
+    ap.add_argument("--formats", nargs="+", default=["jsonl"], choices=["jsonl", "parquet"])
     ap.add_argument("--reps", type=int, default=1)
     args = ap.parse_args()
     RESULTS.parent.mkdir(exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         for mb in args.sizes_mb:
-            data = Path(tmp) / f"corpus-{mb}mb.jsonl"
-            generate(data, mb)
-            for tok in args.tokenizers:
-                rows = []
-                for rep in range(args.reps):
-                    for w in args.workers:
-                        out = Path(tmp) / f"out-{mb}-{tok}-{w}"
-                        rows.append({"bench": "prepare_scale", "corpus_mb": round(data.stat().st_size / 1e6, 1),
-                                     "tokenizer": tok, "workers": w, "rep": rep, "cpus": os.cpu_count(),
-                                     **run(data, out, TOKENIZERS[tok], w)})
-                        subprocess.run(["rm", "-rf", str(out)], check=True)
-                same = len({r["ids_sha256"] for r in rows}) == 1
-                for r in rows:
-                    r["ids_same_across_workers"] = same
-                    print(json.dumps(r), flush=True)
-                    with open(RESULTS, "a") as f:
-                        f.write(json.dumps(r) + "\n")
-            data.unlink()
+            jsonl = Path(tmp) / f"corpus-{mb}mb.jsonl"
+            generate(jsonl, mb)
+            for fmt in args.formats:
+                data = jsonl if fmt == "jsonl" else as_parquet(jsonl)
+                for tok in args.tokenizers:
+                    compare(data, fmt, tok, args, Path(tmp))
+                if data != jsonl:
+                    data.unlink()
+            jsonl.unlink()
 
 
 if __name__ == "__main__":

@@ -3,10 +3,11 @@ same ids with 1 worker and with 2 (the byte tokenizer, meshtrain's own BPE, an i
 Llama-3-style tokenizer.json; several batches, so the order of the workers' results counts);
 .jsonl and Parquet with --text-field; one line, exit 2, for what cannot be read; a prepare
 stopped by SIGTERM or killed leaves nothing `train --data` takes for a token folder, and
-the next prepare into the same --out cleans up after a killed one; memory that does not grow
-with the input."""
+the next prepare into the same --out cleans up after a killed one; a worker that dies ends
+it in one line; the progress bar on a terminal; memory that does not grow with the input."""
 
 import json
+import os
 import random
 import signal
 import subprocess
@@ -193,6 +194,45 @@ def test_a_killed_prepare_s_folder_is_never_read_as_complete_and_is_cleaned_by_t
     assert f"removed {building}, the unfinished folder of an interrupted prepare" in again.stderr
     assert not building.exists() and (out / "meta.json").is_file()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_a_worker_that_dies_ends_the_prepare_in_one_line(data, tmp_path):
+    """A worker killed (as the kernel's OOM killer would): the parent stops the others and
+    says so in one line, exit 2, and leaves nothing behind."""
+    proc, building, workers = _start_until_tokens_are_written(data, tmp_path / "out")
+    os.kill(workers[0], signal.SIGKILL)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 2, err
+    assert err.strip().splitlines()[-1].startswith("meshtrain: error: a process of `meshtrain prepare` died"), err
+    assert "--workers" in err and _gone(workers) and list(tmp_path.iterdir()) == []
+
+
+def test_the_progress_bar_shows_on_a_terminal(data, tmp_path):
+    """On a terminal (a pty here), stderr carries the bar: bytes read of the total, tokens/s
+    (the imported tokenizer: a second or so, several frames)."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+    main, child = pty.openpty()
+    fcntl.ioctl(child, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
+    proc = subprocess.Popen([sys.executable, "-m", "meshtrain", "prepare", "--data", data[0] / "c.jsonl", "--out",
+                             tmp_path / "out", "--init-from", data[0] / "hf", "--workers", "1"], stderr=child)
+    os.close(child)
+    seen = b""
+    while True:
+        try:
+            chunk = os.read(main, 1 << 16)
+        except OSError:  # the pty closed: the process is gone
+            break
+        if not chunk:
+            break
+        seen += chunk
+    os.close(main)
+    assert proc.wait(timeout=60) == 0, seen
+    text = seen.decode(errors="replace")
+    assert "tokenizing:" in text and "B/s" in text and "tokens/s]" in text, text
+    assert "prepared 12,000 document(s)" in text.splitlines()[-1]
 
 
 def _peak_rss_mib(args: list) -> float:

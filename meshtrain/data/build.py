@@ -174,7 +174,7 @@ def build_folder(folder: Path, files: list[Path], source: str, vocab_size: int, 
         specials, vocab = tokenizer.own_specials(), tokenizer.vocab_size
     identity = prepared.tokenizer_identity(tokenizer_json)
     writer = prepared.TokenWriter(folder, token_dtype(vocab), shard_tokens)
-    meter = _Meter(total, "tokenizing", progress)
+    meter = _Meter(total, "tokenizing", progress, tokens=True)
     docs = meter.count(iter_documents(files, text_field, meter.read))
     with closing(meter), closing(_encoded(_batches(docs), tokenizer_json, specials, workers)) as encoded:
         for ids, bounds in encoded:
@@ -242,8 +242,9 @@ def _processes(n: int, start, *args):
     except BaseException as e:
         _terminate(pool)
         if isinstance(e, BrokenProcessPool):
-            raise DataError(f"a `meshtrain prepare` process died (out of memory?); use fewer --workers than {n}, or "
-                            f"smaller documents") from None
+            fewer = f"use fewer --workers than {n}" if n > 1 else "give the BPE fewer distinct words"
+            raise DataError(f"a process of `meshtrain prepare` died (killed: out of memory?); {fewer}, or free "
+                            f"memory") from None
         raise
     pool.shutdown()
 
@@ -308,18 +309,11 @@ def _start_trainer(parent: int, bytes_read) -> None:
 
 def _train_in_process(files: list[Path], text_field: str, vocab_size: int, tokenizer_json: Path) -> int:
     """The trainer's task: the BPE trained on the streamed documents and saved; returns their characters."""
-    chars = 0
-
     def read(n: int) -> None:
         _bytes_read.value += n
-
-    def counted(docs):
-        nonlocal chars
-        for doc in docs:
-            chars += len(doc)
-            yield doc
-    BPETokenizer.train_documents(counted(iter_documents(files, text_field, read)), vocab_size).save(tokenizer_json)
-    return chars
+    tally = _Meter(0, "training the BPE", show=False)
+    BPETokenizer.train_documents(tally.count(iter_documents(files, text_field, read)), vocab_size).save(tokenizer_json)
+    return tally.chars
 
 
 def _train_bpe(files: list[Path], text_field: str, vocab_size: int, tokenizer_json: Path, meter: "_Meter") -> int:
@@ -341,10 +335,10 @@ class _Meter:
     """Input bytes read and tokens written: a tqdm bar on stderr (shown on a terminal only)
     with tokens/s, and the totals."""
 
-    def __init__(self, total_bytes: int, what: str, show: bool):
+    def __init__(self, total_bytes: int, what: str, show: bool, tokens: bool = False):
         from tqdm import tqdm
         self.bar = tqdm(total=total_bytes, desc=what, unit="B", unit_scale=True, file=sys.stderr, leave=False,
-                        disable=None if show else True, dynamic_ncols=True)
+                        disable=None if show else True, dynamic_ncols=True, postfix="0 tokens/s" if tokens else None)
         self.bytes = self.chars = self.tokens = 0
         self.start = time.perf_counter()
 

@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 TEXT_FIELD = "text"  # a .jsonl line's, or a Parquet file's column, that holds the document (--text-field)
-PARQUET = ".parquet"
+JSONL, PARQUET = ".jsonl", ".parquet"
 
 
 class DataError(RuntimeError):
@@ -60,7 +60,7 @@ def iter_documents(files: list[Path], text_field: str = TEXT_FIELD, read=None):
     strings. `read(n)` (a progress bar's) is told of every n bytes of input consumed. What
     cannot be read is refused in one line naming the file (and line or row)."""
     for p in files:
-        if p.suffix == ".jsonl":
+        if p.suffix == JSONL:
             yield from _jsonl_documents(p, text_field, read)
         elif p.suffix == PARQUET:
             yield from _parquet_documents(p, text_field, read)
