@@ -164,12 +164,13 @@ def _gone(pids: list[int], within: float = 10.0) -> bool:
     return not any(map(_alive, pids))
 
 
-def test_a_prepare_stopped_by_sigterm_leaves_nothing_and_stops_its_workers(data, tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_prepare_stopped_by_a_signal_leaves_nothing_and_stops_its_workers(data, tmp_path, sig):
     proc, building, workers = _start_until_tokens_are_written(data, tmp_path / "out")
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(sig)
     _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 128 + signal.SIGTERM, err
-    assert err.strip().splitlines()[-1].startswith("meshtrain: error: prepare stopped by SIGTERM; --out"), err
+    assert proc.returncode == 128 + sig, err
+    assert err.strip().splitlines()[-1].startswith(f"meshtrain: error: prepare stopped by {sig.name}; --out"), err
     assert _gone(workers) and not building.exists() and not (tmp_path / "out").exists()
 
 
@@ -233,6 +234,15 @@ def test_the_progress_bar_shows_on_a_terminal(data, tmp_path):
     text = seen.decode(errors="replace")
     assert "tokenizing:" in text and "B/s" in text and "tokens/s]" in text, text
     assert "prepared 12,000 document(s)" in text.splitlines()[-1]
+
+
+def test_prepare_imports_no_torch(data, tmp_path):
+    """What keeps its memory small: the command and its workers never load torch."""
+    check = ("import sys\nfrom meshtrain.cli import main\nrc = main(sys.argv[1:])\n"
+             "print('torch' in sys.modules)\nsys.exit(rc)")
+    r = run_cli("prepare", "--data", data[0] / "c.jsonl", "--out", tmp_path / "o", "--vocab-size", "300",
+                "--workers", "2", launcher=("-c", check))
+    assert r.returncode == 0 and r.stdout.strip() == "False", (r.stdout, r.stderr)
 
 
 def _peak_rss_mib(args: list) -> float:
