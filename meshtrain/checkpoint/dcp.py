@@ -161,7 +161,8 @@ class IndexedWriter(FileSystemWriter):
                 data = raw_bytes(planner.resolve_data(item))
                 f.write(data)
                 results.append(WriteResult(index=item.index, size_in_bytes=data.nbytes,
-                                           storage_data=Stored(name, at, data.nbytes, None, zlib.crc32(data))))
+                                           storage_data=Stored(relative_path=name, offset=at, length=data.nbytes,
+                                                              crc32=zlib.crc32(data))))
                 at += data.nbytes
             f.flush()
             os.fsync(f.fileno())
@@ -278,8 +279,12 @@ def read_index(folder: Path) -> Metadata:
     storage = {}
     for fqn, offset, path, start, length, last in raw["storage"]:
         # format 2's last field is the box's CRC-32; format 1's, DCP's transforms (None)
-        info = Stored(path, start, length, crc32=last) if raw["format"] == FORMAT else \
-            _StorageInfo(path, start, length, transform_descriptors=last)
+        if raw["format"] == FORMAT:
+            info = Stored(relative_path=path, offset=start, length=length, crc32=last)
+        else:
+            info = _StorageInfo(path, start, length)
+            if last is not None:
+                info.transform_descriptors = last
         storage[MetadataIndex(fqn, torch.Size(offset))] = info
     return Metadata(state_dict_metadata=md, storage_data=storage, storage_meta=StorageMeta(), version=raw["version"])
 
@@ -313,23 +318,32 @@ def load(state: dict[str, Boxed], folder: Path, distributed: bool, metadata: Met
 
 
 @contextmanager
+def collector_paused():
+    """Python's cyclic collector off meanwhile. A save or load makes several small objects per
+    box (DCP's items and ours), none in a cycle, and the collector's full passes walk every
+    live object of the process (a model's thousands of tensors among them): with it a save of
+    1,600 small layers took 8× one of 400, without it 4.5×."""
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if collecting:
+            gc.enable()
+
+
+@contextmanager
 def _one_process_quietly(distributed: bool):
     """DCP warns that it assumes one process when no group exists: here that is the intent.
     It logs two DEBUG records per tensor into a handler that drops them (a fifth of a save of
-    thousands of small tensors): below WARNING its logger is off meanwhile. And it makes
-    several small objects per box, none in a cycle, so Python's collector, whose full passes
-    walk every live object of the process (a model's thousands of tensors among them), is
-    paused: with it a save of 1,600 small layers took 8× one of 400, without it 4.5×."""
+    thousands of small tensors): below WARNING its logger is off meanwhile."""
     logger = logging.getLogger(DCP_LOGGER)
-    level, collecting = logger.level, gc.isenabled()
+    level = logger.level
     logger.setLevel(max(level, logging.WARNING))
-    gc.disable()
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), collector_paused():
             if not distributed:
                 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             yield
     finally:
         logger.setLevel(level)
-        if collecting:
-            gc.enable()

@@ -95,7 +95,13 @@ def snapshot(parallel, meta: dict, lr_scheduler=None) -> Snapshot:
     """Collective: this layout's state as a save writes it. `meta`: JSON-able facts of the
     run, rank 0's; `lr_scheduler`: the scheduler whose state every rank saves. What a rank
     reads of its own state is checked on every rank, and a failure there raises on every
-    rank (`folders.decide`) before anything is written."""
+    rank (`folders.decide`) before anything is written. Python's collector is paused meanwhile."""
+    with dcp.collector_paused():
+        return _snapshot(parallel, meta, lr_scheduler)
+
+
+def _snapshot(parallel, meta: dict, lr_scheduler=None) -> Snapshot:
+    """The body of `snapshot`."""
     comm = parallel.comm
     state, mine, error = None, None, None
     try:
@@ -182,7 +188,14 @@ def load(parallel, folder: Path, reads: list | None = None) -> dict:
     and 2 the weights only of its pieces: `read_on_load`); returns its `state.json`. Refuses
     (`CheckpointError`, on every rank alike) another model's, and (`CorruptCheckpoint`) one
     whose bytes read on any rank fail their checksum. `reads`: a list that gets the (file,
-    offset, length) of each read of this rank."""
+    offset, length) of each read of this rank. Python's collector is paused meanwhile
+    (`dcp.collector_paused`)."""
+    with dcp.collector_paused():
+        return _load(parallel, folder, reads)
+
+
+def _load(parallel, folder: Path, reads: list | None = None) -> dict:
+    """The body of `load`."""
     comm, folder = parallel.comm, Path(folder)
     index = dcp.read_index(folder)
     metadata = index.state_dict_metadata
