@@ -617,8 +617,11 @@ def _prepare(args) -> int:
     from meshtrain.data.prepared import find
     vocab, tokenizer = args.vocab_size if args.vocab_size is not None else C.TrainConfig.vocab_size, None
     workers = args.workers if args.workers is not None else default_workers()
+
+    def stop(signum, frame):  # raised where the process is, so that what it was building is removed
+        raise KeyboardInterrupt(signal.Signals(signum))
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, _interrupt)
+        signal.signal(sig, stop)
     try:
         if workers < 1:
             raise C.ConfigError(f"--workers {workers}: use 1 (tokenize in this process) or more")
@@ -637,26 +640,15 @@ def _prepare(args) -> int:
     except (C.ConfigError, DataError) as e:
         print(f"meshtrain: error: {e}", file=sys.stderr)
         return 2
-    except _Interrupted as e:
-        print(f"meshtrain: error: prepare stopped by {e.signal.name}; --out {args.out} was not written (its "
+    except KeyboardInterrupt as e:
+        sig = e.args[0] if e.args else signal.SIGINT
+        print(f"meshtrain: error: prepare stopped by {sig.name}; --out {args.out} was not written (its "
               f"unfinished folder removed): run it again", file=sys.stderr)
-        return 128 + e.signal
+        return 128 + sig
     init = f" --init-from {args.init_from}" if args.init_from else ""
     _log(f"prepared {meta['documents']:,} document(s) into {meta['n_tokens']:,} tokens ({meta['dtype']}, "
          f"{len(meta['shards'])} shard(s)) in {args.out}; train on them: meshtrain train --data {args.out}{init}")
     return 0
-
-
-class _Interrupted(KeyboardInterrupt):
-    """Ctrl-C or SIGTERM, raised where the process is, so that what it was building is removed."""
-
-    def __init__(self, signum: int = signal.SIGINT):
-        super().__init__()
-        self.signal = signal.Signals(signum)
-
-
-def _interrupt(signum, frame):
-    raise _Interrupted(signum)
 
 
 def _export(args) -> int:

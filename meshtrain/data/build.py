@@ -3,10 +3,10 @@
 The parent process streams the documents (`corpus.iter_documents`: .jsonl line by line,
 Parquet record batch by record batch), cuts them into batches of a bounded size and writes
 their ids in input order as the shards fill; the batches are encoded in place (1 worker)
-or by worker processes, each of which loads the tokenizer once, with at most
-`_IN_FLIGHT_PER_WORKER` batches a worker in flight. The ids are the same with 1 worker and
-with N (a batch's ids do not depend on which process encodes it), and memory does not grow
-with the corpus: docs/data.md states the bound and the figures measured.
+or by worker processes, each of which loads the tokenizer once and encodes one batch at a
+time. The ids are the same with 1 worker and with N (a batch's ids do not depend on which
+process encodes it), and memory does not grow with the corpus: docs/data.md states the
+bound and the figures measured.
 
 `meshtrain prepare` builds in a hidden folder beside --out (`prepared.building_folder`),
 locked while its process lives and renamed into place at the end, so that --out is whole or
@@ -24,8 +24,6 @@ import signal
 import sys
 import time
 from collections import deque
-from concurrent.futures import ProcessPoolExecutor, wait
-from concurrent.futures.process import BrokenProcessPool
 from contextlib import closing, contextmanager
 from pathlib import Path
 
@@ -36,8 +34,7 @@ from meshtrain.data.tokenizer import (TOKENIZER_FILE, BPETokenizer, ByteTokenize
 from meshtrain.launch import die_with_parent
 
 # A batch: at most this many documents and characters (a longer document is a batch alone).
-_DOCS_PER_BATCH, _CHARS_PER_BATCH = 4096, 1 << 22
-_IN_FLIGHT_PER_WORKER = 2  # batches sent ahead to each worker: keeps it busy, bounds the memory
+_DOCS_PER_BATCH, _CHARS_PER_BATCH = 4096, 1 << 20
 # An imported folder's files copied into a prepared folder, byte for byte (AutoTokenizer reads them there)
 IMPORTED_TOKENIZER_FILES = (TOKENIZER_FILE, "tokenizer_config.json", "special_tokens_map.json")
 
@@ -229,91 +226,124 @@ class _Encoder:
         return self.tokenizer.encode_documents(batch, self.specials, last=last)
 
 
-@contextmanager
-def _processes(n: int, start, *args):
-    """A pool of `n` spawned processes (nothing of this process's threads or torch inherited),
-    each started by `start(parent's pid, *args)`. Whatever leaves the block early (an error,
-    Ctrl-C, SIGTERM, a generator closed) terminates them mid-task; a process that died (the
-    kernel's OOM killer) is said in one line."""
-    pool = ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("spawn"), initializer=start,
-                               initargs=(os.getpid(), *args))
-    try:
-        yield pool
-    except BaseException as e:
-        _terminate(pool)
-        if isinstance(e, BrokenProcessPool):
-            fewer = f"use fewer --workers than {n}" if n > 1 else "give the BPE fewer distinct words"
-            raise DataError(f"a process of `meshtrain prepare` died (killed: out of memory?); {fewer}, or free "
-                            f"memory") from None
-        raise
-    pool.shutdown()
+class _Died(Exception):
+    """A process of this prepare ended without answering (killed: the kernel's OOM killer)."""
 
 
-def _terminate(pool: ProcessPoolExecutor) -> None:
-    """Stop the processes now (Python 3.14's `terminate_workers`; before it, each process)."""
-    if hasattr(pool, "terminate_workers"):
-        pool.terminate_workers()
-        return
-    for process in list((pool._processes or {}).values()):
-        process.terminate()
-    pool.shutdown(wait=True, cancel_futures=True)
+class _Process:
+    """A spawned process (nothing of this process's threads or torch inherited) serving
+    tasks one at a time over a pipe of its own: its death is seen as the pipe's end, and it
+    can be stopped at any moment. (`concurrent.futures`' pool hangs for ever when a worker
+    is stopped while it sends a result: its reader thread waits for the rest of the message.)"""
+
+    def __init__(self, setup, args: tuple):
+        ctx = multiprocessing.get_context("spawn")
+        self.conn, theirs = ctx.Pipe()
+        self.process = ctx.Process(target=_serve, args=(theirs, os.getpid(), setup, args), daemon=True)
+        self.process.start()
+        theirs.close()  # this end alone in the process: its death ends the pipe
+
+    def submit(self, *task) -> None:
+        try:
+            self.conn.send(task)
+        except OSError:
+            raise _Died from None
+
+    def result(self):
+        try:
+            ok, value = self.conn.recv()
+        except (EOFError, OSError):
+            raise _Died from None
+        if not ok:
+            raise value
+        return value
+
+    def stop(self) -> None:
+        self.process.terminate()
+        self.process.join()
+        self.conn.close()
 
 
-def _start_process(parent: int) -> None:
-    """Any of these processes: Ctrl-C left to the parent (which stops them), dead with the
-    parent however it dies."""
+def _serve(conn, parent: int, setup, args: tuple) -> None:
+    """A process's life: Ctrl-C left to the parent (which stops it), dead with the parent
+    however it dies, `setup(*args)` once (the tokenizer loaded), then each task answered
+    with (True, its result) or (False, the exception it raised)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     die_with_parent(parent, signal.SIGKILL)
+    serve = setup(*args)
+    while True:
+        try:
+            task = conn.recv()
+        except EOFError:
+            return
+        try:
+            reply = (True, serve(*task))
+        except Exception as e:  # said in the parent, as if raised there
+            reply = (False, e)
+        conn.send(reply)
 
 
-_worker: _Encoder | None = None  # a worker process's encoder, set once by `_start_worker`
+@contextmanager
+def _processes(n: int, setup, *args):
+    """`n` processes, each set up by `setup(*args)`; all stopped when the block ends,
+    whatever ends it (an error, Ctrl-C, SIGTERM, a generator closed); one that died is said
+    in one line."""
+    processes = []
+    try:
+        for _ in range(n):
+            processes.append(_Process(setup, args))
+        yield processes
+    except _Died:
+        fewer = f"use fewer --workers than {n}" if n > 1 else "give the BPE fewer distinct words"
+        raise DataError(f"a process of `meshtrain prepare` died (killed: out of memory?); {fewer}, or free "
+                        f"memory") from None
+    finally:
+        for process in processes:
+            process.stop()
 
 
-def _start_worker(parent: int, tokenizer_json: Path | None, specials: Specials) -> None:
-    """A worker: one thread of `tokenizers` (the workers are the parallelism), its encoder."""
-    global _worker
-    _start_process(parent)
+def _encoder(tokenizer_json: Path | None, specials: Specials) -> _Encoder:
+    """A worker's setup: one thread of `tokenizers` (the workers are the parallelism)."""
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    _worker = _Encoder(tokenizer_json, specials)
-
-
-def _encode_in_worker(batch: list[str], last: bool):
-    return _worker(batch, last)
+    return _Encoder(tokenizer_json, specials)
 
 
 def _encoded(batches, tokenizer_json: Path | None, specials: Specials, workers: int):
     """The batches' (ids, boundaries), in input order: encoded here (1 worker), or by
-    `workers` processes with `_IN_FLIGHT_PER_WORKER` batches a worker in flight."""
+    `workers` processes, one batch each at a time, in turn: a batch goes to a worker only
+    once it has handed back its last one (so neither ever waits on the other's pipe), and
+    the ids come back in the order the batches went."""
     if workers == 1:
         encode = _Encoder(tokenizer_json, specials)
         yield from (encode(batch, last) for batch, last in batches)
         return
-    with _processes(workers, _start_worker, tokenizer_json, specials) as pool:
-        pending = deque()
+    with _processes(workers, _encoder, tokenizer_json, specials) as pool:
+        busy = deque()  # the workers with a batch, in the order the batches went
         for batch, last in batches:
-            pending.append(pool.submit(_encode_in_worker, batch, last))
-            if len(pending) >= _IN_FLIGHT_PER_WORKER * workers:
-                yield pending.popleft().result()
-        while pending:
-            yield pending.popleft().result()
+            if len(busy) < workers:
+                worker = pool[len(busy)]
+            else:
+                worker = busy.popleft()
+                yield worker.result()
+            worker.submit(batch, last)
+            busy.append(worker)
+        while busy:
+            yield busy.popleft().result()
 
 
-_bytes_read = None  # the trainer process's count of input bytes read, shared with the parent
-
-
-def _start_trainer(parent: int, bytes_read) -> None:
-    global _bytes_read
-    _start_process(parent)
-    _bytes_read = bytes_read
-
-
-def _train_in_process(files: list[Path], text_field: str, vocab_size: int, tokenizer_json: Path) -> int:
-    """The trainer's task: the BPE trained on the streamed documents and saved; returns their characters."""
+def _trainer(bytes_read):
+    """The BPE trainer's setup: its task trains on the streamed documents, counting the
+    input bytes read into `bytes_read` (shared with the parent's progress bar), saves the
+    tokenizer and returns the documents' characters."""
     def read(n: int) -> None:
-        _bytes_read.value += n
-    tally = _Meter(0, "training the BPE", show=False)
-    BPETokenizer.train_documents(tally.count(iter_documents(files, text_field, read)), vocab_size).save(tokenizer_json)
-    return tally.chars
+        bytes_read.value += n
+
+    def train(files: list[Path], text_field: str, vocab_size: int, tokenizer_json: Path) -> int:
+        tally = _Tally()
+        docs = tally.count(iter_documents(files, text_field, read))
+        BPETokenizer.train_documents(docs, vocab_size).save(tokenizer_json)
+        return tally.chars
+    return train
 
 
 def _train_bpe(files: list[Path], text_field: str, vocab_size: int, tokenizer_json: Path, meter: "_Meter") -> int:
@@ -323,34 +353,42 @@ def _train_bpe(files: list[Path], text_field: str, vocab_size: int, tokenizer_js
     The word counts it keeps grow with the distinct words, not with the text. Returns the
     documents' characters (0: no text)."""
     bytes_read = multiprocessing.get_context("spawn").Value("q", 0, lock=False)
-    with _processes(1, _start_trainer, bytes_read) as pool:
-        trained = pool.submit(_train_in_process, files, text_field, vocab_size, tokenizer_json)
-        while not wait([trained], timeout=0.2).done:
+    with _processes(1, _trainer, bytes_read) as (trainer,):
+        trainer.submit(files, text_field, vocab_size, tokenizer_json)
+        while not trainer.conn.poll(0.2):
             meter.read(bytes_read.value - meter.bytes)
         meter.read(bytes_read.value - meter.bytes)
-        return trained.result()
+        return trainer.result()
 
 
-class _Meter:
+class _Tally:
+    """The documents' characters (none at all: no text)."""
+
+    def __init__(self):
+        self.chars = 0
+
+    def count(self, docs):
+        for doc in docs:
+            self.chars += len(doc)
+            yield doc
+
+
+class _Meter(_Tally):
     """Input bytes read and tokens written: a tqdm bar on stderr (shown on a terminal only)
-    with tokens/s, and the totals."""
+    with tokens/s, and the totals. (Never in a worker: tqdm's lock is a semaphore, which a
+    worker stopped mid-task would leave for the resource tracker to warn about.)"""
 
     def __init__(self, total_bytes: int, what: str, show: bool, tokens: bool = False):
         from tqdm import tqdm
+        super().__init__()
         self.bar = tqdm(total=total_bytes, desc=what, unit="B", unit_scale=True, file=sys.stderr, leave=False,
                         disable=None if show else True, dynamic_ncols=True, postfix="0 tokens/s" if tokens else None)
-        self.bytes = self.chars = self.tokens = 0
+        self.bytes = self.tokens = 0
         self.start = time.perf_counter()
 
     def read(self, n: int) -> None:
         self.bytes += n
         self.bar.update(n)
-
-    def count(self, docs):
-        """The documents, their characters counted (no character at all: no text)."""
-        for doc in docs:
-            self.chars += len(doc)
-            yield doc
 
     def wrote(self, tokens: int) -> None:
         self.tokens += tokens
