@@ -270,7 +270,11 @@ def _serve(conn, parent: int, setup, args: tuple) -> None:
     with (True, its result) or (False, the exception it raised)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     die_with_parent(parent, signal.SIGKILL)
-    serve = setup(*args)
+    try:
+        serve = setup(*args)
+    except Exception as e:  # said at the first task, rather than as a death
+        def serve(*task, e=e):
+            raise e
     while True:
         try:
             task = conn.recv()
