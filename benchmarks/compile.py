@@ -6,6 +6,7 @@ compilation's cost) and what dynamo made of the blocks (graphs, graph breaks).
 
     python benchmarks/compile.py [--model gpt-small] [--backend inductor] [--steps 20]
         [--batch-size 8] [--seq-len 256] [--precision fp32] [--recompute none] [--device cpu]
+        [--data PATH]  (the bundled corpus when not given)
 """
 
 import argparse
@@ -28,6 +29,8 @@ def config(args, compiled: bool) -> Config:
     cfg.layout.compile, cfg.layout.compile_backend = compiled, args.backend
     cfg.train.steps, cfg.train.batch_size, cfg.train.seq_len = args.steps, args.batch_size, args.seq_len
     cfg.train.device = args.device
+    if args.data:
+        cfg.train.data = args.data
     return cfg
 
 
@@ -42,6 +45,7 @@ def main() -> None:
     ap.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
     ap.add_argument("--recompute", default="none")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--data", help="a text file, a folder of them or a prepared folder (default: the bundled corpus)")
     args = ap.parse_args()
     device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
     comm = Mesh.single(device).comm

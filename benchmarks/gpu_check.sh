@@ -104,7 +104,7 @@ rm -rf "$SYNC_OUT"
 
 step "6. --compile against eager: llama-small bf16 on one $DEVICE device" "$RESULTS/compile.json" \
   $PY benchmarks/compile.py --model llama-small --device "$DEVICE" --precision bf16 --batch-size 8 \
-  --seq-len "$SEQ_LEN" --steps 20
+  --seq-len "$SEQ_LEN" --steps 20 --data "$DATA"
 cat "$RESULTS/compile.json" >> "$RESULTS/sync-warnings.txt"
 
 echo "== outcomes" >&2
