@@ -462,6 +462,9 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     spec = m.spec()
     _validate_tensor_parallel(cfg, spec)
     _validate_pipeline(cfg, spec)
+    problem = family.layout_problem(spec, tp=lay.tp, sp=lay.sp, cp=lay.cp, pp=lay.pp, dp=lay.dp, zero=lay.zero)
+    if problem:
+        raise ConfigError(f"{m.name} {problem}")
     if family.inputs == "tokens":
         positions = family.max_positions(spec)  # a learned table (GPT); RoPE (Llama) has none
         if positions is not None and tr.seq_len > positions:

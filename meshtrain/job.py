@@ -28,6 +28,7 @@ from meshtrain.mesh import Mesh
 from meshtrain.optim import OptimizerFactory, clip_grads_, divide_, grad_norm
 from meshtrain.parallel.compose import Parallelized, parallelize as apply_strategies, set_micro_shape
 from meshtrain.parallel.context import attention_cores, gather_sequence, shard_sequence
+from meshtrain.parallel.expert_load import ExpertLoad
 from meshtrain.parallel.compile import check_compilable, eager_while
 from meshtrain.parallel.options import CompileOptions, Strategies
 from meshtrain.parallel.pipeline.stages import PipelinePlan
@@ -39,18 +40,21 @@ class StepOutput:
     `grad_norm`, the global gradient norm before clipping; `lr`, the learning rate the step
     used (the first parameter group's); `stepped`, False when the norm was not finite and
     the update was skipped; `nonfinite`, then the first weight or gradient that is not
-    finite (by the one-process name).
+    finite (by the one-process name); `expert_load`, a mixture-of-experts model's tokens
+    per expert over the step, [routers of this rank's stage, experts] (None: no routers).
 
     `loss` stays on the device until it is read (then a float, kept): a loop that reads a
     step's loss after it started the next one never makes the host wait for the device.
     `loss_tensor` is the 0-dim device tensor itself."""
 
-    __slots__ = ("loss_tensor", "_loss", "grad_norm", "lr", "stepped", "nonfinite")
+    __slots__ = ("loss_tensor", "_loss", "grad_norm", "lr", "stepped", "nonfinite", "expert_load")
 
-    def __init__(self, loss, grad_norm: float, lr: float | None, stepped: bool, nonfinite: str | None = None):
+    def __init__(self, loss, grad_norm: float, lr: float | None, stepped: bool, nonfinite: str | None = None,
+                 expert_load: torch.Tensor | None = None):
         self.loss_tensor = loss if torch.is_tensor(loss) else torch.tensor(float(loss))
         self._loss = None if torch.is_tensor(loss) else float(loss)
         self.grad_norm, self.lr, self.stepped, self.nonfinite = grad_norm, lr, stepped, nonfinite
+        self.expert_load = expert_load
 
     @property
     def loss(self) -> float:
@@ -106,6 +110,7 @@ class Job:
         self.lr_scheduler = lr_scheduler(self.optimizer) if lr_scheduler is not None else None
         self.steps = 0  # optimizer steps taken (dropout masks are keyed by it)
         self._saver = None  # the background saver, made by the first `save(background=True)`
+        self._expert_load = ExpertLoad(parallel.module, parallel.comm, options.sp)  # a MoE model's routers
         self._passes_num_items = num_items  # the model's forward takes num_items_in_batch
         if loss.kind == "own":  # the model computes its loss in its forward: watched there
             parallel.loss_scope = loss.watching
@@ -249,8 +254,9 @@ class Job:
                 print(f"meshtrain: warning: step {self.steps + 1}: the gradient norm is not finite "
                       f"(first: {nonfinite}); step skipped", file=sys.stderr)
         p.zero_grad()
+        load = self._expert_load.finish_step(stepped)  # the routers' biases moved from the global load
         self.steps += 1
-        return StepOutput(loss=loss, grad_norm=norm, lr=lr, stepped=stepped, nonfinite=nonfinite)
+        return StepOutput(loss=loss, grad_norm=norm, lr=lr, stepped=stepped, nonfinite=nonfinite, expert_load=load)
 
     def _rows_of(self, inputs, targets, n: int, rows: str, check: bool = False) -> tuple[slice, int, object]:
         """(this rank's rows of what it was passed, where they start in the global batch, the

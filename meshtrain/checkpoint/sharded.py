@@ -28,6 +28,7 @@ from meshtrain.checkpoint import dcp, folders
 from meshtrain.checkpoint.boxes import Box, boxes
 from meshtrain.checkpoint.dcp import Boxed
 from meshtrain.checkpoint.folders import CheckpointError, CorruptCheckpoint, decide
+from meshtrain.parallel.state import persistent_buffers
 
 STATE = "state.json"
 
@@ -75,12 +76,6 @@ def _rng_states(rank: int) -> dict[str, torch.Tensor]:
         out[f"rng/{rank}/cuda"] = torch.cuda.get_rng_state()
     return out
 
-
-def persistent_buffers(module) -> list[tuple[str, torch.Tensor]]:
-    """The buffers a state dict holds (not those a module marks non-persistent, such as a
-    cache it recomputes)."""
-    kept = set(module.state_dict(keep_vars=True))
-    return [(n, b) for n, b in module.named_buffers() if n in kept]
 
 
 @dataclass

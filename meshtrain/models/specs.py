@@ -58,3 +58,61 @@ class LlamaSpec:
 class MLPSpec:
     hidden: tuple[int, ...]
     kind: str = "mlp"
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    """A Llama-shaped decoder whose MLP is a mixture of experts in every layer but
+    `dense_layers` (those keep a SwiGLU MLP of `ffn_dim`): a linear router scoring
+    `n_experts` experts (`score`: "softmax" or "sigmoid", in fp32), each token sent to its
+    `top_k` best (dropless), their outputs weighted by the scores (renormalised over the
+    top-k when `norm_topk`); each expert a SwiGLU of `expert_ffn_dim`; `shared_ffn_dim` > 0
+    adds a SwiGLU every token passes through (DeepSeek's shared experts, fused).
+    `qk_norm`: RMSNorm on queries and keys, "head" (Qwen3: per head) or "projection" (OLMoE:
+    over the whole projection), or "none". `routing`: "learned", or "balanced" (token i of
+    a forward sent to experts i·k .. i·k+k−1 mod E, its weights still the router's: a
+    deterministic load for benchmarks and planner checks). `balance`: how the load is
+    balanced — "sequence" (DeepSeek-V3's sequence-wise auxiliary loss, per row), "batch"
+    (Switch/GShard's, per group of `balance_rows` rows), "bias" (DeepSeek-V3's
+    auxiliary-loss-free bias, moved by `bias_rate` after each optimizer step) or "none";
+    `aux_coef` weighs the auxiliary loss (per token, as the cross-entropy is). `experts`:
+    "grouped" (`torch.nn.functional.grouped_mm`, where its 16-byte stride rule allows) or
+    "loop" (one matmul per expert)."""
+    n_layers: int
+    n_heads: int
+    d_model: int
+    max_seq_len: int
+    ffn_dim: int
+    n_experts: int
+    top_k: int
+    expert_ffn_dim: int
+    n_kv_heads: int | None = None
+    head_dim: int | None = None
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    rms_norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    dense_layers: tuple[int, ...] = ()
+    shared_ffn_dim: int = 0
+    score: str = "softmax"
+    norm_topk: bool = True
+    qk_norm: str = "none"
+    routing: str = "learned"
+    balance: str = "sequence"
+    aux_coef: float = 1e-3
+    balance_rows: int = 1
+    bias_rate: float = 1e-3
+    experts: str = "grouped"
+    kind: str = "moe"
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def head_size(self) -> int:
+        return self.head_dim or self.d_model // self.n_heads
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.n_layers) if i not in self.dense_layers)

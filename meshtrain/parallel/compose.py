@@ -23,7 +23,7 @@ import torch.nn as nn
 from meshtrain.comm import METRICS, Comm
 from meshtrain.loss import cross_entropy_sum
 from meshtrain.parallel.modules import find_block_list
-from meshtrain.parallel.materialize import InitSpec, materialize, to_placeholders
+from meshtrain.parallel.materialize import InitSpec, keep_state_buffers_fp32, materialize, to_placeholders
 from meshtrain.optim import FULL_SHAPE, OptimizerFactory, check_optimizer, keep_grad_views, optimizer_from
 from meshtrain.parallel.data import DataParallel
 from meshtrain.parallel.dropout import DropoutKeys, FunctionalDropout, seed_dropout, split_over_cp
@@ -37,7 +37,7 @@ from meshtrain.parallel.compile import compile_blocks
 from meshtrain.parallel.context import apply_context_parallel
 from meshtrain.parallel.recompute import apply_recompute
 from meshtrain.parallel.runner import PlainRunner
-from meshtrain.parallel.state import ParamHoldings, Piece, full_shape, is_collector, shard_index
+from meshtrain.parallel.state import ParamHoldings, Piece, full_shape, is_collector, persistent_buffers, shard_index
 from meshtrain.parallel.tensor import TensorParallelSync, TensorPlan, apply_plan, vocab_parallel_cross_entropy_sum
 from meshtrain.parallel.zero import Zero
 from meshtrain.parallel.zero_holdings import ZeroHoldings
@@ -180,7 +180,7 @@ class Parallelized:
         """Take weights and optimizer state from a full state (each rank keeps its part)."""
         self.holdings.load(state["model"], state.get("optim", {}))
         with torch.no_grad():
-            for name, b in self.module.named_buffers():
+            for name, b in persistent_buffers(self.module):
                 b.copy_(state["model"][name])
 
     def local_pieces(self) -> list[Piece]:
@@ -213,6 +213,7 @@ def parallelize(model: nn.Module, comm: Comm, options: Strategies, *, optimizer:
     compute_dtype = COMPUTE_DTYPES[options.precision]
     if compute_dtype != torch.float32:
         model.to(compute_dtype)
+        keep_state_buffers_fp32(model)
         loss_fn = fp32_loss(loss_fn)
     if init is not None:  # parameters without storage until this rank's part is drawn
         to_placeholders(model, mesh.device)

@@ -84,9 +84,25 @@ def to_placeholders(model: nn.Module, device) -> None:
                 q = nn.Parameter(placeholder(p.shape, p.dtype, device), requires_grad=p.requires_grad)
                 q.__dict__.update(p.__dict__)
                 module._parameters[leaf] = q
-    if any(b.is_meta for b in model.buffers()):
-        raise ValueError("a model built on the meta device has buffers, which are recomputed, not drawn: "
-                         "this model cannot be built that way yet")
+    for module in model.modules():
+        state = getattr(module, "fp32_state_buffers", ())
+        for leaf, b in list(module._buffers.items()):
+            if b is not None and b.is_meta:
+                if leaf not in state:
+                    raise ValueError("a model built on the meta device has buffers, which are recomputed, not "
+                                     "drawn: this model cannot be built that way yet")
+                module._buffers[leaf] = torch.zeros(b.shape, dtype=torch.float32, device=device)
+
+
+def keep_state_buffers_fp32(model: nn.Module) -> None:
+    """A module's `fp32_state_buffers` (running state a module keeps and updates, such as a
+    router's balancing bias and its load counts: they start at zero on a meta build) back
+    in fp32 after the model was cast to a lower precision: small steps vanish in bf16."""
+    for module in model.modules():
+        for leaf in getattr(module, "fp32_state_buffers", ()):
+            b = module._buffers.get(leaf)
+            if b is not None and b.dtype != torch.float32:
+                module._buffers[leaf] = b.float()
 
 
 def materialize(model: nn.Module, values) -> None:

@@ -112,9 +112,16 @@ def assemble_split(local: torch.Tensor, spec: tuple[str, int] | None, comm: Comm
     return full if is_collector(comm) else None
 
 
+def persistent_buffers(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The buffers a state dict holds (not those a module marks non-persistent, such as a
+    cache it recomputes or a count it restarts each step)."""
+    kept = set(module.state_dict(keep_vars=True))
+    return [(n, b) for n, b in module.named_buffers() if n in kept]
+
+
 def buffer_entries(module: nn.Module) -> list[tuple[Entry, torch.Tensor]]:
-    """The module's buffers (whole on every rank) as entries of the model's state."""
-    return [(Entry(n, None, tuple(b.shape), b.dtype), b) for n, b in module.named_buffers()]
+    """The module's persistent buffers (whole on every rank) as entries of the model's state."""
+    return [(Entry(n, None, tuple(b.shape), b.dtype), b) for n, b in persistent_buffers(module)]
 
 
 def digest(t: torch.Tensor) -> bytes:

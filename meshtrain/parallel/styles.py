@@ -9,6 +9,7 @@ from fnmatch import fnmatch
 
 COLUMN, ROW, VOCAB, REGION, SEQUENCE = "column", "row", "vocab", "region", "sequence"
 SEQUENCE_SHARDED, HEAD_SHARDED = "sequence-sharded", "head-sharded"
+PARTIAL = "partial"  # its parameters' gradients are partial over tp even without SP (a per-head norm)
 
 
 @dataclass(frozen=True)

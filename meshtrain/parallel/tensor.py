@@ -20,6 +20,8 @@ twin, sharding the *full, seeded* weights, so every layout starts from the same 
     Fused(sections, unit)   COLUMN for a linear that computes several outputs in one (fused
             QKV: q, k, v; SwiGLU's gate and up): each section of its output is split over tp
             on its own, in multiples of `unit` (the head size: whole heads per rank)
+    PARTIAL  a module left whole that each rank applies to its own heads only (Qwen3's per-head
+            q/k RMSNorm): its parameters' gradients are summed over tp, with SP or without
     Heads(*attrs)   the module's attributes that count heads (`n_heads`, `n_kv_heads`),
             divided by tp on each rank, so the model's own `view(B, T, self.n_heads, hd)` and
             `split` read this rank's heads
@@ -45,8 +47,8 @@ from meshtrain.parallel.materialize import is_placeholder, placeholder
 from meshtrain.parallel.dropout import SeededDropout
 from meshtrain.parallel.recompute import is_recomputed
 from meshtrain.parallel.state import SHARD, set_shard, shard_positions
-from meshtrain.parallel.styles import (COLUMN, HEAD_SHARDED, REGION, ROW, SEQUENCE, SEQUENCE_SHARDED,  # noqa: F401
-                                       VOCAB, Fused, Heads, TensorPlan)
+from meshtrain.parallel.styles import (COLUMN, HEAD_SHARDED, PARTIAL, REGION, ROW, SEQUENCE,  # noqa: F401
+                                       SEQUENCE_SHARDED, VOCAB, Fused, Heads, TensorPlan)
 
 TP = "tp"
 SEQ_DIM = 1  # activations are [batch, sequence, features]
@@ -315,8 +317,8 @@ def _keep_sequence_chunk(module: nn.Module, comm: Comm) -> None:
 
 def apply_plan(model: nn.Module, plan: TensorPlan, comm: Comm, sp: bool) -> list[nn.Parameter]:
     """Shard `model` in place by `plan` over the mesh's tp axis. Returns the parameters left
-    whole whose gradients must be summed over tp (under SP: all of them; without SP none, as
-    every rank computes them from the same whole activations)."""
+    whole whose gradients must be summed over tp (under SP: all of them; without SP those of
+    PARTIAL modules only, as every rank computes the others from the same whole activations)."""
     builders = {COLUMN: lambda m: ColumnParallelLinear(m, comm), ROW: lambda m: RowParallelLinear(m, comm, sp),
                 VOCAB: lambda m: VocabParallelEmbedding(m, comm, sp)}
     for name, module in list(model.named_modules()):
@@ -338,7 +340,8 @@ def apply_plan(model: nn.Module, plan: TensorPlan, comm: Comm, sp: bool) -> list
         if isinstance(module, SeededDropout) and (HEAD_SHARDED in styles or (SEQUENCE_SHARDED in styles and sp)):
             module.shard = (1, comm)  # the sequence of [b, s, h] and the heads of [b, heads, s, s]
     whole = [p for p in model.parameters() if not hasattr(p, SHARD)]
-    return whole if sp else []
+    partial = {id(p) for name, m in model.named_modules() if PARTIAL in plan.styles_of(name) for p in m.parameters()}
+    return whole if sp else [p for p in whole if id(p) in partial]
 
 
 def check_plan(model: nn.Module, plan: TensorPlan, tp: int) -> None:
@@ -395,7 +398,7 @@ def _check_style(name: str, module: nn.Module, style, tp: int) -> None:
                 raise ValueError(f"{where}: Heads({attr!r}): the module has no integer attribute {attr!r}")
             if value % tp:
                 raise ValueError(f"{where}: {attr}={value} heads do not split over tp={tp}; use a tp that divides it")
-    elif style not in (REGION, SEQUENCE, SEQUENCE_SHARDED, HEAD_SHARDED):
+    elif style not in (REGION, SEQUENCE, SEQUENCE_SHARDED, HEAD_SHARDED, PARTIAL):
         raise ValueError(f"{where}: unknown style {style!r}")
 
 

@@ -1,4 +1,4 @@
-"""The model families meshtrain knows, one recipe module each (`gpt`, `llama`, `mlp`), and
+"""The model families meshtrain knows, one recipe module each (`gpt`, `llama`, `mlp`, `moe`), and
 one registry of their presets and published shapes, read by the trainer, the planner and the
 command line alike. No torch at import.
 
@@ -9,7 +9,7 @@ entry point of the group `meshtrain.recipes` naming the `Family` object (a packa
 
 from __future__ import annotations
 
-from meshtrain.recipes import gpt, llama, mlp
+from meshtrain.recipes import gpt, llama, mlp, moe
 from meshtrain.recipes.family import Family
 from meshtrain.recipes.mlp import parse_widths
 from meshtrain.recipes.recipe import Recipe
@@ -129,7 +129,7 @@ def shape_of(name: str, vocab_size: int = 2048):
     return shape
 
 
-for _family in (gpt.FAMILY, llama.FAMILY, mlp.FAMILY):
+for _family in (gpt.FAMILY, llama.FAMILY, mlp.FAMILY, moe.FAMILY):
     register(_family)
 
 __all__ = ["Family", "Recipe", "register", "add_preset", "family_of", "family_of_model", "is_preset", "is_published",

@@ -72,6 +72,11 @@ class Family:
         """Why this spec cannot be cut into stages (one line), or None."""
         return None
 
+    def layout_problem(self, spec, *, tp: int = 1, sp: bool = False, cp: int = 1, pp: int = 1, dp: int = 1,
+                       zero: int = 0) -> str | None:
+        """Why this spec cannot train in this layout (one line, after the model's name), or None."""
+        return None
+
     def with_options(self, spec, *, dropout: float = 0.0, attention: str = "sdpa", hidden: tuple | None = None):
         """The spec with the command line's model flags applied (those in `options`)."""
         return spec

@@ -1,0 +1,268 @@
+"""A plain mixture-of-experts decoder in Hugging Face's conventions (Mixtral, Qwen3-MoE,
+OLMoE as transformers 5 keeps them in memory): the Llama's attention (with Qwen3's per-head
+or OLMoE's whole-projection RMSNorm on queries and keys), and in each MoE layer a router
+(`mlp.gate.weight` [E, d]) choosing `top_k` of E experts per token, the experts stacked
+(`mlp.experts.gate_up_proj` [E, 2I, d], gate rows first, and `mlp.experts.down_proj`
+[E, d, I]). Dropless: every token reaches its k experts, however unbalanced the load.
+
+Load balancing lives in the layer, so that every layout trains what one process trains:
+the auxiliary loss is computed per row (or per group of rows) from the router's own
+scores, and reaches the router through the backward alone (`AddAuxGradient`): the output is
+unchanged, and the loss's gradient joins the step's as one more summed term per token,
+which the step divides by its global count of loss terms as it does the cross-entropy's.
+Per-row terms do not depend on how rows are cut into micro-batches, ranks or pipeline
+stages, so no count has to cross a stage or wait for the last micro-batch."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from types import SimpleNamespace
+
+from meshtrain.models.llama import MLP, Attention, RMSNorm, apply_rotary
+from meshtrain.models.specs import MoESpec
+
+
+class AddAuxGradient(torch.autograd.Function):
+    """`x` unchanged forward; backward, `aux`'s gradient (of weight 1) added to the graph:
+    an auxiliary loss summed into the step's loss without changing the model's output."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
+        ctx.aux_shape, ctx.aux_dtype = aux.shape, aux.dtype
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, torch.ones(ctx.aux_shape, dtype=ctx.aux_dtype, device=grad.device)
+
+
+class _ContiguousGradient(torch.autograd.Function):
+    """Identity; its gradient made contiguous (grouped_mm's backward refuses a broadcast one)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
+
+
+def _in_backward() -> bool:
+    """Whether autograd's engine is running this code (a recomputed forward): its routing
+    was counted when the forward first ran."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class TopKRouter(nn.Module):
+    """Scores every expert for every token (fp32), picks the top k (by score plus
+    `expert_bias` when the bias balances the load), and returns the chosen experts and their
+    weights (the scores, renormalised over the k when `norm_topk`). With `balance` =
+    "bias", `expert_load` counts the tokens each expert received since the last
+    `update_bias`; `expert_bias` and `expert_load` are fp32 state (`fp32_state_buffers`)."""
+
+    fp32_state_buffers = ("expert_bias", "expert_load")
+
+    def __init__(self, spec: MoESpec):
+        super().__init__()
+        self.n_experts, self.top_k, self.score = spec.n_experts, spec.top_k, spec.score
+        self.norm_topk, self.routing, self.bias_rate = spec.norm_topk, spec.routing, spec.bias_rate
+        self.weight = nn.Parameter(torch.empty(spec.n_experts, spec.d_model))
+        if spec.balance == "bias":
+            self.register_buffer("expert_bias", torch.zeros(spec.n_experts, dtype=torch.float32))
+        self.register_buffer("expert_load", torch.zeros(spec.n_experts, dtype=torch.float32), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [tokens, d] -> (scores [tokens, E] fp32, chosen [tokens, k], weights [tokens, k] fp32)."""
+        logits = F.linear(x.float(), self.weight.float())
+        scores = logits.softmax(-1) if self.score == "softmax" else logits.sigmoid()
+        if self.routing == "balanced":
+            n = x.shape[0]
+            chosen = (torch.arange(n * self.top_k, device=x.device) % self.n_experts).view(n, self.top_k)
+        else:
+            ranked = scores.detach() + self.expert_bias if hasattr(self, "expert_bias") else scores
+            chosen = ranked.topk(self.top_k, dim=-1).indices
+        weights = scores.gather(1, chosen)
+        if self.norm_topk:
+            weights = weights / weights.sum(-1, keepdim=True)
+        if self.training and not _in_backward():
+            self.expert_load += torch.bincount(chosen.reshape(-1), minlength=self.n_experts).float()
+        return scores, chosen, weights
+
+    @torch.no_grad()
+    def update_bias(self, load: torch.Tensor) -> None:
+        """DeepSeek-V3's auxiliary-loss-free step: each expert's bias moved by `bias_rate`
+        towards the mean load (`load`: the tokens each expert received over the step, all
+        ranks' together); then the count starts again."""
+        if hasattr(self, "expert_bias"):
+            self.expert_bias += self.bias_rate * torch.sign(load.mean() - load)
+        self.expert_load.zero_()
+
+
+class Experts(nn.Module):
+    """E SwiGLU experts, stacked: `gate_up_proj` [E, 2I, d] (gate rows, then up rows) and
+    `down_proj` [E, d, I]. Each token's rows are sorted by expert and run as one grouped
+    matmul per projection (`grouped="grouped"`, where grouped_mm's 16-byte strides hold) or
+    one matmul per expert (`"loop"`); the outputs weighted and summed back per token."""
+
+    def __init__(self, spec: MoESpec):
+        super().__init__()
+        self.n_experts, self.ffn_dim, self.impl = spec.n_experts, spec.expert_ffn_dim, spec.experts
+        self.gate_up_proj = nn.Parameter(torch.empty(spec.n_experts, 2 * spec.expert_ffn_dim, spec.d_model))
+        self.down_proj = nn.Parameter(torch.empty(spec.n_experts, spec.d_model, spec.expert_ffn_dim))
+
+    def forward(self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x [tokens, d], chosen and weights [tokens, k] -> [tokens, d]."""
+        k = chosen.shape[1]
+        order = chosen.reshape(-1).argsort(stable=True)  # (token, slot) pairs by expert, tokens in order
+        token = order // k
+        counts = torch.bincount(chosen.reshape(-1), minlength=self.n_experts)
+        rows = x[token]
+        if self.impl == "grouped" and self.groupable(x.dtype):
+            y = self._grouped(rows, counts)
+        else:
+            y = self._looped(rows, counts)
+        y = y.float() * weights.reshape(-1)[order, None]  # weighted in fp32, as the router's weights are
+        return torch.zeros_like(x).index_add_(0, token, y.to(x.dtype))
+
+    def groupable(self, dtype: torch.dtype) -> bool:
+        """grouped_mm needs every stride a multiple of 16 bytes: d and I in whole 16-byte units."""
+        per = 16 // torch.empty((), dtype=dtype).element_size()
+        return self.gate_up_proj.shape[-1] % per == 0 and self.ffn_dim % per == 0
+
+    def _grouped(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        offs = counts.cumsum(0).to(torch.int32)
+        h = F.grouped_mm(rows, self.gate_up_proj.transpose(-2, -1), offs=offs)
+        gate, up = _ContiguousGradient.apply(h).chunk(2, dim=-1)
+        y = F.grouped_mm(F.silu(gate) * up, self.down_proj.transpose(-2, -1), offs=offs)
+        return _ContiguousGradient.apply(y)
+
+    def _looped(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        out, start = [], 0
+        for e, n in enumerate(counts.tolist()):
+            part = rows[start:start + n]
+            gate, up = F.linear(part, self.gate_up_proj[e]).chunk(2, dim=-1)
+            out.append(F.linear(F.silu(gate) * up, self.down_proj[e]))
+            start += n
+        return torch.cat(out)
+
+
+def balance_loss(scores: torch.Tensor, chosen: torch.Tensor, rows: int, group: int, score: str) -> torch.Tensor:
+    """The Switch/DeepSeek balancing loss of each group of `group` rows, summed over groups
+    and weighted by the group's tokens: Σ_g T_g · Σ_i f_i·P_i, where f_i = E/(k·T_g) × the
+    tokens choosing expert i and P_i the mean over the group of expert i's share of the
+    token's scores (1 when perfectly balanced). scores [rows·s, E], chosen [rows·s, k]."""
+    n_experts, k = scores.shape[1], chosen.shape[1]
+    share = scores if score == "softmax" else scores / scores.sum(-1, keepdim=True)
+    per_group = scores.shape[0] // (rows // group)
+    picked = F.one_hot(chosen, n_experts).sum(1).to(share.dtype)  # [tokens, E]: 1 where chosen
+    f = picked.view(-1, per_group, n_experts).sum(1) * (n_experts / (k * per_group))  # [groups, E]
+    p = share.view(-1, per_group, n_experts).mean(1)
+    return (f * p).sum() * per_group
+
+
+class MoE(nn.Module):
+    """The MoE MLP: router, experts, optional shared experts, and the balancing loss added
+    to the backward (`balance`: sequence or batch; the bias is the router's)."""
+
+    def __init__(self, spec: MoESpec):
+        super().__init__()
+        self.gate = TopKRouter(spec)
+        self.experts = Experts(spec)
+        self.balance, self.aux_coef, self.balance_rows = spec.balance, spec.aux_coef, spec.balance_rows
+        if spec.shared_ffn_dim:
+            self.shared_experts = MLP(SimpleNamespace(d_model=spec.d_model, ffn_dim=spec.shared_ffn_dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape
+        flat = x.reshape(-1, d)
+        scores, chosen, weights = self.gate(flat)
+        out = self.experts(flat, chosen, weights).view(b, s, d)
+        if hasattr(self, "shared_experts"):
+            out = out + self.shared_experts(x)
+        if self.training and self.balance in ("sequence", "batch") and self.aux_coef and torch.is_grad_enabled():
+            group = 1 if self.balance == "sequence" else self.balance_rows
+            if b % group:
+                raise ValueError(f"the batch loss balances groups of {group} rows, but this forward has {b} rows "
+                                 f"(make each micro-batch a multiple of {group} rows)")
+            aux = self.aux_coef * self.balance_group_sum(balance_loss(scores, chosen, b, group, self.gate.score))
+            out = AddAuxGradient.apply(out, aux)
+        return out
+
+    def balance_group_sum(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss of this forward's groups (a strategy that splits a group's tokens over
+        ranks replaces this to sum over them)."""
+        return loss
+
+
+class QKNormAttention(Attention):
+    """The Llama's attention, with RMSNorm on queries and keys when `qk_norm` says:
+    "head" (Qwen3: each head normalised, weight [head_dim]) or "projection" (OLMoE: the
+    whole projection normalised, weight [heads·head_dim])."""
+
+    def __init__(self, spec: MoESpec, rope_tables: dict | None = None):
+        super().__init__(spec, rope_tables)
+        self.qk_norm = spec.qk_norm
+        if spec.qk_norm == "head":
+            self.q_norm = RMSNorm(spec.head_size, spec.rms_norm_eps)
+            self.k_norm = RMSNorm(spec.head_size, spec.rms_norm_eps)
+        elif spec.qk_norm == "projection":
+            self.q_norm = RMSNorm(spec.n_heads * spec.head_size, spec.rms_norm_eps)
+            self.k_norm = RMSNorm(spec.kv_heads * spec.head_size, spec.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.qk_norm == "none":
+            return super().forward(x)
+        b, s, _ = x.shape
+        cos, sin = self.rotary(s, x.device, x.dtype, self.positions)
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.qk_norm == "projection":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = (t.view(b, s, -1, self.head_dim) for t in (q, k, v))
+        if self.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        y = self.core(apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v)
+        return self.o_proj(y.transpose(1, 2).reshape(b, s, -1))
+
+
+class Block(nn.Module):
+    def __init__(self, spec: MoESpec, index: int, rope_tables: dict | None = None):
+        super().__init__()
+        self.input_layernorm = RMSNorm(spec.d_model, spec.rms_norm_eps)
+        self.self_attn = QKNormAttention(spec, rope_tables)
+        self.post_attention_layernorm = RMSNorm(spec.d_model, spec.rms_norm_eps)
+        self.mlp = MLP(spec) if index in spec.dense_layers else MoE(spec)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class MoEModel(nn.Module):
+    """Token ids [batch, seq] in, logits [batch, seq, vocab] out."""
+
+    def __init__(self, spec: MoESpec, vocab_size: int):
+        super().__init__()
+        self.spec, self.vocab_size = spec, vocab_size
+        self.embed_tokens = nn.Embedding(vocab_size, spec.d_model)
+        rope_tables: dict = {}
+        self.layers = nn.ModuleList(Block(spec, i, rope_tables) for i in range(spec.n_layers))
+        self.norm = RMSNorm(spec.d_model, spec.rms_norm_eps)
+        self.lm_head = nn.Linear(spec.d_model, vocab_size, bias=False)
+        if spec.tie_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(ids)
+        for block in self.layers:
+            x = block(x)
+        return self.lm_head(self.norm(x))
+
+
+def routers(model: nn.Module) -> list[tuple[str, TopKRouter]]:
+    """The model's routers by name (a pipeline stage's, a user's model's: any TopKRouter)."""
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, TopKRouter)]

@@ -1,0 +1,147 @@
+"""meshtrain's mixture-of-experts decoder (`models/moe.py`) as a recipe: its presets,
+Hugging Face's initialisation, its tensor-parallel and pipeline plans, what a layout must
+divide, its FLOPs on the active parameters, and what it cannot do yet (one line each)."""
+
+from __future__ import annotations
+
+from meshtrain.models.specs import MoESpec
+from meshtrain.parallel.pipeline.plan import PipelinePlan
+from meshtrain.parallel.styles import COLUMN, PARTIAL, REGION, ROW, VOCAB, Heads, TensorPlan
+from meshtrain.recipes.family import Family
+
+SCORES = ("softmax", "sigmoid")
+BALANCES = ("sequence", "batch", "bias", "none")
+ROUTINGS = ("learned", "balanced")
+QK_NORMS = ("none", "head", "projection")
+EXPERT_KERNELS = ("grouped", "loop")
+
+PRESETS = {
+    # Qwen3-MoE's architecture (per-head q/k norm; the first layer dense, as its
+    # mlp_only_layers and DeepSeek's first_k_dense_replace make it), so that `export --hf` writes
+    # a folder transformers loads. The suite's: 4 layers, 4 experts of which each token takes
+    # 2, widths in whole 16-byte units (grouped_mm's strides) in fp32 and bf16. And one
+    # trainable here: 8 experts, top-2, about llama-small's active size.
+    "moe-test": MoESpec(n_layers=4, n_heads=4, n_kv_heads=2, d_model=32, ffn_dim=64, n_experts=4, top_k=2,
+                        expert_ffn_dim=16, dense_layers=(0,), qk_norm="head", max_seq_len=64),
+    "moe-small": MoESpec(n_layers=8, n_heads=8, n_kv_heads=4, d_model=256, ffn_dim=704, n_experts=8, top_k=2,
+                         expert_ffn_dim=352, dense_layers=(0,), qk_norm="head", max_seq_len=512),
+}
+
+
+def problems(spec: MoESpec) -> list[str]:
+    """What is wrong with a spec, one line each (before any rank starts)."""
+    found = []
+    if not 1 <= spec.top_k <= spec.n_experts:
+        found.append(f"top_k {spec.top_k} must be between 1 and the {spec.n_experts} experts")
+    for value, allowed, what in ((spec.score, SCORES, "router score"), (spec.balance, BALANCES, "balancing"),
+                                 (spec.routing, ROUTINGS, "routing"), (spec.qk_norm, QK_NORMS, "qk norm"),
+                                 (spec.experts, EXPERT_KERNELS, "experts kernel")):
+        if value not in allowed:
+            found.append(f"unknown {what} {value!r}; use one of {', '.join(allowed)}")
+    if spec.balance_rows < 1:
+        found.append(f"balance_rows {spec.balance_rows} must be 1 or more")
+    if any(not 0 <= i < spec.n_layers for i in spec.dense_layers):
+        found.append(f"dense layers {list(spec.dense_layers)} must be among the {spec.n_layers} layers")
+    if spec.n_heads % spec.kv_heads:
+        found.append(f"n_kv_heads {spec.kv_heads} does not divide n_heads {spec.n_heads}")
+    return found
+
+
+def tp_plan(spec: MoESpec) -> TensorPlan:
+    """The Llama's attention plan (a per-head q/k norm applied by each rank to its heads, its
+    gradient summed over tp); a dense layer's MLP split as the Llama's; the experts and the
+    router replicated over tp (each tp rank runs the experts of the tokens it holds: all of
+    them, or under SP its part of the sequence, whose gradients are then summed)."""
+    styles = {
+        "embed_tokens": VOCAB,
+        "layers.*.self_attn": (REGION, Heads("n_heads", "n_kv_heads")),
+        "layers.*.self_attn.[qkv]_proj": COLUMN,
+        "layers.*.self_attn.o_proj": ROW,
+        "lm_head": (REGION, COLUMN),
+    }
+    if spec.qk_norm == "head":
+        styles["layers.*.self_attn.[qk]_norm"] = PARTIAL
+    for i in spec.dense_layers:
+        styles.update({f"layers.{i}.mlp": REGION, f"layers.{i}.mlp.gate_proj": COLUMN,
+                       f"layers.{i}.mlp.up_proj": COLUMN, f"layers.{i}.mlp.down_proj": ROW})
+    return TensorPlan(styles, vocab_parallel_loss=True)
+
+
+def flops_per_step(spec: MoESpec, vocab_size: int, batch: int, seq_len: int) -> float:
+    """Model FLOPs of one training step on the active parameters: per token and layer the
+    attention's projections and core (as the Llama's), a dense layer's SwiGLU, or the
+    router, k experts' SwiGLUs and the shared experts; the head; backward twice the forward."""
+    d, hd, s = spec.d_model, spec.head_size, seq_len
+    attention = d * hd * (2 * spec.n_heads + 2 * spec.kv_heads)
+    dense = 3 * d * spec.ffn_dim
+    sparse = d * spec.n_experts + 3 * d * spec.expert_ffn_dim * spec.top_k + 3 * d * spec.shared_ffn_dim
+    n_dense = len(spec.dense_layers)
+    per_token = spec.n_layers * attention + n_dense * dense + (spec.n_layers - n_dense) * sparse + d * vocab_size
+    forward = 2.0 * batch * s * per_token + 4.0 * batch * s * s * spec.n_layers * spec.n_heads * hd
+    return 3.0 * forward
+
+
+def init_rules(model) -> dict:
+    """Hugging Face's initialisation of these families: every matrix (the router's, each
+    stacked expert's) N(0, 0.02), RMSNorm weights 1."""
+    return {name: ("normal", 0.02) if p.dim() >= 2 else ("ones",) for name, p in model.named_parameters()}
+
+
+class MoEFamily(Family):
+    name, spec_type, presets = "moe", MoESpec, PRESETS
+
+    def build(self, spec: MoESpec, *, vocab_size: int = 256, **_):
+        problem = problems(spec)
+        if problem:
+            raise ValueError(f"MoE spec: {problem[0]}")
+        from meshtrain.models.moe import MoEModel  # torch: only when a model is built
+        return MoEModel(spec, vocab_size)
+
+    def owns(self, model) -> bool:
+        from meshtrain.models.moe import MoEModel
+        return isinstance(model, MoEModel)
+
+    def init_rules(self, model) -> dict:
+        return init_rules(model)
+
+    def tp_plan(self, spec: MoESpec) -> TensorPlan:
+        return tp_plan(spec)
+
+    def pipeline_plan(self, spec: MoESpec) -> PipelinePlan:
+        return PipelinePlan(("embed_tokens",), "layers", ("norm", "lm_head"), lambda b, s: (b, s, spec.d_model))
+
+    def blocks(self, spec: MoESpec) -> int:
+        return spec.n_layers
+
+    def tp_splits(self, spec: MoESpec, vocab_size: int) -> list[tuple[int, str]]:
+        splits = [(spec.n_heads, "query heads"), (spec.kv_heads, "key/value heads"),
+                  (vocab_size, "vocabulary (--vocab-size)")]
+        return splits + ([(spec.ffn_dim, "dense MLP width")] if spec.dense_layers else [])
+
+    def attention_heads(self, spec: MoESpec) -> list[tuple[str, int]]:
+        return [("heads", spec.n_heads), ("kv heads", spec.kv_heads)]
+
+    def pipeline_problem(self, spec: MoESpec) -> str | None:
+        if spec.tie_embeddings:
+            return "ties its head to its embedding, which pp would put on two stages; use --pp 1"
+        return None
+
+    def layout_problem(self, spec: MoESpec, *, tp: int = 1, sp: bool = False, cp: int = 1, **_) -> str | None:
+        if tp > 1 and spec.qk_norm == "projection":
+            return ("normalises queries and keys over the whole projection (OLMoE), whose statistics tensor "
+                    "parallelism would split over ranks (not built yet); use --tp 1")
+        aux = spec.balance in ("sequence", "batch") and spec.aux_coef
+        if aux and (sp or cp > 1):
+            how = "--sp" if sp else f"--cp {cp}"
+            return (f"balances its experts by an auxiliary loss over each row's tokens, which {how} splits over "
+                    f"ranks (summing its counts between them is not built yet); use --moe-balance bias or none, "
+                    f"or drop {how.split()[0]}")
+        return None
+
+    def flops_per_step(self, spec: MoESpec, batch: int, seq_len: int, *, vocab_size: int = 256, **_) -> float:
+        return flops_per_step(spec, vocab_size, batch, seq_len)
+
+    # ---- Hugging Face folders (Mixtral, Qwen3-MoE, OLMoE): `recipes/moe_hf.py` ----------------
+
+
+FAMILY = MoEFamily()
