@@ -39,10 +39,24 @@ class ModelConfig:
     attention: str = "sdpa"
     mlp_hidden: str = ""  # the MLP's hidden widths, e.g. "1024,1024"; empty: the preset's
     init_from: str | None = None  # a Hugging Face Llama folder: its architecture, weights and tokenizer
+    # A mixture-of-experts preset's routing and balancing (None: the preset's own).
+    moe_balance: str | None = None  # sequence | batch | bias | none
+    moe_aux_coef: float | None = None
+    moe_balance_rows: int | None = None  # the batch loss's group of rows
+    moe_bias_rate: float | None = None
+    moe_routing: str | None = None  # learned | balanced
+    moe_experts: str | None = None  # grouped | loop
+
+    def moe_options(self) -> dict:
+        """The MoE flags given, by the spec's field names (empty: none given)."""
+        names = {"moe_balance": "balance", "moe_aux_coef": "aux_coef", "moe_balance_rows": "balance_rows",
+                 "moe_bias_rate": "bias_rate", "moe_routing": "routing", "moe_experts": "experts"}
+        return {field: getattr(self, flag) for flag, field in names.items() if getattr(self, flag) is not None}
 
     def spec(self):
         """The preset with this configuration's changes (validated first: `validate`)."""
-        return spec_of(self.name, self.mlp_hidden)
+        spec = spec_of(self.name, self.mlp_hidden)
+        return family_of(spec).with_options(spec, moe=self.moe_options()) if self.moe_options() else spec
 
 
 # The [layout] section: the typed layout below the command line (`parallel.options.Layout`),
@@ -118,6 +132,19 @@ FLAGS = [
      "(default 128,128,128)"),
     ("--attention", "model", "attention", str, "sdpa (fused kernel) | math (the score matrix materialised; "
      "the only path with attention-probability dropout)"),
+    ("--moe-balance", "model", "moe_balance", str, "a mixture of experts' load balancing: sequence (DeepSeek-V3's "
+     "per-row auxiliary loss, the default) | batch (Switch/GShard's, per --moe-balance-rows rows) | bias "
+     "(auxiliary-loss-free: a per-expert bias on the scores, moved after each step) | none"),
+    ("--moe-aux-coef", "model", "moe_aux_coef", float, "the auxiliary loss's weight (per token, as the "
+     "cross-entropy's; 1 when balanced; default 0.001)"),
+    ("--moe-balance-rows", "model", "moe_balance_rows", int, "--moe-balance batch: the rows each loss is taken "
+     "over (a divisor of every micro-batch's rows, so that every layout computes the same loss)"),
+    ("--moe-bias-rate", "model", "moe_bias_rate", float, "--moe-balance bias: how far each expert's bias moves "
+     "per step (default 0.001)"),
+    ("--moe-routing", "model", "moe_routing", str, "learned (the router's top-k) | balanced (tokens dealt to the "
+     "experts in turn, weights still the router's: a fixed load for benchmarks and planner checks)"),
+    ("--moe-experts", "model", "moe_experts", str, "grouped (torch's grouped_mm, the default) | loop (one "
+     "matmul per expert)"),
     ("--data", "train", "data", str, "'shakespeare' (bundled), 'digits' (for --model mlp), a text file/folder, or a "
      "token folder written by `meshtrain prepare` (docs/data.md)"),
     ("--dp", "layout", "dp", int, "data-parallel size (default: fill the world; 2 from a shell when tp=pp=1)"),
@@ -412,6 +439,14 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         except ValueError:
             raise ConfigError(f"--mlp-hidden {m.mlp_hidden}: give positive comma-separated widths, "
                               f"e.g. 1024,1024") from None
+    if m.moe_options():
+        if user_model or "moe" not in family.options:
+            flags = ", ".join(f"--moe-{k.replace('_', '-')}" for k in m.moe_options())
+            raise ConfigError(f"{flags} applies to the mixture-of-experts presets, not {m.name}; drop it")
+    if not user_model and "moe" in family.options:
+        problem = family.problems(m.spec())
+        if problem:
+            raise ConfigError(f"{m.name}: {problem[0]}")
     if m.dropout and not user_model and "dropout" not in family.options:
         raise ConfigError(f"--dropout applies to the GPT models, not {m.name}; drop it")
     if m.attention != "sdpa" and not user_model and "attention" not in family.options \
@@ -462,7 +497,8 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     spec = m.spec()
     _validate_tensor_parallel(cfg, spec)
     _validate_pipeline(cfg, spec)
-    problem = family.layout_problem(spec, tp=lay.tp, sp=lay.sp, cp=lay.cp, pp=lay.pp, dp=lay.dp, zero=lay.zero)
+    problem = family.layout_problem(spec, tp=lay.tp, sp=lay.sp, cp=lay.cp, pp=lay.pp, dp=lay.dp, zero=lay.zero,
+                                    micro_rows=tr.batch_size // (lay.dp * lay.microbatches))
     if problem:
         raise ConfigError(f"{m.name} {problem}")
     if family.inputs == "tokens":

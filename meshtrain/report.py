@@ -85,11 +85,21 @@ def summary_json(cfg: Config, result: RunResult, per_rank: list[dict], device: t
         "comm_bytes_per_step": result.comm_per_step,
         "comm_bytes_detail": result.comm_detail_per_step,  # each axis by collective
         "skipped_steps": result.skipped_steps,
+        **(_expert_balance(result.expert_load_max_over_mean) if result.expert_load_max_over_mean else {}),
         "device": device_name(device),
         "model_flops_per_step": flops,
         # Model FLOPs per second over the devices' dense peak; None where the peak is unknown (CPUs).
         "mfu": flops / median / (peak * cfg.layout.world_size) if peak and flops else None,
     }
+
+
+def _expert_balance(ratios: list[list[float]]) -> dict:
+    """A mixture of experts' load: each router's busiest expert over the mean, at the last step
+    and over the last tenth of the run (1 is perfectly balanced)."""
+    tail = ratios[-max(1, len(ratios) // 10):]
+    return {"expert_load_max_over_mean": max(ratios[-1]),
+            "expert_load_max_over_mean_per_layer": ratios[-1],
+            "expert_load_max_over_mean_tail_mean": statistics.mean(max(r) for r in tail)}
 
 
 def plot_run(result: RunResult, out: Path, title: str) -> None:
@@ -118,7 +128,7 @@ def write(cfg: Config, result: RunResult, gathered: dict, device: torch.device, 
     print(f"wrote {out}/metrics.jsonl, {out}/loss.png and the model ({out}/model.safetensors)", file=human)
     if hasattr(result.data, "decode") and not is_user_model(cfg.model.name):
         model = build_model(cfg.model.name, cfg.train.seed, vocab_size=result.data.vocab_size,
-                            dropout=cfg.model.dropout, attention=cfg.model.attention)
+                            dropout=cfg.model.dropout, attention=cfg.model.attention, moe=cfg.model.moe_options())
         model.load_state_dict(gathered["state"])
         prompt = result.data.encode("\n")
         text = result.data.decode(sample(model.to(device), list(prompt), cfg.train.sample_tokens,

@@ -34,6 +34,7 @@ from meshtrain.loss_terms import LossTerms
 from meshtrain.loss import IGNORE_INDEX, cross_entropy_sum
 from meshtrain.parallel.compose import Parallelized
 from meshtrain.parallel.compose import parallelize as apply_strategies
+from meshtrain.parallel.expert_load import max_over_mean
 from meshtrain.parallel.materialize import ModelRules
 from meshtrain.parallel.pipeline import trace as pipeline_trace
 from meshtrain.recipe import Recipe, RecipeData, is_user_model, load_recipe
@@ -59,6 +60,8 @@ class RunResult:
     comm_detail_per_step: dict[str, dict[str, int]] = field(default_factory=dict)  # axis -> collective -> bytes
     first_step: int = 1  # the step `losses` begin at (later when resumed)
     val_losses: list[tuple[int, float]] = field(default_factory=list)  # (step, held-out loss), with --eval-every
+    # a mixture of experts: each reported step's busiest-expert/mean load of each router
+    expert_load_max_over_mean: list[list[float]] = field(default_factory=list)
 
 
 class RunRefused(ValueError):
@@ -131,7 +134,7 @@ def recipe_for(cfg: Config, data) -> Recipe:
     """The configured preset as a recipe for `data` (its vocabulary, or its inputs and classes)."""
     m = cfg.model
     return preset_recipe(m.name, dropout=m.dropout, attention=m.attention, mlp_hidden=m.mlp_hidden,
-                         **_data_facts(data))
+                         moe=m.moe_options(), **_data_facts(data))
 
 
 def initial_weights(cfg: Config, model, recipe: Recipe):
@@ -146,7 +149,7 @@ def model_for(cfg: Config, data, device):
     """The configured model for `data`: with its initial weights, or on `meta` its structure."""
     m = cfg.model
     return build_model(m.name, cfg.train.seed, dropout=m.dropout, attention=m.attention, mlp_hidden=m.mlp_hidden,
-                       device=device, **_data_facts(data))
+                       moe=m.moe_options(), device=device, **_data_facts(data))
 
 
 def exact_fp32_on_cuda() -> None:
@@ -306,6 +309,7 @@ def train(cfg: Config, comm: Comm, *, observer: StepObserver | None = None, prog
     board = Board(Path(tr.out), comm) if tr.tensorboard else None
     try:
         losses, times, comm_per_step, comm_detail, skipped, val_losses = [], [], {}, {}, [], []
+        expert_load_ratios: list[list[float]] = []  # a mixture of experts': each step's max/mean load per router
 
         def report(step: int, out: StepOutput, dt: float, val: float | None) -> None:
             """A step's numbers, read after the next step was started (its loss read then waits
@@ -322,12 +326,19 @@ def train(cfg: Config, comm: Comm, *, observer: StepObserver | None = None, prog
             if bar is not None:
                 bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_step / dt:,.0f}")
                 bar.update()
+            balance = {}
+            if out.expert_load is not None:  # a mixture of experts: how evenly each router spread the step's tokens
+                ratios = max_over_mean(out.expert_load)
+                expert_load_ratios.append(ratios)
+                balance = {"expert_load_max_over_mean": max(ratios), "expert_load_max_over_mean_per_layer": ratios}
             if board is not None:
                 board.step(step + 1, loss=loss, lr=lr_at(step, tr), tokens_per_s=tokens_per_step / dt,
-                           grad_norm=out.grad_norm, val_loss=val)
+                           grad_norm=out.grad_norm, val_loss=val, **({"expert_load_max_over_mean": max(ratios)}
+                                                                      if balance else {}))
             if step_log is not None:
                 step_log.write({"step": step + 1, "loss": loss, "lr": lr_at(step, tr), "step_time_s": dt,
-                                "tokens_per_s": tokens_per_step / dt, **({"val_loss": val} if val is not None else {})})
+                                "tokens_per_s": tokens_per_step / dt, **({"val_loss": val} if val is not None else {}),
+                                **balance})
 
         pending = None  # the last step, reported after the next one started
         for step in range(start, tr.steps):
@@ -378,7 +389,8 @@ def train(cfg: Config, comm: Comm, *, observer: StepObserver | None = None, prog
                          model_state=p.model_state_bytes(), activation_bytes=meter.peak,
                          activation_bytes_per_layer=probe.bytes,
                          comm_per_step=comm_per_step, parallel=p, data=data, skipped_steps=skipped, trace=traced,
-                         comm_detail_per_step=comm_detail, val_losses=val_losses)
+                         comm_detail_per_step=comm_detail, val_losses=val_losses,
+                         expert_load_max_over_mean=expert_load_ratios)
     finally:
         if preemption is not None:
             preemption.restore()

@@ -131,7 +131,7 @@ def load_model(ckpt: Path, device="cpu"):
                 p.copy_(read(name, torch.float32))
     else:
         model = build_model(cfg.model.name, cfg.train.seed, vocab_size=saved.vocab_size, dropout=cfg.model.dropout,
-                            attention=cfg.model.attention)
+                            attention=cfg.model.attention, moe=cfg.model.moe_options())
         model.load_state_dict({n: read(n, torch.float32) for n in shapes})
     return model.to(device).eval(), load_tokenizer(ckpt, saved.vocab_size), cfg
 

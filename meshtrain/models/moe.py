@@ -150,18 +150,28 @@ class Experts(nn.Module):
         return torch.cat(out)
 
 
-def balance_loss(scores: torch.Tensor, chosen: torch.Tensor, rows: int, group: int, score: str) -> torch.Tensor:
-    """The Switch/DeepSeek balancing loss of each group of `group` rows, summed over groups
-    and weighted by the group's tokens: Σ_g T_g · Σ_i f_i·P_i, where f_i = E/(k·T_g) × the
-    tokens choosing expert i and P_i the mean over the group of expert i's share of the
-    token's scores (1 when perfectly balanced). scores [rows·s, E], chosen [rows·s, k]."""
-    n_experts, k = scores.shape[1], chosen.shape[1]
+def balance_sums(scores: torch.Tensor, chosen: torch.Tensor, groups: int, score: str) -> torch.Tensor:
+    """Per group of rows, what the balancing loss is made of: [groups, 3, E] holding each
+    expert's count of (token, slot) choices, its summed share of the tokens' scores, and the
+    group's tokens (in every column). Sums, so that a strategy that splits a group's tokens
+    over ranks adds them up (`MoE.sequence_sum`). scores [tokens, E], chosen [tokens, k]."""
+    n_experts = scores.shape[1]
     share = scores if score == "softmax" else scores / scores.sum(-1, keepdim=True)
-    per_group = scores.shape[0] // (rows // group)
     picked = F.one_hot(chosen, n_experts).sum(1).to(share.dtype)  # [tokens, E]: 1 where chosen
-    f = picked.view(-1, per_group, n_experts).sum(1) * (n_experts / (k * per_group))  # [groups, E]
-    p = share.view(-1, per_group, n_experts).mean(1)
-    return (f * p).sum() * per_group
+    tokens = torch.ones_like(share)
+    return torch.stack([picked, share, tokens], dim=1).view(groups, -1, 3, n_experts).sum(1)
+
+
+def balance_loss(sums: torch.Tensor, top_k: int, local_tokens: torch.Tensor) -> torch.Tensor:
+    """Switch/DeepSeek's balancing loss Σ_i f_i·P_i of each group (f_i = E/(k·T) × the
+    choices of expert i, P_i the mean share of the scores it got: 1 when balanced), weighted
+    by `local_tokens`, this rank's tokens of each group: summed over ranks (and divided
+    with the cross-entropy by the step's count of loss terms), a per-token mean."""
+    picked, share, tokens = sums.unbind(1)
+    n_experts, total = picked.shape[1], tokens[:, 0]
+    f = picked * (n_experts / (top_k * total[:, None]))
+    p = share / total[:, None]
+    return ((f * p).sum(1) * local_tokens).sum()
 
 
 class MoE(nn.Module):
@@ -188,14 +198,16 @@ class MoE(nn.Module):
             if b % group:
                 raise ValueError(f"the batch loss balances groups of {group} rows, but this forward has {b} rows "
                                  f"(make each micro-batch a multiple of {group} rows)")
-            aux = self.aux_coef * self.balance_group_sum(balance_loss(scores, chosen, b, group, self.gate.score))
+            sums = balance_sums(scores, chosen, b // group, self.gate.score)
+            local = sums[:, 2, 0]  # this rank's tokens of each group, before the sum over ranks
+            aux = self.aux_coef * balance_loss(self.sequence_sum(sums), self.gate.top_k, local)
             out = AddAuxGradient.apply(out, aux)
         return out
 
-    def balance_group_sum(self, loss: torch.Tensor) -> torch.Tensor:
-        """The loss of this forward's groups (a strategy that splits a group's tokens over
-        ranks replaces this to sum over them)."""
-        return loss
+    def sequence_sum(self, sums: torch.Tensor) -> torch.Tensor:
+        """Sums over the ranks that hold other tokens of the same rows: none in one process;
+        context parallelism and SP replace this with a differentiable all-reduce."""
+        return sums
 
 
 class QKNormAttention(Attention):

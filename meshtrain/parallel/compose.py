@@ -23,6 +23,7 @@ import torch.nn as nn
 from meshtrain.comm import METRICS, Comm
 from meshtrain.loss import cross_entropy_sum
 from meshtrain.parallel.modules import find_block_list
+from meshtrain.parallel.expert_load import expert_routers, sum_sequences_over
 from meshtrain.parallel.materialize import InitSpec, keep_state_buffers_fp32, materialize, to_placeholders
 from meshtrain.optim import FULL_SHAPE, OptimizerFactory, check_optimizer, keep_grad_views, optimizer_from
 from meshtrain.parallel.data import DataParallel
@@ -206,6 +207,7 @@ def parallelize(model: nn.Module, comm: Comm, options: Strategies, *, optimizer:
     tokens), for `dp_linear_sync="auto"`'s byte counts. `wrap`: the modules ZeRO-3 gathers
     one at a time (FSDP2-style); by default each child of the block list."""
     mesh, factory = comm.mesh, optimizer
+    router_names = expert_routers(model)  # before a pipeline cut: every stage knows them all
     ignore_index = getattr(loss_fn, "ignore_index", -100)  # the target a vocabulary-parallel loss skips
     n_params = sum(p.numel() for p in model.parameters())
     check_optimizer(factory, model, elementwise=bool(options.zero and mesh.size("dp") > 1) or mesh.size("tp") > 1)
@@ -245,6 +247,8 @@ def parallelize(model: nn.Module, comm: Comm, options: Strategies, *, optimizer:
     if mesh.size("cp") > 1:
         split_over_cp(model, mesh.coord("cp"), mesh.size("cp"))
         apply_context_parallel(model, comm, options.cp_mode)
+    # A mixture of experts' balancing loss sums each row's counts over the ranks holding its tokens.
+    sum_sequences_over(model, comm, ("cp",) + (("tp",) if options.sp else ()))
     # Zero-bubble: the stage's linear layers (as the plan made them) keep their weight
     # gradients for the weight pass.
     if mesh.size("pp") > 1 and options.schedule == "zb":
@@ -314,6 +318,7 @@ def parallelize(model: nn.Module, comm: Comm, options: Strategies, *, optimizer:
     p = Parallelized(model, loss_fn, grad_sync, optimizer, runner, comm, n_params, dropout_keys=keys,
                         holdings=holdings, compute_dtype=compute_dtype, notes=notes,
                         compiled=options.compile is not None)
+    p.router_names = router_names
     if micro_shape is not None:
         set_micro_shape(p, pipeline, *micro_shape, options.sp)
     return p

@@ -89,15 +89,17 @@ def spec_of(name: str, mlp_hidden: str = ""):
     return family_of(spec).with_options(spec, hidden=parse_widths(mlp_hidden)) if mlp_hidden else spec
 
 
-def model_spec(name: str, *, mlp_hidden: str = "", dropout: float = 0.0, attention: str = "sdpa"):
-    """(family, spec) of a preset or a published shape, with the model flags applied."""
+def model_spec(name: str, *, mlp_hidden: str = "", dropout: float = 0.0, attention: str = "sdpa",
+               moe: dict | None = None):
+    """(family, spec) of a preset or a published shape, with the model flags applied (`moe`:
+    a mixture of experts' routing and balancing fields)."""
     if is_published(name) and not is_preset(name):
         spec = PUBLISHED[name][0]
     else:
         spec = spec_of(name)
     family = family_of(spec)
     return family, family.with_options(spec, dropout=dropout, attention=attention,
-                                       hidden=parse_widths(mlp_hidden) if mlp_hidden else None)
+                                       hidden=parse_widths(mlp_hidden) if mlp_hidden else None, moe=moe)
 
 
 def tp_plan_of(name: str):

@@ -13,11 +13,11 @@ from meshtrain.recipes.recipe import Recipe
 
 
 def preset_recipe(name: str, *, vocab_size: int = 256, n_inputs: int = 64, n_classes: int = 10,
-                  dropout: float = 0.0, attention: str = "sdpa", mlp_hidden: str = "") -> Recipe:
+                  dropout: float = 0.0, attention: str = "sdpa", mlp_hidden: str = "", moe: dict | None = None) -> Recipe:
     """The preset `name` (or a published shape) as a recipe: its structure built on the meta
     device and drawn per rank from its family's rules, its plans, the summed cross-entropy
     (divided by the step's global number of loss terms)."""
-    family, spec = model_spec(name, mlp_hidden=mlp_hidden, dropout=dropout, attention=attention)
+    family, spec = model_spec(name, mlp_hidden=mlp_hidden, dropout=dropout, attention=attention, moe=moe)
     if name in family.published and name not in family.presets:
         vocab_size = family.published[name][1]
 
@@ -29,13 +29,13 @@ def preset_recipe(name: str, *, vocab_size: int = 256, n_inputs: int = 64, n_cla
 
 
 def build_model(name: str, seed: int, *, vocab_size: int = 256, n_inputs: int = 64, n_classes: int = 10,
-                dropout: float = 0.0, attention: str = "sdpa", mlp_hidden: str = "",
+                dropout: float = 0.0, attention: str = "sdpa", mlp_hidden: str = "", moe: dict | None = None,
                 device: torch.device | str = "cpu") -> nn.Module:
     """The preset `name` with its initial weights from `seed` (`mlp_hidden`: the MLP's hidden
     widths, e.g. "1024,1024"); on `device="meta"`, its structure only (`init_spec` says how to
     draw it). A published shape (llama3-8b, ...) is built on `meta`, for a start."""
     recipe = preset_recipe(name, vocab_size=vocab_size, n_inputs=n_inputs, n_classes=n_classes, dropout=dropout,
-                           attention=attention, mlp_hidden=mlp_hidden)
+                           attention=attention, mlp_hidden=mlp_hidden, moe=moe)
     with torch.device("meta"):
         model = recipe.make_model()
     if str(device) == "meta":

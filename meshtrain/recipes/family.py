@@ -73,11 +73,13 @@ class Family:
         return None
 
     def layout_problem(self, spec, *, tp: int = 1, sp: bool = False, cp: int = 1, pp: int = 1, dp: int = 1,
-                       zero: int = 0) -> str | None:
-        """Why this spec cannot train in this layout (one line, after the model's name), or None."""
+                       zero: int = 0, micro_rows: int = 1) -> str | None:
+        """Why this spec cannot train in this layout (one line, after the model's name), or
+        None. `micro_rows`: the rows of each micro-batch on a rank."""
         return None
 
-    def with_options(self, spec, *, dropout: float = 0.0, attention: str = "sdpa", hidden: tuple | None = None):
+    def with_options(self, spec, *, dropout: float = 0.0, attention: str = "sdpa", hidden: tuple | None = None,
+                     moe: dict | None = None):
         """The spec with the command line's model flags applied (those in `options`)."""
         return spec
 
@@ -95,9 +97,11 @@ class Family:
 
     # ---- Hugging Face folders (`meshtrain.hf`), for a family with `hf_folders` ----------------
 
+    hf_types: tuple[str, ...] = ()  # the config.json model_types it reads (what a refusal lists)
+
     def hf_reads(self, config: dict) -> bool:
-        """Whether a `config.json` is of this family's architecture (its model_type)."""
-        return False
+        """Whether a `config.json` is this family's to read (or to refuse in its own words)."""
+        return config.get("model_type") in self.hf_types
 
     def spec_from_hf(self, config: dict, where: str) -> tuple:
         """(spec, vocabulary) of a `config.json`; HFError (one line) for what the model cannot
@@ -116,6 +120,19 @@ class Family:
     def our_name(self, hf_name: str) -> str:
         """The parameter a name in Hugging Face's files is."""
         return hf_name
+
+    def hf_parts(self, spec, name: str) -> list[tuple[str, tuple]]:
+        """Where parameter `name` of a model of `spec` lies in Hugging Face's files: (key,
+        index) for each tensor stored there, `index` the part of ours it is (`()`: all of
+        it). One key for most weights; several where transformers writes a tensor it fuses
+        in memory in pieces (a stacked MoE's experts: one key per expert and projection)."""
+        return [(self.hf_name(name), ())]
+
+    def hf_state_problem(self, spec, name: str, value) -> str | None:
+        """Why a saved buffer (`value`, no weight: running state such as a router's bias)
+        cannot go into a Hugging Face folder, one line; None: transformers' model does
+        without it (it holds nothing, say all zeros)."""
+        return f"{name} is state transformers' model has no place for"
 
     def shape(self, spec, vocab_size: int):
         """The planner's `plan.shapes.Shape` of the spec, or None: not planned."""

@@ -88,7 +88,7 @@ def init_rules(model) -> dict:
 
 
 class MoEFamily(Family):
-    name, spec_type, presets = "moe", MoESpec, PRESETS
+    name, spec_type, presets, options = "moe", MoESpec, PRESETS, ("moe",)
 
     def build(self, spec: MoESpec, *, vocab_size: int = 256, **_):
         problem = problems(spec)
@@ -103,6 +103,14 @@ class MoEFamily(Family):
 
     def init_rules(self, model) -> dict:
         return init_rules(model)
+
+    def problems(self, spec: MoESpec) -> list[str]:
+        return problems(spec)
+
+    def with_options(self, spec: MoESpec, *, moe: dict | None = None, **_) -> MoESpec:
+        """The spec with the command line's --moe-* flags (`moe`, by field name) applied."""
+        import dataclasses
+        return dataclasses.replace(spec, **moe) if moe else spec
 
     def tp_plan(self, spec: MoESpec) -> TensorPlan:
         return tp_plan(spec)
@@ -126,16 +134,14 @@ class MoEFamily(Family):
             return "ties its head to its embedding, which pp would put on two stages; use --pp 1"
         return None
 
-    def layout_problem(self, spec: MoESpec, *, tp: int = 1, sp: bool = False, cp: int = 1, **_) -> str | None:
+    def layout_problem(self, spec: MoESpec, *, tp: int = 1, micro_rows: int = 1, **_) -> str | None:
         if tp > 1 and spec.qk_norm == "projection":
             return ("normalises queries and keys over the whole projection (OLMoE), whose statistics tensor "
                     "parallelism would split over ranks (not built yet); use --tp 1")
-        aux = spec.balance in ("sequence", "batch") and spec.aux_coef
-        if aux and (sp or cp > 1):
-            how = "--sp" if sp else f"--cp {cp}"
-            return (f"balances its experts by an auxiliary loss over each row's tokens, which {how} splits over "
-                    f"ranks (summing its counts between them is not built yet); use --moe-balance bias or none, "
-                    f"or drop {how.split()[0]}")
+        if spec.balance == "batch" and micro_rows % spec.balance_rows:
+            return (f"takes its batch balancing loss over groups of {spec.balance_rows} rows, which do not divide "
+                    f"a micro-batch's {micro_rows} rows on each rank; use a --moe-balance-rows dividing "
+                    f"{micro_rows}")
         return None
 
     def flops_per_step(self, spec: MoESpec, batch: int, seq_len: int, *, vocab_size: int = 256, **_) -> float:
