@@ -1,11 +1,13 @@
 """Hugging Face folders in and out, for every model family whose recipe maps them
-(`Family.hf_folders`: today the Llama): `load_hf(dir)` reads `config.json` and
-`model.safetensors` (or a sharded index) into the family's plain model; `save_hf(model,
-dir)` writes a folder `transformers.AutoModelForCausalLM.from_pretrained` loads as is. What is
-generic lives here — the files and their names, the tokenizer and its configs, reading each
-rank's part of a weight, sharded writing; each family's recipe holds its name map and its
-`config.json` keys (`recipes/llama.py`). What no family can represent (another architecture,
-Meta's original format) is refused in one line naming the key.
+(`Family.hf_folders`: the Llama; the MoE as Mixtral, Qwen3-MoE or OLMoE): `load_hf(dir)`
+reads `config.json` and `model.safetensors` (or a sharded index) into the family's plain
+model; `save_hf(model, dir)` writes a folder `transformers.AutoModelForCausalLM.from_pretrained`
+loads as is. What is generic lives here — the files, the tokenizer and its configs, reading
+each rank's part of a weight, sharded writing; each family's recipe holds its `config.json`
+keys and where each of its parameters lies on disk (`Family.hf_parts`: one key, or several
+keys each holding a part, as transformers writes a stacked MoE's experts one per expert;
+`recipes/llama.py`, `recipes/moe_hf.py`). What no family can represent (another
+architecture, Meta's original format) is refused in one line naming the key.
 
 A folder written here is complete (`write_hf`): `config.json` with the special-token ids and
 the rope in both spellings (`rope_parameters`, and `rope_scaling` with a top-level
@@ -41,9 +43,9 @@ def family_for(config: dict, where: str = CONFIG) -> Family:
         if family.hf_folders and family.hf_reads(config):
             return family
     archs = config.get("architectures") or []
-    readable = ", ".join(f"{f.name} (model_type {f.name})" for f in FAMILIES.values() if f.hf_folders)
+    readable = ", ".join(t for f in FAMILIES.values() if f.hf_folders for t in f.hf_types)
     raise HFError(f"{where}: model_type {config.get('model_type')!r} ({', '.join(archs) or 'no architectures'}); "
-                  f"meshtrain reads {readable}")
+                  f"meshtrain reads the model_types {readable}")
 
 
 def spec_from_config(config: dict, where: str = CONFIG) -> tuple:
@@ -186,18 +188,21 @@ class HFWeights:
     """A folder's weights for a model of its architecture: `init=` for `meshtrain.parallelize`
     (and the command line's --init-from), where each rank reads only its part of each
     parameter (`safe_open`'s `get_slice`), one tensor at a time, in fp32; and what `load_hf`
-    fills a whole model from. Names and shapes are checked against the model first: a
-    weight missing, one the model lacks (a tied head's copy aside) or of another shape is
-    refused in one line."""
+    fills a whole model from. A parameter is one tensor on disk, or several its family's
+    `hf_parts` names (a stacked MoE's experts, one key each), assembled as it is read.
+    Names and shapes are checked against the model first: a weight missing, one the model
+    lacks (a tied head's copy aside) or of another shape is refused in one line."""
 
     def __init__(self, folder, model):
         from safetensors import safe_open
         self.folder = Path(folder)
         self._file: dict[str, Path] = {}
-        self.family = _family_of_model(model)
-        hf_name = self.family.hf_name
-        wanted = {hf_name(n): tuple(p.shape) for n, p in model.named_parameters()}  # a tied weight is one
-        aliases = {hf_name(n) for n, _ in model.named_parameters(remove_duplicate=False)} - set(wanted)
+        family = _family_of_model(model)
+        self._parts = {n: family.hf_parts(model.spec, n) for n, _ in model.named_parameters()}  # a tied weight once
+        self._shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+        wanted = {key: _part_shape(self._shapes[n], index) for n, parts in self._parts.items() for key, index in parts}
+        aliases = {key for n, _ in model.named_parameters(remove_duplicate=False) if n not in self._parts
+                   for key, _ in family.hf_parts(model.spec, n)}
         what = type(model).__name__
         for path in weight_files(self.folder):
             with safe_open(str(path), framework="pt") as f:
@@ -210,26 +215,38 @@ class HFWeights:
                     if shape != wanted[key]:
                         raise HFError(f"{path}: {key} is {list(shape)}, but {CONFIG} makes it {list(wanted[key])}")
                     self._file[key] = path
-        missing = sorted(set(wanted) - set(self._file))
+        missing = [key for key in wanted if key not in self._file]
         if missing:
-            raise HFError(f"{self.folder}: {missing[0]} is missing ({len(missing)} weights in all)")
+            raise HFError(f"{self.folder}: {min(missing)} is missing ({len(missing)} weights in all)")
 
     def full_value(self, name: str):
         import torch
         from safetensors import safe_open
-        key = self.family.hf_name(name)
-        with safe_open(str(self._file[key]), framework="pt") as f:
-            return f.get_tensor(key).to(torch.float32)
+        parts = self._parts[name]
+        if len(parts) == 1 and parts[0][1] == ():
+            with safe_open(str(self._file[parts[0][0]]), framework="pt") as f:
+                return f.get_tensor(parts[0][0]).to(torch.float32)
+        out = torch.empty(self._shapes[name], dtype=torch.float32)
+        by_file: dict[Path, list] = {}
+        for key, index in parts:
+            by_file.setdefault(self._file[key], []).append((key, index))
+        for path, keys in by_file.items():
+            with safe_open(str(path), framework="pt") as f:
+                for key, index in keys:
+                    out[index] = f.get_tensor(key)
+        return out
 
     def piece(self, name: str, index: tuple | None):
         """This rank's part of a parameter, `index` of its full tensor (None: all of it),
-        reading only those bytes from the file where the index is slices (a fused layer's
-        positions: the whole tensor, then indexed)."""
+        reading only those bytes from the file where the index is slices of a tensor stored
+        whole (a fused layer's positions, or a parameter stored in parts: the whole tensor,
+        then indexed)."""
         import torch
         from safetensors import safe_open
-        if index is None:
-            return self.full_value(name)
-        key = self.family.hf_name(name)
+        (key, whole), *more = self._parts[name]
+        if index is None or more or whole != ():
+            full = self.full_value(name)
+            return full if index is None else full[index]
         with safe_open(str(self._file[key]), framework="pt") as f:
             if all(isinstance(i, slice) for i in index):
                 return f.get_slice(key)[index].to(torch.float32)
@@ -240,6 +257,15 @@ class HFWeights:
         import hashlib
         text = repr(sorted((k, str(p.resolve()), p.stat().st_size) for k, p in self._file.items()))
         return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=7).digest(), "little")
+
+
+def _part_shape(shape: tuple[int, ...], index: tuple) -> tuple[int, ...]:
+    """The shape of `tensor[index]` for a tensor of `shape` (`index`: ints and slices)."""
+    out = list(shape[len(index):])
+    for i, n in reversed(list(zip(index, shape))):
+        if isinstance(i, slice):
+            out.insert(0, len(range(*i.indices(n))))
+    return tuple(out)
 
 
 def _family_of_model(model) -> Family:
@@ -265,8 +291,11 @@ def _retie(model, ties: list[list[str]]) -> None:
 
 
 def load_hf(folder, device="cpu", dtype=None):
-    """The plain model of a Hugging Face folder (its family's), its weights in fp32 (or `dtype`)."""
+    """The plain model of a Hugging Face folder (its family's), its weights in fp32 (or
+    `dtype`), its running state (a router's load counts) at zero."""
     import torch
+
+    from meshtrain.parallel.materialize import keep_state_buffers_fp32
 
     folder = Path(folder)
     config = read_config(folder)
@@ -280,60 +309,104 @@ def load_hf(folder, device="cpu", dtype=None):
     _retie(model, ties)
     if dtype is not None:
         model.to(dtype)
+        keep_state_buffers_fp32(model)
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(weights.full_value(name))
+        for b in model.buffers():
+            b.zero_()
     return model
 
 
-def hf_weights(spec, vocab_size: int) -> dict[str, tuple[int, ...]]:
-    """The Hugging Face names and shapes of a model's weights (a tied head once, under the
-    embedding's name, as HF stores it), from a model built on the meta device (no memory)."""
+def _meta_model(spec, vocab_size: int):
+    """A model of `spec` built on the meta device (no memory): its names and shapes."""
     import torch
 
-    family = family_of(spec)
     with torch.device("meta"):
-        model = family.build(spec, vocab_size=vocab_size)
-    return {family.hf_name(n): tuple(p.shape) for n, p in model.named_parameters()}
+        return family_of(spec).build(spec, vocab_size=vocab_size)
+
+
+def hf_layout(spec, vocab_size: int) -> dict[str, tuple[str, tuple, tuple[int, ...]]]:
+    """Each tensor of a Hugging Face folder of a model of `spec`, by its key, in the order
+    written (a parameter's parts together): (our parameter, the part of it that key holds,
+    an index (`()`: all of it), and its shape), as the family's `hf_parts` says; a tied head
+    once, under the embedding's name, as HF stores it."""
+    family = family_of(spec)
+    return {key: (name, index, _part_shape(tuple(p.shape), index))
+            for name, p in _meta_model(spec, vocab_size).named_parameters()
+            for key, index in family.hf_parts(spec, name)}
+
+
+def hf_weights(spec, vocab_size: int) -> dict[str, tuple[int, ...]]:
+    """The Hugging Face names and shapes of a model's weights (`hf_layout`'s)."""
+    return {key: shape for key, (_, _, shape) in hf_layout(spec, vocab_size).items()}
+
+
+def our_weights(spec, vocab_size: int) -> dict[str, tuple[int, ...]]:
+    """Our names and full shapes of a model's weights (a tied head once, as the embedding)."""
+    return {name: tuple(p.shape) for name, p in _meta_model(spec, vocab_size).named_parameters()}
 
 
 def tied_copies(spec, vocab_size: int) -> set[str]:
     """The names (ours) that are a tied weight's second name (a tied head), which HF stores once."""
-    import torch
+    return {n for names in _ties(_meta_model(spec, vocab_size)) for n in names[1:]}
 
-    with torch.device("meta"):
-        model = family_of(spec).build(spec, vocab_size=vocab_size)
-    return {n for names in _ties(model) for n in names[1:]}
+
+def state_buffers(spec, vocab_size: int) -> set[str]:
+    """The names (ours) of a model's saved buffers (running state, such as a router's bias):
+    a checkpoint holds them, a Hugging Face folder does not (`Family.hf_state_problem`)."""
+    model = _meta_model(spec, vocab_size)
+    return set(model.state_dict()) - {n for n, _ in model.named_parameters(remove_duplicate=False)}
 
 
 def write_hf(folder, spec, vocab_size: int, read, dtype, *, side: dict[str, dict] | None = None,
              tokenizer: Path | None = None, max_shard_bytes: int | None = None, log=lambda msg: None) -> list[Path]:
     """A complete Hugging Face folder for a model of `spec`: its weights as safetensors in
-    `dtype` (a torch dtype), asking `read(hf_name)` for one tensor at a time (so no more than
-    one is held at once here), sharded at `max_shard_bytes` (2 GB) with an index; then
-    `write_side`'s files. Returns the weight files."""
+    `dtype` (a torch dtype), asking `read(name)` for one of our parameters at a time, whole
+    (so no more than one is held at once here; one stored in parts, a stacked MoE's experts,
+    is read once and written key by key), sharded at `max_shard_bytes` (2 GB) with an index;
+    then `write_side`'s files. A spec its family cannot write is refused (one line) before
+    anything is. Returns the weight files."""
     from meshtrain.checkpoint.safetensors_files import MAX_SHARD_BYTES, write_shards  # torch: only a writer
 
+    dtype_name = str(dtype).removeprefix("torch.")
+    config_from_spec(spec, vocab_size, dtype_name)  # what cannot be written, said first
     folder = Path(folder)
+    layout = hf_layout(spec, vocab_size)
+    held: dict = {}
+
+    def part(key: str):
+        name, index, _ = layout[key]
+        if name not in held:
+            held.clear()  # the last parameter goes before the next is read
+            held[name] = read(name).to(dtype)
+        return held[name][index]
+
     folder.mkdir(parents=True, exist_ok=True)
-    shapes = {n: (shape, dtype) for n, shape in hf_weights(spec, vocab_size).items()}
-    files = write_shards(folder, shapes, lambda name: read(name).to(dtype), log=log,
-                         max_shard_bytes=max_shard_bytes or MAX_SHARD_BYTES)
-    write_side(folder, spec, vocab_size, str(dtype).removeprefix("torch."), side, tokenizer)
+    shapes = {key: (shape, dtype) for key, (_, _, shape) in layout.items()}
+    files = write_shards(folder, shapes, part, log=log, max_shard_bytes=max_shard_bytes or MAX_SHARD_BYTES)
+    held.clear()
+    write_side(folder, spec, vocab_size, dtype_name, side, tokenizer)
     return files
 
 
 def save_hf(model, folder, dtype=None, *, like=None, tokenizer=None) -> None:
-    """Write `model` (of a family with Hugging Face folders: a `Llama`) as a Hugging Face
-    folder (`write_hf`): safetensors sharded at 2 GB, tied weights stored once as HF does,
-    config.json and generation_config.json. `like`: the Hugging Face folder the model came
-    from, whose special tokens, tokenizer and configs go along; `tokenizer`: a tokenizer.json
-    to put beside (default `like`'s)."""
+    """Write `model` (of a family with Hugging Face folders: a `Llama`, a `MoEModel`) as a
+    Hugging Face folder (`write_hf`): safetensors sharded at 2 GB, tied weights stored once
+    as HF does, config.json and generation_config.json. `like`: the Hugging Face folder the
+    model came from, whose special tokens, tokenizer and configs go along; `tokenizer`: a
+    tokenizer.json to put beside (default `like`'s). A buffer the format cannot hold (a
+    router's nonzero bias) is refused in one line."""
     family = _family_of_model(model)
     folder = Path(folder)
     params = dict(model.named_parameters())
+    names = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    for name, value in model.state_dict().items():
+        problem = None if name in names else family.hf_state_problem(model.spec, name, value)
+        if problem:
+            raise HFError(f"save_hf: {problem}; save it in meshtrain's own format instead")
     side = side_files(like) if like is not None else None
     if tokenizer is None and like is not None and (Path(like) / TOKENIZER).is_file():
         tokenizer = Path(like) / TOKENIZER
-    write_hf(folder, model.spec, model.vocab_size, lambda name: params[family.our_name(name)].detach().to("cpu"),
+    write_hf(folder, model.spec, model.vocab_size, lambda name: params[name].detach().to("cpu"),
              dtype or next(iter(params.values())).dtype, side=side, tokenizer=tokenizer)

@@ -114,7 +114,8 @@ def spec_from_config(config: dict, where: str = "config.json") -> tuple[LlamaSpe
                          ffn_dim=int(config["intermediate_size"]),
                          max_seq_len=int(config.get("max_position_embeddings", 2048)),
                          rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-                         tie_embeddings=bool(config.get("tie_word_embeddings", False)), **_rope(config, where))
+                         tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+                         **rope_from_config(config, where))
         vocab = int(config["vocab_size"])
     except KeyError as e:
         raise HFError(f"{where}: no {e.args[0]}") from None
@@ -123,11 +124,13 @@ def spec_from_config(config: dict, where: str = "config.json") -> tuple[LlamaSpe
     return spec, vocab
 
 
-def _rope(config: dict, where: str) -> dict:
+def rope_from_config(config: dict, where: str, theta: float = 10000.0) -> dict:
+    """The spec's `rope_theta` and `rope_scaling` of a `config.json`, in either spelling (what
+    every family with RoPE reads alike); `theta`: the architecture's default base."""
     params = dict(config.get("rope_parameters") or {})
     if not params:  # the older spelling
         params = dict(config.get("rope_scaling") or {})
-        params.setdefault("rope_theta", config.get("rope_theta", 10000.0))
+        params.setdefault("rope_theta", config.get("rope_theta", theta))
     kind = params.get("rope_type", params.get("type", "default"))
     if kind not in ROPE_TYPES:
         raise HFError(f"{where}: rope_type {kind!r}; meshtrain implements {', '.join(ROPE_TYPES)}")
@@ -142,12 +145,10 @@ def _rope(config: dict, where: str) -> dict:
     return {"rope_theta": float(params["rope_theta"]), "rope_scaling": scaling}
 
 
-def config_from_spec(spec: LlamaSpec, vocab_size: int, dtype: str, special_ids: dict | None = None) -> dict:
-    """A `config.json` the current transformers reads, and for the rope the older one too
+def rope_config(spec) -> dict:
+    """A spec's rope as `config.json` says it to the current transformers and the older one
     (`rope_parameters`; `rope_scaling` without the theta, and `rope_theta`, which transformers
-    5 also reads, the scaling first). `special_ids`: the bos/eos/pad ids (by "bos", "eos",
-    "pad"; an eos may be a list), written null where unknown rather than left to
-    LlamaConfig's defaults (1, 2)."""
+    5 also reads, the scaling first)."""
     scaling = None
     if spec.rope_scaling is not None:
         s = spec.rope_scaling
@@ -158,6 +159,13 @@ def config_from_spec(spec: LlamaSpec, vocab_size: int, dtype: str, special_ids: 
     rope = {"rope_type": "default", "rope_theta": spec.rope_theta}
     if scaling is not None:
         rope = {k: v for k, v in scaling.items() if k != "type"} | {"rope_theta": spec.rope_theta}
+    return {"rope_parameters": rope, "rope_scaling": scaling, "rope_theta": spec.rope_theta}
+
+
+def config_from_spec(spec: LlamaSpec, vocab_size: int, dtype: str, special_ids: dict | None = None) -> dict:
+    """A `config.json` the current transformers reads, and for the rope the older one too
+    (`rope_config`). `special_ids`: the bos/eos/pad ids (by "bos", "eos", "pad"; an eos may
+    be a list), written null where unknown rather than left to LlamaConfig's defaults (1, 2)."""
     ids = special_ids or {}
     return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "dtype": dtype, "torch_dtype": dtype,
             "vocab_size": vocab_size, "hidden_size": spec.d_model, "intermediate_size": spec.ffn_dim,
@@ -165,12 +173,12 @@ def config_from_spec(spec: LlamaSpec, vocab_size: int, dtype: str, special_ids: 
             "num_key_value_heads": spec.kv_heads, "head_dim": spec.head_size, "hidden_act": "silu",
             "max_position_embeddings": spec.max_seq_len, "rms_norm_eps": spec.rms_norm_eps,
             "tie_word_embeddings": spec.tie_embeddings, "attention_bias": False, "mlp_bias": False,
-            "rope_parameters": rope, "rope_scaling": scaling, "rope_theta": spec.rope_theta,
-            **{f"{k}_token_id": ids.get(k) for k in ("bos", "eos", "pad")}}
+            **rope_config(spec), **{f"{k}_token_id": ids.get(k) for k in ("bos", "eos", "pad")}}
 
 
 class LlamaFamily(Family):
     name, spec_type, presets, published, hf_folders = "llama", LlamaSpec, PRESETS, PUBLISHED, True
+    hf_types = ("llama",)
 
     def build(self, spec: LlamaSpec, *, vocab_size: int = 256, **_):
         from meshtrain.models.llama import Llama  # torch: only when a model is built
@@ -209,7 +217,7 @@ class LlamaFamily(Family):
         return flops_per_step(spec, vocab_size, batch, seq_len)
 
     def hf_reads(self, config: dict) -> bool:
-        return config.get("model_type") == "llama" or "LlamaForCausalLM" in (config.get("architectures") or [])
+        return super().hf_reads(config) or "LlamaForCausalLM" in (config.get("architectures") or [])
 
     def spec_from_hf(self, config: dict, where: str) -> tuple[LlamaSpec, int]:
         return spec_from_config(config, where)
