@@ -7,6 +7,7 @@ from __future__ import annotations
 from meshtrain.models.specs import MoESpec
 from meshtrain.parallel.pipeline.plan import PipelinePlan
 from meshtrain.parallel.styles import COLUMN, PARTIAL, REGION, ROW, VOCAB, Heads, TensorPlan
+from meshtrain.recipes import moe_hf
 from meshtrain.recipes.family import Family
 
 SCORES = ("softmax", "sigmoid")
@@ -148,6 +149,29 @@ class MoEFamily(Family):
         return flops_per_step(spec, vocab_size, batch, seq_len)
 
     # ---- Hugging Face folders (Mixtral, Qwen3-MoE, OLMoE): `recipes/moe_hf.py` ----------------
+
+    hf_folders, hf_types = True, moe_hf.READS
+
+    def hf_reads(self, config: dict) -> bool:
+        return config.get("model_type") in (*moe_hf.READS, *moe_hf.REFUSED)
+
+    def spec_from_hf(self, config: dict, where: str) -> tuple[MoESpec, int]:
+        return moe_hf.spec_from_config(config, where)
+
+    def hf_config(self, spec: MoESpec, vocab_size: int, dtype: str, special_ids: dict) -> dict:
+        return moe_hf.config_from_spec(spec, vocab_size, dtype, special_ids)
+
+    def hf_name(self, name: str) -> str:
+        return moe_hf.hf_name(name)
+
+    def our_name(self, hf_name: str) -> str:
+        return moe_hf.our_name(hf_name)
+
+    def hf_parts(self, spec: MoESpec, name: str) -> list[tuple[str, tuple]]:
+        return moe_hf.hf_parts(spec, name)
+
+    def hf_state_problem(self, spec: MoESpec, name: str, value) -> str | None:
+        return moe_hf.state_problem(name, value)
 
 
 FAMILY = MoEFamily()
