@@ -127,7 +127,8 @@ def _record(job: Job, batches: list, sampled: list[int], *, first_step: int = 1,
         recorder.grads_ready(p, step)
         if step in recorder.steps:
             recorder.keep(step, lrs=[g["lr"] for g in job.optimizer.param_groups])
-        job.update(loss)
+        out = job.update(loss)
+        recorder.grad_norm(step, out.grad_norm)
         recorder.after_step(p, step, loss)
         if step in recorder.steps:  # the step's batch evaluated after it: `job.evaluate` in the layout
             recorder.keep(step, val=job.evaluate(inputs, targets))
@@ -212,7 +213,7 @@ def _reference(make_model, batches: list, layout: dict, seed: int, **options) ->
         grads = job.parallel.full_grads()
         for group, lr in zip(job.optimizer.param_groups, rec["lrs"]):
             group["lr"] = lr
-        job.update(loss)
-        lockstep[step] = {"loss": loss, "grads": grads, "post": job.parallel.full_state_dict(with_optimizer=False)["model"],
+        out = job.update(loss)
+        lockstep[step] = {"loss": loss, "grads": grads, "grad_norm": out.grad_norm, "post": job.parallel.full_state_dict(with_optimizer=False)["model"],
                           "val": job.evaluate(inputs, targets)}
     return {"losses": losses, "trajectory": trajectory, "steps": lockstep}

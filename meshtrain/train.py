@@ -108,6 +108,9 @@ class StepObserver:
 
     def after_step(self, p: Parallelized, step: int, loss: float) -> None: ...
 
+    def grad_norm(self, step: int, norm: float) -> None:
+        """The step's global gradient norm (before clipping), as `job.update` found it."""
+
     def held_out(self, job: Job, data, step: int) -> None:
         """After `after_step`, with the job and its data: verify evaluates here."""
 
@@ -322,6 +325,7 @@ def train(cfg: Config, comm: Comm, *, observer: StepObserver | None = None, prog
                                     f"lower --lr, or pass --skip-nonfinite to skip such steps")
                 skipped.append(step + 1)
             if observer:
+                observer.grad_norm(step + 1, out.grad_norm)
                 observer.after_step(p, step + 1, loss)
             if bar is not None:
                 bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_step / dt:,.0f}")

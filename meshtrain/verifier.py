@@ -125,6 +125,10 @@ class LayoutRecorder(StepObserver):
             self.keep(step, grads=grads)
             self.problems += _check_pieces(p, grads, "gradient", step, use_grad=True)
 
+    def grad_norm(self, step, norm):
+        if step in self.steps:
+            self.keep(step, grad_norm=norm)
+
     def after_step(self, p, step, loss):
         if step in self.steps:
             post = p.full_state_dict(with_optimizer=False)["model"]
@@ -320,8 +324,8 @@ def run_reference(cfg: Config, layout: dict) -> dict:
     for step in sampled:
         job.parallel.load_full_state_dict(layout["steps"][step]["pre"])
         grads = _GradRecorder()
-        loss = train_step(job, data, step - 1, ref, observer=grads).loss
-        lockstep[step] = {"loss": loss, "grads": grads.grads,
+        out = train_step(job, data, step - 1, ref, observer=grads)
+        lockstep[step] = {"loss": out.loss, "grads": grads.grads, "grad_norm": out.grad_norm,
                           "post": job.parallel.full_state_dict(with_optimizer=False)["model"]}
         if "val" in layout["steps"][step]:
             lockstep[step]["val"] = held_out_loss(job, data, ref)
@@ -368,7 +372,8 @@ def compare(layout: dict, reference: dict) -> dict:
     """The verdict: lockstep gradients, updates and losses within tolerance at every
     sampled step, and no rank's piece different from the full state. The first failure is
     named (step, then tensor in model order); trajectory drift is reported alongside."""
-    worst = {kind: (0.0, None) for kind in ("grad", "plain_grad", "update", "step_loss", "eval", "param", "resume")}
+    worst = {kind: (0.0, None) for kind in ("grad", "plain_grad", "update", "step_loss", "eval", "param", "resume",
+                                            "grad_norm")}
     failures = list(layout["problems"])
     by_gradient: set[str] = set()  # tensors whose update was not judged: their gradient is below the floor
 
@@ -405,6 +410,9 @@ def compare(layout: dict, reference: dict) -> dict:
                 note("update", _rel(lay["post"][name] - pre[name], ref["post"][name] - pre[name]), step,
                      f"step {step}: {name} update", UPDATE_TOLERANCE)
         note("step_loss", _rel_scalar(lay["loss"], ref["loss"]), step, f"step {step}: loss", STEP_LOSS_TOLERANCE)
+        if "grad_norm" in lay and "grad_norm" in ref:  # what clipping scales by: each gradient counted once
+            note("grad_norm", _rel_scalar(lay["grad_norm"], ref["grad_norm"]), step, f"step {step}: gradient norm "
+                 f"{lay['grad_norm']:.6g} vs {ref['grad_norm']:.6g}", GRAD_TOLERANCE)
         if "val" in lay and "val" in ref:
             note("eval", _rel_scalar(lay["val"], ref["val"]), step, f"step {step}: held-out loss after the step "
                  f"(job.evaluate) {lay['val']:.6f} vs {ref['val']:.6f}", EVAL_TOLERANCE)
@@ -424,6 +432,7 @@ def compare(layout: dict, reference: dict) -> dict:
         "max_update_rel_diff": worst["update"][0], "worst_update": worst["update"][1],
         "judged_by_gradient": sorted(by_gradient),
         "max_step_loss_rel_diff": worst["step_loss"][0], "max_eval_rel_diff": worst["eval"][0],
+        "max_grad_norm_rel_diff": worst["grad_norm"][0],
         "max_loss_rel_diff": max(loss_diffs), "max_param_rel_diff": worst["param"][0], "worst_param": worst["param"][1],
         "drifted": max(loss_diffs) > DRIFT_TOLERANCE or worst["param"][0] > DRIFT_TOLERANCE,
         "tolerances": {"grad": GRAD_TOLERANCE, "grad_floor": GRAD_FLOOR, "update": UPDATE_TOLERANCE, "step_loss": STEP_LOSS_TOLERANCE,
@@ -494,7 +503,8 @@ def report(cfg: Config, result: dict, json_mode: bool) -> int:
               f"{result['max_grad_plain_rel_diff']:.2e}), max_update_rel_diff {result['max_update_rel_diff']:.2e} "
               f"(≤ {tol['update']:g}; largest: {result['worst_update']}), step losses "
               f"{result['max_step_loss_rel_diff']:.2e} (≤ {tol['step_loss']:g}), held-out losses "
-              f"{result['max_eval_rel_diff']:.2e} (≤ {tol['eval']:g})", file=out)
+              f"{result['max_eval_rel_diff']:.2e} (≤ {tol['eval']:g}), gradient norms "
+              f"{result['max_grad_norm_rel_diff']:.2e} (≤ {tol['grad']:g})", file=out)
     if result["judged_by_gradient"]:
         print(f"judged by their gradients alone (below {GRAD_FLOOR:g} of their share of the gradient norm, where "
               f"Adam's update is rounding's sign): {', '.join(result['judged_by_gradient'])}", file=out)
@@ -525,7 +535,7 @@ def report(cfg: Config, result: dict, json_mode: bool) -> int:
     if json_mode:
         keys = ("curve_only", "lockstep_steps", "max_grad_rel_diff", "worst_grad", "max_grad_plain_rel_diff", "worst_plain_grad",
                 "max_update_rel_diff", "worst_update", "judged_by_gradient",
-                "max_step_loss_rel_diff", "max_eval_rel_diff", "max_loss_rel_diff", "max_param_rel_diff", "worst_param", "drifted",
+                "max_step_loss_rel_diff", "max_eval_rel_diff", "max_grad_norm_rel_diff", "max_loss_rel_diff", "max_param_rel_diff", "worst_param", "drifted",
                 "tolerances", "first_failure", "failures", "passed", "losses", "resume_at", "resume_layout",
                 "max_resume_rel_diff", "worst_resume", "compile")
         print(json.dumps({"steps": cfg.train.steps, "layout": cfg.layout.summary(),

@@ -99,7 +99,8 @@ def model_spec(name: str, *, mlp_hidden: str = "", dropout: float = 0.0, attenti
         spec = spec_of(name)
     family = family_of(spec)
     return family, family.with_options(spec, dropout=dropout, attention=attention,
-                                       hidden=parse_widths(mlp_hidden) if mlp_hidden else None, moe=moe)
+                                       hidden=parse_widths(mlp_hidden) if mlp_hidden else None,
+                                       **({"moe": moe} if moe else {}))  # families without MoE flags take none
 
 
 def tp_plan_of(name: str):

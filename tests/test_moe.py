@@ -1,0 +1,298 @@
+"""The mixture-of-experts family (`models/moe.py`): the experts' two kernels agree, the
+balancing loss reaches the router through the backward exactly as if added to the loss,
+per-row terms make it independent of how rows are cut, the load is counted once (under
+recomputation too) and drives the bias; and `verify` passes in every layout and fails on
+each mutant (patched inside the ranks only, so the one-process reference is the real code)."""
+
+from contextlib import ExitStack
+from unittest import mock
+
+import pytest
+import torch
+import torch.nn.functional as F
+from distributed import run_ranks
+
+from meshtrain import verifier as verify
+from meshtrain.comm import Comm
+from meshtrain.config import Config
+from meshtrain.models import moe
+from meshtrain.recipes.build import build_model
+
+
+def _model(seed: int = 0, **moe_options):
+    torch.manual_seed(seed)
+    return build_model("moe-test", seed, vocab_size=256, moe=moe_options or None)
+
+
+def _batch(rows: int = 4, seq: int = 16, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, 256, (rows, seq + 1), generator=torch.Generator().manual_seed(seed))
+
+
+def _grads(model, batch) -> dict[str, torch.Tensor]:
+    model.zero_grad()
+    logits = model(batch[:, :-1])
+    F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten(), reduction="sum").backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+# ---- the model, in one process -------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_mm_and_the_loop_over_experts_agree_forward_and_backward(dtype):
+    a, b = _model(experts="grouped").to(dtype), _model(experts="loop").to(dtype)
+    assert all(l.mlp.experts.groupable(dtype) for l in a.layers if hasattr(l.mlp, "experts"))
+    batch = _batch()
+    ga, gb = _grads(a, batch), _grads(b, batch)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for name in ga:
+        scale = ga[name].float().abs().max().clamp_min(1e-12)
+        assert (ga[name].float() - gb[name].float()).abs().max() / scale < tol, name
+
+
+def test_every_token_reaches_its_k_experts_and_the_balanced_routing_deals_them_evenly():
+    model = _model(routing="balanced")
+    model.train()
+    batch = _batch(rows=4, seq=16)
+    model(batch[:, :-1])
+    for layer in model.layers[1:]:
+        load = layer.mlp.gate.expert_load
+        assert load.sum() == 4 * 16 * 2  # dropless: tokens × k
+        assert torch.all(load == load[0])  # dealt in turn: the same count each
+
+
+def _aux_of(model, inputs: dict) -> torch.Tensor:
+    """The balancing loss, computed explicitly from each MoE layer's input (as a plain loop
+    adding it to its loss would)."""
+    total = 0.0
+    for name, x in inputs.items():
+        layer = model.get_submodule(name)
+        b, s, d = x.shape
+        scores, chosen, _ = layer.gate(x.reshape(-1, d))
+        sums = moe.balance_sums(scores, chosen, b, layer.gate.score)
+        total = total + layer.aux_coef * moe.balance_loss(sums, layer.gate.top_k, sums[:, 2, 0])
+    return total
+
+
+def test_the_balancing_loss_reaches_the_router_as_if_added_to_the_loss():
+    """Gradients with the loss injected in the backward = gradients of the cross-entropy alone
+    + those of the loss computed explicitly and added, as a plain PyTorch loop would."""
+    batch = _batch()
+    injected = _grads(_model(aux_coef=0.5), batch)
+    plain = _model(aux_coef=0.0)
+    inputs: dict = {}
+    hooks = [m.register_forward_pre_hook(lambda m, a, n=n: inputs.__setitem__(n, a[0]))
+             for n, m in plain.named_modules() if isinstance(m, moe.MoE)]
+    plain.zero_grad()
+    logits = plain(batch[:, :-1])
+    for h in hooks:
+        h.remove()
+    for layer in plain.modules():
+        if isinstance(layer, moe.MoE):
+            layer.aux_coef = 0.5
+    loss = F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten(), reduction="sum")
+    (loss + _aux_of(plain, inputs)).backward()
+    router = "layers.1.mlp.gate.weight"
+    assert plain.get_parameter(router).grad is not None
+    for name, g in injected.items():
+        want = plain.get_parameter(name).grad
+        assert (g - want).abs().max() <= 1e-5 * want.abs().max(), name
+    # and the loss matters: without it the router's gradient differs
+    assert not torch.allclose(_grads(_model(aux_coef=0.0), batch)[router], injected[router], rtol=1e-3)
+
+
+@pytest.mark.parametrize("balance,rows", [("sequence", 1), ("batch", 2)])
+def test_per_row_balancing_does_not_depend_on_how_rows_are_cut(balance, rows):
+    """Two micro-batches of 2 rows accumulate the gradients one batch of 4 rows gives."""
+    batch = _batch(rows=4)
+    whole = _grads(_model(balance=balance, balance_rows=rows, aux_coef=0.5), batch)
+    model = _model(balance=balance, balance_rows=rows, aux_coef=0.5)
+    _grads(model, batch[:2])
+    first = {n: p.grad.clone() for n, p in model.named_parameters()}
+    halves = {n: first[n] + g for n, g in _grads(model, batch[2:]).items()}
+    for name in whole:
+        assert (whole[name] - halves[name]).abs().max() <= 1e-5 * whole[name].abs().max(), name
+
+
+def test_recomputation_counts_the_load_once():
+    plain, again = _model(), _model()
+    batch = _batch()
+    _grads(plain, batch)
+
+    def checkpointed(block, x):
+        return torch.utils.checkpoint.checkpoint(block.__class__.forward, block, x, use_reentrant=False)
+    for i, block in enumerate(again.layers):
+        block.forward = lambda x, b=block: checkpointed(b, x)
+    _grads(again, batch)
+    for a, b in zip(plain.layers[1:], again.layers[1:]):
+        assert torch.equal(a.mlp.gate.expert_load, b.mlp.gate.expert_load)
+
+
+def test_the_bias_moves_towards_the_mean_load_and_only_selects():
+    model = _model(balance="bias", bias_rate=0.01)
+    router = model.layers[1].mlp.gate
+    assert "layers.1.mlp.gate.expert_bias" in model.state_dict()  # checkpointed with the weights
+    assert "layers.1.mlp.gate.expert_load" not in model.state_dict()  # a count restarted each step
+    assert all(n.endswith(("weight", "proj")) for n, _ in model.named_parameters())  # no optimizer, no decay
+    router.update_bias(torch.tensor([10.0, 0.0, 4.0, 6.0]))  # mean 5
+    assert torch.allclose(router.expert_bias, torch.tensor([-0.01, 0.01, 0.01, -0.01]))
+    assert torch.all(router.expert_load == 0)
+    x = torch.randn(6, 32)
+    router.expert_bias.copy_(torch.tensor([0.0, 0.0, 0.0, 100.0]))  # expert 3 always chosen
+    scores, chosen, weights = router(x)
+    assert torch.all((chosen == 3).any(1))
+    assert torch.allclose(weights, scores.gather(1, chosen) / scores.gather(1, chosen).sum(1, keepdim=True))
+
+
+def test_routing_has_a_margin_rounding_cannot_cross():
+    """verify compares layouts whose sums round differently; a token whose k-th and (k+1)-th
+    scores were as close as that rounding could change experts and fail a correct layout. On
+    the suite's model and batches the smallest gap between the k-th and (k+1)-th score is
+    over 50 times the largest difference rounding makes to a score (measured here: the same
+    rows routed in one batch and in halves, and the scores' fp32 resolution), and a
+    routing bug (the neighbouring-expert mutant below) still fails verify."""
+    model = _model()
+    routers = [m for m in model.modules() if isinstance(m, moe.TopKRouter)]
+    seen: dict = {}
+
+    def record(m, args, out):
+        seen.setdefault(id(m), []).append(out[0].detach())
+    for m in routers:
+        m.register_forward_hook(record)
+    gaps, noise = [], 0.0
+    for seed in range(4):
+        batch = _batch(rows=8, seq=32, seed=seed)[:, :-1]
+        seen.clear()
+        model(batch)
+        whole = {k: v[0] for k, v in seen.items()}
+        seen.clear()
+        model(batch[:4]), model(batch[4:])
+        for m in routers:
+            halves = torch.cat(seen[id(m)])
+            ulp = torch.finfo(torch.float32).eps * whole[id(m)].max().item()  # the scores' resolution
+            noise = max(noise, (halves - whole[id(m)]).abs().max().item(), ulp)
+            top = whole[id(m)].topk(m.top_k + 1, dim=-1).values
+            gaps.append((top[:, -2] - top[:, -1]).min().item())
+    assert min(gaps) > 50 * noise, (min(gaps), noise)
+
+
+def test_bad_moe_options_are_refused_in_one_line():
+    from meshtrain.recipes.moe import problems
+    from meshtrain.recipes import PRESETS
+    import dataclasses
+    spec = PRESETS["moe-test"]
+    assert "top_k 5" in problems(dataclasses.replace(spec, top_k=5))[0]
+    assert "unknown router score" in problems(dataclasses.replace(spec, score="tanh"))[0]
+    assert "unknown balancing" in problems(dataclasses.replace(spec, balance="loss"))[0]
+
+
+# ---- every layout against one process, and the mutants -------------------------------------
+
+STEPS = 4
+
+
+def moe_config(**layout) -> Config:
+    c = Config()
+    c.model.name = "moe-test"
+    c.layout.dp, c.layout.microbatches = 2, 2
+    for k, v in layout.items():
+        if k.startswith("moe_"):
+            setattr(c.model, k, v)
+        else:
+            setattr(c.layout, k, v)
+    c.model.moe_aux_coef = c.model.moe_aux_coef or 0.05  # large enough that a wrong loss shows in the gradients
+    c.train.steps, c.train.batch_size, c.train.seq_len, c.train.vocab_size = STEPS, 8, 32, 256
+    c.train.warmup, c.train.device = 1, "cpu"
+    return c
+
+
+LAYOUTS = {
+    "dp": moe_config(), "dp-batch": moe_config(moe_balance="batch", moe_balance_rows=2),
+    "dp-bias": moe_config(moe_balance="bias", moe_bias_rate=0.01), "zero3": moe_config(zero=3),
+    "dp-recompute": moe_config(recompute="full"),
+    "tp": moe_config(dp=1, tp=2, microbatches=1), "tp-sp": moe_config(dp=1, tp=2, sp=True, microbatches=1),
+    "pp": moe_config(dp=1, pp=2, microbatches=4), "pp-zb": moe_config(dp=1, pp=2, microbatches=4, schedule="zb"),
+    "cp": moe_config(dp=1, cp=2, microbatches=1),
+}
+
+
+def batch_loss_from_one_ranks_counts():
+    """Context parallelism: each rank's balancing loss from its own tokens' counts alone."""
+    from meshtrain.parallel import compose
+    return [mock.patch.object(compose, "sum_sequences_over", lambda *a, **k: None)]
+
+
+def combine_without_the_router_weights():
+    """The experts' outputs summed unweighted."""
+    real = moe.Experts.forward
+    return [mock.patch.object(moe.Experts, "forward", lambda self, x, c, w: real(self, x, c, torch.ones_like(w)))]
+
+
+def tokens_sent_to_the_neighbouring_expert():
+    real = moe.Experts.forward
+    return [mock.patch.object(moe.Experts, "forward",
+                              lambda self, x, c, w: real(self, x, (c + 1) % self.n_experts, w))]
+
+
+def bias_updated_from_local_counts():
+    """Each data-parallel rank moves its bias by its own tokens' load."""
+    from meshtrain.parallel.expert_load import ExpertLoad
+    return [mock.patch.object(ExpertLoad, "__init__", _local_axes(ExpertLoad.__init__))]
+
+
+def _local_axes(init):
+    def patched(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.axes = []
+    return patched
+
+
+def expert_gradient_counted_twice_in_the_norm():
+    """Tensor parallelism: the replicated experts' gradients counted on every tp rank."""
+    from meshtrain import optim
+    real = optim.grad_norm
+
+    def norm(params, comm):
+        for p in params:
+            if p.dim() == 3:  # the stacked experts
+                setattr(p, optim.SHARDED_OVER, ("tp",))
+        return real(params, comm)
+    return [mock.patch.object(optim, "grad_norm", norm), mock.patch("meshtrain.job.grad_norm", norm)]
+
+
+MUTANTS = {f.__name__: (f, layout) for f, layout in (
+    (batch_loss_from_one_ranks_counts, "cp"), (combine_without_the_router_weights, "dp"),
+    (tokens_sent_to_the_neighbouring_expert, "dp"), (bias_updated_from_local_counts, "dp-bias"),
+    (expert_gradient_counted_twice_in_the_norm, "tp"))}
+
+
+def _records(mesh, layouts):
+    records = {f"real {layout}": (layout, verify.record(LAYOUTS[layout], Comm(mesh), "real")) for layout in layouts}
+    for name, (mutant, layout) in MUTANTS.items():
+        if layout in layouts:
+            with ExitStack() as stack:
+                for patch in mutant():
+                    stack.enter_context(patch)
+                records[name] = (layout, verify.record(LAYOUTS[layout], Comm(mesh), name))
+    return records
+
+
+@pytest.fixture(scope="module")
+def verdicts():
+    records = run_ranks(_records, 2, ["dp", "dp-batch", "dp-bias", "zero3", "dp-recompute"])[0]
+    records.update(run_ranks(_records, 2, ["tp", "tp-sp"], tp=2)[0])
+    records.update(run_ranks(_records, 2, ["pp", "pp-zb"], pp=2)[0])
+    records.update(run_ranks(_records, 2, ["cp"], cp=2)[0])
+    return {name: verify.compare(rec, verify.run_reference(LAYOUTS[layout], rec))
+            for name, (layout, rec) in records.items()}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_verify_passes_in_every_layout(verdicts, layout):
+    real = verdicts[f"real {layout}"]
+    assert real["passed"], real["failures"]
+
+
+@pytest.mark.parametrize("name", MUTANTS)
+def test_verify_fails_on_the_mutant(verdicts, name):
+    v = verdicts[name]
+    assert not v["passed"], f"{name} slipped through verify"
