@@ -148,6 +148,8 @@ class MoEFamily(Family):
     def flops_per_step(self, spec: MoESpec, batch: int, seq_len: int, *, vocab_size: int = 256, **_) -> float:
         return flops_per_step(spec, vocab_size, batch, seq_len)
 
+    # ---- the planner's shape (`plan/`) ---------------------------------------------------------
+
     # ---- Hugging Face folders (Mixtral, Qwen3-MoE, OLMoE): `recipes/moe_hf.py` ----------------
 
     hf_folders, hf_types = True, moe_hf.READS
