@@ -34,10 +34,13 @@ def export_hf(ckpt: Path, out: Path, *, dtype: torch.dtype | None = None, max_sh
     if not family.hf_folders:
         raise ValueError(f"--hf writes a model of an architecture transformers has (Llama, Mixtral, Qwen3-MoE, "
                          f"OLMoE); {ckpt} holds {saved.config.model.name}: export it without --hf")
+    spec, moe = saved.spec, saved.config.model.moe_options()
+    if moe:  # the run's --moe-* flags (its balancing decides what state it saved)
+        spec = family.with_options(spec, moe=moe)
     shapes, read = weights_of(ckpt)
-    wanted = hf.our_weights(saved.spec, saved.vocab_size)
-    tied = hf.tied_copies(saved.spec, saved.vocab_size)
-    state = hf.state_buffers(saved.spec, saved.vocab_size)
+    wanted = hf.our_weights(spec, saved.vocab_size)
+    tied = hf.tied_copies(spec, saved.vocab_size)
+    state = hf.state_buffers(spec, saved.vocab_size)
     for name, shape in wanted.items():
         if name not in shapes:
             raise ValueError(f"--ckpt {ckpt}: no {name}, a weight of the run's model ({saved.config.model.name})")
@@ -45,10 +48,10 @@ def export_hf(ckpt: Path, out: Path, *, dtype: torch.dtype | None = None, max_sh
             raise ValueError(f"--ckpt {ckpt}: {name} is {list(shapes[name][0])}, but the run's model makes it "
                              f"{list(shape)}")
     for name in sorted(set(shapes) - set(wanted) - tied):
-        problem = family.hf_state_problem(saved.spec, name, read(name)) if name in state else \
+        problem = family.hf_state_problem(spec, name, read(name)) if name in state else \
             f"{name} is not a weight of the run's model ({saved.config.model.name})"
         if problem:
             raise ValueError(f"--ckpt {ckpt}: {problem}; export it without --hf")
     dtype = dtype or DTYPES.get(saved.config.layout.precision, torch.float32)
-    return hf.write_hf(out, saved.spec, saved.vocab_size, lambda name: read(name, dtype), dtype,
+    return hf.write_hf(out, spec, saved.vocab_size, lambda name: read(name, dtype), dtype,
                        side=saved.imported, tokenizer=saved.tokenizer, max_shard_bytes=max_shard_bytes, log=log)
