@@ -237,10 +237,10 @@ class HFWeights:
         return out
 
     def piece(self, name: str, index: tuple | None):
-        """This rank's part of a parameter, `index` of its full tensor (None: all of it),
-        reading only those bytes from the file where the index is slices of a tensor stored
-        whole (a fused layer's positions, or a parameter stored in parts: the whole tensor,
-        then indexed)."""
+        """This rank's part of a parameter, `index` of its full tensor (None: all of it).
+        Where the index is slices of a tensor stored under one key, only those bytes are
+        read; otherwise (a fused layer's positions, a parameter stored in parts) the whole
+        tensor, then indexed."""
         import torch
         from safetensors import safe_open
         (key, whole), *more = self._parts[name]

@@ -7,7 +7,6 @@ model's loss; what the formats cannot hold is refused in one line."""
 
 import json
 import re
-import shutil
 
 import pytest
 import torch
@@ -70,7 +69,8 @@ def test_transformers_folders_give_its_logits_and_save_back_as_the_same_files(ca
         want = hf(ids).logits
         _close(ours(ids), want)
     save_hf(ours, tmp_path / "ours")
-    original, saved = load_file(tmp_path / "hf" / "model.safetensors"), load_file(tmp_path / "ours" / "model.safetensors")
+    original = load_file(tmp_path / "hf" / "model.safetensors")
+    saved = load_file(tmp_path / "ours" / "model.safetensors")
     assert original.keys() == saved.keys()
     for name, t in original.items():
         assert torch.equal(t, saved[name]), name

@@ -90,12 +90,11 @@ def spec_from_config(config: dict, where: str = "config.json") -> tuple[MoESpec,
         d, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
         layers, ffn = int(config["num_hidden_layers"]), int(config["intermediate_size"])
         kv = int(config.get("num_key_value_heads") or heads)
-        key, alias = ("num_local_experts", "num_experts")
-        if kind != "mixtral":
-            key, alias = alias, key
-        experts = config.get(key, config.get(alias))  # transformers 5 maps one onto the other
+        names = ("num_local_experts", "num_experts")  # transformers 5 maps one onto the other
+        names = names if kind == "mixtral" else names[::-1]
+        experts = next((config[n] for n in names if config.get(n) is not None), None)
         if experts is None:
-            raise KeyError(key)
+            raise KeyError(names[0])
         experts, top_k = int(experts), int(config["num_experts_per_tok"])
         head_dim = int(config.get("head_dim") or d // heads)
         expert_ffn = int(config["moe_intermediate_size"]) if kind == "qwen3_moe" else ffn
