@@ -51,6 +51,14 @@ class _ContiguousGradient(torch.autograd.Function):
         return grad.contiguous()
 
 
+def expert_counts(chosen: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """How many (token, slot) choices each expert got, [n_experts] int64: a scatter into a
+    fixed shape (torch.bincount sizes its output by the largest index: a host sync on a GPU,
+    and a dynamic shape under torch.compile)."""
+    flat = chosen.reshape(-1)
+    return torch.zeros(n_experts, dtype=torch.int64, device=chosen.device).scatter_add_(0, flat, torch.ones_like(flat))
+
+
 def _in_backward() -> bool:
     """Whether autograd's engine is running this code (a recomputed forward): its routing
     was counted when the forward first ran."""
@@ -89,7 +97,7 @@ class TopKRouter(nn.Module):
         if self.norm_topk:
             weights = weights / weights.sum(-1, keepdim=True)
         if self.training and not _in_backward():
-            self.expert_load += torch.bincount(chosen.reshape(-1), minlength=self.n_experts).float()
+            self.expert_load += expert_counts(chosen, self.n_experts).float()
         return scores, chosen, weights
 
     @torch.no_grad()
@@ -115,11 +123,18 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(spec.n_experts, spec.d_model, spec.expert_ffn_dim))
 
     def forward(self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """x [tokens, d], chosen and weights [tokens, k] -> [tokens, d]."""
+        """x [tokens, d], chosen and weights [tokens, k] -> [tokens, d]. Under torch.compile in
+        another dtype than bf16 they run eagerly: grouped_mm's meta kernel (what the compiler
+        traces with) takes bf16 only in torch 2.13, and the loop's split sizes are data."""
+        if torch.compiler.is_compiling() and x.dtype != torch.bfloat16:
+            return _eager(self, x, chosen, weights)
+        return self._combine(x, chosen, weights)
+
+    def _combine(self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         k = chosen.shape[1]
         order = chosen.reshape(-1).argsort(stable=True)  # (token, slot) pairs by expert, tokens in order
         token = order // k
-        counts = torch.bincount(chosen.reshape(-1), minlength=self.n_experts)
+        counts = expert_counts(chosen, self.n_experts)
         rows = x[token]
         if self.impl == "grouped" and self.groupable(x.dtype):
             y = self._grouped(rows, counts)
@@ -148,6 +163,11 @@ class Experts(nn.Module):
             out.append(F.linear(F.silu(gate) * up, self.down_proj[e]))
             start += n
         return torch.cat(out)
+
+
+@torch.compiler.disable
+def _eager(experts: Experts, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    return experts._combine(x, chosen, weights)
 
 
 def balance_sums(scores: torch.Tensor, chosen: torch.Tensor, groups: int, score: str) -> torch.Tensor:
