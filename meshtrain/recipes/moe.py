@@ -150,6 +150,22 @@ class MoEFamily(Family):
 
     # ---- the planner's shape (`plan/`) ---------------------------------------------------------
 
+    from meshtrain.recipes.moe_published import PUBLISHED as published  # released shapes `plan --model` plans
+
+    def shape(self, spec: MoESpec, vocab_size: int):
+        """The planner's `Shape` (kind "moe"): the Llama's attention with the q/k norm, the
+        dense layers' SwiGLU width, and the experts, their top-k and width, the shared expert,
+        and the rows each auxiliary balancing loss is taken over (0: none)."""
+        from meshtrain.plan.shapes import Shape  # kept under this marker: the file's top is another part's
+        head_dim = spec.head_size if spec.head_size * spec.n_heads != spec.d_model else None
+        aux = spec.aux_coef and spec.balance in ("sequence", "batch")
+        return Shape(spec.n_layers, spec.d_model, spec.n_heads, vocab_size, spec.max_seq_len, "moe",
+                     kv_heads=spec.kv_heads, ffn=spec.ffn_dim, head_dim=head_dim, experts=spec.n_experts,
+                     top_k=spec.top_k, expert_ffn=spec.expert_ffn_dim, dense_layers=tuple(spec.dense_layers),
+                     shared_ffn=spec.shared_ffn_dim, qk_norm=spec.qk_norm, norm_topk=spec.norm_topk,
+                     aux_rows=(spec.balance_rows if spec.balance == "batch" else 1) if aux else 0,
+                     tied=spec.tie_embeddings)
+
     # ---- Hugging Face folders (Mixtral, Qwen3-MoE, OLMoE): `recipes/moe_hf.py` ----------------
 
     hf_folders, hf_types = True, moe_hf.READS
