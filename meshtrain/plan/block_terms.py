@@ -31,15 +31,120 @@ def cp_attention_delta(seq: int, micro_batch: int, hidden: int, llama: LlamaDims
 @dataclass(frozen=True)
 class LlamaDims:
     """What the `torch` accounting needs of a Llama block beyond a GPT's hidden and heads:
-    the widths of the query and the key projections (n_heads · head_dim, n_kv · head_dim)
-    and the head size."""
+    the widths of the query and the key projections (n_heads · head_dim, n_kv · head_dim),
+    the head size, and a MoE's RMSNorm on queries and keys ("head", "projection" or "none")."""
     q_width: int
     kv_width: int
     head_dim: int
+    qk_norm: str = "none"
+
+
+@dataclass(frozen=True)
+class MoEDims:
+    """What the `torch` accounting needs of a MoE model's blocks beyond a Llama's: its experts
+    (E, the k each token takes, their SwiGLU width I), a shared expert's width, whether the
+    top-k weights are renormalised, the rows each auxiliary balancing loss is taken over (0:
+    none) and which blocks keep a dense MLP."""
+    experts: int
+    top_k: int
+    expert_ffn: int
+    shared_ffn: int = 0
+    norm_topk: bool = True
+    aux_rows: int = 1
+    dense_layers: tuple[int, ...] = ()
+
+    def is_moe(self, layer: int) -> bool:
+        return layer not in self.dense_layers
+
+
+def qk_norm_kept_bytes(tokens: int, heads: int, dims: LlamaDims, *, element_bytes: int, tp: int = 1) -> int:
+    """What the q/k RMSNorms keep of `tokens` tokens, beyond the Llama's attention: each
+    norm's input (in fp32: the projection's output; in bf16 its fp32 copy) and its fp32
+    normalised values in the compute dtype (4 + e bytes an element, q and k wide: split by
+    heads over tp), and the reciprocal root mean squares (fp32: one per head and token, or
+    one per token and projection)."""
+    if dims.qk_norm == "none":
+        return 0
+    e, t = element_bytes, tp
+    width = (dims.q_width + dims.kv_width) // t
+    rstd = (heads + dims.kv_width // dims.head_dim) // t if dims.qk_norm == "head" else 2
+    return tokens * width * (4 + e) + tokens * rstd * 4
+
+
+def moe_kept_bytes(tokens: int, micro_batch: int, hidden: int, moe: MoEDims, *, element_bytes: int,
+                   summed: bool = False) -> int:
+    """What a MoE layer's MLP keeps for backward on one rank, for the n = `tokens` tokens it
+    routes (all of the micro-batch's under tp: the experts are replicated; under SP or cp
+    the rank's share), r = k·n rows, d = hidden, E experts of width I, e-byte activations
+    (`models/moe.py`):
+    - the router: its fp32 scores (n·E), the chosen experts (n·k int64), when renormalised
+      the gathered weights (n·k fp32) and their sum (n), and in bf16 the fp32 copies of
+      its input (n·d) and of its weight (E·d) that the fp32 product keeps;
+    - the experts: the order of the rows by expert and each row's token (r int64 each), the
+      rows gathered (r·d), grouped_mm's group ends (E int32), gate_up's output (r·2I), the
+      SiLU and the product (r·I each), the down projection's output in fp32 (r·d·4: fp32
+      weighting), each row's weight (r fp32) and the weighted rows index_add sums back (r·d);
+    - the balancing loss's per-group sums and terms (g groups: g·(5E + 3) fp32), and where the
+      sums are added over the ranks holding other tokens of the same rows (`summed`: SP, cp)
+      their sum's own copy (g·3E);
+    - a shared expert's SwiGLU (4·n·f_s).
+    In bf16 (no shared expert), the post-attention RMSNorm's bf16 output is not kept: the
+    router keeps its fp32 copy and the experts gather their rows from it — `moe_layer_delta`."""
+    e, n, d = element_bytes, tokens, hidden
+    E, k, I = moe.experts, moe.top_k, moe.expert_ffn
+    r = n * k
+    router = n * E * 4 + n * k * 8 + (n * k * 4 + n * 4 if moe.norm_topk else 0)
+    router += (n * d * 4 + E * d * 4) if e < 4 else 0
+    experts = 2 * r * 8 + r * d * e + E * 4 + r * 2 * I * e + 2 * r * I * e + r * d * 4 + r * 4 + r * d * e
+    return router + experts + _aux_bytes(micro_batch, moe, summed) + 4 * n * moe.shared_ffn * e
+
+
+def _aux_bytes(micro_batch: int, moe: MoEDims, summed: bool) -> int:
+    """The balancing loss's kept terms: per group of rows, its sums [3, E] (and their sum over
+    ranks' copy) and a few fp32 numbers (`models/moe.balance_loss`)."""
+    if not moe.aux_rows:
+        return 0
+    groups = micro_batch // moe.aux_rows
+    return groups * (5 * moe.experts + 3 + (3 * moe.experts if summed else 0)) * 4
+
+
+def moe_backward_extra(tokens: int, hidden: int, moe: MoEDims, *, element_bytes: int) -> int:
+    """What a MoE layer's backward allocates beyond its saved tensors and its output's
+    gradient, at its largest (n tokens, r = k·n rows; weight gradients counted until they are
+    added to their buffers). Throughout: the balancing loss's gradient of the scores' share
+    (n·3E fp32, a view of its stacked gradient) until the router's backward. Then, in order:
+    - the weighting: index_add's source freed, the rows' output gradient gathered (in fp32),
+      the gradients of the down projection's output and of the weights (and its product
+      before the sum): 3·r·d fp32 and r;
+    - the down projection: its output's gradient (in the compute dtype), its weight's
+      gradient E·d·I and its input's r·I (the weighting's fp32 terms freed);
+    - the SwiGLU product's backward: the gradients of SiLU's output and of up (2·r·I), the
+      product freed;
+    - gate_up's backward: its weight's gradient E·2I·d and its input's r·d, SiLU's output,
+      gate_up's output and the product's gradient freed.
+    With a shared expert, its own backward comes first (the Llama MLP's) and its input's
+    gradient (n·d) is held through the experts'."""
+    e, n, d = element_bytes, tokens, hidden
+    E, k, I = moe.experts, moe.top_k, moe.expert_ffn
+    r = n * k
+    aux = n * 3 * E * 4 if moe.aux_rows else 0
+    held = aux - r * d * e  # the aux gradient; index_add's source freed
+    weighting = held + 3 * r * d * 4 + r * 4
+    after = held - r * 4 - r * d * 4  # the weighting's fp32 terms and the rows' weights freed
+    down = after + r * d * e + E * d * I * e + r * I * e
+    product = after + 2 * r * I * e
+    gate_up = after - 2 * r * I * e + 2 * E * I * d * e + r * d * e
+    extra = max(weighting, down, product, gate_up)
+    if moe.shared_ffn:
+        f = moe.shared_ffn
+        shared = aux + max(n * f * e + d * f * e, 2 * n * f * e)
+        extra = max(shared, extra - 4 * n * f * e + n * d * e)
+    return extra
 
 
 def llama_kept_bytes(seq: int, micro_batch: int, hidden: int, heads: int, dims: LlamaDims, *, element_bytes: int,
-                     ffn: int | None, tp: int = 1, sp: bool = False) -> int:
+                     ffn: int | None, tp: int = 1, sp: bool = False, moe: MoEDims | None = None,
+                     context: bool = False) -> int:
     """What one block of meshtrain's Llama keeps for backward on one rank (no recompute),
     for `element_bytes`-byte activations; d = hidden, q = n_heads · head_dim, f the SwiGLU
     width, t = tp, w = t under SP (else 1):
@@ -59,14 +164,27 @@ def llama_kept_bytes(seq: int, micro_batch: int, hidden: int, heads: int, dims: 
       computes them for the s positions it attends over).
 
     The sdpa kernel writes its output in the layout the output projection reads, so the
-    heads are merged without a copy. The trainer's layer probe measures exactly this."""
+    heads are merged without a copy. The trainer's layer probe measures exactly this.
+
+    A MoE model's block adds its q/k norms' terms (`qk_norm_kept_bytes`), and where its MLP
+    is a mixture of experts (`moe`) keeps the experts' (`moe_kept_bytes`, for the b·s/w
+    tokens the rank routes: replicated over tp, split under SP) instead of the SwiGLU's —
+    in bf16 without the post-attention RMSNorm's bf16 output, which nothing keeps there;
+    `context`: context parallelism splits the rows' tokens too (the balancing sums are added
+    over cp)."""
     e, b, s, d, t = element_bytes, micro_batch, seq, hidden, tp
     w, q, f = (t if sp else 1), dims.q_width, ffn or 4 * hidden
     # in fp32 the RMSNorms' upcast is the input itself: the residual stream is kept; in bf16 the
     # fp32 copies are, and the bf16 residual stream is freed at the next residual sum
     whole = 4 * b * s * d * e + (2 * b * s * d * e if e == 4 else 2 * b * s * d * 4) + 2 * b * s * 4
-    split = (4 * b * s * q + 4 * b * s * f) * e // t + 4 * b * (heads // t) * s
-    return whole // w + split + 2 * s * dims.head_dim * e
+    split = (4 * b * s * q + (4 * b * s * f if moe is None else 0)) * e // t + 4 * b * (heads // t) * s
+    kept = whole // w + split + 2 * s * dims.head_dim * e + qk_norm_kept_bytes(b * s, heads, dims, element_bytes=e, tp=t)
+    if moe is not None:
+        n = b * s // w
+        summed = (sp and t > 1) or context
+        kept += moe_kept_bytes(n, b, d, moe, element_bytes=e, summed=summed) - (n * d * e if e < 4 and not moe.shared_ffn
+                                                                                 else 0)
+    return kept
 
 
 def ring_backward_bytes(seq: int, micro_batch: int, hidden: int, heads: int, llama: LlamaDims | None, *,

@@ -27,15 +27,22 @@ def peak_flops(device_name: str, precision: str) -> float | None:
     return None
 
 
-def layer_forward_flops(shape, micro_batch: int, seq: int) -> dict[str, float]:
-    """One block's forward FLOPs for `micro_batch` sequences, by part: the linear layers
-    (q, k, v, output projection; the MLP's two matrices, or SwiGLU's three) and the
-    attention core (QKᵀ and the product with V, counted whole as Megatron does, not halved
-    for the causal mask). For the GPT shape: 24·b·s·h² and 4·b·s²·h."""
-    bs, h, f, kv = micro_batch * seq, shape.hidden, shape.ffn_width, shape.kv_width
-    mlp_matrices = 3 if shape.kind == "llama" else 2
-    linear = 2 * bs * h * (2 * h + 2 * kv) + 2 * bs * h * f * mlp_matrices
-    return {"linear": float(linear), "attention": 4.0 * micro_batch * seq * seq * h}
+def layer_forward_flops(shape, micro_batch: int, seq: int, layer: int | None = None) -> dict[str, float]:
+    """Block `layer`'s forward FLOPs for `micro_batch` sequences, by part: the linear layers
+    (q, k, v, output projection; the MLP's two matrices, or SwiGLU's three; in a MoE layer
+    the router, the k experts' SwiGLUs each token takes and a shared expert's: the active
+    parameters) and the attention core (QKᵀ and the product with V, counted whole as
+    Megatron does, not halved for the causal mask). For the GPT shape: 24·b·s·h² and
+    4·b·s²·h. `layer` None: a repeated block's (a MoE layer for the moe kind)."""
+    bs, h, f, kv, q = micro_batch * seq, shape.hidden, shape.ffn_width, shape.kv_width, shape.q_width
+    if layer is None:
+        layer = next((i for i in range(shape.layers) if shape.is_moe(i)), 0)
+    if shape.is_moe(layer):
+        mlp = 2 * bs * h * (shape.experts + 3 * shape.top_k * shape.expert_ffn + 3 * shape.shared_ffn)
+    else:
+        mlp = 2 * bs * h * f * (2 if shape.kind == "gpt" else 3)
+    linear = 2 * bs * h * (2 * q + 2 * kv) + mlp
+    return {"linear": float(linear), "attention": 4.0 * micro_batch * seq * seq * q}
 
 
 def head_forward_flops(shape, micro_batch: int, seq: int) -> float:
@@ -46,9 +53,20 @@ def head_forward_flops(shape, micro_batch: int, seq: int) -> float:
 def model_flops(shape, batch: int, seq: int) -> float:
     """Model FLOPs of one step (forward and a backward of twice its cost) on `batch`
     sequences: 72·B·s·l·h²·(1 + s/6h + V/(12·l·h)) for the GPT shape (`gpt_flops_per_step`),
-    generalised to SwiGLU's three matrices of width ffn and grouped-query attention."""
-    layer = layer_forward_flops(shape, batch, seq)
-    return 3 * (shape.layers * (layer["linear"] + layer["attention"]) + head_forward_flops(shape, batch, seq))
+    generalised to SwiGLU's three matrices of width ffn, grouped-query attention, a head size
+    other than h/heads, and a MoE's active parameters (each family's `flops_per_step`, the
+    trainer's MFU numerator: a test holds them equal)."""
+    blocks = sum(sum(layer_forward_flops(shape, batch, seq, i).values()) for i in _kinds(shape))
+    return 3 * (blocks + head_forward_flops(shape, batch, seq))
+
+
+def _kinds(shape) -> list[int]:
+    """Block indices standing for every block: one of each kind, as often as it comes."""
+    if shape.kind != "moe":
+        return [0] * shape.layers
+    dense = next((i for i in range(shape.layers) if not shape.is_moe(i)), None)
+    sparse = next((i for i in range(shape.layers) if shape.is_moe(i)), None)
+    return [sparse] * shape.moe_layers + [dense] * (shape.layers - shape.moe_layers)
 
 
 def recomputed_flops(shape, batch: int, seq: int, recompute: str) -> float:
@@ -58,9 +76,11 @@ def recomputed_flops(shape, batch: int, seq: int, recompute: str) -> float:
     mode = recompute.split(":")[0]
     if mode == "none":
         return 0.0
-    layer = layer_forward_flops(shape, batch, seq)
-    per_layer = layer["attention"] if mode == "selective" else layer["linear"] + layer["attention"]
-    return shape.layers * per_layer
+    total = 0.0
+    for i in _kinds(shape):
+        layer = layer_forward_flops(shape, batch, seq, i)
+        total += layer["attention"] if mode == "selective" else layer["linear"] + layer["attention"]
+    return total
 
 
 def hardware_flops(shape, batch: int, seq: int, recompute: str = "none") -> float:

@@ -32,7 +32,8 @@ import math
 from functools import lru_cache
 
 from meshtrain.parallel.options import parse_recompute
-from meshtrain.plan.block_terms import LlamaDims, cp_attention_delta, llama_kept_bytes, ring_backward_bytes
+from meshtrain.plan.block_terms import (LlamaDims, MoEDims, cp_attention_delta, llama_kept_bytes, moe_backward_extra,
+                                        moe_kept_bytes, ring_backward_bytes)
 from meshtrain.parallel.pipeline.schedules import split_layers
 from meshtrain.parallel.pipeline import schedules as S
 
@@ -66,24 +67,37 @@ def model_state_bytes(n_params: float, zero: int, dp: int, *, precision: str = "
 
 def activation_bytes_per_layer(seq: int, micro_batch: int, hidden: int, heads: int, *, tp: int = 1,
                                sp: bool = False, recompute: str = "none", attention: str = "math",
-                               kv_width: int | None = None, ffn: int | None = None, swiglu: bool = False) -> float:
+                               kv_width: int | None = None, ffn: int | None = None, swiglu: bool = False,
+                               q_width: int | None = None, moe: MoEDims | None = None) -> float:
     """Korthikanti et al. (2022), Table 2: one transformer layer's activation bytes on one
     tensor-parallel rank (16-bit activations, 1-byte dropout masks).
 
-    Generalised term by term for other shapes (exactly the table's for the GPT shape: kv =
-    h, f = 4h, two MLP matrices): the 10·sbh left whole are the two norms' inputs (4), the
-    q/k/v input (2) and the MLP's input (2), and two dropout masks (2); split by t are q and
-    k (2·sb·(h + kv)), v (2·sb·kv), the output projection's input (2·sbh) and the MLP's
+    Generalised term by term for other shapes (exactly the table's for the GPT shape: q =
+    kv = h, f = 4h, two MLP matrices): the 10·sbh left whole are the two norms' inputs (4),
+    the q/k/v input (2) and the MLP's input (2), and two dropout masks (2); split by t are q
+    and k (2·sb·(q + kv)), v (2·sb·kv), the output projection's input (2·sb·q) and the MLP's
     inner activations, 2·sb·f per saved tensor: two for GELU's MLP (its input and the second
     matrix's input), three for SwiGLU (gate, up, and their product). The attention core's
     5·a·s²·b (scores' softmax, its dropout mask and output) is counted under `math` only:
-    the fused `sdpa` kernel never keeps it."""
+    the fused `sdpa` kernel never keeps it.
+
+    A MoE layer (`moe`) keeps instead of the MLP's, whole over tp (the experts are
+    replicated; under SP each rank routes its share of the tokens, ÷ t): the router's fp32
+    scores (4·sb·E), the k·sb rows the experts take (2·k·sbh), their gate, up and product
+    (3 · 2·k·sb·I) and the down projection's output the weighting takes (2·k·sbh), and a
+    shared expert's SwiGLU (3 · 2·sb·f_s)."""
     s, b, h = seq, micro_batch, hidden
-    kv, f = kv_width or hidden, ffn or 4 * hidden
+    q, kv, f = q_width or hidden, kv_width or hidden, ffn or 4 * hidden
     whole = 10 * s * b * h
-    split = 2 * s * b * (h + kv) + 2 * s * b * kv + 2 * s * b * h + (3 if swiglu else 2) * 2 * s * b * f
+    mlp = (3 if swiglu else 2) * 2 * s * b * f
+    experts = 0
+    if moe is not None:
+        mlp, k = 0, moe.top_k
+        experts = 4 * s * b * moe.experts + 2 * 2 * k * s * b * h + 3 * 2 * k * s * b * moe.expert_ffn
+        experts += 3 * 2 * s * b * moe.shared_ffn
+    split = 2 * s * b * (q + kv) + 2 * s * b * kv + 2 * s * b * q + mlp
     attention_core = 5 * heads * s * s * b / tp if attention == "math" else 0
-    rest = (whole + split) / tp if sp else whole + split / tp
+    rest = (whole + split + experts) / tp if sp else whole + split / tp + experts
     if recompute == "none":
         return rest + attention_core
     if recompute == "selective":
@@ -105,16 +119,49 @@ def in_flight(pp: int, microbatches: int, schedule: str = "1f1b", chunks: int = 
     return held * (1 + (pp - 1) / (pp * chunks)) if schedule == "interleaved" else held
 
 
-def _parts(shape, tp: int) -> dict[str, int]:
-    """Parameters by where they sit and whether tensor parallelism splits them (per device)."""
-    h, f, kv, v = shape.hidden, shape.ffn_width, shape.kv_width, shape.vocab
-    if shape.kind == "llama":
-        return {"block_split": (2 * h * h + 2 * h * kv + 3 * h * f) // tp, "block_whole": 2 * h,
-                "embed_split": v * h // tp, "embed_whole": 0, "final_whole": h, "head_split": v * h // tp}
-    return {"block_split": (4 * h * h + 2 * h * f + 2 * h + f) // tp,  # q, k, v, proj, fc, proj; the q, v and fc biases
-            "block_whole": 2 * h + 4 * h,  # the row layers' biases, two LayerNorms
-            "embed_split": v * h // tp, "embed_whole": shape.seq_len * h, "final_whole": 2 * h,
-            "head_split": v * h // tp}
+def _outside(shape, tp: int) -> dict[str, int]:
+    """Parameters outside the blocks by where they sit and whether tensor parallelism splits
+    them (per device): the embedding (a GPT's position table whole), the final norm, the head
+    (none of its own when tied to the embedding)."""
+    h, v = shape.hidden, shape.vocab
+    if shape.kind == "gpt":
+        return {"embed_split": v * h // tp, "embed_whole": shape.seq_len * h, "final_whole": 2 * h,
+                "head_split": v * h // tp}
+    return {"embed_split": v * h // tp, "embed_whole": 0, "final_whole": h, "head_split": 0 if shape.tied else v * h // tp}
+
+
+def block_params_on_device(shape, layer: int, tp: int) -> tuple[int, int, int]:
+    """(split by tp, left whole, partial) parameters of block `layer` on one device.
+    `partial`: of the whole ones, those whose gradients are summed over tp even without SP
+    (a per-head q/k norm, which each rank applies to its own heads only).
+
+    Tensor parallelism splits every matrix of a GPT's or Llama's block, and the column
+    layers' biases; a MoE block's attention and a dense layer's MLP alike, but the router,
+    the experts and a shared expert stay whole (each tp rank runs the experts of the tokens it
+    holds: `recipes/moe.py`'s plan); norms and the row layers' biases stay whole."""
+    h, f, kv = shape.hidden, shape.ffn_width, shape.kv_width
+    if shape.kind == "gpt":
+        # q, k, v, proj, fc, proj; the q, v and fc biases split; the row layers' biases, two LayerNorms whole
+        return (4 * h * h + 2 * h * f + 2 * h + f) // tp, 2 * h + 4 * h, 0
+    attention = (2 * h * shape.q_width + 2 * h * kv) // tp
+    norms = 2 * h + shape.qk_norm_params()
+    partial = 2 * shape.head_size if shape.kind == "moe" and shape.qk_norm == "head" else 0
+    if shape.is_moe(layer):
+        return attention, norms + shape.mlp_params(layer), partial
+    return attention + 3 * h * f // tp, norms, partial
+
+
+def stage_layers(shape, *, pp: int = 1, stage: int = 0, chunks: int = 1, tp: int = 1,
+                 stage_layers: list[int] | None = None) -> tuple[int, ...]:
+    """The block indices a pipeline stage holds, chunk by chunk (as `split_layers` cuts; tp
+    is accepted to take `device_params`' arguments)."""
+    return _layers_of(shape.layers, pp, stage, chunks, tuple(stage_layers) if stage_layers else None)
+
+
+@lru_cache(maxsize=65536)
+def _layers_of(layers: int, pp: int, stage: int, chunks: int, stage_layers: tuple[int, ...] | None) -> tuple[int, ...]:
+    ranges = split_layers(layers, pp * chunks, list(stage_layers) if stage_layers else None)
+    return tuple(i for c in range(chunks) for i in ranges[c * pp + stage])
 
 
 def stage_runs(shape, *, pp: int = 1, stage: int = 0, chunks: int = 1, tp: int = 1,
@@ -130,55 +177,86 @@ def _runs_of(layers: int, pp: int, stage: int, chunks: int, stage_layers: tuple[
     return tuple(len(ranges[c * pp + stage]) for c in range(chunks))
 
 
-def _stage_blocks(shape, pp: int, stage: int, chunks: int, stage_layers: list[int] | None) -> int:
-    return sum(stage_runs(shape, pp=pp, stage=stage, chunks=chunks, stage_layers=stage_layers))
+@lru_cache(maxsize=65536)
+def _stage_params(shape, tp: int, pp: int, stage: int, chunks: int,
+                  stage_layers: tuple[int, ...] | None) -> tuple[int, int, int, int, int, int]:
+    """(blocks, their parameters, those left whole, those partial over tp, the most two
+    consecutive blocks hold, the parameters outside the blocks) of one device."""
+    layers = _layers_of(shape.layers, pp, stage, chunks, stage_layers)
+    per = [block_params_on_device(shape, i, tp) for i in layers]
+    sizes = [split + whole for split, whole, _ in per]
+    pairs = max((a + b for a, b in zip(sizes, sizes[1:])), default=sum(sizes))
+    part = _outside(shape, tp)
+    rest = ((part["embed_split"] + part["embed_whole"] if stage == 0 else 0)
+            + (part["final_whole"] + part["head_split"] if stage == pp - 1 else 0))
+    return (len(layers), sum(sizes), sum(w for _, w, _ in per), sum(p for _, _, p in per), pairs, rest)
+
+
+def _where(shape, tp, pp, stage, chunks, stage_layers):
+    return _stage_params(shape, tp, pp, stage, chunks, tuple(stage_layers) if stage_layers else None)
 
 
 def device_params(shape, *, tp: int = 1, pp: int = 1, stage: int = 0, chunks: int = 1,
                   stage_layers: list[int] | None = None) -> tuple[int, int, int]:
     """What one device holds (`torch` accounting: meshtrain's tensor-parallel plan and
-    pipeline cut), as (blocks, parameters per block, parameters outside the blocks).
+    pipeline cut), as (blocks, parameters per block, parameters outside the blocks): per
+    block the blocks' mean when they differ (a MoE's dense and sparse layers;
+    `params_per_device` sums them exactly).
 
     Tensor parallelism splits every matrix of a block, the column layers' biases, the token
-    embedding and the head by tp; LayerNorms (RMSNorms), the row layers' biases and the
-    position embedding stay whole. Pipeline stage `stage` holds its virtual stages' blocks
-    (split as `split_layers` does), the embedding on stage 0, the final norm and the
-    (untied) head on the last."""
-    part = _parts(shape, tp)
-    blocks = _stage_blocks(shape, pp, stage, chunks, stage_layers)
-    rest = ((part["embed_split"] + part["embed_whole"] if stage == 0 else 0)
-            + (part["final_whole"] + part["head_split"] if stage == pp - 1 else 0))
-    return blocks, part["block_split"] + part["block_whole"], rest
+    embedding and the head by tp; LayerNorms (RMSNorms), the row layers' biases, the position
+    embedding and a MoE layer's router and experts stay whole (`block_params_on_device`).
+    Pipeline stage `stage` holds its virtual stages' blocks (split as `split_layers` does),
+    the embedding on stage 0, the final norm and the (untied) head on the last."""
+    blocks, params, _, _, _, rest = _where(shape, tp, pp, stage, chunks, stage_layers)
+    return blocks, params // max(blocks, 1), rest
 
 
 def whole_params(shape, *, tp: int = 1, pp: int = 1, stage: int = 0, chunks: int = 1,
                  stage_layers: list[int] | None = None) -> int:
     """The parameters of a device that tensor parallelism leaves whole (their gradients are
     summed over tp under sequence parallelism)."""
-    part = _parts(shape, tp)
-    blocks = _stage_blocks(shape, pp, stage, chunks, stage_layers)
-    return (blocks * part["block_whole"] + (part["embed_whole"] if stage == 0 else 0)
-            + (part["final_whole"] if stage == pp - 1 else 0))
+    part = _outside(shape, tp)
+    whole = _where(shape, tp, pp, stage, chunks, stage_layers)[2]
+    return whole + (part["embed_whole"] if stage == 0 else 0) + (part["final_whole"] if stage == pp - 1 else 0)
+
+
+def partial_params(shape, *, tp: int = 1, pp: int = 1, stage: int = 0, chunks: int = 1,
+                   stage_layers: list[int] | None = None) -> int:
+    """The whole parameters whose gradients are summed over tp even without SP (a MoE's
+    per-head q/k norms)."""
+    return _where(shape, tp, pp, stage, chunks, stage_layers)[3]
 
 
 def params_per_device(shape, **where) -> int:
     """The parameters one device holds (`device_params`' arguments)."""
-    blocks, per_block, rest = device_params(shape, **where)
-    return blocks * per_block + rest
+    blocks, params, _, _, _, rest = _where(shape, **_defaults(where))
+    return params + rest
+
+
+def _defaults(where: dict) -> dict:
+    return {"tp": where.get("tp", 1), "pp": where.get("pp", 1), "stage": where.get("stage", 0),
+            "chunks": where.get("chunks", 1), "stage_layers": where.get("stage_layers")}
 
 
 def zero3_peak_gathered(shape, **where) -> int:
     """Parameters ZeRO-3 holds whole at its peak (`torch` accounting): everything outside
     the blocks, gathered on first use, and two blocks — the one computing and the next,
-    prefetched."""
-    blocks, per_block, rest = device_params(shape, **where)
-    return rest + min(2, blocks) * per_block
+    prefetched (the two consecutive blocks that hold the most)."""
+    _, _, _, _, pairs, rest = _where(shape, **_defaults(where))
+    return rest + pairs
+
+
+def expert_params_per_device(shape, **where) -> int:
+    """The experts' parameters one device holds (the MoE layers of its stage, whole over tp):
+    where a MoE's memory sits."""
+    return sum(shape.expert_params() for i in stage_layers(shape, **where) if shape.is_moe(i))
 
 
 def torch_activation_bytes_per_layer(seq: int, micro_batch: int, hidden: int, heads: int, *, element_bytes: int = 4,
                                      attention: str = "sdpa", dropout: float = 0.0, ffn: int | None = None,
                                      tp: int = 1, sp: bool = False, llama: LlamaDims | None = None,
-                                     cp_mode: str | None = None) -> int:
+                                     cp_mode: str | None = None, moe: MoEDims | None = None) -> int:
     """What one block of meshtrain's GPT keeps for backward on one rank (`torch` accounting,
     no recompute), for `element_bytes`-byte activations (4 fp32, 2 bf16); t = tp, and the
     "whole" terms are divided by t too under sequence parallelism:
@@ -193,11 +271,12 @@ def torch_activation_bytes_per_layer(seq: int, micro_batch: int, hidden: int, he
     - dropout on the attention and MLP outputs: their masks (2·bsh bytes, whole).
 
     The trainer's layer probe measures exactly this (tests hold the two equal, with and
-    without tp and SP)."""
+    without tp and SP). A Llama's block (`llama`): `block_terms.llama_kept_bytes`, whose
+    MLP is a mixture of experts when `moe` is given (a MoE layer)."""
     delta = cp_attention_delta(seq, micro_batch, hidden, llama, element_bytes=element_bytes, tp=tp, cp_mode=cp_mode)
     if llama is not None:
         return delta + llama_kept_bytes(seq, micro_batch, hidden, heads, llama, element_bytes=element_bytes, ffn=ffn,
-                                        tp=tp, sp=sp)
+                                        tp=tp, sp=sp, moe=moe, context=cp_mode is not None)
     e, b, s, h, a, t = element_bytes, micro_batch, seq, hidden, heads, tp
     f = ffn or 4 * h
     whole = t if sp else 1  # what SP also shards along the sequence
@@ -218,7 +297,7 @@ def torch_activation_bytes_per_layer(seq: int, micro_batch: int, hidden: int, he
 
 def block_parts(seq: int, micro_batch: int, hidden: int, heads: int, *, element_bytes: int, attention: str,
                  dropout: float, ffn: int | None, tp: int, sp: bool, llama: LlamaDims | None = None,
-                 cp_mode: str | None = None, fused_blocks: bool = False) -> dict[str, int]:
+                 cp_mode: str | None = None, fused_blocks: bool = False, moe: MoEDims | None = None) -> dict[str, int]:
     """One block's activation terms on one rank, in bytes (`torch` accounting; t = tp, w = t
     under SP else 1), the pieces the step's moments are made of:
 
@@ -245,7 +324,13 @@ def block_parts(seq: int, micro_batch: int, hidden: int, heads: int, *, element_
       rest) recomputed one at a time: the first chunk's (backwarded last) activations and
       `backward_extra`, and the other chunk's gradients (its input's, and its weights' and
       biases', held until the first chunk's are added to them); with one row, the whole
-      MLP's and `backward_extra`."""
+      MLP's and `backward_extra`.
+
+    A MoE layer's block (`moe`, with `llama`): its MLP's terms are the experts'
+    (`block_terms.moe_kept_bytes`), replicated over tp; its backward's largest moment is
+    `block_terms.moe_backward_extra`'s; under SP only the attention gathers its input; and
+    under `full` its MLP runs whole (recompute.py chunks the rows of `...MLP` modules only):
+    `recomputed_peak` is `recomputed` less its output, plus `backward_extra`."""
     e, b, s, h, a, t = element_bytes, micro_batch, seq, hidden, heads, tp
     f = ffn or 4 * h
     w = t if sp else 1
@@ -253,7 +338,7 @@ def block_parts(seq: int, micro_batch: int, hidden: int, heads: int, *, element_
     # every layer (`models.llama.Rotary`): the layer probe sees it in block 0, the step holds one
     table = 2 * s * llama.head_dim * e if llama else 0
     kept = torch_activation_bytes_per_layer(s, b, h, a, element_bytes=e, attention=attention, dropout=dropout,
-                                            ffn=f, tp=t, sp=sp, llama=llama, cp_mode=cp_mode) - table
+                                            ffn=f, tp=t, sp=sp, llama=llama, cp_mode=cp_mode, moe=moe) - table
     out = b * s * h * e // w
     scores = b * (a // t) * s * s
     mlp_tensors = 4 if llama else 2  # SwiGLU keeps gate, up, SiLU and product; a GPT fc's output and GELU's
@@ -277,9 +362,18 @@ def block_parts(seq: int, micro_batch: int, hidden: int, heads: int, *, element_
             # backward, which frees the product: the gradients of the SiLU's output and of up's
             return max(rows * s * f * e // t + h * f * e // t, 2 * rows * s * f * e // t)
         return rows * s * f * e // t + h * f * e // t + h * e
-    backward_extra = extra(b)
     # the ring's backward holds its buffers after the block's MLP tensors are freed
     ring = ring_backward_bytes(s, b, h, a, llama, element_bytes=e, tp=t, fused=fused_blocks) if cp_mode == "ring" else 0
+    if moe is not None:  # the tokens of the rank (all of them under tp, its share under SP)
+        n = b * s // w
+        experts = moe_kept_bytes(n, b, h, moe, element_bytes=e, summed=(sp and t > 1) or cp_mode is not None)
+        experts -= n * h * e if e < 4 and not moe.shared_ffn else 0
+        backward_extra = max(moe_backward_extra(n, h, moe, element_bytes=e), ring - experts)
+        recomputed = kept + ((b * s * h * e - b * s * h * e // t) if sp else 0)  # the attention's gathered input
+        return {"kept": kept, "out": out, "tail": tail, "selective": selective, "forward_peak": forward_peak,
+                "backward_extra": backward_extra, "recomputed": recomputed,
+                "recomputed_peak": recomputed - tail + backward_extra, "table": table}
+    backward_extra = extra(b)
     backward_extra = max(backward_extra, ring - mlp(b))
     # recomputed under SP, a block keeps its two gathered inputs whole (the region's regather
     # stands down under a checkpoint: `recompute.is_recomputed`), not as shards
@@ -374,16 +468,27 @@ def _chunks_at_backwards(schedule: str, pp: int, stage: int, microbatches: int,
 
 
 def weight_store_bytes(seq: int, micro_batch: int, hidden: int, *, element_bytes: int, ffn: int | None = None,
-                       tp: int = 1, llama: LlamaDims | None = None) -> int:
+                       tp: int = 1, llama: LlamaDims | None = None, moe: MoEDims | None = None,
+                       sp: bool = False) -> int:
     """What zero-bubble's weight-gradient store keeps of one block for one micro-batch between
     its input and weight passes (`pipeline/split.py`): each linear layer's input and output
     gradient, b·s·e·(4h + 4h/t + 2f/t): q, k and v share their input (the first LayerNorm's
     output, whole — under SP the gathered sequence, kept whole) and keep an output gradient
     of h/t each; the attention's projection its input (h/t) and output gradient (h, whole
     before the sum over tp); the MLP's fc its input (h) and output gradient (f/t), its
-    projection its input (f/t) and output gradient (h)."""
+    projection its input (f/t) and output gradient (h). A MoE layer (`moe`): the attention's
+    pairs, the router's (a linear layer of its own in fp32, where its weight is the one it
+    multiplies: its input and its scores' gradient, for the rank's tokens) and a shared
+    expert's; the experts' stacked weights are not linear layers, their gradients are formed
+    in the input pass."""
     e, b, s, h, t = element_bytes, micro_batch, seq, hidden, tp
     f = ffn or 4 * h
+    if llama and moe is not None:
+        q, kv = llama.q_width, llama.kv_width
+        n = b * s // (t if sp else 1)
+        router = n * (h + moe.experts) * 4 if e == 4 else 0
+        shared = n * e * (2 * h + 3 * moe.shared_ffn) if moe.shared_ffn else 0
+        return b * s * e * (2 * h + (2 * q + 2 * kv) // t) + router + shared
     if llama:  # q, k, v share their input; o; gate and up share theirs; down
         q, kv = llama.q_width, llama.kv_width
         return b * s * e * (4 * h + (2 * q + 2 * kv + 3 * f) // t)
@@ -396,7 +501,7 @@ def torch_stage_activation_bytes(layers: int, seq: int, micro_batch: int, hidden
                                  pp: int = 1, stage: int = 0, schedule: str = "1f1b", microbatches: int = 1,
                                  chunks: int = 1, stage_layers: list[int] | None = None,
                                  llama: LlamaDims | None = None, cp_mode: str | None = None,
-                                 fused_blocks: bool = False) -> int:
+                                 fused_blocks: bool = False, moe: MoEDims | None = None) -> int:
     """The peak of activation bytes in one step on one rank of pipeline stage `stage`
     (`torch` accounting): the largest of the moments below, for the micro-batch size b the
     stage runs (the rank's batch ÷ microbatches), `layers` the whole model's blocks (the
@@ -444,16 +549,28 @@ def torch_stage_activation_bytes(layers: int, seq: int, micro_batch: int, hidden
       the last stage under recompute, whose input pass frees recomputed tensors while the
       store fills, a moment the formula does not follow.
 
+    A MoE model (`moe`, with `llama`) has blocks of two kinds, its dense layers' and its MoE
+    layers' (`block_parts` of each): a stage sums what its own blocks keep, and each block's
+    backward is a moment of its own (the blocks before it alive, its own at its largest):
+    the largest need not be the last block's when the kinds differ.
+
     What is left out: scalars (the loss), the loss's transients of the targets, the bias
     gradients' sums, dropout's transients in the forward."""
     e, b, s, h = element_bytes, micro_batch, seq, hidden
     t = tp
     w = t if sp else 1
-    parts = block_parts(s, b, h, heads, element_bytes=e, attention=attention, dropout=dropout, ffn=ffn, tp=t, sp=sp,
-                        llama=llama, cp_mode=cp_mode, fused_blocks=fused_blocks)
+    terms = dict(element_bytes=e, attention=attention, dropout=dropout, ffn=ffn, tp=t, sp=sp, llama=llama,
+                 cp_mode=cp_mode, fused_blocks=fused_blocks)
+    parts = block_parts(s, b, h, heads, **terms)
+    sparse = block_parts(s, b, h, heads, moe=moe, **terms) if moe is not None else parts
     out = parts["out"]
     recompute_mode = parse_recompute(recompute)[0]
-    runs = _runs_of(layers, pp, stage, chunks, tuple(stage_layers) if stage_layers else None)
+    stage_cut = tuple(stage_layers) if stage_layers else None
+    ranges = split_layers(layers, pp * chunks, list(stage_cut) if stage_cut else None)
+    runs = [tuple(ranges[c * pp + stage]) for c in range(chunks)]  # each chunk's blocks
+
+    def part(layer: int) -> dict[str, int]:
+        return sparse if moe is not None and moe.is_moe(layer) else parts
     ids = 17 * b * s if t > 1 else 0  # the vocabulary-parallel lookup's local ids (two int64 copies), its mask
     # the last stage keeps, per micro-batch until its backward, the final LayerNorm's output and
     # statistics and what the loss keeps: the logits, or under tp the local probabilities
@@ -471,11 +588,18 @@ def torch_stage_activation_bytes(layers: int, seq: int, micro_batch: int, hidden
     loss += b * s * (vocab // t) * e if e < 4 else 0  # the bf16 logits the caller holds
 
     split = schedule == "zb" and stage > 0  # the first stage runs each backward whole
-    pairs = weight_store_bytes(s, b, h, element_bytes=e, ffn=ffn, tp=t, llama=llama)
+    dense_pairs = weight_store_bytes(s, b, h, element_bytes=e, ffn=ffn, tp=t, llama=llama)
+    sparse_pairs = weight_store_bytes(s, b, h, element_bytes=e, ffn=ffn, tp=t, llama=llama, moe=moe, sp=sp)
 
-    def micro_batch(blocks: int, first: bool, last: bool) -> tuple[int, int]:
-        """(what a micro-batch keeps through `blocks` blocks, its live bytes at its backward's
-        largest moment); `first`: they start from the embedding, `last`: end at the loss."""
+    def pairs(layer: int) -> int:
+        return sparse_pairs if moe is not None and moe.is_moe(layer) else dense_pairs
+
+    def micro_batch(run: tuple[int, ...], first: bool, last: bool) -> tuple[int, int]:
+        """(what a micro-batch keeps through the blocks of `run`, its live bytes at its
+        backward's largest moment); `first`: they start from the embedding, `last`: end at
+        the loss."""
+        blocks = len(run)
+        kinds = [part(i) for i in run]
         units = recompute_units(blocks, recompute)
         # what of a run's first input and last output its neighbours keep: a recomputed unit's
         # checkpoint keeps its input; else a GPT's LayerNorm keeps it, a bf16 Llama's RMSNorm
@@ -487,7 +611,8 @@ def torch_stage_activation_bytes(layers: int, seq: int, micro_batch: int, hidden
         else:
             before = (out + 8 * s + ids + (b * s * h // w if dropout > 0 else 0)) if first else 0
             after = (out + 2 * b * s * e // w + kept_loss) if last else 0
-        kept_blocks = recompute_kept_bytes(blocks, parts, recompute)
+        key = "selective" if recompute == "selective" else "kept"
+        kept_blocks = len(units) * out if units else sum(k[key] for k in kinds)
         per_mb = before + kept_blocks + after
         grad = out  # the gradient of the stage's output (received, or the final LayerNorm's)
         if not last or (units and not parts["tail"]):
@@ -495,18 +620,23 @@ def torch_stage_activation_bytes(layers: int, seq: int, micro_batch: int, hidden
             # the bf16 Llama's final RMSNorm keeps only its fp32 copy
             per_mb -= tail
         if units:
-            moments, earlier, later = [], 0, blocks
+            moments, earlier, start = [], 0, 0
             chunked_mlp = recompute_mode == "full"  # recompute.py runs its MLP in two chunks of rows
             for size in units:
-                redo = (parts["recomputed_peak"] if chunked_mlp else
-                        size * parts["recomputed"] - parts["tail"] + parts["backward_extra"])
-                again = (size - 1) * parts["recomputed"] + parts["forward_peak"]
-                later -= size  # a split backward has kept the later units' pairs by then
-                moments.append(earlier * out + max(redo, again) + (later * pairs if split else 0))
+                unit, start = kinds[start:start + size], start + size
+                if chunked_mlp:
+                    redo = unit[0]["recomputed_peak"]
+                else:  # each block's backward, the unit's earlier blocks recomputed and alive
+                    redo = max(sum(k["recomputed"] for k in unit[:i + 1]) - parts["tail"] + unit[i]["backward_extra"]
+                               for i in range(size))
+                again = sum(k["recomputed"] for k in unit[:-1]) + unit[-1]["forward_peak"]
+                later = sum(pairs(i) for i in run[start:]) if split else 0  # kept by then by a split backward
+                moments.append(earlier * out + max(redo, again) + later)
                 earlier += 1
             current = before + max(moments) + grad
-        else:
-            current = before + kept_blocks - tail + grad + parts["backward_extra"]
+        else:  # each block's backward, the blocks before it alive
+            current = before + grad - tail + max(sum(k[key] for k in kinds[:i + 1]) + kinds[i]["backward_extra"]
+                                                 for i in range(blocks))
         # a split backward (zero-bubble, but on the first stage) keeps the head's pair in the
         # store from the loss's backward on: the logits' gradient is still held while the
         # micro-batch's blocks backward
@@ -514,19 +644,21 @@ def torch_stage_activation_bytes(layers: int, seq: int, micro_batch: int, hidden
             current += b * s * (vocab // t) * e
         current = max(current, per_mb + (loss if last else 0))
         if attention == "math":  # the forward of the last block, at its softmax
-            share = (len(units) - 1) * out if units else recompute_kept_bytes(blocks - 1, parts, recompute)
-            current = max(current, before + share + parts["forward_peak"])
+            share = (len(units) - 1) * out if units else sum(k[key] for k in kinds[:-1])
+            current = max(current, before + share + kinds[-1]["forward_peak"])
         return per_mb, current
 
     # each chunk of the stage (one, but under the interleaved schedule), as a run of its own
-    chunk = [micro_batch(n, stage == 0 and c == 0, stage == pp - 1 and c == len(runs) - 1)
-             for c, n in enumerate(runs)]
+    chunk = [micro_batch(run, stage == 0 and c == 0, stage == pp - 1 and c == len(runs) - 1)
+             for c, run in enumerate(runs)]
     # zero-bubble's store: per micro-batch between its passes, every block's linear layers'
     # pairs and, on the last stage, the head's (its input, whole under SP, and the logits' gradient)
     last_stage = stage == pp - 1
-    store = sum(runs) * pairs + (b * s * (h + vocab // t) * e if last_stage else 0)
+    held_layers = [i for run in runs for i in run]
+    store = sum(pairs(i) for i in held_layers) + (b * s * (h + vocab // t) * e if last_stage else 0)
     f = ffn or 4 * h
-    weight_grad = max(h * f, h * (vocab // t) if last_stage else 0) * e // t  # the largest ∇W a weight pass forms
+    widest = h * f if any(part(i) is parts for i in held_layers) else h * (llama.q_width if llama else h)
+    weight_grad = max(widest, h * (vocab // t) if last_stage else 0) * e // t  # the largest ∇W a weight pass forms
     peak = 0
     for c, held, stored, received, sent, weight in _chunks_at_backwards(schedule, pp, stage, microbatches, chunks):
         # the micro-batches in flight keep theirs, the one backwarded is at its largest; those

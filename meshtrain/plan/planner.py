@@ -77,11 +77,15 @@ def check(work: Workload, lay: Layout, gpus: int | None = None) -> None:
                         "segments[:K]") from None
     if work.attention not in ("sdpa", "math"):
         raise PlanError(f"unknown attention '{work.attention}'; use --attention sdpa | math")
-    splits = [(shape.heads, "heads"), (shape.kv_heads or shape.heads, "key/value heads"),
-              (shape.ffn_width, "MLP width"), (shape.vocab, "vocabulary")]
+    splits = [(shape.heads, "heads"), (shape.kv_heads or shape.heads, "key/value heads"), (shape.vocab, "vocabulary")]
+    if shape.kind != "moe" or shape.moe_layers < shape.layers:  # a MoE's experts stay whole over tp
+        splits.insert(2, (shape.ffn_width, "MLP width" if shape.kind != "moe" else "dense MLP width"))
     for size, what in splits:
         if size % lay.tp:
             raise PlanError(f"--tp {lay.tp} does not divide the {size} {what}; use --tp {_divisors(size)}")
+    if shape.kind == "moe" and shape.qk_norm == "projection" and lay.tp > 1:
+        raise PlanError("the model normalises queries and keys over the whole projection (OLMoE), whose statistics "
+                        "tensor parallelism would split over ranks (not built yet); use --tp 1")
     if lay.cp > 1:
         _check_context(work, lay)
     if lay.sp and lay.tp == 1:
@@ -137,6 +141,10 @@ class Device:
         self._where = dict(tp=lay.tp, pp=lay.pp, chunks=lay.chunks, stage_layers=lay.stage_layer_counts())
         self.fused_blocks = work.device == "cpu"  # `parallel.context.fused_blocks`
 
+    def layers_on(self, stage: int) -> tuple[int, ...]:
+        """The indices of the blocks stage `stage` holds."""
+        return memory.stage_layers(self.shape, stage=stage, **self._where)
+
     def blocks_on(self, stage: int) -> int:
         return memory.device_params(self.shape, stage=stage, **self._where)[0]
 
@@ -151,6 +159,9 @@ class Device:
 
     def whole_params(self, stage: int) -> int:
         return memory.whole_params(self.shape, stage=stage, **self._where)
+
+    def partial_params(self, stage: int) -> int:
+        return memory.partial_params(self.shape, stage=stage, **self._where)
 
     def distinct_stages(self) -> list[int]:
         """One stage of each kind (first, last, and per block count between): the others are
@@ -168,6 +179,18 @@ class Device:
 
     # ---- memory ---------------------------------------------------------------------------
 
+    def experts(self, stage: int) -> dict:
+        """A MoE's figures beside the contract's: the parameters a token passes through
+        (`n_active_params`), and where the experts' memory sits — the experts' parameters on
+        a device of stage `stage` (whole over tp, split by pp's cut and by ZeRO/FSDP over the
+        dp × cp replicas like any parameter) and their share of its model states."""
+        lay = self.layout
+        params = memory.expert_params_per_device(self.shape, stage=stage, **self._where)
+        states = memory.model_state_bytes(params, lay.zero, self.replicas, precision=lay.precision,
+                                          grad_dtype=lay.grad_dtype, accounting=self.accounting)
+        return {"n_active_params": self.shape.active_params(), "expert_params_per_device": params,
+                "expert_state_bytes": states["total"]}
+
     def model_states(self, stage: int) -> dict[str, float]:
         lay = self.layout
         # ZeRO-3 holds two blocks gathered at its peak, or all of them with --keep-gathered
@@ -179,22 +202,39 @@ class Device:
 
     def _torch_terms(self) -> dict:
         sh, lay = self.shape, self.layout
-        llama = (memory.LlamaDims(q_width=sh.heads * sh.head_size, kv_width=sh.kv_width, head_dim=sh.head_size)
-                 if sh.kind == "llama" else None)
+        llama = (memory.LlamaDims(q_width=sh.q_width, kv_width=sh.kv_width, head_dim=sh.head_size,
+                                  qk_norm=sh.qk_norm) if sh.kind in ("llama", "moe") else None)
         return dict(element_bytes=self.element_bytes, attention=self.work.attention, dropout=self.work.dropout,
                     ffn=sh.ffn_width, tp=lay.tp, sp=lay.sp, llama=llama,
                     cp_mode=lay.cp_mode if lay.cp > 1 else None)
 
+    def moe_dims(self) -> memory.MoEDims | None:
+        """A MoE model's experts as the `torch` accounting takes them (None: no experts)."""
+        sh = self.shape
+        if sh.kind != "moe":
+            return None
+        return memory.MoEDims(sh.experts, sh.top_k, sh.expert_ffn, shared_ffn=sh.shared_ffn, norm_topk=sh.norm_topk,
+                              aux_rows=sh.aux_rows, dense_layers=sh.dense_layers)
+
     def activation_per_layer(self) -> float:
         """What one block keeps for backward, per micro-batch, under the layout's recompute
-        mode (full and segments: its input — for segments, spread over the segment)."""
+        mode (full and segments: its input — for segments, spread over the segment). A MoE
+        model's: a MoE layer's (its repeated block; `activation_per_block` for a dense one)."""
+        layer = next((i for i in range(self.shape.layers) if self.shape.is_moe(i)), 0)
+        return self.activation_per_block(layer)
+
+    def activation_per_block(self, layer: int) -> float:
+        """`activation_per_layer` of block `layer`'s kind (a MoE's dense or MoE layers)."""
         s, b, sh, lay = self.seq, self.micro_batch, self.shape, self.layout
         mode = self.recompute_mode
+        moe = self.moe_dims() if sh.is_moe(layer) else None
         if self.accounting == "paper":
             return memory.activation_bytes_per_layer(
                 s, b, sh.hidden, sh.heads, tp=lay.tp, sp=lay.sp, recompute="full" if mode == "segments" else mode,
-                attention=self.work.attention, kv_width=sh.kv_width, ffn=sh.ffn_width, swiglu=sh.kind == "llama")
-        parts = memory.block_parts(s, b, sh.hidden, sh.heads, fused_blocks=self.fused_blocks, **self._torch_terms())
+                attention=self.work.attention, kv_width=sh.kv_width, ffn=sh.ffn_width, swiglu=sh.kind != "gpt",
+                q_width=sh.q_width if sh.kind != "gpt" else None, moe=moe)
+        parts = memory.block_parts(s, b, sh.hidden, sh.heads, fused_blocks=self.fused_blocks, moe=moe,
+                                   **self._torch_terms())
         blocks = self.blocks_on(0)
         return memory.recompute_kept_bytes(blocks, parts, lay.recompute) / blocks
 
@@ -210,18 +250,20 @@ class Device:
                 sh.layers, self.seq, self.micro_batch, sh.hidden, sh.heads, sh.vocab, recompute=lay.recompute,
                 pp=lay.pp, stage=stage, schedule=lay.schedule, microbatches=lay.microbatches, chunks=lay.chunks,
                 stage_layers=tuple(lay.stage_layer_counts() or ()) or None, fused_blocks=self.fused_blocks,
-                **self._torch_terms())
+                moe=self.moe_dims(), **self._torch_terms())
         held = memory.in_flight(lay.pp - stage, lay.microbatches, lay.schedule, lay.chunks) if lay.pp > 1 else 1
-        blocks = self.blocks_on(stage)
+        layers = self.layers_on(stage)
+        per_block = sum(self.activation_per_block(i) for i in layers)  # each block's kind
         if self.recompute_mode == "none":
-            return held * blocks * self.activation_per_layer()
-        full = memory.activation_bytes_per_layer(self.seq, self.micro_batch, sh.hidden, sh.heads, tp=lay.tp,
-                                                 sp=lay.sp, attention=self.work.attention, kv_width=sh.kv_width,
-                                                 ffn=sh.ffn_width, swiglu=sh.kind == "llama")
+            return held * per_block
+        full = max(memory.activation_bytes_per_layer(
+            self.seq, self.micro_batch, sh.hidden, sh.heads, tp=lay.tp, sp=lay.sp, attention=self.work.attention,
+            kv_width=sh.kv_width, ffn=sh.ffn_width, swiglu=sh.kind != "gpt", q_width=sh.q_width if sh.kind != "gpt"
+            else None, moe=self.moe_dims() if sh.is_moe(i) else None) for i in layers)
         if self.recompute_mode == "segments":
             segments = self.recomputed_units(stage)
-            return held * len(segments) * self.activation_per_layer() + max(segments) * full
-        return held * blocks * self.activation_per_layer() + full
+            return held * len(segments) * per_block / len(layers) + max(segments) * full
+        return held * per_block + full
 
     # ---- time -------------------------------------------------------------------------------
 
@@ -235,21 +277,29 @@ class Device:
     def micro_batch_times(self, machine, stage: int) -> tuple[float, float]:
         """(forward, backward) seconds of one micro-batch on stage `stage`, compute only."""
         sh, lay, b, s, t = self.shape, self.layout, self.micro_batch, self.seq, self.layout.tp
-        dtype, h, f, kv = lay.precision, sh.hidden, sh.ffn_width, sh.kv_width
+        dtype, h = lay.precision, sh.hidden
         rows = b * s
-        q = sh.heads * sh.head_size  # h, but for a Llama whose head_dim is not h/heads
-        matrices = [(rows, h, (q + 2 * kv) // t), (rows, q // t, h)]
-        matrices += [(rows, h, 2 * f // t), (rows, f // t, h)] if sh.kind == "llama" else \
-            [(rows, h, f // t), (rows, f // t, h)]
-        linear = sum(machine.matmul_time(m, k, n, dtype) for m, k, n in matrices)
         core = self.attention_core_time(machine)
-        traffic_bytes = 2 * memory.torch_activation_bytes_per_layer(s, b, h, sh.heads, **self._torch_terms())
-        elementwise = machine.elementwise_time(traffic_bytes)
-        ops = OPS_PER_BLOCK * machine.op_overhead_s
-        block_f = linear + core + elementwise + ops
-        recompute = {"none": 0.0, "selective": core + elementwise / 2 + ops / 2}.get(self.recompute_mode, block_f)
-        blocks = self.blocks_on(stage)
-        fwd, bwd = blocks * block_f, blocks * (2 * block_f + recompute)
+        kinds = {}  # a block's forward time by kind (dense, MoE)
+        fwd = bwd = 0.0
+        for layer in self.layers_on(stage):
+            moe = sh.is_moe(layer)
+            if moe not in kinds:
+                linear = sum(machine.matmul_time(m, k, n, dtype) for m, k, n in self._matrices(moe))
+                if moe:  # the experts' grouped products: E groups of the k·n rows, balanced
+                    n = rows // (t if lay.sp else 1)
+                    r = max(1, sh.top_k * n // sh.experts)
+                    linear += sum(machine.matmul_time(r, k, m, dtype, batch=sh.experts)
+                                  for k, m in ((h, 2 * sh.expert_ffn), (sh.expert_ffn, h)))
+                traffic_bytes = 2 * memory.torch_activation_bytes_per_layer(
+                    s, b, h, sh.heads, moe=self.moe_dims() if moe else None, **self._torch_terms())
+                elementwise = machine.elementwise_time(traffic_bytes)
+                ops = (OPS_PER_BLOCK + (OPS_PER_MOE if moe else 0)) * machine.op_overhead_s
+                block_f = linear + core + elementwise + ops
+                recompute = {"none": 0.0, "selective": core + elementwise / 2 + ops / 2}.get(self.recompute_mode,
+                                                                                             block_f)
+                kinds[moe] = (block_f, 2 * block_f + recompute)
+            fwd, bwd = fwd + kinds[moe][0], bwd + kinds[moe][1]
         if self.has_head(stage):
             head = machine.matmul_time(rows, h, sh.vocab // t, dtype)
             loss = machine.elementwise_time(2 * 3 * rows * sh.vocab // t * 4) + OPS_OUTSIDE * machine.op_overhead_s
@@ -257,6 +307,21 @@ class Device:
         if self.has_embedding(stage):
             fwd += machine.elementwise_time(2 * rows * h * self.element_bytes) + OPS_OUTSIDE * machine.op_overhead_s
         return fwd, bwd
+
+    def _matrices(self, moe: bool) -> list[tuple[int, int, int]]:
+        """The (m, k, n) of a block's linear layers on one rank: the attention's split by tp;
+        a dense MLP's split by tp (a GPT's two, SwiGLU's three); a MoE layer's router and
+        shared expert whole, on the rank's tokens (its share under SP), its experts apart."""
+        sh, t = self.shape, self.layout.tp
+        rows, h, f, kv, q = self.micro_batch * self.seq, sh.hidden, sh.ffn_width, sh.kv_width, sh.q_width
+        matrices = [(rows, h, (q + 2 * kv) // t), (rows, q // t, h)]
+        if moe:
+            n = rows // (t if self.layout.sp else 1)
+            shared = [(n, h, 2 * sh.shared_ffn), (n, sh.shared_ffn, h)] if sh.shared_ffn else []
+            return matrices + [(n, h, sh.experts)] + shared
+        if sh.kind == "gpt":
+            return matrices + [(rows, h, f // t), (rows, f // t, h)]
+        return matrices + [(rows, h, 2 * f // t), (rows, f // t, h)]
 
 
 # Zero-bubble's input pass's share of a split stage's backward, B ÷ (B + W), as `train
@@ -276,6 +341,7 @@ def zero_bubble_split(stage: int, forward: float, backward: float) -> tuple[floa
 
 
 OPS_PER_BLOCK = 30  # eager operators of one block's forward (its backward: twice as many nodes)
+OPS_PER_MOE = 30  # a MoE layer's more: routing, sorting, gathering, weighting, summing back, its balancing loss
 OPS_OUTSIDE = 10  # the embedding's, or the head's and the loss's
 
 
@@ -359,7 +425,8 @@ def _optimizer_time(machine, d: Device, stage: int, states: dict) -> float:
     state read and written, plus a few dispatches."""
     lay = d.layout
     params = d.params_on(stage) / (d.replicas if lay.zero >= 1 else 1)
-    tensors = d.blocks_on(stage) * d.shape.layer_tensors() + d.shape.outside_tensors(
+    layers = d.layers_on(stage)
+    tensors = sum(d.shape.layer_tensors(i) for i in layers) + d.shape.outside_tensors(
         d.has_embedding(stage), d.has_head(stage))
     measured = getattr(machine, "optimizer_time", lambda *_: None)(params, tensors)  # a profile's, if it has one
     if measured is not None:
@@ -440,6 +507,7 @@ def plan(work: Workload, lay: Layout, machine, *, memory_bytes: float | None = N
         "mfu": flops / (step * lay.world_size * peak_flops) if peak_flops else None,
         "micro_batch_size": d.micro_batch,
         "worst_stage": worst,
+        **(d.experts(worst) if d.shape.kind == "moe" else {}),
         "time_s": {"compute": compute, "tp_pp": moving - context_exposed, "cp_exposed": context_exposed,
                    "bubble": pipeline - compute - moving,
                    "dp_exposed": dp_time - hidden, "optimizer": optimizer, "scalars": scalars},

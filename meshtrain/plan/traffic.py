@@ -48,30 +48,60 @@ def _ag(nbytes: float, n: int, calls: float, kind: str = "all_gather") -> list[T
     return [Transfer(kind, all_gather_bytes(nbytes, n), calls)] if n > 1 and calls else []
 
 
+def _regions(d, stage: int) -> tuple[list[int], list[int]]:
+    """Per block of the stage, its tensor-parallel regions (attention and MLP: 2; a MoE
+    layer's attention only: 1), and per recomputed unit the reductions its recomputation
+    repeats: its forward reductions but the last, when the unit ends with a dense block's
+    MLP (non-reentrant checkpointing stops once the last tensor saved for backward is
+    rebuilt; the trainer's counts, held equal by a test); all of them when it ends with a
+    MoE layer, whose experts save tensors after its attention's reduction."""
+    layers = d.layers_on(stage)
+    regions = [1 if d.shape.is_moe(i) else 2 for i in layers]
+    repeated, start = [], 0
+    for size in d.recomputed_units(stage):
+        unit, start = layers[start:start + size], start + size
+        repeated.append(sum(regions[layers.index(i)] for i in unit) - (0 if d.shape.is_moe(unit[-1]) else 1))
+    return regions, repeated
+
+
+def aux_sums(d, stage: int) -> tuple[int, int]:
+    """(bytes, calls) per micro-batch of the all-reduces of the stage's MoE layers'
+    balancing sums over the ranks holding other tokens of the same rows (tp under SP, cp):
+    [groups, 3, E] fp32 each, forward and backward, and again when a block is recomputed."""
+    sh = d.shape
+    if sh.kind != "moe" or not sh.aux_rows:
+        return 0, 0
+    layers = [i for i in d.layers_on(stage) if sh.is_moe(i)]
+    calls = len(layers) * (3 if d.recompute_mode in ("full", "segments") else 2)
+    return d.micro_batch // sh.aux_rows * 3 * sh.experts * 4, calls
+
+
 def tp_transfers(d, stage: int) -> list[Transfer]:
     """Tensor-parallel traffic of pipeline stage `stage` (`d`: a `planner.Device`)."""
     lay, t = d.layout, d.layout.tp
     if t == 1:
         return []
     m, act = lay.microbatches, d.micro_batch * d.seq * d.shape.hidden * d.element_bytes
-    blocks, ends = d.blocks_on(stage), int(d.has_embedding(stage)) + int(d.has_head(stage))
-    # What recomputation repeats of a region of r blocks: its forward reductions but the last,
-    # 2r − 1 (non-reentrant checkpointing stops once the last tensor saved for backward is
-    # rebuilt; the trainer's counts, held equal by a test).
-    regions = d.recomputed_units(stage)
+    ends = int(d.has_embedding(stage)) + int(d.has_head(stage))
+    # What recomputation repeats of a unit of blocks: its forward reductions but the last
+    # (`_regions`).
+    regions, repeated = _regions(d, stage)
     out = []
     if lay.sp:
         # forward: gather before attention and MLP, scatter after; backward: the reverse, and
         # each column layer gathers its input again for its weight gradient. The embedding
         # scatters (backward: gathers), the head gathers (backward: scatters, gathers again).
         # A recomputed block gathers its inputs again in the recomputation instead of for its
-        # weight gradients: as many gathers; its scatters but the region's last run again.
-        gathers = 6 * blocks + 2 * int(d.has_head(stage)) + int(d.has_embedding(stage))
-        scatters = 4 * blocks + ends + sum(2 * r - 1 for r in regions)
+        # weight gradients: as many gathers; its scatters but the unit's last run again.
+        gathers = 3 * sum(regions) + 2 * int(d.has_head(stage)) + int(d.has_embedding(stage))
+        scatters = 2 * sum(regions) + ends + sum(repeated)
         out += _ag(act, t, m * gathers) + _ag(act, t, m * scatters, "reduce_scatter")
         out += _ar(d.whole_params(stage) * d.grad_bytes, t, 1)
+        nbytes, calls = aux_sums(d, stage)
+        out += _ar(nbytes, t, m * calls)
     else:
-        out += _ar(act, t, m * (4 * blocks + ends + sum(2 * r - 1 for r in regions)))
+        out += _ar(act, t, m * (2 * sum(regions) + ends + sum(repeated)))
+        out += _ar(d.partial_params(stage) * d.grad_bytes, t, 1)  # a MoE's per-head q/k norms
     if d.has_head(stage):
         out += _ar(d.micro_batch * d.seq * 4, t, 3 * m)  # the loss's max, target logit and sum of exponentials
     return out
@@ -119,10 +149,12 @@ def cp_transfers(d, stage: int) -> list[Transfer]:
     if lay.cp_mode == "ulysses":
         sent = all_to_all_attention_bytes(d.blocks_on(stage), rows, seq, width, kv, lay.cp,
                                           element_bytes=d.element_bytes, recomputed=recomputed)
-        return [Transfer("all_to_all", sent, 1)]
+        nbytes, calls = aux_sums(d, stage)
+        return [Transfer("all_to_all", sent, 1)] + _ar(nbytes, lay.cp, lay.microbatches * calls)
     sent = ring_attention_bytes(d.blocks_on(stage), rows, seq, kv, lay.cp, element_bytes=d.element_bytes,
                                 recomputed=recomputed)
-    return [Transfer("send", sent, 1)]
+    nbytes, calls = aux_sums(d, stage)
+    return [Transfer("send", sent, 1)] + _ar(nbytes, lay.cp, lay.microbatches * calls)
 
 
 def transfers(d, stage: int) -> dict[str, list[Transfer]]:
