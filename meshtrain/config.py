@@ -38,7 +38,7 @@ class ModelConfig:
     dropout: float = 0.0  # on the embedding, attention output, MLP output (and attention probabilities on `math`)
     attention: str = "sdpa"
     mlp_hidden: str = ""  # the MLP's hidden widths, e.g. "1024,1024"; empty: the preset's
-    init_from: str | None = None  # a Hugging Face Llama folder: its architecture, weights and tokenizer
+    init_from: str | None = None  # a Hugging Face folder (Llama, Mixtral, Qwen3-MoE, OLMoE): its architecture, weights, tokenizer
     # A mixture-of-experts preset's routing and balancing (None: the preset's own).
     moe_balance: str | None = None  # sequence | batch | bias | none
     moe_aux_coef: float | None = None
@@ -123,7 +123,8 @@ class Config:
 # (flag, section, field, type, help) — the command-line contract of DESIGN.md.
 FLAGS = [
     ("--model", "model", "name", str, f"model preset: {', '.join(PRESETS)}"),
-    ("--init-from", "model", "init_from", str, "a Hugging Face Llama folder (config.json, safetensors, "
+    ("--init-from", "model", "init_from", str, "a Hugging Face folder of a Llama, Mixtral, Qwen3-MoE or OLMoE "
+     "(config.json, safetensors, "
      "tokenizer.json): train from its weights, on --data tokenized by its tokenizer (the model and its vocabulary "
      "are that folder's: --vocab-size is refused, --seq-len up to its max_position_embeddings)"),
     ("--dropout", "model", "dropout", float, "dropout probability of the GPT, in [0, 1); masks drawn per sample "

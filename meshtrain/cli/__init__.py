@@ -122,7 +122,8 @@ def build_parser(plan_flags: bool = True) -> argparse.ArgumentParser:
     exp.add_argument("--ckpt", required=True, metavar="DIR", help="a checkpoint folder (OUT/step-N)")
     exp.add_argument("--out", required=True, metavar="DIR", help="where to write the weights")
     exp.add_argument("--max-shard-gb", type=float, default=2.0, help="largest weight file, in GB (default 2)")
-    exp.add_argument("--hf", action="store_true", help="a folder transformers loads (Llama-architecture models); "
+    exp.add_argument("--hf", action="store_true", help="a folder transformers loads (Llama, and the MoE as Mixtral, Qwen3-MoE "
+                     "or OLMoE); "
                      "--ckpt may then also be a run's --out or a plain export")
     exp.add_argument("--dtype", default=None, help="bf16|fp32: the weights' dtype (default: with --hf the run's "
                      "--precision, else the saved fp32 master weights)")
@@ -675,7 +676,7 @@ def _export(args) -> int:
 
 
 def _export_hf(ckpt: Path, out: Path, dtype, max_shard_bytes: int) -> int:
-    """A Llama checkpoint (or run folder, or plain export) as a complete Hugging Face folder."""
+    """A Llama or MoE checkpoint (or run folder, or plain export) as a complete Hugging Face folder."""
     from meshtrain.cli.hf_export import export_hf
     files = export_hf(ckpt, out, dtype=dtype, max_shard_bytes=max_shard_bytes, log=_log)
     written = sorted(name for name in (*SIDE_FILES, TOKENIZER) if (out / name).is_file())

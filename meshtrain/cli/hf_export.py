@@ -34,9 +34,7 @@ def export_hf(ckpt: Path, out: Path, *, dtype: torch.dtype | None = None, max_sh
     if not family.hf_folders:
         raise ValueError(f"--hf writes a model of an architecture transformers has (Llama, Mixtral, Qwen3-MoE, "
                          f"OLMoE); {ckpt} holds {saved.config.model.name}: export it without --hf")
-    spec, moe = saved.spec, saved.config.model.moe_options()
-    if moe:  # the run's --moe-* flags (its balancing decides what state it saved)
-        spec = family.with_options(spec, moe=moe)
+    spec = saved.spec  # with the run's --moe-* flags (`describe`): its balancing decides what state it saved
     shapes, read = weights_of(ckpt)
     wanted = hf.our_weights(spec, saved.vocab_size)
     tied = hf.tied_copies(spec, saved.vocab_size)

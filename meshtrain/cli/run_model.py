@@ -18,8 +18,8 @@ from meshtrain.checkpoint.weights import WEIGHTS_FILE, is_hf_export, save_weight
 from meshtrain.config import Config
 from meshtrain.data.tokenizer import TOKENIZER_FILE, ByteTokenizer, load_tokenizer
 from meshtrain.hf import CONFIG, load_hf, side_files, spec_from_config
-from meshtrain.recipes import PUBLISHED, is_preset, is_published, spec_of
-from meshtrain.models.specs import LlamaSpec
+from meshtrain.recipes import PUBLISHED, family_of, is_preset, is_published, spec_of
+from meshtrain.parallel.state import persistent_buffers
 
 
 def save_model(out: Path, state: dict[str, torch.Tensor], cfg: Config, data) -> None:
@@ -84,6 +84,8 @@ def describe(ckpt: Path) -> Saved:
         spec, vocab = spec_from_config(imported[CONFIG], str(folder / CONFIG))
     else:
         spec = _preset(cfg)
+    if cfg.model.moe_options():  # a mixture of experts' --moe-* flags: its balancing decides what state it saved
+        spec = family_of(spec).with_options(spec, moe=cfg.model.moe_options())
     tokenizer = ckpt / TOKENIZER_FILE if (ckpt / TOKENIZER_FILE).is_file() else None
     return Saved(cfg, vocab, spec, imported, tokenizer)
 
@@ -106,7 +108,6 @@ def load_model(ckpt: Path, device="cpu"):
     read in fp32."""
     from meshtrain.checkpoint import export
     from meshtrain.recipes.build import build_model
-    from meshtrain.models.llama import Llama
 
     ckpt = Path(ckpt)
     if is_hf_export(ckpt):
@@ -116,13 +117,16 @@ def load_model(ckpt: Path, device="cpu"):
     if cfg.model.name == "mlp":
         raise ValueError("--ckpt holds the digits MLP, which does not generate text")
     shapes, read = export.weights_of(ckpt)
-    if isinstance(saved.spec, LlamaSpec):  # no buffers: built on meta, filled from the saved weights
+    family = family_of(saved.spec)
+    if family.hf_folders:  # Llama, MoE (maybe --init-from's, no preset): built on meta, filled from the saved state
         with torch.device("meta"):
-            model = Llama(saved.spec, saved.vocab_size)
+            model = family.build(saved.spec, vocab_size=saved.vocab_size)
         model.to_empty(device="cpu")
+        for b in model.buffers():  # running state (a router's load count); what was saved is read below
+            b.zero_()
         if saved.spec.tie_embeddings:
             model.lm_head.weight = model.embed_tokens.weight
-        names = dict(model.named_parameters())
+        names = dict(model.named_parameters()) | dict(persistent_buffers(model))
         missing = sorted(set(names) - set(shapes))
         if missing:
             raise ValueError(f"--ckpt {ckpt}: no {missing[0]}, a weight of the run's model ({cfg.model.name})")
@@ -137,12 +141,13 @@ def load_model(ckpt: Path, device="cpu"):
 
 
 def _load_hf_export(folder: Path, device):
-    """A Hugging Face folder's Llama in fp32, its tokenizer (tokenizer.json; the byte
-    tokenizer for a 256-token vocabulary) and a configuration saying its context length."""
+    """A Hugging Face folder's model (a Llama, Mixtral, Qwen3-MoE or OLMoE) in fp32, its
+    tokenizer (tokenizer.json; the byte tokenizer for a 256-token vocabulary) and a
+    configuration saying its family and context length."""
     model = load_hf(folder)
     if model.vocab_size != ByteTokenizer.vocab_size and not (folder / TOKENIZER_FILE).is_file():
         raise FileNotFoundError(f"--ckpt {folder}: a Hugging Face folder without {TOKENIZER_FILE}; put the "
                                 f"model's tokenizer.json there")
     cfg = Config()
-    cfg.model.name, cfg.model.init_from, cfg.train.seq_len = "llama", str(folder), model.spec.max_seq_len
+    cfg.model.name, cfg.model.init_from, cfg.train.seq_len = model.spec.kind, str(folder), model.spec.max_seq_len
     return model.to(device).eval(), load_tokenizer(folder, model.vocab_size), cfg
