@@ -13,6 +13,7 @@ process that trains it); and once `moe-small` (d 256, experts 352 wide), whose M
 peak at the weighting's backward."""
 
 import dataclasses
+import json
 
 import pytest
 
@@ -25,9 +26,144 @@ from meshtrain.recipes import PRESETS, PUBLISHED, family_of, shape_of
 VOCAB = 256
 # The released checkpoints' parameter counts (their safetensors indexes: bytes ÷ 2 in bf16),
 # and what their model cards call them active per token, in billions.
-MOE_COUNTS = {"mixtral-8x7b": (46_702_792_704, 12.9), "mixtral-8x22b": (140_630_071_296, 39.2),
-              "qwen3-30b-a3b": (30_532_122_624, 3.35), "qwen3-235b-a22b": (235_093_634_560, 22.2),
-              "olmoe-1b-7b": (6_919_161_856, 1.28)}
+MOE_COUNTS = {"mixtral-8x7b": (46_702_792_704, 12.9), "mixtral-8x22b": (140_630_071_296, 39),
+              "qwen3-30b-a3b": (30_532_122_624, 3.3), "qwen3-235b-a22b": (235_093_634_560, 22),
+              "olmoe-1b-7b": (6_919_161_856, 1.3)}
+
+
+# Their config.json files' keys that make the spec (what `moe_hf.spec_from_config` reads).
+CONFIGS = {
+    "mixtral-8x7b": {"model_type": "mixtral", "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+                     "num_attention_heads": 32, "num_key_value_heads": 8, "num_local_experts": 8,
+                     "num_experts_per_tok": 2, "max_position_embeddings": 32768, "rope_theta": 1e6,
+                     "rms_norm_eps": 1e-5, "router_aux_loss_coef": 0.02, "sliding_window": None, "vocab_size": 32000,
+                     "tie_word_embeddings": False, "hidden_act": "silu"},
+    "mixtral-8x22b": {"model_type": "mixtral", "hidden_size": 6144, "intermediate_size": 16384, "num_hidden_layers": 56,
+                      "num_attention_heads": 48, "num_key_value_heads": 8, "num_local_experts": 8,
+                      "num_experts_per_tok": 2, "max_position_embeddings": 65536, "rope_theta": 1e6,
+                      "rms_norm_eps": 1e-5, "router_aux_loss_coef": 0.001, "sliding_window": None,
+                      "vocab_size": 32768, "tie_word_embeddings": False, "hidden_act": "silu"},
+    "qwen3-30b-a3b": {"model_type": "qwen3_moe", "hidden_size": 2048, "intermediate_size": 6144,
+                      "moe_intermediate_size": 768, "num_hidden_layers": 48, "num_attention_heads": 32,
+                      "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128, "num_experts_per_tok": 8,
+                      "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+                      "max_position_embeddings": 40960, "rope_theta": 1e6, "rms_norm_eps": 1e-6,
+                      "router_aux_loss_coef": 0.001, "use_sliding_window": False, "sliding_window": None,
+                      "vocab_size": 151936, "tie_word_embeddings": False, "attention_bias": False, "hidden_act": "silu"},
+    "qwen3-235b-a22b": {"model_type": "qwen3_moe", "hidden_size": 4096, "intermediate_size": 12288,
+                        "moe_intermediate_size": 1536, "num_hidden_layers": 94, "num_attention_heads": 64,
+                        "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128, "num_experts_per_tok": 8,
+                        "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+                        "max_position_embeddings": 40960, "rope_theta": 1e6, "rms_norm_eps": 1e-6,
+                        "router_aux_loss_coef": 0.001, "use_sliding_window": False, "sliding_window": None,
+                        "vocab_size": 151936, "tie_word_embeddings": False, "attention_bias": False,
+                        "hidden_act": "silu"},
+    "olmoe-1b-7b": {"model_type": "olmoe", "hidden_size": 2048, "intermediate_size": 1024, "num_hidden_layers": 16,
+                    "num_attention_heads": 16, "num_key_value_heads": 16, "num_experts": 64, "num_experts_per_tok": 8,
+                    "norm_topk_prob": False, "max_position_embeddings": 4096, "rope_theta": 10000.0,
+                    "rms_norm_eps": 1e-5, "router_aux_loss_coef": 0.01, "vocab_size": 50304, "clip_qkv": None,
+                    "tie_word_embeddings": False, "attention_bias": False, "hidden_act": "silu"},
+}
+
+
+@pytest.mark.parametrize("name, vocab", [("moe-test", 256), ("moe-small", 2048), ("moe-tied", 256)])
+def test_the_planners_counts_are_the_built_models(name, vocab):
+    """Every block's parameters, the total and the active ones (all but the k of E experts a
+    token does not take), equal to the model's; a tied head counted once."""
+    spec = (dataclasses.replace(PRESETS["moe-test"], tie_embeddings=True, shared_ffn_dim=16) if name == "moe-tied"
+            else PRESETS[name])
+    shape = family_of(spec).shape(spec, vocab)
+    model = family_of(spec).build(spec, vocab_size=vocab)
+    assert shape.n_params() == sum(p.numel() for p in model.parameters())
+    for i, block in enumerate(model.layers):
+        assert shape.block_params(i) == sum(p.numel() for p in block.parameters()), i
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    assert shape.active_params() == shape.n_params() - experts * (spec.n_experts - spec.top_k) // spec.n_experts
+
+
+@pytest.mark.parametrize("name", MOE_COUNTS)
+def test_published_moe_shapes_have_their_checkpoints_counts(name):
+    """The planner's count is the checkpoint's, and the model built on the meta device holds
+    as many; the active parameters are what the model cards say."""
+    import torch
+
+    spec, vocab = PUBLISHED[name]
+    total, active = MOE_COUNTS[name]
+    assert shape_of(name).n_params() == total
+    assert shape_of(name).active_params() == pytest.approx(active * 1e9, rel=0.025)
+    with torch.device("meta"):
+        model = family_of(spec).build(spec, vocab_size=vocab)
+    assert sum(p.numel() for p in model.parameters()) == total
+
+
+def test_published_moe_specs_are_what_their_config_json_reads():
+    """Each published spec is what `--init-from` a folder of those weights reads."""
+    from meshtrain.recipes.moe_hf import spec_from_config
+
+    assert set(CONFIGS) == set(MOE_COUNTS) == {n for n, (s, _) in PUBLISHED.items() if s.kind == "moe"}
+    for name, config in CONFIGS.items():
+        assert spec_from_config(config, name) == PUBLISHED[name], name
+
+
+@pytest.mark.parametrize("name", ["moe-test", "moe-small", *MOE_COUNTS])
+def test_model_flops_are_the_recipes(name):
+    """The plan's model FLOPs (and so its MFU) are the recipe's `flops_per_step`, the
+    trainer's MFU numerator: the active parameters, the router, the attention core."""
+    spec, vocab = PUBLISHED[name] if name in PUBLISHED else (PRESETS[name], 2048)
+    family = family_of(spec)
+    for batch, seq in ((8, 128), (3, 1000)):
+        assert model_flops(family.shape(spec, vocab), batch, seq) == pytest.approx(
+            family.flops_per_step(spec, batch, seq, vocab_size=vocab), rel=1e-12)
+
+
+def test_expert_memory_is_whole_over_tp_and_split_by_zero_and_pp():
+    """Where a MoE's memory sits: the experts are replicated over tp (only attention and the
+    dense layers' MLPs are split), cut by pp with their layers and sharded by ZeRO over dp."""
+    from meshtrain.parallel.options import Layout
+
+    shape = shape_of("qwen3-30b-a3b")
+    work = Workload(shape, 64, 4096)
+    one = Device(work, Layout(dp=8, precision="bf16")).experts(0)
+    assert one["expert_params_per_device"] == 48 * shape.expert_params()
+    assert one["n_active_params"] == shape.active_params()
+    tp = Device(work, Layout(dp=4, tp=2, precision="bf16")).experts(0)
+    assert tp["expert_params_per_device"] == one["expert_params_per_device"]
+    pp = Device(work, Layout(dp=2, pp=4, microbatches=4, precision="bf16"))
+    assert pp.experts(0)["expert_params_per_device"] == 12 * shape.expert_params()
+    zero = Device(work, Layout(dp=8, zero=3, precision="bf16"))
+    assert zero.experts(0)["expert_state_bytes"] == pytest.approx(one["expert_state_bytes"] / 8)
+    assert Device(work, Layout(dp=4, tp=2, precision="bf16")).params_on(0) > one["expert_params_per_device"]
+
+
+def _plan(capsys, *args):
+    from meshtrain.cli import main
+
+    code = main(["plan", *map(str, args), "--json"])
+    out = capsys.readouterr()
+    return code, (json.loads(out.out.strip().splitlines()[-1]) if code == 0 else None), out.err
+
+
+def test_plan_of_a_moe_preset_and_a_search_of_a_published_one(capsys):
+    """`plan --model moe-small` prints its report and the contract's keys with the MoE's
+    active parameters and expert memory; `plan --search` of Qwen3-30B-A3B on 16 GPUs ranks
+    layouts; OLMoE's whole-projection q/k norm is refused under tp in one line, and never
+    searched with it."""
+    code, got, err = _plan(capsys, "--model", "moe-small", "--tp", "2", "--sp")
+    assert code == 0, err
+    spec = PRESETS["moe-small"]
+    assert got["n_params"] == shape_of("moe-small", 2048).n_params() and got["n_active_params"] < got["n_params"]
+    assert got["flops_per_step"] == pytest.approx(family_of(spec).flops_per_step(spec, 8, 128, vocab_size=2048))
+    assert got["expert_params_per_device"] == 7 * shape_of("moe-small").expert_params()
+    assert "moe-small: " in err and "predicted step time" in err and "meshtrain train --model moe-small" in err
+    code, got, err = _plan(capsys, "--model", "qwen3-30b-a3b", "--gpus", "16", "--batch-size", "64", "--seq-len",
+                           "4096", "--precision", "bf16", "--search", "--top", "3")
+    assert code == 0, err
+    assert got["search"]["fit"] > 0 and len(got["search"]["top"]) == 3 and "the best, explained" in err
+    code, _, err = _plan(capsys, "--model", "olmoe-1b-7b", "--tp", "2")
+    assert code == 2 and "whole projection" in err and "--tp 1" in err and len(err.strip().splitlines()) == 1, err
+    code, got, err = _plan(capsys, "--model", "olmoe-1b-7b", "--gpus", "8", "--batch-size", "32", "--precision", "bf16",
+                           "--search")
+    assert code == 0 and all(row["layout"]["tp"] == 1 for row in got["search"]["top"]), err
 
 
 def _register():
@@ -62,7 +198,7 @@ def _measured(_mesh, cfgs):
     out = []
     for cfg in cfgs:
         lay = cfg.layout
-        mesh = meshtrain.init(dp=lay.dp, tp=lay.tp, pp=lay.pp, device="cpu")
+        mesh = meshtrain.init(dp=lay.dp, tp=lay.tp, pp=lay.pp, cp=lay.cp, device="cpu")
         r = train(cfg, Comm(mesh))
         gathered = r.model_state.get("gathered", 0)
         out.append((mesh.coord("pp"), r.model_state["total"], gathered, r.activation_bytes,
@@ -81,7 +217,7 @@ def _probe(cfg, device: Device, layer: int) -> int:
     kept = torch_activation_bytes_per_layer(device.seq, device.micro_batch, sh.hidden, sh.heads, element_bytes=e,
                                             moe=device.moe_dims() if sh.is_moe(layer) else None,
                                             **{k: v for k, v in device._torch_terms().items()
-                                               if k not in ("element_bytes", "attention", "dropout", "cp_mode")})
+                                               if k not in ("element_bytes", "attention", "dropout")})
     return kept + (device.micro_batch * device.seq * sh.hidden * e // (lay.tp if lay.sp else 1) if e < 4 else 0)
 
 
@@ -142,4 +278,15 @@ def test_moe_accounting_of_pipeline_stages():
 
     cfgs = [_config(model, rec, batch=16, pp=2, microbatches=4) for model in ("moe-test", "moe-wide")
             for rec in ("none", "full")]
+    _check(cfgs, run_ranks(_measured, 2, cfgs))
+
+
+def test_moe_accounting_under_context_parallelism():
+    """cp 2, the ring and all-to-all: each rank routes its half of every sequence, and adds
+    the balancing sums over cp (their all-reduces in the cp bytes)."""
+    from distributed import run_ranks
+
+    cfgs = [_config("moe-wide", "none", seq=64, cp=2, cp_mode="ring"), _config("moe-wide", "full", seq=64, cp=2,
+                                                                                 cp_mode="ulysses"),
+            _config("moe-test", "full", seq=64, cp=2, cp_mode="ring")]
     _check(cfgs, run_ranks(_measured, 2, cfgs))
