@@ -28,12 +28,17 @@ from meshtrain.mesh import Mesh
 from meshtrain.optim import OptimizerFactory, clip_grads_, divide_, grad_norm
 from meshtrain.parallel.compose import Parallelized, parallelize as apply_strategies, set_micro_shape
 from meshtrain.parallel.context import attention_cores, gather_sequence, shard_sequence
-from meshtrain.parallel.expert_load import ExpertLoad
+from meshtrain.parallel.expert_load import ExpertLoad, set_aux_scale
 from meshtrain.parallel.compile import check_compilable, eager_while
 from meshtrain.parallel.options import CompileOptions, Strategies
 from meshtrain.parallel.pipeline.stages import PipelinePlan
 from meshtrain.parallel.state import digest
 from meshtrain.parallel.tensor import TensorPlan, check_plan
+
+
+def _reciprocal(count, loss_scale: float):
+    """loss_scale / count, where count is a number or a 0-dim device tensor (not read)."""
+    return loss_scale / count if not torch.is_tensor(count) else loss_scale / count.to(torch.float32)
 
 class StepOutput:
     """What one `job.step` did: `loss`, the global batch's mean (the same on every rank);
@@ -159,6 +164,7 @@ class Job:
                 x, y = self._sequence_shard(x), self._sequence_shard(y)
             return {**x, **extra} if extra else x, (micro if self._loss.kind == "own" else y)
 
+        set_aux_scale(p.module, _reciprocal(count, p.loss_scale))  # a MoE's balancing loss, divided as the loss is
         with meter if meter is not None else nullcontext(), eager_while(meter is not None and p.compiled):
             total = p.runner.run(p, micro_batch, m, count)  # the command line's activation meter, eagerly
         if p.dropout_keys is not None:

@@ -29,9 +29,11 @@ def _batch(rows: int = 4, seq: int = 16, seed: int = 1) -> torch.Tensor:
 
 
 def _grads(model, batch) -> dict[str, torch.Tensor]:
+    """The gradients of the batch's mean cross-entropy (and of the balancing loss the model
+    adds in its backward)."""
     model.zero_grad()
     logits = model(batch[:, :-1])
-    F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten(), reduction="sum").backward()
+    F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten()).backward()
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
@@ -61,21 +63,26 @@ def test_every_token_reaches_its_k_experts_and_the_balanced_routing_deals_them_e
 
 
 def _aux_of(model, inputs: dict) -> torch.Tensor:
-    """The balancing loss, computed explicitly from each MoE layer's input (as a plain loop
-    adding it to its loss would)."""
+    """The balancing loss, computed explicitly from each MoE layer's input as a plain loop
+    would add it to its mean loss: each layer's coefficient times the mean over rows of
+    Σ_i f_i·P_i."""
     total = 0.0
     for name, x in inputs.items():
         layer = model.get_submodule(name)
         b, s, d = x.shape
         scores, chosen, _ = layer.gate(x.reshape(-1, d))
-        sums = moe.balance_sums(scores, chosen, b, layer.gate.score)
-        total = total + layer.aux_coef * moe.balance_loss(sums, layer.gate.top_k, sums[:, 2, 0])
+        share = scores / scores.sum(-1, keepdim=True)
+        picked = F.one_hot(chosen, layer.gate.n_experts).sum(1).float()
+        f = picked.view(b, s, -1).sum(1) * layer.gate.n_experts / (layer.gate.top_k * s)
+        p = share.view(b, s, -1).mean(1)
+        total = total + layer.aux_coef * (f * p).sum(1).mean()
     return total
 
 
 def test_the_balancing_loss_reaches_the_router_as_if_added_to_the_loss():
-    """Gradients with the loss injected in the backward = gradients of the cross-entropy alone
-    + those of the loss computed explicitly and added, as a plain PyTorch loop would."""
+    """Gradients with the loss injected in the backward = gradients of the mean cross-entropy
+    + those of the balancing loss computed explicitly and added, as a plain PyTorch loop
+    would (its default scale: a mean over this forward's rows)."""
     batch = _batch()
     injected = _grads(_model(aux_coef=0.5), batch)
     plain = _model(aux_coef=0.0)
@@ -89,7 +96,7 @@ def test_the_balancing_loss_reaches_the_router_as_if_added_to_the_loss():
     for layer in plain.modules():
         if isinstance(layer, moe.MoE):
             layer.aux_coef = 0.5
-    loss = F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten(), reduction="sum")
+    loss = F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
     (loss + _aux_of(plain, inputs)).backward()
     router = "layers.1.mlp.gate.weight"
     assert plain.get_parameter(router).grad is not None
@@ -102,15 +109,50 @@ def test_the_balancing_loss_reaches_the_router_as_if_added_to_the_loss():
 
 @pytest.mark.parametrize("balance,rows", [("sequence", 1), ("batch", 2)])
 def test_per_row_balancing_does_not_depend_on_how_rows_are_cut(balance, rows):
-    """Two micro-batches of 2 rows accumulate the gradients one batch of 4 rows gives."""
+    """Two micro-batches of 2 rows accumulate the gradients one batch of 4 rows gives (each
+    weighted by the whole batch's tokens, as a job weighs them)."""
     batch = _batch(rows=4)
-    whole = _grads(_model(balance=balance, balance_rows=rows, aux_coef=0.5), batch)
-    model = _model(balance=balance, balance_rows=rows, aux_coef=0.5)
-    _grads(model, batch[:2])
-    first = {n: p.grad.clone() for n, p in model.named_parameters()}
-    halves = {n: first[n] + g for n, g in _grads(model, batch[2:]).items()}
+
+    def sums(model, part):
+        model.zero_grad()
+        logits = model(part[:, :-1])
+        F.cross_entropy(logits.flatten(0, 1), part[:, 1:].flatten(), reduction="sum").backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    whole_model, model = (_model(balance=balance, balance_rows=rows, aux_coef=0.5) for _ in range(2))
+    for m in (whole_model, model):
+        moe_layers = [l.mlp for l in m.layers if isinstance(l.mlp, moe.MoE)]
+        for layer in moe_layers:
+            layer.aux_scale = 1.0  # summed, as the cross-entropy here
+    whole = sums(whole_model, batch)
+    first = sums(model, batch[:2])
+    halves = {n: first[n] + g for n, g in sums(model, batch[2:]).items()}
     for name in whole:
         assert (whole[name] - halves[name]).abs().max() <= 1e-5 * whole[name].abs().max(), name
+
+
+def test_a_job_trains_what_a_plain_loop_of_mean_cross_entropy_and_balancing_loss_trains():
+    """meshtrain's job (its loss a sum divided by the step's count of targets) against a plain
+    PyTorch loop adding the balancing loss's mean over rows to the mean cross-entropy."""
+    import meshtrain
+    batch = _batch(rows=4)
+    model = _model(aux_coef=0.5)
+    job = meshtrain.parallelize(model, meshtrain.init(device="cpu"),
+                                optimizer=lambda named: torch.optim.SGD((p for _, p in named), lr=0.0))
+    job.backward(batch[:, :-1], batch[:, 1:])
+    got = {n: p.grad.clone() for n, p in job.parallel.module.named_parameters()}
+    plain = _model(aux_coef=0.0)  # the loop adds the balancing loss itself
+    inputs: dict = {}
+    for n, m in plain.named_modules():
+        if isinstance(m, moe.MoE):
+            m.register_forward_pre_hook(lambda m, a, n=n: inputs.__setitem__(n, a[0]))
+    logits = plain(batch[:, :-1])
+    loss = F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
+    for m in plain.modules():
+        if isinstance(m, moe.MoE):
+            m.aux_coef = 0.5
+    (loss + _aux_of(plain, inputs)).backward()
+    for name, p in plain.named_parameters():
+        assert (got[name] - p.grad).abs().max() <= 1e-5 * p.grad.abs().max(), name
 
 
 def test_recomputation_counts_the_load_once():

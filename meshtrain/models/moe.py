@@ -8,8 +8,10 @@ or OLMoE's whole-projection RMSNorm on queries and keys), and in each MoE layer 
 Load balancing lives in the layer, so that every layout trains what one process trains:
 the auxiliary loss is computed per row (or per group of rows) from the router's own
 scores, and reaches the router through the backward alone (`AddAuxGradient`): the output is
-unchanged, and the loss's gradient joins the step's as one more summed term per token,
-which the step divides by its global count of loss terms as it does the cross-entropy's.
+unchanged, and the loss's gradient joins the step's as one more term per token, scaled by
+`aux_scale` — by default 1/(this forward's tokens), a mean beside a mean cross-entropy; a
+meshtrain job sets it to its own loss's scale each step (1/the step's global count of loss
+terms), so that it is divided as the cross-entropy is.
 Per-row terms do not depend on how rows are cut into micro-batches, ranks or pipeline
 stages, so no count has to cross a stage or wait for the last micro-batch."""
 
@@ -203,6 +205,7 @@ class MoE(nn.Module):
         self.gate = TopKRouter(spec)
         self.experts = Experts(spec)
         self.balance, self.aux_coef, self.balance_rows = spec.balance, spec.aux_coef, spec.balance_rows
+        self.aux_scale = None  # the balancing loss's weight per token (None: 1/this forward's tokens)
         if spec.shared_ffn_dim:
             self.shared_experts = MLP(SimpleNamespace(d_model=spec.d_model, ffn_dim=spec.shared_ffn_dim))
 
@@ -220,7 +223,8 @@ class MoE(nn.Module):
                                  f"(make each micro-batch a multiple of {group} rows)")
             sums = balance_sums(scores, chosen, b // group, self.gate.score)
             local = sums[:, 2, 0]  # this rank's tokens of each group, before the sum over ranks
-            aux = self.aux_coef * balance_loss(self.sequence_sum(sums), self.gate.top_k, local)
+            scale = self.aux_scale if self.aux_scale is not None else 1.0 / (b * s)
+            aux = self.aux_coef * scale * balance_loss(self.sequence_sum(sums), self.gate.top_k, local)
             out = AddAuxGradient.apply(out, aux)
         return out
 

@@ -96,3 +96,12 @@ def max_over_mean(load: torch.Tensor) -> list[float]:
     token on one expert), from a step's global load [routers, experts] (read on the host)."""
     load = load.double()
     return (load.max(1).values / load.mean(1).clamp_min(1e-12)).tolist()
+
+
+def set_aux_scale(module: nn.Module, scale) -> None:
+    """Give each MoE layer's balancing loss the scale the step's loss has (`scale`: the loss
+    scale over the step's normalizer, a number or a 0-dim device tensor: nothing read on the
+    host), so that its per-token terms are divided as the cross-entropy's are."""
+    for m in module.modules():
+        if hasattr(m, "aux_scale"):
+            m.aux_scale = scale
