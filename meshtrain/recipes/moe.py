@@ -7,7 +7,7 @@ from __future__ import annotations
 from meshtrain.models.specs import MoESpec
 from meshtrain.parallel.pipeline.plan import PipelinePlan
 from meshtrain.parallel.styles import COLUMN, PARTIAL, REGION, ROW, VOCAB, Heads, TensorPlan
-from meshtrain.recipes import moe_hf
+import meshtrain.recipes.moe_hf as moe_hf
 from meshtrain.recipes.family import Family
 
 SCORES = ("softmax", "sigmoid")
