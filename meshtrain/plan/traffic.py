@@ -13,6 +13,13 @@ Per micro-batch, with A = b·s·h activation bytes (s/t of the sequence under SP
   all-reduces (reduce-scatters under SP) but its last; under SP its gathers replace the
   ones for the weight gradients. Under SP the gradients of the parameters left whole are summed
   once a step.
+- A MoE layer's experts are replicated over tp, outside any region: its block has the
+  attention's collectives only. Without SP every tp rank runs the experts of all its
+  tokens and their gradients need no sum (but the per-head q/k norms', once a step); under
+  SP each routes its share of the sequence, and the experts' gradients are summed over tp
+  with every whole parameter's, once a step — their whole size. The balancing loss's
+  per-row sums ([rows, 3, E] fp32) are all-reduced over the ranks that split a row's
+  tokens (tp under SP, cp) forward and backward, and again when recomputed.
 - pp: an activation forward to the next virtual stage, a gradient back to the previous one.
 - dp (`--zero`): 0 all-reduces the gradients once a step; 1 reduce-scatters them once and
   all-gathers the parameters after the update; 2 reduce-scatters every micro-batch's;
@@ -55,12 +62,13 @@ def _regions(d, stage: int) -> tuple[list[int], list[int]]:
     MLP (non-reentrant checkpointing stops once the last tensor saved for backward is
     rebuilt; the trainer's counts, held equal by a test); all of them when it ends with a
     MoE layer, whose experts save tensors after its attention's reduction."""
-    layers = d.layers_on(stage)
+    layers = d.layers_on(stage)  # chunk by chunk, as the units are cut
     regions = [1 if d.shape.is_moe(i) else 2 for i in layers]
     repeated, start = [], 0
     for size in d.recomputed_units(stage):
-        unit, start = layers[start:start + size], start + size
-        repeated.append(sum(regions[layers.index(i)] for i in unit) - (0 if d.shape.is_moe(unit[-1]) else 1))
+        last = layers[start + size - 1]
+        repeated.append(sum(regions[start:start + size]) - (0 if d.shape.is_moe(last) else 1))
+        start += size
     return regions, repeated
 
 
