@@ -4,16 +4,14 @@ per-row terms make it independent of how rows are cut, the load is counted once 
 recomputation too) and drives the bias; and `verify` passes in every layout and fails on
 each mutant (patched inside the ranks only, so the one-process reference is the real code)."""
 
-from contextlib import ExitStack
 from unittest import mock
 
 import pytest
 import torch
 import torch.nn.functional as F
 from distributed import run_ranks
+from mutant_harness import records_of_every_mutant, verdicts_of
 
-from meshtrain import verifier as verify
-from meshtrain.comm import Comm
 from meshtrain.config import Config
 from meshtrain.models import moe
 from meshtrain.recipes.build import build_model
@@ -307,25 +305,15 @@ MUTANTS = {f.__name__: (f, layout) for f, layout in (
     (expert_gradient_counted_twice_in_the_norm, "tp"))}
 
 
-def _records(mesh, layouts):
-    records = {f"real {layout}": (layout, verify.record(LAYOUTS[layout], Comm(mesh), "real")) for layout in layouts}
-    for name, (mutant, layout) in MUTANTS.items():
-        if layout in layouts:
-            with ExitStack() as stack:
-                for patch in mutant():
-                    stack.enter_context(patch)
-                records[name] = (layout, verify.record(LAYOUTS[layout], Comm(mesh), name))
-    return records
-
-
 @pytest.fixture(scope="module")
 def verdicts():
-    records = run_ranks(_records, 2, ["dp", "dp-batch", "dp-bias", "zero3", "dp-recompute"])[0]
-    records.update(run_ranks(_records, 2, ["tp", "tp-sp"], tp=2)[0])
-    records.update(run_ranks(_records, 2, ["pp", "pp-zb"], pp=2)[0])
-    records.update(run_ranks(_records, 2, ["cp"], cp=2)[0])
-    return {name: verify.compare(rec, verify.run_reference(LAYOUTS[layout], rec))
-            for name, (layout, rec) in records.items()}
+    def ranks(layouts, **axes):
+        return run_ranks(records_of_every_mutant, 2, layouts, LAYOUTS, MUTANTS, **axes)[0]
+    records = ranks(["dp", "dp-batch", "dp-bias", "zero3", "dp-recompute"])
+    records.update(ranks(["tp", "tp-sp"], tp=2))
+    records.update(ranks(["pp", "pp-zb"], pp=2))
+    records.update(ranks(["cp"], cp=2))
+    return verdicts_of(records, LAYOUTS)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

@@ -6,13 +6,14 @@ the first bad step and tensor, and PASS on the real code.
 Later strategies add their own mutants to MUTANTS."""
 
 import re
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from types import SimpleNamespace
 from unittest import mock
 
 import pytest
 import torch
 from distributed import run_ranks
+from mutant_harness import records_of_every_mutant, verdicts_of
 
 from meshtrain import verifier as verify
 from meshtrain.comm import Comm
@@ -371,28 +372,16 @@ EVALUATION = {"evaluation_skips_the_cp_split", "compiled_block_miscomputes"}
 FIRST_BAD_STEP = {name: MIDDLE if name == "bucket_skipped_on_a_middle_step" else 1 for name in MUTANTS}
 
 
-def _records_of_every_mutant(mesh, layouts):
-    """In the spawned ranks: the real code's verify record in each layout, then each mutant's;
-    {name: (layout, record)}."""
-    records = {f"real {layout}": (layout, verify.record(LAYOUTS[layout], Comm(mesh), "real")) for layout in layouts}
-    for name, (mutant, layout) in MUTANTS.items():
-        if layout in layouts:
-            with ExitStack() as stack:
-                for patch in mutant():
-                    stack.enter_context(patch)
-                records[name] = (layout, verify.record(LAYOUTS[layout], Comm(mesh), name))
-    return records
-
-
 @pytest.fixture(scope="module")
 def verdicts():
-    records = run_ranks(_records_of_every_mutant, 2, ["dp", "zero1", "zero3", "dp-allgather", "dp-compile"])[0]
-    records.update(run_ranks(_records_of_every_mutant, 2, ["tp", "tp-sp"], tp=2)[0])
-    records.update(run_ranks(_records_of_every_mutant, 2, ["pp", "pp-gpipe", "pp-recompute", "pp-zb"], pp=2)[0])
-    records.update(run_ranks(_records_of_every_mutant, 4, ["dp-pp"], pp=2)[0])
-    records.update(run_ranks(_records_of_every_mutant, 2, ["cp", "cp-dropout"], cp=2)[0])
-    return {name: verify.compare(rec, verify.run_reference(LAYOUTS[layout], rec))
-            for name, (layout, rec) in records.items()}
+    def ranks(world, layouts, **axes):
+        return run_ranks(records_of_every_mutant, world, layouts, LAYOUTS, MUTANTS, **axes)[0]
+    records = ranks(2, ["dp", "zero1", "zero3", "dp-allgather", "dp-compile"])
+    records.update(ranks(2, ["tp", "tp-sp"], tp=2))
+    records.update(ranks(2, ["pp", "pp-gpipe", "pp-recompute", "pp-zb"], pp=2))
+    records.update(ranks(4, ["dp-pp"], pp=2))
+    records.update(ranks(2, ["cp", "cp-dropout"], cp=2))
+    return verdicts_of(records, LAYOUTS)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

@@ -27,8 +27,21 @@ class RopeScaling:
     original_max_position_embeddings: int = 8192
 
 
+class GroupedHeads:
+    """The head sizes of grouped-query attention, for a spec with `n_heads`, `n_kv_heads`
+    (None: as many), `head_dim` (None: d_model / n_heads) and `d_model`."""
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def head_size(self) -> int:
+        return self.head_dim or self.d_model // self.n_heads
+
+
 @dataclass(frozen=True)
-class LlamaSpec:
+class LlamaSpec(GroupedHeads):
     """A Llama-architecture decoder: RMSNorm, SwiGLU, rotary positions, grouped-query
     attention. `n_kv_heads` divides `n_heads` (None: as many); `head_dim` defaults to
     d_model / n_heads; `ffn_dim` is the SwiGLU width."""
@@ -45,14 +58,6 @@ class LlamaSpec:
     tie_embeddings: bool = False
     kind: str = "llama"
 
-    @property
-    def kv_heads(self) -> int:
-        return self.n_kv_heads or self.n_heads
-
-    @property
-    def head_size(self) -> int:
-        return self.head_dim or self.d_model // self.n_heads
-
 
 @dataclass(frozen=True)
 class MLPSpec:
@@ -61,7 +66,7 @@ class MLPSpec:
 
 
 @dataclass(frozen=True)
-class MoESpec:
+class MoESpec(GroupedHeads):
     """A Llama-shaped decoder whose MLP is a mixture of experts in every layer but
     `dense_layers` (those keep a SwiGLU MLP of `ffn_dim`): a linear router scoring
     `n_experts` experts (`score`: "softmax" or "sigmoid", in fp32), each token sent to its
@@ -104,14 +109,6 @@ class MoESpec:
     bias_rate: float = 1e-3
     experts: str = "grouped"
     kind: str = "moe"
-
-    @property
-    def kv_heads(self) -> int:
-        return self.n_kv_heads or self.n_heads
-
-    @property
-    def head_size(self) -> int:
-        return self.head_dim or self.d_model // self.n_heads
 
     @property
     def moe_layers(self) -> tuple[int, ...]:
