@@ -183,6 +183,27 @@ def test_the_bias_moves_towards_the_mean_load_and_only_selects():
     assert torch.allclose(weights, scores.gather(1, chosen) / scores.gather(1, chosen).sum(1, keepdim=True))
 
 
+def test_shared_experts_and_sigmoid_scores():
+    """DeepSeek's shape: sigmoid scores (the weights renormalised over the chosen), shared
+    experts every token passes through, added to the routed ones."""
+    import dataclasses
+    from meshtrain.models.moe import MoE
+    from meshtrain.recipes import PRESETS
+    spec = dataclasses.replace(PRESETS["moe-test"], score="sigmoid", shared_ffn_dim=24)
+    torch.manual_seed(0)
+    layer = MoE(spec)
+    for p in layer.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    x = torch.randn(2, 5, 32)
+    scores, chosen, weights = layer.gate(x.reshape(-1, 32))
+    assert torch.allclose(scores, torch.sigmoid(x.reshape(-1, 32) @ layer.gate.weight.T), atol=1e-6)
+    assert torch.allclose(weights.sum(-1), torch.ones(10))
+    routed = layer.experts(x.reshape(-1, 32), chosen, weights).view(2, 5, 32)
+    assert torch.allclose(layer(x), routed + layer.shared_experts(x), atol=1e-6)
+    layer(x).sum().backward()
+    assert layer.shared_experts.down_proj.weight.grad.abs().sum() > 0
+
+
 def test_routing_has_a_margin_rounding_cannot_cross():
     """verify compares layouts whose sums round differently; a token whose k-th and (k+1)-th
     scores were as close as that rounding could change experts and fail a correct layout. On
