@@ -56,17 +56,18 @@ def model_flops(shape, batch: int, seq: int) -> float:
     generalised to SwiGLU's three matrices of width ffn, grouped-query attention, a head size
     other than h/heads, and a MoE's active parameters (each family's `flops_per_step`, the
     trainer's MFU numerator: a test holds them equal)."""
-    blocks = sum(sum(layer_forward_flops(shape, batch, seq, i).values()) for i in _kinds(shape))
+    blocks = sum(n * sum(layer_forward_flops(shape, batch, seq, i).values()) for i, n in _kinds(shape))
     return 3 * (blocks + head_forward_flops(shape, batch, seq))
 
 
-def _kinds(shape) -> list[int]:
-    """Block indices standing for every block: one of each kind, as often as it comes."""
+def _kinds(shape) -> list[tuple[int, int]]:
+    """(a block's index, how many blocks are of its kind), for each kind of block (a MoE's
+    dense and MoE layers; one kind for the others)."""
     if shape.kind != "moe":
-        return [0] * shape.layers
+        return [(0, shape.layers)]
     dense = next((i for i in range(shape.layers) if not shape.is_moe(i)), None)
     sparse = next((i for i in range(shape.layers) if shape.is_moe(i)), None)
-    return [sparse] * shape.moe_layers + [dense] * (shape.layers - shape.moe_layers)
+    return [(i, n) for i, n in ((sparse, shape.moe_layers), (dense, shape.layers - shape.moe_layers)) if n]
 
 
 def recomputed_flops(shape, batch: int, seq: int, recompute: str) -> float:
@@ -77,9 +78,9 @@ def recomputed_flops(shape, batch: int, seq: int, recompute: str) -> float:
     if mode == "none":
         return 0.0
     total = 0.0
-    for i in _kinds(shape):
+    for i, n in _kinds(shape):
         layer = layer_forward_flops(shape, batch, seq, i)
-        total += layer["attention"] if mode == "selective" else layer["linear"] + layer["attention"]
+        total += n * (layer["attention"] if mode == "selective" else layer["linear"] + layer["attention"])
     return total
 
 

@@ -41,6 +41,7 @@ from __future__ import annotations
 import math
 
 from functools import lru_cache
+from typing import NamedTuple
 
 from meshtrain.parallel.options import parse_recompute
 from meshtrain.plan.block_terms import (LlamaDims, MoEDims, cp_attention_delta, llama_kept_bytes, moe_backward_extra,
@@ -183,79 +184,88 @@ def stage_runs(shape, *, pp: int = 1, stage: int = 0, chunks: int = 1, tp: int =
 
 
 @lru_cache(maxsize=65536)
+def _chunk_layers(layers: int, pp: int, stage: int, chunks: int,
+                  stage_layers: tuple[int, ...] | None) -> tuple[tuple[int, ...], ...]:
+    """Each chunk's block indices on a stage."""
+    ranges = split_layers(layers, pp * chunks, list(stage_layers) if stage_layers else None)
+    return tuple(tuple(ranges[c * pp + stage]) for c in range(chunks))
+
+
+@lru_cache(maxsize=65536)
 def _runs_of(layers: int, pp: int, stage: int, chunks: int, stage_layers: tuple[int, ...] | None) -> tuple[int, ...]:
     ranges = split_layers(layers, pp * chunks, list(stage_layers) if stage_layers else None)
     return tuple(len(ranges[c * pp + stage]) for c in range(chunks))
 
 
+class StageParams(NamedTuple):
+    """What one device of a pipeline stage holds, in parameters (`stage_params`)."""
+    blocks: int  # how many blocks
+    in_blocks: int  # their parameters
+    outside: int  # the embedding's, the final norm's, the head's (as the stage holds them)
+    whole: int  # of all, those tensor parallelism leaves whole
+    partial: int  # of those, the ones whose gradients are summed over tp even without SP
+    largest_pair: int  # the most two consecutive blocks hold (ZeRO-3's gathered peak)
+
+
 @lru_cache(maxsize=65536)
-def _stage_params(shape, tp: int, pp: int, stage: int, chunks: int,
-                  stage_layers: tuple[int, ...] | None) -> tuple[int, int, int, int, int, int]:
-    """(blocks, their parameters, those left whole, those partial over tp, the most two
-    consecutive blocks hold, the parameters outside the blocks) of one device."""
+def _stage_params(shape, tp: int, pp: int, stage: int, chunks: int, stage_layers: tuple[int, ...] | None) -> StageParams:
     layers = _layers_of(shape.layers, pp, stage, chunks, stage_layers)
     per = [block_params_on_device(shape, i, tp) for i in layers]
     sizes = [split + whole for split, whole, _ in per]
-    pairs = max((a + b for a, b in zip(sizes, sizes[1:])), default=sum(sizes))
     part = _outside(shape, tp)
-    rest = ((part["embed_split"] + part["embed_whole"] if stage == 0 else 0)
-            + (part["final_whole"] + part["head_split"] if stage == pp - 1 else 0))
-    return (len(layers), sum(sizes), sum(w for _, w, _ in per), sum(p for _, _, p in per), pairs, rest)
+    first, last = stage == 0, stage == pp - 1
+    outside = ((part["embed_split"] + part["embed_whole"] if first else 0)
+               + (part["final_whole"] + part["head_split"] if last else 0))
+    whole = (sum(w for _, w, _ in per) + (part["embed_whole"] if first else 0) + (part["final_whole"] if last else 0))
+    return StageParams(len(layers), sum(sizes), outside, whole, sum(p for _, _, p in per),
+                       max((a + b for a, b in zip(sizes, sizes[1:])), default=sum(sizes)))
 
 
-def _where(shape, tp, pp, stage, chunks, stage_layers):
-    return _stage_params(shape, tp, pp, stage, chunks, tuple(stage_layers) if stage_layers else None)
-
-
-def device_params(shape, *, tp: int = 1, pp: int = 1, stage: int = 0, chunks: int = 1,
-                  stage_layers: list[int] | None = None) -> tuple[int, int, int]:
-    """What one device holds (`torch` accounting: meshtrain's tensor-parallel plan and
-    pipeline cut), as (blocks, parameters per block, parameters outside the blocks): per
-    block the blocks' mean when they differ (a MoE's dense and sparse layers;
-    `params_per_device` sums them exactly).
+def stage_params(shape, *, tp: int = 1, pp: int = 1, stage: int = 0, chunks: int = 1,
+                 stage_layers: list[int] | None = None) -> StageParams:
+    """What one device of stage `stage` holds (`torch` accounting: meshtrain's tensor-parallel
+    plan and pipeline cut), block by block (`block_params_on_device`).
 
     Tensor parallelism splits every matrix of a block, the column layers' biases, the token
     embedding and the head by tp; LayerNorms (RMSNorms), the row layers' biases, the position
-    embedding and a MoE layer's router and experts stay whole (`block_params_on_device`).
-    Pipeline stage `stage` holds its virtual stages' blocks (split as `split_layers` does),
-    the embedding on stage 0, the final norm and the (untied) head on the last."""
-    blocks, params, _, _, _, rest = _where(shape, tp, pp, stage, chunks, stage_layers)
-    return blocks, params // max(blocks, 1), rest
+    embedding and a MoE layer's router and experts stay whole. Pipeline stage `stage` holds
+    its virtual stages' blocks (split as `split_layers` does), the embedding on stage 0, the
+    final norm and the (untied) head on the last."""
+    return _stage_params(shape, tp, pp, stage, chunks, tuple(stage_layers) if stage_layers else None)
 
 
-def whole_params(shape, *, tp: int = 1, pp: int = 1, stage: int = 0, chunks: int = 1,
-                 stage_layers: list[int] | None = None) -> int:
+def device_params(shape, **where) -> tuple[int, int, int]:
+    """What one device holds, as (blocks, parameters per block, parameters outside the
+    blocks): per block the blocks' mean when they differ (a MoE's dense and MoE layers;
+    `params_per_device` sums them exactly). `stage_params`' arguments."""
+    held = stage_params(shape, **where)
+    return held.blocks, held.in_blocks // max(held.blocks, 1), held.outside
+
+
+def whole_params(shape, **where) -> int:
     """The parameters of a device that tensor parallelism leaves whole (their gradients are
     summed over tp under sequence parallelism)."""
-    part = _outside(shape, tp)
-    whole = _where(shape, tp, pp, stage, chunks, stage_layers)[2]
-    return whole + (part["embed_whole"] if stage == 0 else 0) + (part["final_whole"] if stage == pp - 1 else 0)
+    return stage_params(shape, **where).whole
 
 
-def partial_params(shape, *, tp: int = 1, pp: int = 1, stage: int = 0, chunks: int = 1,
-                   stage_layers: list[int] | None = None) -> int:
+def partial_params(shape, **where) -> int:
     """The whole parameters whose gradients are summed over tp even without SP (a MoE's
     per-head q/k norms)."""
-    return _where(shape, tp, pp, stage, chunks, stage_layers)[3]
+    return stage_params(shape, **where).partial
 
 
 def params_per_device(shape, **where) -> int:
-    """The parameters one device holds (`device_params`' arguments)."""
-    blocks, params, _, _, _, rest = _where(shape, **_defaults(where))
-    return params + rest
-
-
-def _defaults(where: dict) -> dict:
-    return {"tp": where.get("tp", 1), "pp": where.get("pp", 1), "stage": where.get("stage", 0),
-            "chunks": where.get("chunks", 1), "stage_layers": where.get("stage_layers")}
+    """The parameters one device holds (`stage_params`' arguments)."""
+    held = stage_params(shape, **where)
+    return held.in_blocks + held.outside
 
 
 def zero3_peak_gathered(shape, **where) -> int:
     """Parameters ZeRO-3 holds whole at its peak (`torch` accounting): everything outside
     the blocks, gathered on first use, and two blocks — the one computing and the next,
     prefetched (the two consecutive blocks that hold the most)."""
-    _, _, _, _, pairs, rest = _where(shape, **_defaults(where))
-    return rest + pairs
+    held = stage_params(shape, **where)
+    return held.outside + held.largest_pair
 
 
 def expert_params_per_device(shape, **where) -> int:
@@ -576,9 +586,7 @@ def torch_stage_activation_bytes(layers: int, seq: int, micro_batch: int, hidden
     sparse = block_parts(s, b, h, heads, moe=moe, **terms) if moe is not None else parts
     out = parts["out"]
     recompute_mode = parse_recompute(recompute)[0]
-    stage_cut = tuple(stage_layers) if stage_layers else None
-    ranges = split_layers(layers, pp * chunks, list(stage_cut) if stage_cut else None)
-    runs = [tuple(ranges[c * pp + stage]) for c in range(chunks)]  # each chunk's blocks
+    runs = _chunk_layers(layers, pp, stage, chunks, tuple(stage_layers) if stage_layers else None)
 
     def part(layer: int) -> dict[str, int]:
         return sparse if moe is not None and moe.is_moe(layer) else parts
@@ -638,16 +646,14 @@ def torch_stage_activation_bytes(layers: int, seq: int, micro_batch: int, hidden
                 if chunked_mlp:
                     redo = unit[0]["recomputed_peak"]
                 else:  # each block's backward, the unit's earlier blocks recomputed and alive
-                    redo = max(sum(k["recomputed"] for k in unit[:i + 1]) - parts["tail"] + unit[i]["backward_extra"]
-                               for i in range(size))
+                    redo = _largest_backward(unit, "recomputed") - parts["tail"]
                 again = sum(k["recomputed"] for k in unit[:-1]) + unit[-1]["forward_peak"]
                 later = sum(pairs(i) for i in run[start:]) if split else 0  # kept by then by a split backward
                 moments.append(earlier * out + max(redo, again) + later)
                 earlier += 1
             current = before + max(moments) + grad
         else:  # each block's backward, the blocks before it alive
-            current = before + grad - tail + max(sum(k[key] for k in kinds[:i + 1]) + kinds[i]["backward_extra"]
-                                                 for i in range(blocks))
+            current = before + grad - tail + _largest_backward(kinds, key)
         # a split backward (zero-bubble, but on the first stage) keeps the head's pair in the
         # store from the loss's backward on: the logits' gradient is still held while the
         # micro-batch's blocks backward
@@ -679,6 +685,17 @@ def torch_stage_activation_bytes(layers: int, seq: int, micro_batch: int, hidden
         kept = sum(n * chunk[i][0] for i, n in enumerate(held)) + stored * store + (received + sent) * out
         peak = max(peak, kept + weight_grad if weight else kept - chunk[c][0] + chunk[c][1])
     return peak + parts["table"]  # one RoPE table per rank, whatever it holds of the blocks
+
+
+def _largest_backward(kinds: list[dict[str, int]], key: str) -> int:
+    """The largest of each block's backward over a run of blocks (`block_parts` each): the
+    blocks before it keep `key`'s bytes, it keeps its own and its `backward_extra`."""
+    before, largest = 0, None
+    for k in kinds:
+        before += k[key]
+        moment = before + k["backward_extra"]
+        largest = moment if largest is None else max(largest, moment)
+    return largest
 
 
 def torch_activation_bytes(layers: int, seq: int, micro_batch: int, hidden: int, heads: int, vocab: int, *,

@@ -140,16 +140,23 @@ class Device:
         self.recompute_mode, _ = parse_recompute(lay.recompute)
         self._where = dict(tp=lay.tp, pp=lay.pp, chunks=lay.chunks, stage_layers=lay.stage_layer_counts())
         self.fused_blocks = work.device == "cpu"  # `parallel.context.fused_blocks`
+        self._held: dict[int, memory.StageParams] = {}  # stage -> what a device of it holds
+
+    def held(self, stage: int) -> memory.StageParams:
+        """The parameters a device of stage `stage` holds (`memory.stage_params`)."""
+        if stage not in self._held:
+            self._held[stage] = memory.stage_params(self.shape, stage=stage, **self._where)
+        return self._held[stage]
 
     def layers_on(self, stage: int) -> tuple[int, ...]:
         """The indices of the blocks stage `stage` holds."""
         return memory.stage_layers(self.shape, stage=stage, **self._where)
 
     def blocks_on(self, stage: int) -> int:
-        return memory.device_params(self.shape, stage=stage, **self._where)[0]
+        return len(self.layers_on(stage))
 
     def params_on(self, stage: int) -> int:
-        return memory.params_per_device(self.shape, stage=stage, **self._where)
+        return self.held(stage).in_blocks + self.held(stage).outside
 
     def recomputed_units(self, stage: int) -> list[int]:
         """Sizes of the units a stage recomputes whole (full: each block; segments[:K]: each
@@ -158,18 +165,25 @@ class Device:
                 for size in memory.recompute_units(run, self.layout.recompute)]
 
     def whole_params(self, stage: int) -> int:
-        return memory.whole_params(self.shape, stage=stage, **self._where)
+        return self.held(stage).whole
 
     def partial_params(self, stage: int) -> int:
-        return memory.partial_params(self.shape, stage=stage, **self._where)
+        return self.held(stage).partial
 
     def distinct_stages(self) -> list[int]:
         """One stage of each kind (first, last, and per block count between): the others are
         copies, so a plan of 64 stages costs what one of 3 does."""
-        first_of = {}  # block count -> the first middle stage that holds it
+        first_of = {}  # block count (a MoE's: and kinds) -> the first middle stage that holds it
         for k in range(1, self.layout.pp - 1):
-            first_of.setdefault(self.blocks_on(k), k)
+            first_of.setdefault(self.stage_kind(k), k)
         return sorted({0, self.layout.pp - 1, *first_of.values()})
+
+    def stage_kind(self, stage: int):
+        """What makes a middle stage a copy of another: its block count, and for a MoE which
+        of its blocks have experts."""
+        if self.shape.kind != "moe" or not self.shape.dense_layers:
+            return self.blocks_on(stage)
+        return tuple(self.shape.is_moe(i) for i in self.layers_on(stage))
 
     def has_embedding(self, stage: int) -> bool:
         return stage == 0
@@ -194,8 +208,8 @@ class Device:
     def model_states(self, stage: int) -> dict[str, float]:
         lay = self.layout
         # ZeRO-3 holds two blocks gathered at its peak, or all of them with --keep-gathered
-        gathered = (self.params_on(stage) if lay.keep_gathered
-                    else memory.zero3_peak_gathered(self.shape, stage=stage, **self._where))
+        held = self.held(stage)
+        gathered = self.params_on(stage) if lay.keep_gathered else held.outside + held.largest_pair
         return memory.model_state_bytes(self.params_on(stage), lay.zero, self.replicas, precision=lay.precision,
                                         grad_dtype=lay.grad_dtype, accounting=self.accounting,
                                         gathered_params=gathered)
@@ -377,7 +391,7 @@ def _kind(d: Device, stage: int) -> int:
     """The stage among `d.distinct_stages()` that stage `stage` is a copy of."""
     if stage in (0, d.layout.pp - 1):
         return stage
-    return next(k for k in d.distinct_stages() if 0 < k < d.layout.pp - 1 and d.blocks_on(k) == d.blocks_on(stage))
+    return next(k for k in d.distinct_stages() if 0 < k < d.layout.pp - 1 and d.stage_kind(k) == d.stage_kind(stage))
 
 
 def _shared_pipeline(d: Device, lay: Layout, times: dict, per_micro: dict, cores: float):

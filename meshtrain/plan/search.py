@@ -2,7 +2,8 @@
 fit ranked by predicted step time.
 
 The space: tp a divisor of the GPUs that fits in a node (and divides heads, key/value heads,
-the MLP width and the vocabulary), cp a divisor of the rest that cuts the sequence into 2·cp
+the MLP width — a MoE's dense layers'; its experts stay whole — and the vocabulary; none
+for a whole-projection q/k norm), cp a divisor of the rest that cuts the sequence into 2·cp
 chunks (by the ring, and by all-to-all where the heads left by tp divide by cp), pp a
 divisor of what remains, dp the rest (dividing the batch); ZeRO 0–3 (0 alone when dp·cp = 1:
 ZeRO shards over the parameters' dp × cp replicas); SP on or off under tp; no, selective or full
