@@ -18,11 +18,12 @@ from meshtrain.mesh import Mesh
 from meshtrain.train import setup
 
 CPU = torch.device("cpu")
+TEXT = str(Path(__file__).resolve().parent.parent / "benchmarks" / "data" / "hamlet.txt")  # no corpus package needed
 
 
 def _job(layout: dict):
     c = Config()
-    c.model.name = "gpt-test"
+    c.model.name, c.train.data = "gpt-test", TEXT
     c.train.steps, c.train.batch_size, c.train.seq_len, c.train.vocab_size, c.train.device = 1, 4, 16, 256, "cpu"
     for k, v in layout.items():
         setattr(c.layout, k, v)
