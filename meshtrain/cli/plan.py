@@ -84,6 +84,9 @@ def workload_of(args, cfg: C.Config) -> Workload:
     else:
         try:
             shape = shape_of(cfg.model.name, tr.vocab_size)
+            if cfg.model.moe_options() and is_preset(cfg.model.name):  # --moe-* flags: the spec they make
+                spec = cfg.model.spec()
+                shape = family_of(spec).shape(spec, tr.vocab_size)
         except ValueError as e:
             raise PlanError(str(e)) from None
         seq = shape.seq_len if (is_published(cfg.model.name) and args.seq_len is None) else tr.seq_len
@@ -180,6 +183,11 @@ def describe(name: str, work: Workload | None, lay: C.LayoutConfig, result: dict
     lines = [f"{name}: {result['n_params']:,} parameters" + (
         f", seq {work.seq}, global batch {work.batch} (micro-batch {result['micro_batch_size']})" if work else ""),
         f"layout: {lay.short()} recompute={lay.recompute}", f"cluster: {cluster_line}"]
+    if result.get("n_active_params") is not None:  # a mixture of experts
+        e_unit, e_size = _unit(result["expert_state_bytes"])
+        lines.insert(1, f"  {result['n_active_params']:,} active per token; the experts: "
+                        f"{result['expert_params_per_device']:,} parameters and {result['expert_state_bytes'] / e_size:,.2f} "
+                        f"{e_unit} of state per device (whole over tp)")
     states = result["model_state_bytes"]
     stage = f" (stage {result['worst_stage']}, the fullest)" if lay.pp > 1 else ""
     unit, size = _unit(result["total_bytes"])
