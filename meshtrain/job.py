@@ -40,13 +40,15 @@ def _reciprocal(count, loss_scale: float):
     """loss_scale / count, where count is a number or a 0-dim device tensor (not read)."""
     return loss_scale / count if not torch.is_tensor(count) else loss_scale / count.to(torch.float32)
 
+
 class StepOutput:
     """What one `job.step` did: `loss`, the global batch's mean (the same on every rank);
     `grad_norm`, the global gradient norm before clipping; `lr`, the learning rate the step
     used (the first parameter group's); `stepped`, False when the norm was not finite and
     the update was skipped; `nonfinite`, then the first weight or gradient that is not
     finite (by the one-process name); `expert_load`, a mixture-of-experts model's tokens
-    per expert over the step, [routers of this rank's stage, experts] (None: no routers).
+    per expert over the step, summed over every rank, [every router of the model, experts]
+    (None: no routers).
 
     `loss` stays on the device until it is read (then a float, kept): a loop that reads a
     step's loss after it started the next one never makes the host wait for the device.
@@ -116,7 +118,7 @@ class Job:
         self.steps = 0  # optimizer steps taken (dropout masks are keyed by it)
         self._saver = None  # the background saver, made by the first `save(background=True)`
         self._expert_load = ExpertLoad(parallel.module, parallel.comm, options.sp,  # a MoE model's routers
-                                       getattr(parallel, "router_names", []))
+                                       getattr(parallel, "routers", {}))
         self._passes_num_items = num_items  # the model's forward takes num_items_in_batch
         if loss.kind == "own":  # the model computes its loss in its forward: watched there
             parallel.loss_scope = loss.watching

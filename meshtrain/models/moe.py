@@ -115,8 +115,8 @@ class TopKRouter(nn.Module):
 class Experts(nn.Module):
     """E SwiGLU experts, stacked: `gate_up_proj` [E, 2I, d] (gate rows, then up rows) and
     `down_proj` [E, d, I]. Each token's rows are sorted by expert and run as one grouped
-    matmul per projection (`grouped="grouped"`, where grouped_mm's 16-byte strides hold) or
-    one matmul per expert (`"loop"`); the outputs weighted and summed back per token."""
+    matmul per projection (`impl` "grouped", where grouped_mm's 16-byte strides hold) or one
+    matmul per expert ("loop"); the outputs weighted and summed back per token."""
 
     def __init__(self, spec: MoESpec):
         super().__init__()
@@ -297,8 +297,3 @@ class MoEModel(nn.Module):
         for block in self.layers:
             x = block(x)
         return self.lm_head(self.norm(x))
-
-
-def routers(model: nn.Module) -> list[tuple[str, TopKRouter]]:
-    """The model's routers by name (a pipeline stage's, a user's model's: any TopKRouter)."""
-    return [(n, m) for n, m in model.named_modules() if isinstance(m, TopKRouter)]

@@ -207,7 +207,7 @@ def parallelize(model: nn.Module, comm: Comm, options: Strategies, *, optimizer:
     tokens), for `dp_linear_sync="auto"`'s byte counts. `wrap`: the modules ZeRO-3 gathers
     one at a time (FSDP2-style); by default each child of the block list."""
     mesh, factory = comm.mesh, optimizer
-    router_names = expert_routers(model)  # before a pipeline cut: every stage knows them all
+    routers = expert_routers(model)  # before a pipeline cut: every stage knows them all
     ignore_index = getattr(loss_fn, "ignore_index", -100)  # the target a vocabulary-parallel loss skips
     n_params = sum(p.numel() for p in model.parameters())
     check_optimizer(factory, model, elementwise=bool(options.zero and mesh.size("dp") > 1) or mesh.size("tp") > 1)
@@ -318,7 +318,7 @@ def parallelize(model: nn.Module, comm: Comm, options: Strategies, *, optimizer:
     p = Parallelized(model, loss_fn, grad_sync, optimizer, runner, comm, n_params, dropout_keys=keys,
                         holdings=holdings, compute_dtype=compute_dtype, notes=notes,
                         compiled=options.compile is not None)
-    p.router_names = router_names
+    p.routers = routers
     if micro_shape is not None:
         set_micro_shape(p, pipeline, *micro_shape, options.sp)
     return p

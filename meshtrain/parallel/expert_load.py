@@ -1,10 +1,11 @@
 """The experts' load over a step, made global: after each optimizer step, every router's
 token counts (`TopKRouter.expert_load`, this rank's tokens over its micro-batches) are
 summed over the ranks that split the batch's tokens — dp and cp always, tp under SP (tp
-ranks without SP hold the same tokens, counted once) — in one all-reduce of all the
-stage's routers; each router then moves its balancing bias from the global load (every
-replica the same step, so replicas stay bit-identical) and restarts its count. What a
-pipeline stage reports is its own layers' load."""
+ranks without SP hold the same tokens, counted once) — in one all-reduce of a table with a
+row per router of the whole model; each router then moves its balancing bias from its
+global row (every replica the same step, so replicas stay bit-identical) and restarts its
+count. Under pp the stages' rows are summed over pp too, so every rank reports the whole
+model's load."""
 
 from __future__ import annotations
 
@@ -14,50 +15,42 @@ import torch.nn as nn
 from meshtrain.comm import METRICS, Comm
 
 
-def expert_routers(module: nn.Module) -> list[str]:
-    """The names of a model's routers (modules keeping an `expert_load` and an `update_bias`)."""
-    return [n for n, m in module.named_modules() if hasattr(m, "expert_load") and hasattr(m, "update_bias")]
+def expert_routers(module: nn.Module) -> dict[str, int]:
+    """A model's routers (modules keeping an `expert_load` and an `update_bias`): name ->
+    its number of experts (read before a pipeline cut, so that every stage knows them all)."""
+    return {n: m.expert_load.shape[0] for n, m in module.named_modules()
+            if hasattr(m, "expert_load") and hasattr(m, "update_bias")}
 
 
 class ExpertLoad:
-    """The routers of `module` (this rank's stage of the model), the axes their counts are
-    summed over, and `names`, every router of the whole model (all stages'), by which each
-    stage's rows are placed in the load it reports."""
+    """The routers of `module` (this rank's stage of the model) placed in a table of every
+    router of the whole model (`routers`: name -> experts), and the axes the counts are
+    summed over."""
 
-    def __init__(self, module: nn.Module, comm: Comm, sp: bool, names: list[str]):
-        mine = dict(module.named_modules())
-        self.names, self.comm = names, comm
+    def __init__(self, module: nn.Module, comm: Comm, sp: bool, routers: dict[str, int]):
+        mine, names = dict(module.named_modules()), list(routers)
+        self.comm, self.rows, self.experts = comm, len(names), max(routers.values(), default=0)
         self.routers = [(names.index(n), mine[n]) for n in names if n in mine]
-        self.axes = ["dp"] + (["tp"] if sp else [])
-        self._experts: int | None = None  # under pp: every router's expert count, learned at the first step
+        self.axes = ["dp"] + (["tp"] if sp else []) + (["pp"] if comm.mesh.size("pp") > 1 else [])
 
     def finish_step(self, stepped: bool) -> torch.Tensor | None:
-        """Collective over the token-splitting axes (and pp): the global load of the step,
-        [every router of the model, experts] (None without routers), each router's bias moved
-        from its row when the step was taken, and the counts restarted. A stage without a
-        router takes part in the pipeline's sum all the same."""
-        if not self.names:
+        """Collective over the token-splitting axes and pp: the step's global load [every
+        router of the model, experts] (None without routers), each router's bias moved from
+        its row when the step was taken, and the counts restarted. A stage without a router
+        takes part in the sums all the same."""
+        if not self.rows:
             return None
-        load = torch.stack([r.expert_load for _, r in self.routers]) if self.routers else None
-        if load is not None:
-            for axis in self.axes:
-                self.comm.all_reduce(load, axis, purpose=METRICS)
-            for (_, router), row in zip(self.routers, load):
-                if stepped:
-                    router.update_bias(row)
-                else:
-                    router.expert_load.zero_()
-        if self.comm.mesh.size("pp") == 1:
-            return load
-        if self._experts is None:  # once: a stage without routers learns the experts' count
-            width = torch.tensor([load.shape[1] if load is not None else 0], device=self.comm.mesh.device)
-            self.comm.all_reduce(width, "pp", op=torch.distributed.ReduceOp.MAX, purpose=METRICS)
-            self._experts = int(width.item())
-        full = torch.zeros(len(self.names), self._experts, device=self.comm.mesh.device)
-        for (i, _), row in zip(self.routers, load if load is not None else []):
-            full[i] = row
-        self.comm.all_reduce(full, "pp", purpose=METRICS)
-        return full
+        load = torch.zeros(self.rows, self.experts, device=self.comm.mesh.device)
+        for i, router in self.routers:
+            load[i, :router.expert_load.shape[0]] = router.expert_load
+        for axis in self.axes:  # other stages' rows are zero here: pp's sum fills them in
+            self.comm.all_reduce(load, axis, purpose=METRICS)
+        for i, router in self.routers:
+            if stepped:
+                router.update_bias(load[i, :router.expert_load.shape[0]])
+            else:
+                router.expert_load.zero_()
+        return load
 
 
 class _SumOver(torch.autograd.Function):
