@@ -117,8 +117,7 @@ class Job:
         self.lr_scheduler = lr_scheduler(self.optimizer) if lr_scheduler is not None else None
         self.steps = 0  # optimizer steps taken (dropout masks are keyed by it)
         self._saver = None  # the background saver, made by the first `save(background=True)`
-        self._expert_load = ExpertLoad(parallel.module, parallel.comm, options.sp,  # a MoE model's routers
-                                       getattr(parallel, "routers", {}))
+        self._expert_load = ExpertLoad(parallel.module, parallel.comm, options.sp, parallel.routers)  # a MoE's
         self._passes_num_items = num_items  # the model's forward takes num_items_in_batch
         if loss.kind == "own":  # the model computes its loss in its forward: watched there
             parallel.loss_scope = loss.watching

@@ -108,6 +108,8 @@ class Parallelized:
     notes: list[str] = field(default_factory=list)  # what the strategies decided, to say once at start
     compiled: bool = False  # each block's forward compiled (`parallel/compile.py`)
     build_peak_bytes: int | None = None  # the most this rank held while it built its part (train.setup)
+    # a mixture of experts' routers in the whole model (name -> experts), read before a pipeline cut
+    routers: dict[str, int] = field(default_factory=dict)
     # what a micro-batch's forward and loss run inside (a model computing its own loss: the
     # job's count of its terms, `loss_terms.LossTerms.watching`)
     loss_scope: Callable[[], AbstractContextManager] = nullcontext
@@ -317,8 +319,7 @@ def parallelize(model: nn.Module, comm: Comm, options: Strategies, *, optimizer:
     grad_sync = syncs[0] if len(syncs) == 1 else GradSyncs(*syncs)
     p = Parallelized(model, loss_fn, grad_sync, optimizer, runner, comm, n_params, dropout_keys=keys,
                         holdings=holdings, compute_dtype=compute_dtype, notes=notes,
-                        compiled=options.compile is not None)
-    p.routers = routers
+                        compiled=options.compile is not None, routers=routers)
     if micro_shape is not None:
         set_micro_shape(p, pipeline, *micro_shape, options.sp)
     return p
