@@ -126,6 +126,22 @@ class Comm:
                   lambda g: dist.all_to_all_single(out, x, group=g))
         return out
 
+    def all_to_all_v(self, x: torch.Tensor, axis: str, send: list[int], receive: list[int]) -> torch.Tensor:
+        """Send `x`'s first `send[0]` rows to the rank at coordinate 0 of `axis`, the next
+        `send[1]` to coordinate 1, and so on; returns the `receive[j]` rows each rank j sent
+        this one, in coordinate order. Counted: the bytes that leave this rank (its own
+        rows stay)."""
+        n = self.mesh.size(axis)
+        if n == 1:
+            return x
+        x = x.contiguous()
+        row = x.element_size() * _row_elements(x)
+        out = x.new_empty((sum(receive), *x.shape[1:]))
+        sent = (sum(send) - send[self.mesh.coord(axis)]) * row
+        self._run(axis, "all_to_all", None, sent, False,
+                  lambda g: dist.all_to_all_single(out, x, receive, send, group=g))
+        return out
+
     def gather_along(self, x: torch.Tensor, axis: str, dim: int, *, purpose: str | None = None) -> torch.Tensor:
         """Every rank's `x` concatenated along `dim` in coordinate order (a new tensor)."""
         chunk = x.movedim(dim, 0).contiguous()
@@ -200,6 +216,14 @@ class Comm:
         out = [None] * n
         dist.all_gather_object(out, obj, group=None if axis is None else self.mesh.group(axis))
         return out
+
+
+def _row_elements(t: torch.Tensor) -> int:
+    """Elements per row (dim 0) of `t`, read from its shape (it may have no rows)."""
+    n = 1
+    for size in t.shape[1:]:
+        n *= size
+    return n
 
 
 def _nbytes(t: torch.Tensor) -> int:

@@ -155,6 +155,8 @@ FLAGS = [
     ("--cp-mode", "layout", "cp_mode", str, "ring (the default: keys and values travel a ring) | ulysses (all-to-all: "
      "each rank attends with n_heads/cp heads over the whole sequence); both head-tail balanced"),
     ("--pp", "layout", "pp", int, "pipeline-parallel size"),
+    ("--ep", "layout", "ep", int, "expert-parallel size: each MoE layer's experts split over ep ranks, folded over "
+     "the dp·cp·tp ranks (no ranks added: --dp 2 --ep 2 is 2 ranks); tokens travel to their experts by all-to-all"),
     ("--zero", "layout", "zero", int, "ZeRO stage inside the dp group: 0 (plain DP) | 1 (optimizer states "
      "sharded) | 2 (and gradients) | 3 (and parameters: FSDP, gathered per block)"),
     ("--keep-gathered", "layout", "keep_gathered", bool, "ZeRO-3: keep each block's parameters gathered from its "
@@ -300,13 +302,15 @@ def load(path: str | None, overrides: dict[tuple[str, str], object],
 
 
 def fill_dp(lay: LayoutConfig, world_size: int | None) -> None:
-    """An unset --dp fills the world: under a launcher world ÷ (tp·pp); from a shell 2 for the
-    default job (tp = pp = 1), else 1, so that `train --pp 2` starts 2 ranks, not 4."""
+    """An unset --dp fills the world: under a launcher world ÷ (tp·pp·cp); from a shell 2 for
+    the default job (tp = pp = cp = 1), else 1, so that `train --pp 2` starts 2 ranks, not 4 —
+    or, with --ep, the least multiple of that whose dp·cp·tp ranks ep divides (`--ep 4`: dp 4)."""
     if lay.dp is not None:
         return
     rest = lay.tp * lay.pp * lay.cp
     if world_size is None:
-        lay.dp = 2 if rest == 1 else 1
+        base = 2 if rest == 1 else 1
+        lay.dp = math.lcm(base, lay.ep // math.gcd(lay.ep, lay.cp * lay.tp))
     elif world_size % rest:
         raise ConfigError(f"the launcher started {world_size} processes, not a multiple of tp×pp×cp = "
                           f"{lay.tp}×{lay.pp}×{lay.cp} = {rest}; change --tp/--pp/--cp or the number of processes")
@@ -388,7 +392,8 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     adopt_imported_model(cfg)
     adopt_prepared_data(cfg)
     m, lay, tr = cfg.model, cfg.layout, cfg.train
-    for section, name in [("layout", "dp"), ("layout", "tp"), ("layout", "pp"), ("layout", "cp"), ("layout", "chunks"),
+    for section, name in [("layout", "dp"), ("layout", "tp"), ("layout", "pp"), ("layout", "cp"), ("layout", "ep"),
+                          ("layout", "chunks"),
                           ("layout", "microbatches"), ("train", "steps"), ("train", "batch_size"),
                           ("train", "seq_len"), ("train", "save_every"), ("train", "keep"), ("train", "eval_every"),
                           ("train", "eval_batches")]:
@@ -486,6 +491,8 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
                           f"{world_size}")
     if lay.cp > 1:
         _validate_context(cfg, user_model)
+    if lay.ep > 1:
+        _validate_experts(cfg, user_model)
     problem = schedule_or_batch_problem(lay, tr.batch_size)
     if problem:
         raise ConfigError(problem)
@@ -514,6 +521,31 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         if not 256 <= tr.vocab_size <= 2**20:  # above 65,536 the token file holds uint32 ids
             raise ConfigError(f"--vocab-size {tr.vocab_size}: use 256 (bytes) up to {2**20:,}")
     _reject_unbuilt(lay, tr)
+
+
+def _validate_experts(cfg: Config, user_model: bool) -> None:
+    """--ep: folded over dp·cp·tp, dividing each MoE layer's experts, on a model that has them."""
+    m, lay, tr = cfg.model, cfg.layout, cfg.train
+    fold = lay.dp * lay.cp * lay.tp
+    if fold % lay.ep:
+        raise ConfigError(f"--ep {lay.ep} does not divide dp·cp·tp = {lay.dp}·{lay.cp}·{lay.tp} = {fold}: expert "
+                          f"parallelism folds over those ranks; use an --ep dividing {fold} (or a larger --dp)")
+    if lay.zero:
+        raise ConfigError(f"--ep with --zero {lay.zero}: ZeRO over the experts' own replicas is not built yet; "
+                          "use --zero 0 with --ep")
+    if user_model:  # its experts are counted where it is built (meshtrain.parallelize)
+        return
+    experts = getattr(m.spec(), "n_experts", 0)
+    if not experts:
+        raise ConfigError(f"--ep {lay.ep}: expert parallelism splits a mixture of experts' experts, and {m.name} "
+                          "has none; use an MoE model (--model moe-test, moe-small) or drop --ep")
+    if experts % lay.ep:
+        raise ConfigError(f"--ep {lay.ep} does not divide the {experts} experts of {m.name}; use an --ep dividing "
+                          f"{experts}")
+    rows = tr.batch_size // (lay.dp * lay.microbatches)
+    if lay.tp > 1 and not lay.sp and (rows * tr.seq_len // lay.cp) % lay.tp:
+        raise ConfigError(f"--ep with --tp {lay.tp} and no --sp splits each micro-batch's {rows}×"
+                          f"{tr.seq_len // lay.cp} tokens over tp; use a batch or --seq-len whose tokens tp divides")
 
 
 def warnings(cfg: Config, command: str = "train") -> list[str]:

@@ -39,7 +39,7 @@ _LAYOUT_ONLY = ("zero", "sp", "tp_plan", "pipeline", "schedule", "chunks", "micr
 # What a resume layout keeps from the first layout's arguments when it does not name them: how
 # the model is split (the plans), not whether it is.
 _MODEL_PLANS = ("tp_plan", "pipeline", "wrap")
-_MESH_KEYS = ("dp", "tp", "pp", "cp")
+_MESH_KEYS = ("dp", "tp", "pp", "cp", "ep")
 
 
 @dataclass
@@ -174,15 +174,16 @@ def _second_layout(mesh: Mesh, options: dict, resume_layout, seed: int) -> tuple
                         f"{type(resume_layout).__name__}")
     sizes = {k: given.pop(k) for k in _MESH_KEYS if k in given}
     kept = {k: v for k, v in options.items() if k not in _LAYOUT_ONLY or k in _MODEL_PLANS}
-    if all(sizes.get(k, 1) == mesh.size(k) for k in ("tp", "pp", "cp")) and sizes.get("dp") in (None, mesh.batch_dp):
+    if all(sizes.get(k, 1) == mesh.size(k) for k in ("tp", "pp", "cp", "ep")) and sizes.get("dp") in (None, mesh.batch_dp):
         mesh_b = mesh
     else:
         try:
             mesh_b = init(dp=sizes.get("dp"), tp=sizes.get("tp", 1), pp=sizes.get("pp", 1), cp=sizes.get("cp", 1),
-                          device=mesh.device.type, seed=seed)
+                          ep=sizes.get("ep", 1), device=mesh.device.type, seed=seed)
         except ValueError as e:
             raise ValueError(f"resume_layout: {e} (the resumed job runs in these processes)") from None
-    described = {"dp": mesh_b.batch_dp, "tp": mesh_b.size("tp"), "pp": mesh_b.size("pp"), "cp": mesh_b.cp, **given}
+    described = {"dp": mesh_b.batch_dp, "tp": mesh_b.size("tp"), "pp": mesh_b.size("pp"), "cp": mesh_b.cp,
+                 "ep": mesh_b.size("ep"), **given}
     return mesh_b, {**kept, **given}, described
 
 

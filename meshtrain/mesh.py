@@ -7,7 +7,14 @@ parameters: for the parameters a cp rank is one more replica. So the `dp` axis t
 strategies see (gradient buckets, ZeRO's shards, the loss's and the norm's sums) is the
 flattened dp × cp (torchtitan's dp_shard_cp), dp-major; the data's rows are split over the
 batch's dp alone (`rows`, `batch_dp`), and `cp` is the ring that attention's keys and
-values travel."""
+values travel.
+
+Expert parallelism (ep) adds no ranks: it folds over the dp × cp × tp ranks of a pipeline
+stage (torchtitan's folding, expert-TP 1). Numbered f = (dp·cp coordinate)·tp + tp
+coordinate (tp innermost), the ranks f // ep alike form an `ep` group that holds one full
+set of experts between them (coordinate f mod ep: the experts' ep-th chunk), and the ranks
+f mod ep alike an `edp` group (coordinate f // ep), the replicas of one chunk of experts,
+over which its gradients are summed and ZeRO shards it."""
 
 from __future__ import annotations
 
@@ -22,6 +29,10 @@ class Mesh:
         self.batch_dp, self.cp = int(sizes.get("dp", 1)), int(sizes.get("cp", 1))
         self.sizes = {"pp": int(sizes.get("pp", 1)), "dp": self.batch_dp * self.cp, "tp": int(sizes.get("tp", 1)),
                       "cp": self.cp}
+        ep, fold = int(sizes.get("ep", 1)), self.sizes["dp"] * self.sizes["tp"]
+        if fold % ep:
+            raise ValueError(f"ep={ep} does not divide dp·cp·tp = {fold}: expert parallelism folds over those ranks")
+        self.sizes.update(ep=ep, edp=fold // ep)
         self.device = device
         self._dm = device_mesh  # torch DeviceMesh; None for the one-process mesh
         # Rank and coordinates are read once, so they stay valid after the group is gone.
@@ -30,15 +41,18 @@ class Mesh:
         self.batch_coord = coord["dp"]
         self._coord = {"pp": coord["pp"], "dp": coord["dp"] * self.cp + coord["cp"], "cp": coord["cp"],
                        "tp": coord["tp"]}
+        fold_coord = self._coord["dp"] * self.sizes["tp"] + self._coord["tp"]
+        self._coord.update(ep=fold_coord % ep, edp=fold_coord // ep)
         # Global rank at every coordinate, read once (for point-to-point peers).
         self._ranks = device_mesh.mesh.tolist() if device_mesh is not None else [[[[0]]]]
         self._replicas = None  # the flattened dp × cp group, made by `build` when cp > 1
+        self._experts: dict[str, object] = {}  # "ep" and "edp": the groups `build` makes when ep > 1
         self._channels: dict[tuple[str, str], object] = {}  # (axis, name) -> a second group along the axis
         self.seed = 0  # what `meshtrain.init` was given: dropout masks and drawn weights follow it
         self._comm = None
 
     @classmethod
-    def build(cls, pp: int, dp: int, tp: int, device, cp: int = 1) -> "Mesh":
+    def build(cls, pp: int, dp: int, tp: int, device, cp: int = 1, ep: int = 1) -> "Mesh":
         """Collective: every rank of the default process group must call it."""
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
@@ -47,9 +61,13 @@ class Mesh:
         if world != pp * dp * cp * tp:
             raise ValueError(f"world size {world} != pp×dp×cp×tp = {pp}×{dp}×{cp}×{tp}")
         dm = init_device_mesh(device.type, (pp, dp, cp, tp), mesh_dim_names=MESH_AXES)
-        mesh = cls({"pp": pp, "dp": dp, "cp": cp, "tp": tp}, device, dm)
+        mesh = cls({"pp": pp, "dp": dp, "cp": cp, "tp": tp, "ep": ep}, device, dm)
         if cp > 1:  # every rank makes every replica group, in the same order
             mesh._replicas, _ = dist.new_subgroups_by_enumeration(mesh.axis_ranks("dp"))
+        if ep > 1:
+            for axis in ("ep", "edp"):
+                if mesh.size(axis) > 1:
+                    mesh._experts[axis], _ = dist.new_subgroups_by_enumeration(mesh.axis_ranks(axis))
         return mesh
 
     @classmethod
@@ -88,6 +106,15 @@ class Mesh:
 
     def axis_ranks(self, axis: str) -> list[list[int]]:
         """The global ranks of every group along `axis`, each in coordinate order."""
+        if axis in ("ep", "edp"):  # folded over each stage's dp × cp × tp ranks, tp innermost
+            ep, tp = self.size("ep"), self.size("tp")
+            groups = []
+            for pp in range(self.size("pp")):
+                folded = [self._global({"pp": pp, "dp": f // tp, "tp": f % tp})
+                          for f in range(self.size("dp") * tp)]
+                groups += ([folded[i:i + ep] for i in range(0, len(folded), ep)] if axis == "ep"
+                           else [folded[j::ep] for j in range(ep)])
+            return groups
         if axis == "cp":  # a ring per (pp, batch dp, tp)
             return [[self._global({"pp": pp, "dp": bdp * self.cp + c, "tp": tp}) for c in range(self.cp)]
                     for pp in range(self.size("pp")) for bdp in range(self.batch_dp) for tp in range(self.size("tp"))]
@@ -117,7 +144,7 @@ class Mesh:
         """Every process group this rank belongs to but the world's: each axis's of more
         than one rank, and the channels."""
         axes = [self.group(axis) for axis in MESH_AXES if self.size(axis) > 1 and self._dm is not None]
-        return axes + list(self._channels.values())
+        return axes + list(self._experts.values()) + list(self._channels.values())
 
     def device_mesh(self, axis: str):
         """torch's one-dimensional DeviceMesh along `axis` (for PyTorch-native peers: DTensor)."""
@@ -132,6 +159,8 @@ class Mesh:
             return self._channels[(axis, channel)]
         if axis == "dp" and self._replicas is not None:
             return self._replicas
+        if axis in ("ep", "edp"):
+            return self._experts.get(axis)
         return self._dm.get_group(axis) if self._dm is not None else None
 
     @property
@@ -166,4 +195,5 @@ class Mesh:
         """The sizes `size(axis)` answers: dp is the parameters' replicas, so under cp it is
         written as the batch's dp × cp (`--dp 1 --cp 2`: dp=2 (batch dp 1 × cp 2))."""
         dp = f"{self.sizes['dp']} (batch dp {self.batch_dp} × cp {self.cp}), cp={self.cp}" if self.cp > 1 else self.batch_dp
-        return f"Mesh(pp={self.sizes['pp']}, dp={dp}, tp={self.sizes['tp']}, rank={self.rank})"
+        ep = f", ep={self.sizes['ep']}" if self.sizes["ep"] > 1 else ""
+        return f"Mesh(pp={self.sizes['pp']}, dp={dp}, tp={self.sizes['tp']}{ep}, rank={self.rank})"

@@ -18,6 +18,9 @@ from meshtrain.mesh import AXES
 SHARDED_OVER = "meshtrain_sharded_over"
 # The axes over which a parameter is a replica unless it says it is sharded over them.
 REPLICATED_AXES = ("dp", "tp")
+# The axes a tensor's replicas lie along, where not the default's (dp and tp but those it is
+# split over): an expert chunk's are its edp group's (`parallel/experts.py`).
+REPLICATED_OVER = "meshtrain_replicated_over"
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -119,7 +122,8 @@ def grad_norm(params, comm: Comm) -> torch.Tensor:
         if p.grad is None:
             continue
         sharded = set(getattr(p, SHARDED_OVER, ()))
-        if all(mesh.coord(axis) == 0 for axis in REPLICATED_AXES if axis not in sharded):
+        replicated = getattr(p, REPLICATED_OVER, REPLICATED_AXES)
+        if all(mesh.coord(axis) == 0 for axis in replicated if axis not in sharded):
             counted.append(local_tensor(p.grad).detach())
     squares = [torch.stack(torch._foreach_norm(group, 2.0, dtype=torch.float32)).to(mesh.device).square().sum()
                for group in by_device_and_dtype(counted)]

@@ -10,18 +10,20 @@ from meshtrain import launch
 from meshtrain.mesh import Mesh
 
 
-def init(dp: int | None = None, tp: int = 1, pp: int = 1, cp: int = 1, device: str = "auto", seed: int = 0,
+def init(dp: int | None = None, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, device: str = "auto", seed: int = 0,
          timeout: float | None = None) -> Mesh:
     """The device mesh of this job. Under torchrun, srun or mpirun this process joins the
     others (gloo on CPU, NCCL with one GPU per local rank); from a plain shell it is the
-    whole job, one process. `dp=None` fills the world: world ÷ (tp·pp·cp). `device`: auto
+    whole job, one process. `dp=None` fills the world: world ÷ (tp·pp·cp). `ep`: a mixture
+    of experts' experts split over ep ranks folded over dp·cp·tp (it adds no ranks, and must
+    divide dp·cp·tp). `device`: auto
     (CUDA when present), cpu or cuda. `seed` keys what must agree across layouts (dropout
     masks, weights drawn for a meta-device model). `timeout`: seconds any collective may
     wait before the job ends with an error (default 5 minutes). A process group that the
     caller already made (`torch.distributed.init_process_group`) is used as it is."""
     import torch.distributed as dist
 
-    for name, value in (("tp", tp), ("pp", pp), ("cp", cp)):
+    for name, value in (("tp", tp), ("pp", pp), ("cp", cp), ("ep", ep)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}={value!r}: use an integer ≥ 1")
     if device not in ("auto", "cpu", "cuda"):
@@ -36,6 +38,9 @@ def init(dp: int | None = None, tp: int = 1, pp: int = 1, cp: int = 1, device: s
     else:
         world, local_rank, local_world = 1, 0, 1
     dp = _fill_dp(dp, tp * cp, pp, world)
+    if (dp * cp * tp) % ep:
+        raise ValueError(f"ep={ep} does not divide dp·cp·tp = {dp}·{cp}·{tp} = {dp * cp * tp}: expert parallelism "
+                         "folds over those ranks")
     torch_device = launch.choose_device(device, local_rank, local_world)
     if world == 1 and not dist.is_initialized():
         mesh = Mesh.single(torch_device)
@@ -43,7 +48,7 @@ def init(dp: int | None = None, tp: int = 1, pp: int = 1, cp: int = 1, device: s
         if not dist.is_initialized():
             launch.init_distributed(renv, torch_device, timeout_s=timeout)
             atexit.register(launch.let_collective_threads_finish)
-        mesh = Mesh.build(pp, dp, tp, torch_device, cp=cp)
+        mesh = Mesh.build(pp, dp, tp, torch_device, cp=cp, ep=ep)
     mesh.seed = seed
     return mesh
 

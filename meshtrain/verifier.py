@@ -232,12 +232,12 @@ def part_config(cfg: Config, second: Config, part: str, folder: Path) -> Config:
 def same_ranks(first: dict[str, int], second: dict[str, int]) -> bool:
     """Whether two layouts' meshes are alike (every axis the same size): a checkpoint gives
     each rank its own random-number state back only then."""
-    axes = ("pp", "dp", "cp", "tp")
+    axes = ("pp", "dp", "cp", "tp", "ep")
     return {a: first.get(a, 1) for a in axes} == {a: second.get(a, 1) for a in axes}
 
 
 def mesh_sizes(lay: LayoutConfig) -> dict[str, int]:
-    return {"pp": lay.pp, "dp": lay.dp, "cp": lay.cp, "tp": lay.tp}
+    return {"pp": lay.pp, "dp": lay.dp, "cp": lay.cp, "tp": lay.tp, "ep": lay.ep}
 
 
 def join_parts(first: dict, resumed: dict, at: int, layout, ranks_alike: bool) -> dict:
@@ -290,7 +290,7 @@ def mesh_like(lay: LayoutConfig, mesh: Mesh) -> Mesh:
     mesh when there is no process group)."""
     if mesh.world_size == 1 and lay.world_size == 1:
         return Mesh.single(mesh.device)
-    return Mesh.build(lay.pp, lay.dp, lay.tp, mesh.device, cp=lay.cp)
+    return Mesh.build(lay.pp, lay.dp, lay.tp, mesh.device, cp=lay.cp, ep=lay.ep)
 
 
 class _TrajectoryRecorder(StepObserver):

@@ -49,7 +49,7 @@ def _rank_main(fn, rank, world, port, sizes, out_dir, args):
         env = RankEnv("test", rank, world, rank, world, "127.0.0.1", port)
         device = init_distributed(env, torch.device("cpu"))  # tests force the CPU and gloo
         torch.set_num_threads(1)
-        mesh = Mesh.build(sizes["pp"], sizes["dp"], sizes["tp"], device, cp=sizes["cp"])
+        mesh = Mesh.build(sizes["pp"], sizes["dp"], sizes["tp"], device, cp=sizes["cp"], ep=sizes.get("ep", 1))
         result = fn(mesh, *args)
         torch.save(result, Path(out_dir, f"rank{rank}.pt"))
         shutdown_distributed()
@@ -62,9 +62,11 @@ def _rank_main(fn, rank, world, port, sizes, out_dir, args):
     finish(code)
 
 
-def run_ranks(fn, world: int, *args, pp: int = 1, tp: int = 1, cp: int = 1, timeout: float = 180.0) -> list:
-    """Results of `fn(mesh, *args)` on each of `world` ranks (dp = world / (pp·cp·tp))."""
-    sizes = {"pp": pp, "tp": tp, "cp": cp, "dp": world // (pp * cp * tp)}
+def run_ranks(fn, world: int, *args, pp: int = 1, tp: int = 1, cp: int = 1, ep: int = 1,
+              timeout: float = 180.0) -> list:
+    """Results of `fn(mesh, *args)` on each of `world` ranks (dp = world / (pp·cp·tp); ep
+    folded over dp·cp·tp)."""
+    sizes = {"pp": pp, "tp": tp, "cp": cp, "ep": ep, "dp": world // (pp * cp * tp)}
     ctx = _context()
     for attempt in range(ATTEMPTS):
         with tempfile.TemporaryDirectory() as out_dir:

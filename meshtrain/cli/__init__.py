@@ -453,7 +453,7 @@ def _run_here(cfg, args, renv, device) -> int:
     else:
         launch.init_distributed(renv, device, timeout_s=max(C.START_TIMEOUT_S, cfg.train.timeout),
                                 trace_dir=cfg.train.out)
-        mesh = Mesh.build(cfg.layout.pp, cfg.layout.dp, cfg.layout.tp, device, cp=cfg.layout.cp)
+        mesh = Mesh.build(cfg.layout.pp, cfg.layout.dp, cfg.layout.tp, device, cp=cfg.layout.cp, ep=cfg.layout.ep)
     from meshtrain.checkpoint.sharded import CheckpointError
     from meshtrain.train import NonFinite, Preempted, RunRefused
     try:

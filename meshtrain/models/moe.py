@@ -130,20 +130,19 @@ class Experts(nn.Module):
         traces with) takes bf16 only in torch 2.13, and the loop's split sizes are data."""
         if torch.compiler.is_compiling() and x.dtype != torch.bfloat16:
             return _eager(self, x, chosen, weights)
-        return self._combine(x, chosen, weights)
+        return self.combine(x, chosen, weights)
 
-    def _combine(self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        k = chosen.shape[1]
-        order = chosen.reshape(-1).argsort(stable=True)  # (token, slot) pairs by expert, tokens in order
-        token = order // k
-        counts = expert_counts(chosen, self.n_experts)
-        rows = x[token]
-        if self.impl == "grouped" and self.groupable(x.dtype):
-            y = self._grouped(rows, counts)
-        else:
-            y = self._looped(rows, counts)
-        y = y.float() * weights.reshape(-1)[order, None]  # weighted in fp32, as the router's weights are
-        return torch.zeros_like(x).index_add_(0, token, y.to(x.dtype))
+    def combine(self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Each token's rows run by its experts and summed back, weighted (expert parallelism
+        replaces this on the instance: it moves the rows to the ranks holding their experts)."""
+        order, token, counts = sort_by_expert(chosen, self.n_experts)
+        return weighted_sum(x, self.compute(x[token], counts), token, order, weights)
+
+    def compute(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """rows [R, d] sorted by expert, `counts` of them for each expert held here -> [R, d]."""
+        if self.impl == "grouped" and self.groupable(rows.dtype):
+            return self._grouped(rows, counts)
+        return self._looped(rows, counts)
 
     def groupable(self, dtype: torch.dtype) -> bool:
         """grouped_mm needs every stride a multiple of 16 bytes: d and I in whole 16-byte units."""
@@ -169,7 +168,22 @@ class Experts(nn.Module):
 
 @torch.compiler.disable
 def _eager(experts: Experts, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    return experts._combine(x, chosen, weights)
+    return experts.combine(x, chosen, weights)
+
+
+def sort_by_expert(chosen: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """chosen [tokens, k] -> (order: the (token, slot) pairs sorted by expert, tokens in
+    order within each; token: each sorted pair's token; counts [n_experts])."""
+    order = chosen.reshape(-1).argsort(stable=True)
+    return order, order // chosen.shape[1], expert_counts(chosen, n_experts)
+
+
+def weighted_sum(x: torch.Tensor, y: torch.Tensor, token: torch.Tensor, order: torch.Tensor,
+                 weights: torch.Tensor) -> torch.Tensor:
+    """The experts' outputs `y` (rows in `order`) weighted by the router (in fp32, as its
+    weights are) and summed per token into x's shape."""
+    y = y.float() * weights.reshape(-1)[order, None]
+    return torch.zeros_like(x).index_add_(0, token, y.to(x.dtype))
 
 
 def balance_sums(scores: torch.Tensor, chosen: torch.Tensor, groups: int, score: str) -> torch.Tensor:

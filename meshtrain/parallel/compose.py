@@ -24,6 +24,7 @@ from meshtrain.comm import METRICS, Comm
 from meshtrain.loss import cross_entropy_sum
 from meshtrain.parallel.modules import find_block_list
 from meshtrain.parallel.expert_load import expert_routers, sum_sequences_over
+from meshtrain.parallel.experts import apply_expert_parallel
 from meshtrain.parallel.materialize import InitSpec, keep_state_buffers_fp32, materialize, to_placeholders
 from meshtrain.optim import FULL_SHAPE, OptimizerFactory, check_optimizer, keep_grad_views, optimizer_from
 from meshtrain.parallel.data import DataParallel
@@ -67,7 +68,8 @@ class GradSyncs:
 
     def weight_grad_ready(self, p, grad) -> None:
         for s in self.syncs:
-            s.weight_grad_ready(p, grad)
+            if not hasattr(s, "owns") or s.owns(p):  # each parameter's gradient goes to its own synchroniser
+                s.weight_grad_ready(p, grad)
 
     def end_weight_pass(self) -> None:
         for s in self.syncs:
@@ -251,6 +253,12 @@ def parallelize(model: nn.Module, comm: Comm, options: Strategies, *, optimizer:
         apply_context_parallel(model, comm, options.cp_mode)
     # A mixture of experts' balancing loss sums each row's counts over the ranks holding its tokens.
     sum_sequences_over(model, comm, ("cp",) + (("tp",) if options.sp else ()))
+    # Expert parallelism: each rank keeps its E/ep experts; tokens travel to them.
+    experts = []
+    if mesh.size("ep") > 1:
+        experts = apply_expert_parallel(model, comm, split_tp=mesh.size("tp") > 1 and not options.sp)
+        mine = {id(q) for q in model.parameters()}
+        whole = [q for q in whole if id(q) in mine]  # the experts it replaced are summed over edp instead
     # Zero-bubble: the stage's linear layers (as the plan made them) keep their weight
     # gradients for the weight pass.
     if mesh.size("pp") > 1 and options.schedule == "zb":
@@ -272,6 +280,9 @@ def parallelize(model: nn.Module, comm: Comm, options: Strategies, *, optimizer:
     # bf16 tensors, which the fp32 masters then hold as their `.grad`.
     grad_dtype = torch.float32 if options.grad_dtype == "fp32" else compute_dtype
     zero_sharded = options.zero and mesh.size("dp") > 1
+    if zero_sharded and experts:
+        raise ValueError("ZeRO with expert parallelism is not built yet: use --zero 0 with --ep")
+    expert_sync = None
     draw, fingerprint = None, None
     if init is not None:
         draw, fingerprint = partial(_draw_piece, init, comm), init.fingerprint()
@@ -292,8 +303,15 @@ def parallelize(model: nn.Module, comm: Comm, options: Strategies, *, optimizer:
             materialize(model, draw)
         trained = [(name, value) for name, value, _, _ in zero.pieces]
     else:
+        owned = {id(q) for q in experts}
+        dense = [(n, q) for n, q in model.named_parameters() if id(q) not in owned]
         sync = DataParallel(model, comm, axis="dp", bucket_mb=options.bucket_mb, grad_dtype=grad_dtype,
-                            elsewhere=linear.params if linear else [], init_fingerprint=fingerprint, **dp_options)
+                            elsewhere=linear.params if linear else [], init_fingerprint=fingerprint, params=dense,
+                            **dp_options)
+        if experts:  # each chunk of experts summed over its own replicas
+            expert_sync = DataParallel(model, comm, axis="edp", bucket_mb=options.bucket_mb, grad_dtype=grad_dtype,
+                                       init_fingerprint=fingerprint,
+                                       params=[(n, q) for n, q in model.named_parameters() if id(q) in owned])
         trained = [(n, q) for n, q in model.named_parameters() if q.requires_grad]
     mark_full_shapes(model, trained, comm)
     if compute_dtype == torch.float32:
@@ -303,8 +321,9 @@ def parallelize(model: nn.Module, comm: Comm, options: Strategies, *, optimizer:
     else:  # fp32 masters; they hold the gradients too when those live apart in fp32
         grads = None
         if grad_dtype != compute_dtype:
+            owners = [s for s in (linear, expert_sync) if s is not None] + [sync]
             grads = zero.piece_grads if zero is not None else {
-                t: (linear if linear and linear.owns(t) else sync).grad_view(t) for _, t in trained}
+                t: next(s for s in owners if s.owns(t)).grad_view(t) for _, t in trained}
         optimizer = MasterWeights(trained, partial(optimizer_from, factory), grads=grads,
                                   zero_buffers=zero.zero_grad if zero is not None else None)
     holdings = None
@@ -312,7 +331,7 @@ def parallelize(model: nn.Module, comm: Comm, options: Strategies, *, optimizer:
         if options.zero < 3:
             optimizer.register_step_post_hook(lambda *_: zero.gather_params())
         holdings = ZeroHoldings(model, optimizer, comm, zero)
-    syncs = [sync, linear] if linear else [sync]
+    syncs = [sync] + [s for s in (linear, expert_sync) if s is not None]
     if whole:  # summed over tp wherever their gradients live
         tensors = zero.pieces_of(whole) if zero is not None else whole
         syncs.append(TensorParallelSync([grad_holder(optimizer, t) for t in tensors], comm))

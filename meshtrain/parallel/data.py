@@ -52,13 +52,17 @@ class DataParallel:
 
     def __init__(self, model: nn.Module, comm: Comm, *, axis: str = "dp", bucket_mb: float = 25.0,
                  on_launch: Callable[[int], None] | None = None, grad_dtype: torch.dtype | None = None,
-                 elsewhere: list[nn.Parameter] = (), init_fingerprint: int | None = None):
+                 elsewhere: list[nn.Parameter] = (), init_fingerprint: int | None = None,
+                 params: list[tuple[str, nn.Parameter]] | None = None):
         """`elsewhere`: parameters another synchroniser makes whole (the linear layers on the
         all-gather path); they get no bucket, but are checked to agree like the rest.
+        `params`: the (name, parameter) pairs this synchroniser owns (default: all of the
+        model's that require gradients; expert parallelism gives the experts' to another,
+        over their own replicas).
         `init_fingerprint`: the weights were drawn from an init spec (`parallel.materialize`), and
         replicas agree when their specs do."""
         self.comm, self.axis, self.on_launch = comm, axis, on_launch
-        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        named = [(n, p) for n, p in (model.named_parameters() if params is None else params) if p.requires_grad]
         skip = set(elsewhere)
         bucketed = [p for _, p in reversed(named) if p not in skip]
         self.buckets = [Bucket(i, group, grad_dtype) for i, group in
@@ -108,6 +112,10 @@ class DataParallel:
         bucket.ready.add(p)
         if bucket.complete:
             self._launch_ready()
+
+    def owns(self, p: nn.Parameter) -> bool:
+        """Whether `p`'s gradient is made whole here."""
+        return p in self._bucket_of
 
     def grad_view(self, p: nn.Parameter) -> torch.Tensor:
         """Where `p`'s gradient lives (its `.grad` too when the dtypes agree)."""

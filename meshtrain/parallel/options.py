@@ -98,6 +98,7 @@ class Layout:
     pp: int = 1
     cp: int = 1  # context parallelism: each sequence split over cp ranks
     cp_mode: str = "ring"
+    ep: int = 1  # expert parallelism: each MoE layer's experts split over ep ranks folded over dp·cp·tp
     zero: int = 0
     sp: bool = False
     schedule: str = "1f1b"
@@ -129,7 +130,8 @@ class Layout:
         zero = f" zero={self.zero}" if self.zero else ""
         cp = f" cp={self.cp} {self.cp_mode}" if self.cp > 1 else ""
         compiled = f" compile={self.compile_backend}" if self.compile else ""
-        return (f"dp={self.dp}{zero}{cp} tp={self.tp}{sp} pp={self.pp}{pp} microbatches={self.microbatches} "
+        ep = f" ep={self.ep}" if self.ep > 1 else ""
+        return (f"dp={self.dp}{zero}{cp}{ep} tp={self.tp}{sp} pp={self.pp}{pp} microbatches={self.microbatches} "
                 f"{self.precision}{compiled}")
 
     def strategies(self, strict_p2p: bool = False) -> Strategies:
@@ -145,7 +147,7 @@ class Layout:
     def summary(self) -> dict:
         """The `layout` object of the JSON contract."""
         keys = ("dp", "tp", "pp", "zero", "sp", "schedule", "microbatches", "recompute", "precision", "cp", "cp_mode",
-                "compile")
+                "compile", "ep")
         return {k: getattr(self, k) for k in keys}
 
 

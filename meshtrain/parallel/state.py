@@ -104,7 +104,8 @@ def assemble_split(local: torch.Tensor, spec: tuple[str, int] | None, comm: Comm
     copied by the collector alone; a split tensor is gathered over its axis."""
     mesh = comm.mesh
     axis = spec[0] if spec is not None and mesh.size(spec[0]) > 1 else None
-    if any(mesh.coord(a) != 0 for a in ("dp", "tp") if a != axis):
+    others = ("edp",) if axis == "ep" else ("dp", "tp")  # an expert chunk's replicas lie along edp
+    if any(mesh.coord(a) != 0 for a in others if a != axis):
         return None
     if axis is None:
         return cpu_copy(local) if is_collector(comm) else None

@@ -1,0 +1,149 @@
+"""Expert parallelism: a mixture of experts' experts split over the `ep` ranks (folded over
+each pipeline stage's dp × cp × tp ranks: `mesh.py`), the tokens moved to them instead.
+
+Each rank routes its own tokens (its rows, its cp share of them, its tp share under SP),
+then for every MoE layer and micro-batch:
+
+1. its (token, slot) rows are sorted by expert — the experts of ep rank j are the j-th
+   contiguous E/ep of them, so the rows bound for each rank are contiguous;
+2. the per-expert counts go round first (an all-to-all of ep × E/ep integers), and both
+   directions' split sizes are read on the host — the one host sync of a layer's
+   micro-batch, which variable-size all-to-all needs;
+3. the rows go to the ranks holding their experts (all-to-all with those splits), are
+   regrouped by local expert, run through the grouped experts, put back in arrival order,
+   and return by the inverse all-to-all, where the router's weights combine them.
+
+The backward runs the same two exchanges the other way round on the gradients. A rank that
+sends or receives no rows still takes part in both (empty splits), so no rank waits on one
+that skipped its collective.
+
+Tensor parallelism without SP gives every tp rank the same tokens: each takes its 1/tp of
+them before the dispatch (the gradient of that cut is all-gathered back: every rank's
+gradient of the layer's input is whole) and the outputs are all-gathered after the combine
+(its gradient cut to the rank's share), so no expert computes a token twice. The router and
+the balancing loss still see every token, as without expert parallelism.
+
+An expert's parameters are summed over its `edp` replicas (not all of dp), and count once in
+the gradient norm (on edp coordinate 0, every ep rank its own chunk)."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+import torch.nn as nn
+
+from meshtrain.comm import Comm
+from meshtrain.optim import REPLICATED_OVER
+from meshtrain.parallel.state import set_shard
+from meshtrain.parallel.tensor import _conjugate, _own_copy
+
+EXPERT_PARAMS = ("gate_up_proj", "down_proj")
+
+
+def expert_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The model's stacked experts: modules with `n_experts` and the stacked projections
+    `gate_up_proj` [E, 2I, d] and `down_proj` [E, d, I] whose `combine(x, chosen, weights)`
+    runs them (meshtrain's `models.moe.Experts`)."""
+    return [(n, m) for n, m in model.named_modules()
+            if hasattr(m, "n_experts") and all(isinstance(getattr(m, p, None), nn.Parameter) for p in EXPERT_PARAMS)
+            and hasattr(m, "combine")]
+
+
+def apply_expert_parallel(model: nn.Module, comm: Comm, *, split_tp: bool) -> list[nn.Parameter]:
+    """Keep this rank's E/ep experts of every MoE layer (their chunk of each stacked
+    parameter, marked as split over ep) and route the layer's tokens by all-to-all
+    (`split_tp`: tp ranks hold the same tokens — no SP — and each dispatches its 1/tp).
+    Returns the experts' parameters: their gradients are summed over edp, not dp."""
+    mesh = comm.mesh
+    ep, at = mesh.size("ep"), mesh.coord("ep")
+    found, params = expert_modules(model), []
+    if not found:
+        raise ValueError(f"ep={ep}: the model has no stacked experts to split (expert parallelism is for "
+                         "mixture-of-experts models)")
+    for name, m in found:
+        if m.n_experts % ep:
+            raise ValueError(f"ep={ep} does not divide the {m.n_experts} experts of {name}")
+        local = m.n_experts // ep
+        for leaf in EXPERT_PARAMS:
+            full = getattr(m, leaf)
+            piece = nn.Parameter(_own_copy(full.detach().narrow(0, at * local, local)), requires_grad=full.requires_grad)
+            set_shard(piece, "ep", 0)
+            setattr(piece, REPLICATED_OVER, ("edp",))
+            setattr(m, leaf, piece)
+            params.append(piece)
+        m.combine = partial(expert_parallel_combine, m, comm, split_tp)
+    return params
+
+
+@torch.compiler.disable  # the split sizes are read on the host: run eagerly between compiled parts
+def expert_parallel_combine(experts: nn.Module, comm: Comm, split_tp: bool, x: torch.Tensor,
+                            chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """`Experts.combine` with the experts split over ep: x [tokens, d], chosen and weights
+    [tokens, k] (global expert ids) -> [tokens, d]."""
+    from meshtrain.models.moe import sort_by_expert, weighted_sum
+
+    if split_tp:
+        x, weights = _SplitTokens.apply(x, comm), _SplitTokens.apply(weights, comm)
+        chosen = _take_chunk(chosen, comm)
+    order, token, counts = sort_by_expert(chosen, experts.n_experts)
+    y = dispatch_and_run(experts.compute, x[token], counts, comm)
+    out = weighted_sum(x, y, token, order, weights)
+    return _GatherTokens.apply(out, comm) if split_tp else out
+
+
+def dispatch_and_run(compute, rows: torch.Tensor, counts: torch.Tensor, comm: Comm) -> torch.Tensor:
+    """`rows` [R, d] sorted by (global) expert, `counts` [E] of them per expert: each row
+    run by `compute(rows, counts_per_local_expert)` on the ep rank that holds its expert,
+    and returned in the order given."""
+    ep = comm.mesh.size("ep")
+    send = counts.view(ep, -1)  # rows bound for each ep rank, per its local expert
+    receive = comm.all_to_all(send.contiguous(), "ep")  # rows coming from each rank, per my local expert
+    splits = torch.stack([send.sum(1), receive.sum(1)]).tolist()  # the host sync: all-to-all's split sizes
+    out_splits, in_splits = splits
+    arrived = _AllToAll.apply(rows, comm, out_splits, in_splits)  # by source rank, then local expert
+    by_expert = _expert_major(receive, sum(in_splits))
+    done = compute(arrived[by_expert], receive.sum(0))
+    return _AllToAll.apply(done[by_expert.argsort()], comm, in_splits, out_splits)  # in arrival order, sent back
+
+
+def _expert_major(receive: torch.Tensor, total: int) -> torch.Tensor:
+    """The order that regroups rows arrived (source rank, local expert)-major into (local
+    expert, source rank)-major: `receive` [ep, E/ep] counts of each block."""
+    ep, local = receive.shape
+    block = torch.repeat_interleave(torch.arange(ep * local, device=receive.device), receive.reshape(-1),
+                                    output_size=total)
+    key = (block % local) * ep + block // local
+    return key.argsort(stable=True)
+
+
+class _AllToAll(torch.autograd.Function):
+    """Rows exchanged over ep with the given splits; the gradients go back the other way."""
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, comm: Comm, send: list[int], receive: list[int]) -> torch.Tensor:
+        ctx.comm, ctx.send, ctx.receive = comm, send, receive
+        return comm.all_to_all_v(rows, "ep", send, receive)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return ctx.comm.all_to_all_v(grad.contiguous(), "ep", ctx.receive, ctx.send), None, None, None
+
+
+def _take_chunk(x: torch.Tensor, comm: Comm) -> torch.Tensor:
+    """This tp rank's contiguous 1/tp of the tokens (dim 0)."""
+    n, tp = x.shape[0] // comm.mesh.size("tp"), comm.mesh.size("tp")
+    if x.shape[0] % tp:
+        raise ValueError(f"expert parallelism with tp={tp} and no SP splits a micro-batch's {x.shape[0]} tokens "
+                         f"over tp: use micro-batches whose tokens tp divides")
+    return x[comm.mesh.coord("tp") * n:(comm.mesh.coord("tp") + 1) * n]
+
+
+def _gather_rows(x: torch.Tensor, comm: Comm) -> torch.Tensor:
+    return comm.gather_along(x.contiguous(), "tp", 0)
+
+
+_SplitTokens = _conjugate("_SplitTokens", "This tp rank's share of replicated tokens forward; the shares' "
+                          "gradients all-gathered backward.", _take_chunk, _gather_rows)
+_GatherTokens = _conjugate("_GatherTokens", "The tp ranks' shares all-gathered forward; this rank's share of the "
+                           "(replicated) gradient backward.", _gather_rows, _take_chunk)
