@@ -47,7 +47,7 @@ def _rank_main(fn, rank, world, port, sizes, out_dir, args):
         from meshtrain.mesh import Mesh
 
         env = RankEnv("test", rank, world, rank, world, "127.0.0.1", port)
-        device = init_distributed(env, torch.device("cpu"))  # tests force the CPU and gloo
+        device = init_distributed(env, torch.device("cpu"), timeout_s=sizes.get("collective_timeout"))  # CPU, gloo
         torch.set_num_threads(1)
         mesh = Mesh.build(sizes["pp"], sizes["dp"], sizes["tp"], device, cp=sizes["cp"], ep=sizes.get("ep", 1))
         result = fn(mesh, *args)
@@ -63,10 +63,12 @@ def _rank_main(fn, rank, world, port, sizes, out_dir, args):
 
 
 def run_ranks(fn, world: int, *args, pp: int = 1, tp: int = 1, cp: int = 1, ep: int = 1,
-              timeout: float = 180.0) -> list:
+              timeout: float = 180.0, collective_timeout: float | None = None) -> list:
     """Results of `fn(mesh, *args)` on each of `world` ranks (dp = world / (pp·cp·tp); ep
-    folded over dp·cp·tp)."""
-    sizes = {"pp": pp, "tp": tp, "cp": cp, "ep": ep, "dp": world // (pp * cp * tp)}
+    folded over dp·cp·tp). `collective_timeout`: seconds a collective may wait before its
+    rank fails (default: meshtrain's)."""
+    sizes = {"pp": pp, "tp": tp, "cp": cp, "ep": ep, "dp": world // (pp * cp * tp),
+             "collective_timeout": collective_timeout}
     ctx = _context()
     for attempt in range(ATTEMPTS):
         with tempfile.TemporaryDirectory() as out_dir:
