@@ -13,6 +13,9 @@ from distributed import run_ranks
 from mutant_harness import records_of_every_mutant, verdicts_of
 from test_moe import moe_config
 
+from meshtrain import config as C
+from meshtrain import verifier as verify
+from meshtrain.comm import Comm
 from meshtrain.parallel import experts as ep_module
 from meshtrain.parallel.data import DataParallel
 from meshtrain.recipes import PRESETS, add_preset
@@ -153,3 +156,29 @@ def test_the_layout_of_no_tokens_really_sends_rank_1_nothing():
     chosen = (torch.arange(8 * 1) % 16).view(8, 1)  # TopKRouter's balanced routing of 8 tokens, k = 1
     counts = expert_counts(chosen, 16).view(2, 8)
     assert counts[1].sum() == 0 and counts[0].sum() == 8
+
+
+# ---- resumed across ep ------------------------------------------------------------------------
+
+def _resume_config(resume_layout: str, **layout):
+    c = moe_config(**layout)
+    c.train.steps, c.train.resume_at, c.train.resume_layout = 4, 2, resume_layout
+    C.validate(c)
+    return c
+
+
+def _resumed_record(mesh, cfg, second):
+    return verify.record_resumed(cfg, second, Comm(mesh), "layout")
+
+
+@pytest.mark.parametrize("first,resumed", [("ep=2", "dp=2"), ("ep=2", "tp=2 microbatches=1"), ("", "dp=2 ep=2")])
+def test_a_checkpoint_resumes_across_ep_within_verify_s_tolerances(first, resumed):
+    """Saved with the experts split over ep (each rank's chunk, by the one-process names) and
+    resumed with them whole on every rank, or the other way round: weights and Adam's
+    moments come back bit for bit."""
+    cfg = _resume_config(resumed, **C.parse_layout(first) if first else {})
+    second = C.resumed_config(cfg)
+    rec = run_ranks(_resumed_record, 2, cfg, second, ep=cfg.layout.ep)[0]
+    result = verify.compare(rec, verify.run_reference(cfg, rec))
+    assert result["passed"], result["failures"]
+    assert result["max_resume_rel_diff"] == 0.0

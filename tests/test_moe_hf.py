@@ -80,12 +80,13 @@ def test_transformers_folders_give_its_logits_and_save_back_as_the_same_files(ca
         _close(back(ids).logits, want)
 
 
-@pytest.fixture(scope="module")
-def moe_run(tmp_path_factory):
-    """(the step-2 checkpoint of moe-test trained in dp 2, its `export --hf`)."""
+@pytest.fixture(scope="module", params=[("--dp", "2"), ("--dp", "2", "--ep", "2")], ids=["dp2", "dp2-ep2"])
+def moe_run(tmp_path_factory, request):
+    """(the step-2 checkpoint of moe-test trained in dp 2, or dp 2 with the experts split over
+    ep 2, its `export --hf`)."""
     root = tmp_path_factory.mktemp("moe_run")
     r = run_cli("train", "--model", "moe-test", "--vocab-size", "256", "--seq-len", "32", "--batch-size", "4",
-                "--data", "benchmarks/data/hamlet.txt", "--dp", "2", "--steps", "2", "--save-every", "2",
+                "--data", "benchmarks/data/hamlet.txt", *request.param, "--steps", "2", "--save-every", "2",
                 "--device", "cpu", "--out", root / "run")
     assert r.returncode == 0, r.stderr[-3000:]
     r = run_cli("export", "--hf", "--ckpt", root / "run" / "step-2", "--out", root / "export")
