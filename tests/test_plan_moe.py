@@ -199,7 +199,7 @@ def _measured(_mesh, cfgs):
     out = []
     for cfg in cfgs:
         lay = cfg.layout
-        mesh = meshtrain.init(dp=lay.dp, tp=lay.tp, pp=lay.pp, cp=lay.cp, device="cpu")
+        mesh = meshtrain.init(dp=lay.dp, tp=lay.tp, pp=lay.pp, cp=lay.cp, ep=lay.ep, device="cpu")
         r = train(cfg, Comm(mesh))
         gathered = r.model_state.get("gathered", 0)
         out.append((mesh.coord("pp"), r.model_state["total"], gathered, r.activation_bytes,
@@ -222,7 +222,7 @@ def _probe(cfg, device: Device, layer: int) -> int:
     return kept + (device.micro_batch * device.seq * sh.hidden * e // (lay.tp if lay.sp else 1) if e < 4 else 0)
 
 
-def _check(cfgs, per_rank, tolerance=0.05):
+def _check(cfgs, per_rank, tolerance=0.05, activations=True):
     for rank, measured in enumerate(per_rank):
         for cfg, (stage, state, gathered, act, layer, sent) in zip(cfgs, measured):
             lay = cfg.layout
@@ -233,11 +233,13 @@ def _check(cfgs, per_rank, tolerance=0.05):
             print(where, f"states {planned_state:.0f} / {state:.0f}, activations {planned_act:.0f} / {act} "
                          f"({100 * (planned_act / act - 1):+.2f} %)")
             assert abs(planned_state - state) <= 0.05 * state, (where, planned_state, state)
-            if gathered:  # the meter also sees the parameter buffers ZeRO-3 gathers during the step
+            if not activations:
+                pass
+            elif gathered:  # the meter also sees the parameter buffers ZeRO-3 gathers during the step
                 assert planned_act <= act * 1.001 and act <= (planned_act + gathered) * 1.001, (where, planned_act, act)
             else:
                 assert abs(planned_act - act) <= tolerance * act, (where, planned_act, act)
-            if lay.recompute == "none" and layer is not None:  # the stage's first block (measured: exact)
+            if activations and lay.recompute == "none" and layer is not None:  # the stage's first block (exact)
                 probe = _probe(cfg, d, d.layers_on(stage)[0])
                 assert abs(layer - probe) <= 0.001 * probe, (where, layer, probe)
             planned = {axis: _by_kind(xs) for axis, xs in traffic.transfers(d, stage).items()}
@@ -287,3 +289,28 @@ def test_moe_accounting_under_context_parallelism():
                                                                                  cp_mode="ulysses"),
             _config("moe-test", "full", seq=64, cp=2, cp_mode="ring")]
     _check(cfgs, run_ranks(_measured, 2, cfgs))
+
+
+def test_moe_accounting_under_expert_parallelism():
+    """ep 2 folded over dp 2, and over tp 2 with and without SP: each rank holds half the
+    experts (model states), the all-to-all's bytes are the formula's
+    (`traffic.expert_all_to_all_bytes`: 4 passes, 6 recomputed, and the counts), the
+    experts' gradients go over their edp replicas and, without SP, tp gathers the outputs."""
+    from distributed import run_ranks
+
+    cfgs = [_config(model, rec, dp=2, ep=2) for model in ("moe-test", "moe-wide") for rec in ("none", "full")]
+    cfgs += [_config("moe-wide", "none", dp=2, ep=2, precision="bf16")]
+    cfgs += [_config("moe-wide", rec, tp=2, sp=True, ep=2) for rec in ("none", "full")]
+    _check(cfgs, run_ranks(_measured, 2, cfgs))
+    # A known gap (docs/moe.md), its bytes and model states checked all the same: without SP
+    # each tp rank runs the experts of 1/tp of the tokens, which the activation model does not
+    # divide yet (+84-88 % on moe-wide).
+    cfgs = [_config("moe-wide", rec, tp=2, ep=2) for rec in ("none", "full")]
+    _check(cfgs, run_ranks(_measured, 2, cfgs), activations=False)
+
+
+def test_expert_memory_per_rank_is_one_ep_th():
+    """The experts' parameters a rank holds under ep, against ep 1 at the same world."""
+    one, split = _device(_config("moe-wide", dp=2)), _device(_config("moe-wide", dp=2, ep=2))
+    assert split.expert_params_on(0) * 2 == one.expert_params_on(0) > 0
+    assert one.params_on(0) - split.params_on(0) == one.expert_params_on(0) // 2

@@ -52,6 +52,7 @@ class MoEDims:
     norm_topk: bool = True
     aux_rows: int = 1
     dense_layers: tuple[int, ...] = ()
+    ep: int = 1  # the ranks the experts are split over (`parallel/experts.py`)
 
     def is_moe(self, layer: int) -> bool:
         return layer not in self.dense_layers
@@ -87,7 +88,10 @@ def moe_kept_bytes(tokens: int, micro_batch: int, hidden: int, moe: MoEDims, *, 
     - the balancing loss's per-group sums and terms (g groups: g·(5E + 3) fp32), and where the
       sums are added over the ranks holding other tokens of the same rows (`summed`: SP, cp)
       their sum's own copy (g·3E);
-    - a shared expert's SwiGLU (4·n·f_s).
+    - a shared expert's SwiGLU (4·n·f_s);
+    - under expert parallelism (balanced load: as many rows arrive as leave), the group ends
+      of the rank's E/ep experts only, and the order regrouping the arrived rows by expert
+      and its inverse (r int64 each).
     In bf16 (no shared expert), the post-attention RMSNorm's bf16 output is not kept: the
     router keeps its fp32 copy and the experts gather their rows from it — `moe_layer_delta`."""
     e, n, d = element_bytes, tokens, hidden
@@ -95,7 +99,8 @@ def moe_kept_bytes(tokens: int, micro_batch: int, hidden: int, moe: MoEDims, *, 
     r = n * k
     router = n * E * 4 + n * k * 8 + (n * k * 4 + n * 4 if moe.norm_topk else 0)
     router += (n * d * 4 + E * d * 4) if e < 4 else 0
-    experts = 2 * r * 8 + r * d * e + E * 4 + r * 2 * I * e + 2 * r * I * e + r * d * 4 + r * 4 + r * d * e
+    experts = 2 * r * 8 + r * d * e + E // moe.ep * 4 + r * 2 * I * e + 2 * r * I * e + r * d * 4 + r * 4 + r * d * e
+    experts += 2 * r * 8 if moe.ep > 1 else 0
     return router + experts + _aux_bytes(micro_batch, moe, summed) + 4 * n * moe.shared_ffn * e
 
 

@@ -88,6 +88,15 @@ def check(work: Workload, lay: Layout, gpus: int | None = None) -> None:
                         "tensor parallelism would split over ranks (not built yet); use --tp 1")
     if lay.cp > 1:
         _check_context(work, lay)
+    if lay.ep > 1:
+        fold = lay.dp * lay.cp * lay.tp
+        if shape.kind != "moe":
+            raise PlanError(f"--ep {lay.ep}: expert parallelism splits a mixture of experts' experts, and this model "
+                            "has none; drop --ep")
+        if fold % lay.ep or shape.experts % lay.ep:
+            raise PlanError(f"--ep {lay.ep} must divide dp·cp·tp = {fold} and the {shape.experts} experts")
+        if lay.zero:
+            raise PlanError("--ep with --zero: ZeRO over the experts' own replicas is not built yet; use --zero 0")
     if lay.sp and lay.tp == 1:
         raise PlanError("--sp shards the sequence inside the tensor-parallel group; use --tp 2 or more with --sp")
     if lay.sp and (work.seq // lay.cp) % lay.tp:
@@ -156,7 +165,22 @@ class Device:
         return len(self.layers_on(stage))
 
     def params_on(self, stage: int) -> int:
-        return self.held(stage).in_blocks + self.held(stage).outside
+        """The parameters a device of `stage` holds: its experts' 1/ep under expert parallelism."""
+        held = self.held(stage)
+        return held.in_blocks + held.outside - self.experts_elsewhere(stage)
+
+    def expert_params_on(self, stage: int) -> int:
+        """The experts' parameters a device of `stage` holds (1/ep of its MoE layers')."""
+        return memory.expert_params_per_device(self.shape, stage=stage, **self._where) // self.layout.ep
+
+    def experts_elsewhere(self, stage: int) -> int:
+        """The experts of the stage's MoE layers that other ep ranks hold."""
+        return memory.expert_params_per_device(self.shape, stage=stage, **self._where) - self.expert_params_on(stage)
+
+    def dense_params_on(self, stage: int) -> int:
+        """What a device of `stage` holds apart from the ep-split experts (all of it at ep 1):
+        reduced over dp × cp; the experts over their edp replicas."""
+        return self.params_on(stage) - (self.expert_params_on(stage) if self.layout.ep > 1 else 0)
 
     def recomputed_units(self, stage: int) -> list[int]:
         """Sizes of the units a stage recomputes whole (full: each block; segments[:K]: each
@@ -165,7 +189,9 @@ class Device:
                 for size in memory.recompute_units(run, self.layout.recompute)]
 
     def whole_params(self, stage: int) -> int:
-        return self.held(stage).whole
+        """Left whole by tp (summed over tp under SP): not the experts under ep, summed over edp."""
+        split = memory.expert_params_per_device(self.shape, stage=stage, **self._where) if self.layout.ep > 1 else 0
+        return self.held(stage).whole - split
 
     def partial_params(self, stage: int) -> int:
         return self.held(stage).partial
@@ -199,7 +225,7 @@ class Device:
         a device of stage `stage` (whole over tp, split by pp's cut and by ZeRO/FSDP over the
         dp × cp replicas like any parameter) and their share of its model states."""
         lay = self.layout
-        params = memory.expert_params_per_device(self.shape, stage=stage, **self._where)
+        params = self.expert_params_on(stage)
         states = memory.model_state_bytes(params, lay.zero, self.replicas, precision=lay.precision,
                                           grad_dtype=lay.grad_dtype, accounting=self.accounting)
         return {"n_active_params": self.shape.active_params(), "expert_params_per_device": params,
@@ -228,7 +254,7 @@ class Device:
         if sh.kind != "moe":
             return None
         return memory.MoEDims(sh.experts, sh.top_k, sh.expert_ffn, shared_ffn=sh.shared_ffn, norm_topk=sh.norm_topk,
-                              aux_rows=sh.aux_rows, dense_layers=sh.dense_layers)
+                              aux_rows=sh.aux_rows, dense_layers=sh.dense_layers, ep=self.layout.ep)
 
     def activation_per_layer(self) -> float:
         """What one block keeps for backward, per micro-batch, under the layout's recompute
@@ -453,6 +479,7 @@ def _crosses_nodes(lay: Layout, gpus_per_node: int) -> dict[str, bool]:
     """Whether each axis's groups span nodes: ranks are tp-major (tp innermost, then cp, dp, pp)."""
     inner = lay.tp * lay.cp
     return {"tp": lay.tp > gpus_per_node, "cp": lay.cp > 1 and inner > gpus_per_node,
+            "ep": lay.ep > gpus_per_node, "edp": lay.dp * inner > gpus_per_node,
             "dp": inner * lay.dp > gpus_per_node and lay.dp * lay.cp > 1,
             "pp": lay.pp > 1 and inner * lay.dp * lay.pp > gpus_per_node}
 
@@ -478,7 +505,7 @@ def plan(work: Workload, lay: Layout, machine, *, memory_bytes: float | None = N
     moves = {k: traffic.transfers(d, k) for k in stages}
     context = {k: _context_time(machine, d, k, moves[k]["cp"], across["cp"]) for k in stages}
     per_micro = {k: sum(times[k]) + _skew_time(machine, moves[k]["tp"], sum(times[k]), m) + context[k]
-                 + sum(_transfer_time(machine, moves[k][axis], across[axis]) for axis in ("tp", "pp")) / m
+                 + sum(_transfer_time(machine, moves[k][axis], across[axis]) for axis in ("tp", "pp", "ep")) / m
                  for k in stages}
     bubble = bubble_fraction(lay.schedule, lay.pp, m, lay.chunks)
     slowest = max(stages, key=per_micro.get)
@@ -498,7 +525,7 @@ def plan(work: Workload, lay: Layout, machine, *, memory_bytes: float | None = N
         pipeline = m * per_micro[slowest] * max(1 / (1 - bubble), shared)
         moving = m * (per_micro[slowest] - sum(times[slowest])) * shared
         context_exposed = m * context[slowest] * shared
-    dp_time = _transfer_time(machine, moves[slowest]["dp"], across["dp"]) * shared
+    dp_time = sum(_transfer_time(machine, moves[slowest].get(axis, []), across[axis]) for axis in ("dp", "edp")) * shared
     window = times[slowest][1] if lay.zero < 2 else compute  # what the reductions can hide under
     hidden = min(dp_time, machine.comm_overlap * window)
     optimizer = _optimizer_time(machine, d, slowest, states[slowest]) * shared

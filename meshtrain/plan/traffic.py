@@ -20,6 +20,16 @@ Per micro-batch, with A = b·s·h activation bytes (s/t of the sequence under SP
   with every whole parameter's, once a step — their whole size. The balancing loss's
   per-row sums ([rows, 3, E] fp32) are all-reduced over the ranks that split a row's
   tokens (tp under SP, cp) forward and backward, and again when recomputed.
+- ep (expert parallelism, `parallel/experts.py`): per MoE layer and micro-batch, each rank
+  dispatches its T = b·s/tp tokens' k rows (s: its cp share; /tp with or without SP). With
+  the load balanced, (ep-1)/ep of them leave it, d elements each: the dispatch and the
+  combine forward, and both again backward, `expert_all_to_all_bytes`; before each forward
+  the per-expert counts, an all-to-all of E int64. A recomputed MoE layer (full, segments)
+  exchanges its forward again. Without SP, tp splits the replicated tokens before the
+  dispatch and all-gathers the outputs after the combine: per MoE layer and micro-batch an
+  all-gather of the output forward, and of the input's and the router weights' gradients
+  backward (and of the output again when recomputed). The experts' gradients are summed over
+  their edp = dp·cp·tp/ep replicas (`edp`), the rest over dp × cp as before.
 - pp: an activation forward to the next virtual stage, a gradient back to the previous one.
 - dp (`--zero`): 0 all-reduces the gradients once a step; 1 reduce-scatters them once and
   all-gathers the parameters after the update; 2 reduce-scatters every micro-batch's;
@@ -131,7 +141,7 @@ def pp_transfers(d, stage: int) -> list[Transfer]:
 def dp_transfers(d, stage: int) -> list[Transfer]:
     """Data-parallel traffic of a device of pipeline stage `stage`, by ZeRO stage."""
     lay, n = d.layout, d.replicas  # the parameters' replicas: dp × cp
-    params = d.params_on(stage)
+    params = d.dense_params_on(stage)
     grads, weights = params * d.grad_bytes, params * d.param_bytes
     m = lay.microbatches
     if lay.zero == 0:
@@ -165,9 +175,56 @@ def cp_transfers(d, stage: int) -> list[Transfer]:
     return [Transfer("send", sent, 1)] + _ar(nbytes, lay.cp, lay.microbatches * calls)
 
 
+def expert_all_to_all_bytes(tokens: int, top_k: int, hidden: int, ep: int, *, element_bytes: int,
+                            passes: int = 4) -> float:
+    """What one rank sends over ep for one MoE layer's micro-batch of `tokens` tokens, with
+    the load balanced: (ep-1)/ep of its tokens' k rows of `hidden` elements, `passes` times
+    (dispatch and combine, forward and backward: 4; 6 when the forward is recomputed)."""
+    return passes * tokens * top_k * (ep - 1) / ep * hidden * element_bytes
+
+
+def ep_transfers(d, stage: int) -> list[Transfer]:
+    """Expert parallelism's all-to-alls of a device of stage `stage` (balanced load)."""
+    lay, sh = d.layout, d.shape
+    if lay.ep == 1:
+        return []
+    layers = sum(sh.is_moe(i) for i in d.layers_on(stage))
+    recomputed = d.recompute_mode in ("full", "segments")
+    tokens = d.micro_batch * d.seq // lay.tp
+    rows = expert_all_to_all_bytes(tokens, sh.top_k, sh.hidden, lay.ep, element_bytes=d.element_bytes,
+                                   passes=6 if recomputed else 4)
+    counts = all_gather_bytes(sh.experts * 8, lay.ep) * (2 if recomputed else 1)
+    return [Transfer("all_to_all", rows + counts, lay.microbatches * layers)] if layers else []
+
+
+def ep_tp_transfers(d, stage: int) -> list[Transfer]:
+    """Without SP, tp's share of expert parallelism: the outputs all-gathered forward, the
+    inputs' and router weights' gradients backward (`parallel/experts.py`)."""
+    lay, sh = d.layout, d.shape
+    if lay.ep == 1 or lay.tp == 1 or lay.sp:
+        return []
+    layers = sum(sh.is_moe(i) for i in d.layers_on(stage))
+    tokens = d.micro_batch * d.seq
+    act = tokens * sh.hidden * d.element_bytes
+    gathers = 3 if d.recompute_mode in ("full", "segments") else 2
+    return (_ag(act, lay.tp, lay.microbatches * layers * gathers)
+            + _ag(tokens * sh.top_k * 4, lay.tp, lay.microbatches * layers))
+
+
+def edp_transfers(d, stage: int) -> list[Transfer]:
+    """The experts' gradients summed over their replicas (edp = dp·cp·tp/ep), once a step."""
+    lay = d.layout
+    if lay.ep == 1:
+        return []
+    return _ar(d.expert_params_on(stage) * d.grad_bytes, lay.dp * lay.cp * lay.tp // lay.ep, 1)
+
+
 def transfers(d, stage: int) -> dict[str, list[Transfer]]:
-    return {"dp": dp_transfers(d, stage), "tp": tp_transfers(d, stage), "pp": pp_transfers(d, stage),
-            "cp": cp_transfers(d, stage)}
+    out = {"dp": dp_transfers(d, stage), "tp": tp_transfers(d, stage) + ep_tp_transfers(d, stage),
+           "pp": pp_transfers(d, stage), "cp": cp_transfers(d, stage), "ep": ep_transfers(d, stage)}
+    if d.layout.ep > 1:
+        out["edp"] = edp_transfers(d, stage)
+    return out
 
 
 def bytes_per_axis(by_axis: dict[str, list[Transfer]]) -> dict[str, float]:
