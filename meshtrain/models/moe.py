@@ -135,8 +135,18 @@ class Experts(nn.Module):
     def combine(self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Each token's rows run by its experts and summed back, weighted (expert parallelism
         replaces this on the instance: it moves the rows to the ranks holding their experts)."""
-        order, token, counts = sort_by_expert(chosen, self.n_experts)
+        order, token, counts = self.sort_rows(chosen)
         return weighted_sum(x, self.compute(x[token], counts), token, order, weights)
+
+    def sort_rows(self, chosen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`sort_by_expert` over this module's experts."""
+        return sort_by_expert(chosen, self.n_experts)
+
+    @staticmethod
+    def weigh(x: torch.Tensor, y: torch.Tensor, token: torch.Tensor, order: torch.Tensor,
+              weights: torch.Tensor) -> torch.Tensor:
+        """`weighted_sum`: what strategies replacing `combine` call, naming no model module."""
+        return weighted_sum(x, y, token, order, weights)
 
     def compute(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """rows [R, d] sorted by expert, `counts` of them for each expert held here -> [R, d]."""

@@ -42,12 +42,13 @@ EXPERT_PARAMS = ("gate_up_proj", "down_proj")
 
 
 def expert_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The model's stacked experts: modules with `n_experts` and the stacked projections
-    `gate_up_proj` [E, 2I, d] and `down_proj` [E, d, I] whose `combine(x, chosen, weights)`
-    runs them (meshtrain's `models.moe.Experts`)."""
+    """The model's stacked experts: modules with `n_experts`, the stacked projections
+    `gate_up_proj` [E, 2I, d] and `down_proj` [E, d, I], and the steps of their
+    `combine(x, chosen, weights)`: `sort_rows`, `compute` and `weigh` (meshtrain's
+    `models.moe.Experts`; by duck typing, as strategies name no model)."""
     return [(n, m) for n, m in model.named_modules()
             if hasattr(m, "n_experts") and all(isinstance(getattr(m, p, None), nn.Parameter) for p in EXPERT_PARAMS)
-            and hasattr(m, "combine")]
+            and all(hasattr(m, f) for f in ("combine", "sort_rows", "compute", "weigh"))]
 
 
 def apply_expert_parallel(model: nn.Module, comm: Comm, *, split_tp: bool) -> list[nn.Parameter]:
@@ -81,14 +82,12 @@ def expert_parallel_combine(experts: nn.Module, comm: Comm, split_tp: bool, x: t
                             chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """`Experts.combine` with the experts split over ep: x [tokens, d], chosen and weights
     [tokens, k] (global expert ids) -> [tokens, d]."""
-    from meshtrain.models.moe import sort_by_expert, weighted_sum
-
     if split_tp:
         x, weights = _SplitTokens.apply(x, comm), _SplitTokens.apply(weights, comm)
         chosen = _take_chunk(chosen, comm)
-    order, token, counts = sort_by_expert(chosen, experts.n_experts)
+    order, token, counts = experts.sort_rows(chosen)
     y = dispatch_and_run(experts.compute, x[token], counts, comm)
-    out = weighted_sum(x, y, token, order, weights)
+    out = experts.weigh(x, y, token, order, weights)
     return _GatherTokens.apply(out, comm) if split_tp else out
 
 
