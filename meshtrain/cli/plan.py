@@ -187,7 +187,8 @@ def describe(name: str, work: Workload | None, lay: C.LayoutConfig, result: dict
         e_unit, e_size = _unit(result["expert_state_bytes"])
         lines.insert(1, f"  {result['n_active_params']:,} active per token; the experts: "
                         f"{result['expert_params_per_device']:,} parameters and {result['expert_state_bytes'] / e_size:,.2f} "
-                        f"{e_unit} of state per device (whole over tp)")
+                        f"{e_unit} of state per device "
+                        + (f"(1/{lay.ep} of them: split over ep)" if lay.ep > 1 else "(whole over tp)"))
     states = result["model_state_bytes"]
     stage = f" (stage {result['worst_stage']}, the fullest)" if lay.pp > 1 else ""
     unit, size = _unit(result["total_bytes"])
