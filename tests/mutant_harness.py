@@ -21,6 +21,15 @@ def records_of_every_mutant(mesh, layouts: list[str], configs: dict, mutants: di
     return records
 
 
+def assert_real_passes(verdicts: dict, layout: str) -> None:
+    real = verdicts[f"real {layout}"]
+    assert real["passed"], real["failures"]
+
+
+def assert_mutant_fails(verdicts: dict, name: str) -> None:
+    assert not verdicts[name]["passed"], f"{name} slipped through verify"
+
+
 def verdicts_of(records: dict, configs: dict) -> dict:
     """{name: verify's verdict} of each record against the one-process reference."""
     return {name: verify.compare(rec, verify.run_reference(configs[layout], rec))

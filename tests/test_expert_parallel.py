@@ -1,16 +1,16 @@
 """Expert parallelism (`parallel/experts.py`): `verify` passes with the experts split over ep
 in every composition — dp, tp with and without SP, cp, pp (1F1B and zero-bubble), full
-recompute, bf16, the bias — and on a rank that receives no tokens at all; it fails on each
+recompute, bf16, the bias; a rank that receives no tokens at all still exchanges (and
+skipping it fails); verify fails on each
 mutant (patched inside the ranks only, so the one-process reference is the real code). The
-all-to-all's bytes are the formula's, and each rank holds 1/ep of the experts."""
+all-to-all's bytes are the formula's, and each rank holds 1/ep of the experts (`test_plan_moe.py`)."""
 
-import dataclasses
 from unittest import mock
 
 import pytest
 import torch
 from distributed import run_ranks
-from mutant_harness import records_of_every_mutant, verdicts_of
+from mutant_harness import assert_mutant_fails, assert_real_passes, records_of_every_mutant, verdicts_of
 from test_moe import moe_config
 
 from meshtrain import config as C
@@ -18,22 +18,6 @@ from meshtrain import verifier as verify
 from meshtrain.comm import Comm
 from meshtrain.parallel import experts as ep_module
 from meshtrain.parallel.data import DataParallel
-from meshtrain.recipes import PRESETS, add_preset
-
-# 16 experts, one per token, dealt in turn: a micro-batch's 8 tokens all go to experts 0-7,
-# which ep rank 0 holds — ep rank 1 receives nothing at all, and must still exchange.
-WIDE = "moe-test-16"
-
-
-def _add_wide_preset() -> None:
-    add_preset(WIDE, dataclasses.replace(PRESETS["moe-test"], n_experts=16, top_k=1))
-
-
-def _wide_config():
-    c = moe_config(ep=2, moe_routing="balanced")
-    c.model.name, c.train.seq_len, c.train.batch_size = WIDE, 8, 4  # micro-batches of 1 row: 8 tokens
-    return c
-
 
 LAYOUTS = {
     "dp2-ep2": moe_config(ep=2), "dp2-ep2-recompute": moe_config(ep=2, recompute="full"),
@@ -42,7 +26,6 @@ LAYOUTS = {
     "tp2-ep2": moe_config(dp=1, tp=2, ep=2, microbatches=1),
     "tp2-sp-ep2": moe_config(dp=1, tp=2, sp=True, ep=2, microbatches=1),
     "cp2-ep2": moe_config(dp=1, cp=2, ep=2, microbatches=1),
-    "ep2-no-tokens-on-rank-1": _wide_config(),
     # four ranks: an expert chunk with replicas (edp 2), and ep beside every other axis
     "dp4-ep2": moe_config(dp=4, ep=2, microbatches=1),
     "dp2-ep2-tp2-sp": moe_config(dp=2, tp=2, sp=True, ep=2, microbatches=1),
@@ -99,18 +82,15 @@ MUTANTS = {f.__name__: (f, layout) for f, layout in (
 
 
 def _records(mesh, layouts, mutants):
-    _add_wide_preset()  # in the ranks too
     return records_of_every_mutant(mesh, layouts, LAYOUTS, mutants)
 
 
 @pytest.fixture(scope="module")
 def verdicts():
-    _add_wide_preset()
 
     def ranks(world, layouts, **axes):
         return run_ranks(_records, world, layouts, MUTANTS, **axes)[0]
-    records = ranks(2, ["dp2-ep2", "dp2-ep2-recompute", "dp2-ep2-bf16", "dp2-ep2-bias", "ep2-no-tokens-on-rank-1"],
-                    ep=2)
+    records = ranks(2, ["dp2-ep2", "dp2-ep2-recompute", "dp2-ep2-bf16", "dp2-ep2-bias"], ep=2)
     records.update(ranks(2, ["tp2-ep2", "tp2-sp-ep2"], tp=2, ep=2))
     records.update(ranks(2, ["cp2-ep2"], cp=2, ep=2))
     records.update(ranks(4, ["dp4-ep2", "dp2-ep2-recompute-4"], ep=2))
@@ -123,39 +103,64 @@ def verdicts():
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_verify_passes_with_the_experts_split(verdicts, layout):
-    real = verdicts[f"real {layout}"]
-    assert real["passed"], real["failures"]
+    assert_real_passes(verdicts, layout)
 
 
 @pytest.mark.parametrize("name", MUTANTS)
 def test_verify_fails_on_the_mutant(verdicts, name):
-    v = verdicts[name]
-    assert not v["passed"], f"{name} slipped through verify"
+    assert_mutant_fails(verdicts, name)
 
 
-def test_verify_fails_when_a_rank_receiving_no_tokens_skips_its_exchange():
-    """A rank that receives no rows and skips the exchange leaves its peers' collectives to
-    pair with the wrong ones: NCCL would hang; gloo either fails the run or mixes the data,
-    and verify must not pass it."""
-    _add_wide_preset()
-    layout = "ep2-no-tokens-on-rank-1"
-    mutants = {"skip": (a_rank_receiving_no_tokens_skips_its_exchange, layout)}
-    try:
-        records = run_ranks(_records, 2, [layout], mutants, ep=2, timeout=90, collective_timeout=15)[0]
-    except AssertionError:  # a rank failed or hung: not a pass either
-        return
-    verdicts = verdicts_of(records, LAYOUTS)
-    assert verdicts[f"real {layout}"]["passed"]
-    assert not verdicts["skip"]["passed"], "a skipped exchange slipped through verify"
+def _no_tokens_for_rank_1(mesh):
+    """Both ranks send every token to experts 0-1 (ep rank 0's): rank 1 receives nothing.
+    Each rank's output and gradients against one process running both ranks' tokens."""
+    from meshtrain.models.moe import Experts
+    from meshtrain.models.specs import MoESpec
+
+    spec = MoESpec(n_layers=1, n_heads=2, n_kv_heads=2, d_model=16, ffn_dim=32, n_experts=4, top_k=2,
+                   expert_ffn_dim=16, max_seq_len=16)
+    torch.manual_seed(0)
+    full = Experts(spec)
+    for p in full.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    xs = [torch.randn(6, 16, generator=torch.Generator().manual_seed(r)) for r in range(2)]
+    chosen = torch.tensor([[0, 1], [1, 0]] * 3)
+    weights = torch.rand(6, 2, generator=torch.Generator().manual_seed(9))
+    x_all = torch.cat(xs).requires_grad_()
+    want = full.combine(x_all, torch.cat([chosen, chosen]), torch.cat([weights, weights]))
+    want.square().sum().backward()
+    holder = torch.nn.Module()
+    holder.experts = Experts(spec)
+    holder.experts.load_state_dict(full.state_dict())
+    ep_module.apply_expert_parallel(holder, Comm(mesh), split_tp=False)
+    me = mesh.coord("ep")
+    x = xs[me].clone().requires_grad_()
+    got = holder.experts.combine(x, chosen, weights)
+    got.square().sum().backward()
+    rows = slice(6 * me, 6 * (me + 1))
+    assert torch.allclose(got, want[rows], atol=1e-6)
+    assert torch.allclose(x.grad, x_all.grad[rows], atol=1e-6)
+    for name in ep_module.EXPERT_PARAMS:
+        mine, whole = getattr(holder.experts, name), getattr(full, name)
+        assert torch.allclose(mine.grad, whole.grad[2 * me:2 * (me + 1)], atol=1e-5), name
+    return mine.grad.abs().sum().item()
 
 
-def test_the_layout_of_no_tokens_really_sends_rank_1_nothing():
-    """The premise of the two tests above: under balanced routing of 8 tokens over 16 experts,
-    ep rank 1 (experts 8-15) receives no row."""
-    from meshtrain.models.moe import expert_counts
-    chosen = (torch.arange(8 * 1) % 16).view(8, 1)  # TopKRouter's balanced routing of 8 tokens, k = 1
-    counts = expert_counts(chosen, 16).view(2, 8)
-    assert counts[1].sum() == 0 and counts[0].sum() == 8
+def test_a_rank_receiving_no_tokens_exchanges_and_computes_nothing():
+    grads = run_ranks(_no_tokens_for_rank_1, 2, ep=2)
+    assert grads[0] > 0 and grads[1] == 0  # rank 1's experts got no row, and a zero gradient
+
+
+def _skipping(mesh):
+    with a_rank_receiving_no_tokens_skips_its_exchange()[0]:
+        return _no_tokens_for_rank_1(mesh)
+
+
+def test_a_rank_receiving_no_tokens_that_skips_its_exchange_fails():
+    """Its peer's rows never come back (NCCL would hang; on gloo the collectives pair wrongly
+    or time out): the run must not succeed."""
+    with pytest.raises(AssertionError, match="exit codes|hung"):
+        run_ranks(_skipping, 2, ep=2, timeout=90, collective_timeout=15)
 
 
 # ---- resumed across ep ------------------------------------------------------------------------

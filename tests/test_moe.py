@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from distributed import run_ranks
-from mutant_harness import records_of_every_mutant, verdicts_of
+from mutant_harness import assert_mutant_fails, assert_real_passes, records_of_every_mutant, verdicts_of
 
 from meshtrain.config import Config
 from meshtrain.models import moe
@@ -339,11 +339,9 @@ def verdicts():
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_verify_passes_in_every_layout(verdicts, layout):
-    real = verdicts[f"real {layout}"]
-    assert real["passed"], real["failures"]
+    assert_real_passes(verdicts, layout)
 
 
 @pytest.mark.parametrize("name", MUTANTS)
 def test_verify_fails_on_the_mutant(verdicts, name):
-    v = verdicts[name]
-    assert not v["passed"], f"{name} slipped through verify"
+    assert_mutant_fails(verdicts, name)
