@@ -530,9 +530,6 @@ def _validate_experts(cfg: Config, user_model: bool) -> None:
     if fold % lay.ep:
         raise ConfigError(f"--ep {lay.ep} does not divide dp·cp·tp = {lay.dp}·{lay.cp}·{lay.tp} = {fold}: expert "
                           f"parallelism folds over those ranks; use an --ep dividing {fold} (or a larger --dp)")
-    if lay.zero:
-        raise ConfigError(f"--ep with --zero {lay.zero}: ZeRO over the experts' own replicas is not built yet; "
-                          "use --zero 0 with --ep")
     if user_model:  # its experts are counted where it is built (meshtrain.parallelize)
         return
     experts = getattr(m.spec(), "n_experts", 0)

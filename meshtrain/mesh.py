@@ -92,6 +92,10 @@ class Mesh:
         """The global rank that shares this rank's other coordinates and sits at `coord` on `axis`."""
         if not 0 <= coord < self.size(axis):
             raise ValueError(f"coordinate {coord} is outside the {axis} axis of size {self.size(axis)}")
+        if axis in ("ep", "edp"):  # the folded position f = edp·ep + ep, over dp·cp (flattened) and tp
+            ep, edp = (coord, self.coord("edp")) if axis == "ep" else (self.coord("ep"), coord)
+            f = edp * self.size("ep") + ep
+            return self._global({"pp": self.coord("pp"), "dp": f // self.size("tp"), "tp": f % self.size("tp")})
         at = {a: self._coord[a] for a in AXES}
         at[axis] = coord  # a cp coordinate replaces the one the flattened dp holds
         return self._global(at)

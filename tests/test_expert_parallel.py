@@ -1,6 +1,6 @@
 """Expert parallelism (`parallel/experts.py`): `verify` passes with the experts split over ep
-in every composition — dp, tp with and without SP, cp, pp (1F1B and zero-bubble), full
-recompute, bf16, the bias; a rank that receives no tokens at all still exchanges (and
+in every composition — dp, ZeRO 1-3 (each expert chunk sharded over its own replicas), tp
+with and without SP, cp, pp (1F1B and zero-bubble), full recompute, bf16, the bias; a rank that receives no tokens at all still exchanges (and
 skipping it fails); verify fails on each
 mutant (patched inside the ranks only, so the one-process reference is the real code). The
 all-to-all's bytes are the formula's, and each rank holds 1/ep of the experts (`test_plan_moe.py`)."""
@@ -34,6 +34,13 @@ LAYOUTS = {
     "dp2-ep2-pp2-zb": moe_config(dp=2, pp=2, ep=2, microbatches=4, schedule="zb"),
     "dp2-ep2-cp2": moe_config(dp=2, cp=2, ep=2, microbatches=1),
     "dp2-ep2-recompute-4": moe_config(dp=4, ep=2, microbatches=1, recompute="full"),
+    # ZeRO: the dense parameters sharded over dp·cp, each expert chunk over its edp replicas
+    "dp2-ep2-zero1": moe_config(ep=2, zero=1), "dp2-ep2-zero3": moe_config(ep=2, zero=3),
+    "dp2-ep2-zero3-bf16": moe_config(ep=2, zero=3, precision="bf16"),
+    "dp4-ep2-zero3": moe_config(dp=4, ep=2, zero=3, microbatches=1),
+    "dp4-ep2-zero2-recompute": moe_config(dp=4, ep=2, zero=2, microbatches=1, recompute="full"),
+    "dp2-ep2-pp2-zero3": moe_config(dp=2, pp=2, ep=2, zero=3, microbatches=4),
+    "dp2-ep2-tp2-sp-zero3": moe_config(dp=2, tp=2, sp=True, ep=2, zero=3, microbatches=1),
 }
 
 
@@ -90,13 +97,14 @@ def verdicts():
 
     def ranks(world, layouts, **axes):
         return run_ranks(_records, world, layouts, MUTANTS, **axes)[0]
-    records = ranks(2, ["dp2-ep2", "dp2-ep2-recompute", "dp2-ep2-bf16", "dp2-ep2-bias"], ep=2)
+    records = ranks(2, ["dp2-ep2", "dp2-ep2-recompute", "dp2-ep2-bf16", "dp2-ep2-bias", "dp2-ep2-zero1",
+                        "dp2-ep2-zero3", "dp2-ep2-zero3-bf16"], ep=2)
     records.update(ranks(2, ["tp2-ep2", "tp2-sp-ep2"], tp=2, ep=2))
     records.update(ranks(2, ["cp2-ep2"], cp=2, ep=2))
-    records.update(ranks(4, ["dp4-ep2", "dp2-ep2-recompute-4"], ep=2))
-    records.update(ranks(4, ["dp2-ep2-tp2-sp"], tp=2, ep=2))
+    records.update(ranks(4, ["dp4-ep2", "dp2-ep2-recompute-4", "dp4-ep2-zero3", "dp4-ep2-zero2-recompute"], ep=2))
+    records.update(ranks(4, ["dp2-ep2-tp2-sp", "dp2-ep2-tp2-sp-zero3"], tp=2, ep=2))
     records.update(ranks(4, ["dp2-tp2-ep4"], tp=2, ep=4))
-    records.update(ranks(4, ["dp2-ep2-pp2", "dp2-ep2-pp2-zb"], pp=2, ep=2))
+    records.update(ranks(4, ["dp2-ep2-pp2", "dp2-ep2-pp2-zb", "dp2-ep2-pp2-zero3"], pp=2, ep=2))
     records.update(ranks(4, ["dp2-ep2-cp2"], cp=2, ep=2))
     return verdicts_of(records, LAYOUTS)
 
@@ -176,11 +184,12 @@ def _resumed_record(mesh, cfg, second):
     return verify.record_resumed(cfg, second, Comm(mesh), "layout")
 
 
-@pytest.mark.parametrize("first,resumed", [("ep=2", "dp=2"), ("ep=2", "tp=2 microbatches=1"), ("", "dp=2 ep=2")])
+@pytest.mark.parametrize("first,resumed", [("ep=2", "dp=2"), ("ep=2", "tp=2 microbatches=1"), ("", "dp=2 ep=2"),
+                                           ("ep=2 zero=3", "tp=2 microbatches=1"), ("zero=1", "dp=2 ep=2 zero=3")])
 def test_a_checkpoint_resumes_across_ep_within_verify_s_tolerances(first, resumed):
-    """Saved with the experts split over ep (each rank's chunk, by the one-process names) and
-    resumed with them whole on every rank, or the other way round: weights and Adam's
-    moments come back bit for bit."""
+    """Saved with the experts split over ep (each rank's chunk, by the one-process names; under
+    ZeRO each chunk's flat shards) and resumed with them whole on every rank, or the other
+    way round: weights and Adam's moments come back bit for bit."""
     cfg = _resume_config(resumed, **C.parse_layout(first) if first else {})
     second = C.resumed_config(cfg)
     rec = run_ranks(_resumed_record, 2, cfg, second, ep=cfg.layout.ep)[0]

@@ -302,6 +302,9 @@ def test_moe_accounting_under_expert_parallelism():
     cfgs += [_config("moe-wide", "none", dp=2, ep=2, precision="bf16")]
     cfgs += [_config("moe-wide", rec, tp=2, sp=True, ep=2) for rec in ("none", "full")]
     _check(cfgs, run_ranks(_measured, 2, cfgs))
+    # ZeRO over dp 4 for the dense parameters and over each chunk's edp 2 for the experts
+    cfgs = [_config("moe-wide", "none", batch=8, dp=4, ep=2, zero=zero) for zero in (1, 3)]
+    _check(cfgs, run_ranks(_measured, 4, cfgs))
     # A known gap (docs/moe.md), its bytes and model states checked all the same: without SP
     # each tp rank runs the experts of 1/tp of the tokens, which the activation model does not
     # divide yet (+84-88 % on moe-wide).

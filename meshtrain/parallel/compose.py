@@ -42,7 +42,7 @@ from meshtrain.parallel.runner import PlainRunner
 from meshtrain.parallel.state import ParamHoldings, Piece, full_shape, is_collector, persistent_buffers, shard_index
 from meshtrain.parallel.tensor import TensorParallelSync, TensorPlan, apply_plan, vocab_parallel_cross_entropy_sum
 from meshtrain.parallel.zero import Zero
-from meshtrain.parallel.zero_holdings import ZeroHoldings
+from meshtrain.parallel.zero_holdings import SplitHoldings, ZeroHoldings
 
 
 class GradSyncs:
@@ -280,8 +280,6 @@ def parallelize(model: nn.Module, comm: Comm, options: Strategies, *, optimizer:
     # bf16 tensors, which the fp32 masters then hold as their `.grad`.
     grad_dtype = torch.float32 if options.grad_dtype == "fp32" else compute_dtype
     zero_sharded = options.zero and mesh.size("dp") > 1
-    if zero_sharded and experts:
-        raise ValueError("ZeRO with expert parallelism is not built yet: use --zero 0 with --ep")
     expert_sync = None
     draw, fingerprint = None, None
     if init is not None:
@@ -290,47 +288,59 @@ def parallelize(model: nn.Module, comm: Comm, options: Strategies, *, optimizer:
             materialize(model, draw)
     notes = []
     linear = _linear_gather(model, comm, options, rows_per_step, grad_dtype, compute_dtype, notes)
-    zero = None
+    zero, zeros = None, []
+    # Under expert parallelism the experts' chunks are synchronised (and sharded) over their
+    # own replicas (edp), apart from the rest over dp.
+    owned = {id(q) for q in experts}
+    dense = [(n, q) for n, q in model.named_parameters() if id(q) not in owned]
+    expert_named = [(n, q) for n, q in model.named_parameters() if id(q) in owned]
     if zero_sharded:  # ZeRO with one dp rank has nothing to shard: plain DP
         chunks = [len(ids) for ids in stage.block_ids] if mesh.size("pp") > 1 else None
-        sync = zero = Zero(model, comm, options.zero, bucket_mb=options.bucket_mb, grad_dtype=grad_dtype,
-                           reshard_after_forward=not options.keep_gathered,
-                           blocks=wrap or (pipeline.blocks if pipeline is not None else None), runs=chunks, draw=draw,
-                           init_fingerprint=fingerprint, **dp_options)
+        shared = dict(bucket_mb=options.bucket_mb, grad_dtype=grad_dtype, reshard_after_forward=not options.keep_gathered,
+                      blocks=wrap or (pipeline.blocks if pipeline is not None else None), draw=draw,
+                      init_fingerprint=fingerprint)
+        sync = zero = Zero(model, comm, options.zero, runs=chunks, params=dense, **shared, **dp_options)
+        zeros = [zero]
+        if experts:
+            runs = _runs_holding(stage, owned) if mesh.size("pp") > 1 else None
+            expert_sync = Zero(model, comm, options.zero, axis="edp", runs=runs, params=expert_named, **shared)
+            zeros.append(expert_sync)
         if options.zero == 3 and isinstance(runner, PipelineRunner):
-            runner.upcoming = zero.expect  # prefetch what the stage's next instruction runs first
+            runner.upcoming = partial(_expect_all, zeros)  # prefetch what the stage's next instruction runs first
         if draw is not None:  # any parameter ZeRO does not train
             materialize(model, draw)
-        trained = [(name, value) for name, value, _, _ in zero.pieces]
+        trained = [(name, value) for z in zeros for name, value, _, _ in z.pieces]
     else:
-        owned = {id(q) for q in experts}
-        dense = [(n, q) for n, q in model.named_parameters() if id(q) not in owned]
         sync = DataParallel(model, comm, axis="dp", bucket_mb=options.bucket_mb, grad_dtype=grad_dtype,
                             elsewhere=linear.params if linear else [], init_fingerprint=fingerprint, params=dense,
                             **dp_options)
         if experts:  # each chunk of experts summed over its own replicas
             expert_sync = DataParallel(model, comm, axis="edp", bucket_mb=options.bucket_mb, grad_dtype=grad_dtype,
-                                       init_fingerprint=fingerprint,
-                                       params=[(n, q) for n, q in model.named_parameters() if id(q) in owned])
+                                       init_fingerprint=fingerprint, params=expert_named)
         trained = [(n, q) for n, q in model.named_parameters() if q.requires_grad]
     mark_full_shapes(model, trained, comm)
+    zero_grads = partial(_zero_grads, zeros)
     if compute_dtype == torch.float32:
         optimizer = optimizer_from(factory, trained)
         if zero is not None:
-            keep_grad_views(optimizer, zero.zero_grad)
+            keep_grad_views(optimizer, zero_grads)
     else:  # fp32 masters; they hold the gradients too when those live apart in fp32
         grads = None
         if grad_dtype != compute_dtype:
             owners = [s for s in (linear, expert_sync) if s is not None] + [sync]
-            grads = zero.piece_grads if zero is not None else {
+            grads = {t: g for z in zeros for t, g in z.piece_grads.items()} if zero is not None else {
                 t: next(s for s in owners if s.owns(t)).grad_view(t) for _, t in trained}
         optimizer = MasterWeights(trained, partial(optimizer_from, factory), grads=grads,
-                                  zero_buffers=zero.zero_grad if zero is not None else None)
+                                  zero_buffers=zero_grads if zero is not None else None)
     holdings = None
     if zero is not None:
         if options.zero < 3:
-            optimizer.register_step_post_hook(lambda *_: zero.gather_params())
-        holdings = ZeroHoldings(model, optimizer, comm, zero)
+            for z in zeros:
+                optimizer.register_step_post_hook(lambda *_, z=z: z.gather_params())
+        holdings = ZeroHoldings(model, optimizer, comm, zero, params=dense)
+        if len(zeros) > 1:
+            holdings = SplitHoldings([holdings, ZeroHoldings(model, optimizer, comm, zeros[1], params=expert_named,
+                                                             buffers=False)])
     syncs = [sync] + [s for s in (linear, expert_sync) if s is not None]
     if whole:  # summed over tp wherever their gradients live
         tensors = zero.pieces_of(whole) if zero is not None else whole
@@ -342,6 +352,24 @@ def parallelize(model: nn.Module, comm: Comm, options: Strategies, *, optimizer:
     if micro_shape is not None:
         set_micro_shape(p, pipeline, *micro_shape, options.sp)
     return p
+
+
+def _zero_grads(zeros: list[Zero]) -> None:
+    for z in zeros:
+        z.zero_grad()
+
+
+def _expect_all(zeros: list[Zero], upcoming) -> None:
+    for z in zeros:
+        z.expect(upcoming)
+
+
+def _runs_holding(stage: Stage, owned: set[int]) -> list[int]:
+    """Per chunk of a pipeline stage, how many of its blocks hold parameters in `owned` (the
+    experts' ZeRO-3 units)."""
+    def holds(i: int) -> bool:
+        return any(id(q) in owned for q in stage.blocks._modules[str(i)].parameters())
+    return [sum(holds(i) for i in ids) for ids in stage.block_ids]
 
 
 def mark_full_shapes(model: nn.Module, trained: list[tuple[str, torch.Tensor]], comm: Comm) -> None:

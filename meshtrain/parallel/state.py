@@ -189,9 +189,11 @@ class Held:
     tensor: torch.Tensor
 
 
-def params_held(module: nn.Module, comm: Comm) -> list[Held]:
-    """The module's parameters as this rank holds them (whole, or its tensor-parallel part)."""
-    return [Held(n, Where(shard_index(p, comm)), full_shape(p, comm), p) for n, p in module.named_parameters()]
+def params_held(module: nn.Module, comm: Comm, named: list[tuple[str, nn.Parameter]] | None = None) -> list[Held]:
+    """The module's parameters (or the `named` ones) as this rank holds them (whole, or its
+    tensor- or expert-parallel part)."""
+    named = module.named_parameters() if named is None else named
+    return [Held(n, Where(shard_index(p, comm)), full_shape(p, comm), p) for n, p in named]
 
 
 def masters_of(held: list[Held], optimizer) -> list[Held]:

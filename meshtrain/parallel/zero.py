@@ -51,7 +51,7 @@ import torch.nn as nn
 
 from meshtrain.comm import Comm
 from meshtrain.parallel.modules import find_block_list
-from meshtrain.optim import FULL_SHAPE, SHARDED_OVER
+from meshtrain.optim import FULL_SHAPE, REPLICATED_OVER, SHARDED_OVER
 from meshtrain.parallel.data import check_replicas_agree, keep_grad_in, split_by_size
 from meshtrain.parallel.flat_group import FlatGroup, _buffer
 from meshtrain.parallel.recompute import is_recomputed, passes_through
@@ -79,14 +79,17 @@ class Zero:
                  blocks: str | None = None, reshard_after_forward: bool = True,
                  on_event: Callable[[str, int], None] | None = None, grad_dtype: torch.dtype | None = None,
                  runs: list[int] | None = None, draw: Callable[[str, nn.Parameter], torch.Tensor] | None = None,
-                 init_fingerprint: int | None = None):
+                 init_fingerprint: int | None = None, params: list[tuple[str, nn.Parameter]] | None = None):
         """`draw`, `init_fingerprint`: the parameters are placeholders, drawn as their groups
-        are built (`FlatGroup`), from an init spec the replicas are checked to share."""
+        are built (`FlatGroup`), from an init spec the replicas are checked to share.
+        `params`: the (name, parameter) pairs this instance shards (default: all the model's
+        that require gradients; expert parallelism shards the experts' over their own
+        replicas, edp, in a second instance)."""
         if stage not in (1, 2, 3):
             raise ValueError(f"ZeRO stage {stage}: use 1, 2 or 3")
         self.comm, self.stage, self.axis = comm, stage, axis
         self.reshard_after_forward, self.on_event = reshard_after_forward, on_event
-        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        named = [(n, p) for n, p in (model.named_parameters() if params is None else params) if p.requires_grad]
         name_of = {p: n for n, p in named}
         if stage < 3:  # groups are gradient buckets, in the order backward fills them
             grouped = [(f"bucket {i}", g, []) for i, g in
@@ -121,6 +124,8 @@ class Zero:
                 if value.dtype == self.grad_dtype:
                     value.grad = g.grad_shard[span]
                 setattr(value, SHARDED_OVER, (axis, *getattr(g.params[i], SHARDED_OVER, ())))
+                if hasattr(g.params[i], REPLICATED_OVER):
+                    setattr(value, REPLICATED_OVER, getattr(g.params[i], REPLICATED_OVER))
                 setattr(value, FULL_SHAPE, full_shape(g.params[i], comm, g.shapes[i]))  # for the optimizer factory
                 g.values.append(value)
                 self.pieces.append((g.names[i], value, where, g.params[i]))
@@ -150,6 +155,10 @@ class Zero:
                 self._hook_forward(g, owners)
             model.register_forward_pre_hook(self._model_forward_begins)
             model.register_forward_hook(self._model_forward_ends)
+
+    def owns(self, p: nn.Parameter) -> bool:
+        """Whether `p` is sharded here."""
+        return p in self._group_of
 
     def pieces_of(self, params: list[nn.Parameter]) -> list[torch.Tensor]:
         """The pieces (tensors with `.grad`) of some parameters, in order."""

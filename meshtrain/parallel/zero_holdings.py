@@ -20,8 +20,14 @@ class ZeroHoldings:
     """What a rank holds under ZeRO: the pieces of its shards (values, gradients, optimizer
     states) and, under stages 1 and 2, the full parameters as replicas."""
 
-    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, comm: Comm, zero: Zero):
+    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, comm: Comm, zero: Zero, *,
+                 params: list[tuple[str, nn.Parameter]] | None = None, buffers: bool = True):
+        """`params`: the parameters `zero` shards (default: all the module's); `buffers`:
+        whether the module's buffers are among what these holdings stream (one of several
+        holdings of a module says so: `SplitHoldings`)."""
         self.module, self.optimizer, self.comm, self.zero = module, optimizer, comm, zero
+        self.params = list(module.named_parameters()) if params is None else list(params)
+        self.buffers = buffers
 
     def trained(self) -> list[torch.Tensor]:
         return [grad_holder(self.optimizer, value) for _, value, _, _ in self.zero.pieces]
@@ -29,7 +35,7 @@ class ZeroHoldings:
     def pieces(self) -> list[Piece]:
         held = [Piece(name, value, grad_of(self.optimizer, value), where) for name, value, where, _ in self.zero.pieces]
         if self.zero.stage < 3:  # the full parameters: the same on every dp rank
-            held += [Piece(n, p, None, Where(shard_index(p, self.comm))) for n, p in self.module.named_parameters()]
+            held += [Piece(n, p, None, Where(shard_index(p, self.comm))) for n, p in self.params]
         return held
 
     def _pieces_held(self) -> list[Held]:
@@ -45,7 +51,7 @@ class ZeroHoldings:
         stages 1 and 2 the full parameters (the pieces are views of them), under stage 3 the
         pieces; and their fp32 masters under mixed precision."""
         pieces = self._pieces_held()
-        held = params_held(self.module, self.comm) if self.zero.stage < 3 else pieces
+        held = params_held(self.module, self.comm, self.params) if self.zero.stage < 3 else pieces
         return held + masters_of(pieces, self.optimizer)
 
     def read_on_load(self) -> list[Held]:
@@ -94,7 +100,7 @@ class ZeroHoldings:
 
     def entries(self, kind: str) -> list[Entry]:
         entries = [entry for entry, _, _, _ in self._plan(kind)]
-        if kind == "model":
+        if kind == "model" and self.buffers:
             entries += [entry for entry, _ in buffer_entries(self.module)]
         return entries
 
@@ -137,7 +143,7 @@ class ZeroHoldings:
                     for work in comm.exchange([(True, piece, -me, 0)], z.axis, purpose=METRICS):
                         work.wait()
                 yield entry, None
-        if kind == "model":
+        if kind == "model" and self.buffers:
             for entry, b in buffer_entries(self.module):
                 yield entry, cpu_copy(b) if is_collector(comm) else None
 
@@ -175,3 +181,59 @@ class ZeroHoldings:
         grads = [g.grad_full if z.stage == 1 else g.grad_shard for g in z.groups]
         return model_state_bytes(held, self.optimizer, grads=grads, master=master_bytes(self.optimizer),
                                  gathered=z.peak_gathered)
+
+
+class SplitHoldings:
+    """One rank's holdings made of several, each over its own parameters (expert parallelism
+    under ZeRO: the dense parameters' shards over dp, the experts' over edp), read and
+    written as one: lists concatenated, streams one after the other (the same order on
+    every rank). The optimizer is shared, so its states and masters are counted once."""
+
+    def __init__(self, parts: list):
+        self.parts = parts
+
+    def _all(self, method: str, *args) -> list:
+        return [x for part in self.parts for x in getattr(part, method)(*args)]
+
+    def trained(self):
+        return self._all("trained")
+
+    def pieces(self):
+        return self._all("pieces")
+
+    def entries(self, kind: str):
+        return self._all("entries", kind)
+
+    def stream(self, kind: str):
+        for part in self.parts:
+            yield from part.stream(kind)
+
+    def checkpointed(self):
+        return self._all("checkpointed")
+
+    def restored(self):
+        return self._all("restored")
+
+    def read_on_load(self):
+        return self._all("read_on_load")
+
+    def finish_load(self) -> None:
+        for part in self.parts:
+            part.finish_load()
+
+    def load(self, model: dict, optim: dict) -> None:
+        for part in self.parts:
+            part.load(model, optim)
+
+    def zero_grad(self) -> None:
+        for part in self.parts:
+            part.zero_grad()
+
+    def state_bytes(self) -> dict:
+        first, *rest = [part.state_bytes() for part in self.parts]
+        out = dict(first)
+        for more in rest:  # the optimizer's states and masters are the whole optimizer's in each
+            for key in ("params", "grads", "gathered"):
+                out[key] += more[key]
+        out["total"] = sum(v for k, v in out.items() if k != "total")
+        return out

@@ -95,8 +95,7 @@ def check(work: Workload, lay: Layout, gpus: int | None = None) -> None:
                             "has none; drop --ep")
         if fold % lay.ep or shape.experts % lay.ep:
             raise PlanError(f"--ep {lay.ep} must divide dp·cp·tp = {fold} and the {shape.experts} experts")
-        if lay.zero:
-            raise PlanError("--ep with --zero: ZeRO over the experts' own replicas is not built yet; use --zero 0")
+
     if lay.sp and lay.tp == 1:
         raise PlanError("--sp shards the sequence inside the tensor-parallel group; use --tp 2 or more with --sp")
     if lay.sp and (work.seq // lay.cp) % lay.tp:
@@ -141,6 +140,8 @@ class Device:
         # ranks are parameter replicas: ZeRO shards and gradients go over dp × cp
         self.work, self.layout, self.shape, self.accounting = work, lay, work.shape, accounting
         self.seq, self.replicas = work.seq // lay.cp, lay.dp * lay.cp
+        self.edp = lay.dp * lay.cp * lay.tp // lay.ep  # an expert chunk's replicas (`mesh.py`)
+        self.expert_zero = lay.zero if self.replicas > 1 else 0  # the trainer shards only where dp × cp does
         self.micro_batch = work.batch // (lay.dp * lay.microbatches)
         low = lay.precision == "bf16"
         self.element_bytes = 2 if (low or accounting == "paper") else 4
@@ -226,7 +227,8 @@ class Device:
         dp × cp replicas like any parameter) and their share of its model states."""
         lay = self.layout
         params = self.expert_params_on(stage)
-        states = memory.model_state_bytes(params, lay.zero, self.replicas, precision=lay.precision,
+        states = memory.model_state_bytes(params, self.expert_zero, self.edp if lay.ep > 1 else self.replicas,
+                                          precision=lay.precision,
                                           grad_dtype=lay.grad_dtype, accounting=self.accounting)
         return {"n_active_params": self.shape.active_params(), "expert_params_per_device": params,
                 "expert_state_bytes": states["total"]}
@@ -236,9 +238,19 @@ class Device:
         # ZeRO-3 holds two blocks gathered at its peak, or all of them with --keep-gathered
         held = self.held(stage)
         gathered = self.params_on(stage) if lay.keep_gathered else held.outside + held.largest_pair
-        return memory.model_state_bytes(self.params_on(stage), lay.zero, self.replicas, precision=lay.precision,
-                                        grad_dtype=lay.grad_dtype, accounting=self.accounting,
-                                        gathered_params=gathered)
+        kinds = dict(precision=lay.precision, grad_dtype=lay.grad_dtype, accounting=self.accounting)
+        if lay.ep == 1:
+            return memory.model_state_bytes(self.params_on(stage), lay.zero, self.replicas, gathered_params=gathered,
+                                            **kinds)
+        # the experts' chunks are sharded over their edp replicas, the rest over dp × cp; of
+        # the two blocks ZeRO-3 holds gathered, each MoE layer's experts are a chunk
+        if not lay.keep_gathered:
+            moe_blocks = sum(self.shape.is_moe(i) for i in self.layers_on(stage))
+            gathered -= min(2, moe_blocks) * self.shape.expert_params() * (lay.ep - 1) // lay.ep
+        dense = memory.model_state_bytes(self.dense_params_on(stage), lay.zero, self.replicas,
+                                         gathered_params=gathered, **kinds)
+        experts = memory.model_state_bytes(self.expert_params_on(stage), self.expert_zero, self.edp, **kinds)
+        return {part: dense.get(part, 0) + experts.get(part, 0) for part in dense.keys() | experts.keys()}
 
     def _torch_terms(self) -> dict:
         sh, lay = self.shape, self.layout

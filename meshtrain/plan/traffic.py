@@ -140,15 +140,20 @@ def pp_transfers(d, stage: int) -> list[Transfer]:
 
 def dp_transfers(d, stage: int) -> list[Transfer]:
     """Data-parallel traffic of a device of pipeline stage `stage`, by ZeRO stage."""
-    lay, n = d.layout, d.replicas  # the parameters' replicas: dp × cp
-    params = d.dense_params_on(stage)
+    # the parameters' replicas: dp × cp
+    return zero_transfers(d, d.dense_params_on(stage), d.replicas, d.layout.zero)
+
+
+def zero_transfers(d, params: int, n: int, zero: int) -> list[Transfer]:
+    """What ZeRO stage `zero` (or plain DP) sends for `params` parameters replicated over n ranks."""
+    lay = d.layout
     grads, weights = params * d.grad_bytes, params * d.param_bytes
     m = lay.microbatches
-    if lay.zero == 0:
+    if zero == 0:
         return _ar(grads, n, 1)
-    if lay.zero == 1:
+    if zero == 1:
         return _ag(grads, n, 1, "reduce_scatter") + _ag(weights, n, 1)
-    if lay.zero == 2:
+    if zero == 2:
         return _ag(grads, n, m, "reduce_scatter") + _ag(weights, n, 1)
     gathers = m * (1 if lay.keep_gathered else 2)
     return _ag(weights, n, gathers) + _ag(grads, n, m, "reduce_scatter")
@@ -212,11 +217,11 @@ def ep_tp_transfers(d, stage: int) -> list[Transfer]:
 
 
 def edp_transfers(d, stage: int) -> list[Transfer]:
-    """The experts' gradients summed over their replicas (edp = dp·cp·tp/ep), once a step."""
-    lay = d.layout
-    if lay.ep == 1:
+    """The experts' chunks synchronised over their replicas (edp = dp·cp·tp/ep) as the rest
+    over dp × cp: summed once a step, or by the ZeRO stage's collectives."""
+    if d.layout.ep == 1:
         return []
-    return _ar(d.expert_params_on(stage) * d.grad_bytes, lay.dp * lay.cp * lay.tp // lay.ep, 1)
+    return zero_transfers(d, d.expert_params_on(stage), d.edp, d.expert_zero)
 
 
 def transfers(d, stage: int) -> dict[str, list[Transfer]]:
