@@ -312,14 +312,14 @@ def _search(args, cfg, work, base, gpus, machine, limits, options, name, cluster
     print(f"searched {found['tried']} layouts of {gpus} devices in {took:.2f} s; {found['fit']} fit in "
           f"{memory / GIB:,.1f} GiB ({limits['device_memory_bytes'] / GIB:g} GiB less --mem-headroom "
           f"{limits['mem_headroom']:g}). Fastest first:", file=out)
-    print(f"{'#':>3} {'dp':>3} {'zero':>4} {'cp':>3} {'cp mode':<8} {'tp':>3} {'sp':>3} {'pp':>3} {'schedule':<14} {'mb':>3} "
+    print(f"{'#':>3} {'dp':>3} {'zero':>4} {'cp':>3} {'cp mode':<8} {'tp':>3} {'sp':>3} {'ep':>3} {'pp':>3} {'schedule':<14} {'mb':>3} "
           f"{'m':>5} {'recompute':<10} {'GiB':>8} {'step s':>9} {'MFU %':>6}", file=out)
     for i, (lay, r) in enumerate(found["best"], 1):
         sched = lay.schedule + (f"×{lay.chunks}" if lay.chunks > 1 else "") if lay.pp > 1 else "-"
         mfu = f"{100 * r['mfu']:.1f}" if r["mfu"] is not None else "-"
         cp_mode = lay.cp_mode if lay.cp > 1 else "-"
         print(f"{i:>3} {lay.dp:>3} {lay.zero:>4} {lay.cp:>3} {cp_mode:<8} {lay.tp:>3} {'y' if lay.sp else '-':>3} "
-              f"{lay.pp:>3} {sched:<14} "
+              f"{lay.ep:>3} {lay.pp:>3} {sched:<14} "
               f"{r['micro_batch_size']:>3} {lay.microbatches:>5} {lay.recompute:<10} {r['total_bytes'] / GIB:>8.1f} "
               f"{r['predicted_step_time_s']:>9.4g} {mfu:>6}", file=out)
     best_lay, best = found["best"][0]
@@ -357,6 +357,8 @@ def train_flags(cfg: C.Config, work: Workload, lay: C.LayoutConfig) -> tuple[lis
     flags = model + ["--dp", str(lay.dp), "--tp", str(lay.tp), "--pp", str(lay.pp)]
     if lay.cp > 1:
         flags += ["--cp", str(lay.cp), "--cp-mode", lay.cp_mode]
+    if lay.ep > 1:
+        flags += ["--ep", str(lay.ep)]
     if lay.zero:
         flags += ["--zero", str(lay.zero)] + (["--keep-gathered"] if lay.keep_gathered else [])
     if lay.sp:

@@ -8,7 +8,8 @@ chunks (by the ring, and by all-to-all where the heads left by tp divide by cp),
 divisor of what remains, dp the rest (dividing the batch); ZeRO 0–3 (0 alone when dp·cp = 1:
 ZeRO shards over the parameters' dp × cp replicas); SP on or off under tp; no, selective or full
 recompute; every micro-batch size that divides a replica's batch; under pp, 1F1B, the
-zero-bubble schedule and interleaved 1F1B with 2 chunks. Precision, gradient dtype,
+zero-bubble schedule and interleaved 1F1B with 2 chunks; for a MoE, ep every divisor of
+dp·cp·tp that divides the experts (expert parallelism folds over those ranks). Precision, gradient dtype,
 attention and dropout are the workload's, not searched.
 
 It is exhaustive — each candidate is planned — with one shortcut that cannot change the
@@ -19,6 +20,7 @@ a few seconds."""
 from __future__ import annotations
 
 from dataclasses import replace
+from itertools import product
 from typing import Iterator
 
 from meshtrain.parallel.options import CP_MODES, Layout
@@ -58,15 +60,23 @@ def layouts(work: Workload, gpus: int, gpus_per_node: int, base: Layout) -> Iter
                         for recompute in RECOMPUTE_CHOICES:
                             for b in _divisors(work.batch // dp):
                                 m = work.batch // (dp * b)
-                                for schedule, chunks in schedules:
+                                for (schedule, chunks), ep in product(schedules, _expert_choices(shape, dp * cp * tp)):
                                     lay = replace(base, dp=dp, tp=tp, pp=pp, cp=cp, cp_mode=cp_mode, zero=zero, sp=sp,
                                                   recompute=recompute, microbatches=m, schedule=schedule,
-                                                  chunks=chunks, stage_layers="")
+                                                  chunks=chunks, stage_layers="", ep=ep)
                                     try:
                                         check(work, lay, gpus)
                                     except PlanError:
                                         continue
                                     yield lay
+
+
+def _expert_choices(shape, fold: int) -> list[int]:
+    """ep for a MoE: every divisor of the dp·cp·tp ranks it folds over that divides the
+    experts; 1 for a dense model."""
+    if shape.kind != "moe":
+        return [1]
+    return [e for e in _divisors(fold) if shape.experts % e == 0]
 
 
 def search(work: Workload, gpus: int, machine, *, memory_bytes: float, gpus_per_node: int = 8,
