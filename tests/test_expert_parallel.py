@@ -1,6 +1,6 @@
 """Expert parallelism (`parallel/experts.py`): `verify` passes with the experts split over ep
 in every composition — dp, ZeRO 1-3 (each expert chunk sharded over its own replicas), tp
-with and without SP, cp, pp (1F1B and zero-bubble), full recompute, bf16, the bias; a rank that receives no tokens at all still exchanges (and
+with and without SP, cp, pp (1F1B and zero-bubble), full recompute, bf16, the bias, --compile; a rank that receives no tokens at all still exchanges (and
 skipping it fails); verify fails on each
 mutant (patched inside the ranks only, so the one-process reference is the real code). The
 all-to-all's bytes are the formula's, and each rank holds 1/ep of the experts (`test_plan_moe.py`)."""
@@ -23,6 +23,7 @@ LAYOUTS = {
     "dp2-ep2": moe_config(ep=2), "dp2-ep2-recompute": moe_config(ep=2, recompute="full"),
     "dp2-ep2-bf16": moe_config(ep=2, precision="bf16"),
     "dp2-ep2-bias": moe_config(ep=2, moe_balance="bias", moe_bias_rate=0.01),
+    "dp2-ep2-compile": moe_config(ep=2, compile=True, compile_backend="aot_eager"),  # the exchange runs eagerly
     "tp2-ep2": moe_config(dp=1, tp=2, ep=2, microbatches=1),
     "tp2-sp-ep2": moe_config(dp=1, tp=2, sp=True, ep=2, microbatches=1),
     "cp2-ep2": moe_config(dp=1, cp=2, ep=2, microbatches=1),
@@ -97,7 +98,7 @@ def verdicts():
 
     def ranks(world, layouts, **axes):
         return run_ranks(_records, world, layouts, MUTANTS, **axes)[0]
-    records = ranks(2, ["dp2-ep2", "dp2-ep2-recompute", "dp2-ep2-bf16", "dp2-ep2-bias", "dp2-ep2-zero1",
+    records = ranks(2, ["dp2-ep2", "dp2-ep2-recompute", "dp2-ep2-bf16", "dp2-ep2-bias", "dp2-ep2-compile", "dp2-ep2-zero1",
                         "dp2-ep2-zero3", "dp2-ep2-zero3-bf16"], ep=2)
     records.update(ranks(2, ["tp2-ep2", "tp2-sp-ep2"], tp=2, ep=2))
     records.update(ranks(2, ["cp2-ep2"], cp=2, ep=2))
