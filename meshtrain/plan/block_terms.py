@@ -53,6 +53,7 @@ class MoEDims:
     aux_rows: int = 1
     dense_layers: tuple[int, ...] = ()
     ep: int = 1  # the ranks the experts are split over (`parallel/experts.py`)
+    rows_share: int = 1  # the experts run 1/rows_share of the rank's tokens' rows (tp without SP under ep)
 
     def is_moe(self, layer: int) -> bool:
         return layer not in self.dense_layers
@@ -96,7 +97,7 @@ def moe_kept_bytes(tokens: int, micro_batch: int, hidden: int, moe: MoEDims, *, 
     router keeps its fp32 copy and the experts gather their rows from it — `moe_layer_delta`."""
     e, n, d = element_bytes, tokens, hidden
     E, k, I = moe.experts, moe.top_k, moe.expert_ffn
-    r = n * k
+    r = n * k // moe.rows_share
     router = n * E * 4 + n * k * 8 + (n * k * 4 + n * 4 if moe.norm_topk else 0)
     router += (n * d * 4 + E * d * 4) if e < 4 else 0
     experts = 2 * r * 8 + r * d * e + E // moe.ep * 4 + r * 2 * I * e + 2 * r * I * e + r * d * 4 + r * 4 + r * d * e
@@ -123,6 +124,7 @@ def moe_backward_extra(tokens: int, hidden: int, moe: MoEDims, *, element_bytes:
       before the sum): 3·r·d fp32 and r;
     - the down projection: its output's gradient (in the compute dtype), its weight's
       gradient E·d·I and its input's r·I (the weighting's fp32 terms freed);
+    - (under ep with tp and no SP each tp rank runs r/tp of the rows: `rows_share`)
     - the SwiGLU product's backward: the gradients of SiLU's output and of up (2·r·I), the
       product freed;
     - gate_up's backward: its weight's gradient E·2I·d and its input's r·d, SiLU's output,
@@ -131,7 +133,7 @@ def moe_backward_extra(tokens: int, hidden: int, moe: MoEDims, *, element_bytes:
     gradient (n·d) is held through the experts'."""
     e, n, d = element_bytes, tokens, hidden
     E, k, I = moe.experts, moe.top_k, moe.expert_ffn
-    r = n * k
+    r = n * k // moe.rows_share
     aux = n * 3 * E * 4 if moe.aux_rows else 0
     held = aux - r * d * e  # the aux gradient; index_add's source freed
     weighting = held + 3 * r * d * 4 + r * 4

@@ -266,7 +266,8 @@ class Device:
         if sh.kind != "moe":
             return None
         return memory.MoEDims(sh.experts, sh.top_k, sh.expert_ffn, shared_ffn=sh.shared_ffn, norm_topk=sh.norm_topk,
-                              aux_rows=sh.aux_rows, dense_layers=sh.dense_layers, ep=self.layout.ep)
+                              aux_rows=sh.aux_rows, dense_layers=sh.dense_layers, ep=self.layout.ep,
+                              rows_share=self.layout.tp if self.layout.ep > 1 and not self.layout.sp else 1)
 
     def activation_per_layer(self) -> float:
         """What one block keeps for backward, per micro-batch, under the layout's recompute
