@@ -14,6 +14,12 @@ On 2 cores the 2-rank layouts share the cores: time here says what the exchange 
 beside compute on one machine, not what a cluster would see.
 
     python benchmarks/expert_parallel.py --steps 20 --rounds 3 --out benchmarks/results/expert_parallel.json
+
+`--overlap` instead times one MoE layer of moe-small's shapes alone (forward and backward,
+2 ranks, ep 2, 1 thread each) with the dispatch overlapped with the rank's own experts'
+work and without (`parallel/experts.dispatch_and_run(overlap=...)`), alternated, medians:
+
+    python benchmarks/expert_parallel.py --overlap --iters 40 --out benchmarks/results/expert_overlap.json
 """
 
 from __future__ import annotations
@@ -40,14 +46,92 @@ def run(args, layout: list[str]) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def _overlap_rank(rank: int, port: int, iters: int, tokens: int, queue) -> None:
+    import time
+
+    import torch
+    from functools import partial
+
+    from meshtrain.comm import Comm
+    from meshtrain.launch import RankEnv, init_distributed
+    from meshtrain.mesh import Mesh
+    from meshtrain.models.moe import Experts
+    from meshtrain.parallel import experts as ep
+    from meshtrain.recipes import PRESETS
+
+    torch.set_num_threads(1)
+    device = init_distributed(RankEnv("bench", rank, 2, rank, 2, "127.0.0.1", port), torch.device("cpu"))
+    comm = Comm(Mesh.build(1, 2, 1, device, ep=2))
+    torch.manual_seed(0)
+    holder = torch.nn.Module()
+    holder.experts = Experts(PRESETS["moe-small"])
+    for p in holder.experts.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    ep.apply_expert_parallel(holder, comm, split_tp=False)
+    experts, k, n_experts = holder.experts, 2, 8
+    x = torch.randn(tokens, 256, generator=torch.Generator().manual_seed(rank), requires_grad=True)
+    chosen = torch.rand(tokens, n_experts, generator=torch.Generator().manual_seed(9 + rank)).topk(k, -1).indices
+    weights = torch.full((tokens, k), 0.5)
+    times = {True: [], False: []}
+    for i in range(iters + 5):
+        for overlap in ((True, False) if i % 2 else (False, True)):
+            run = partial(ep.dispatch_and_run, overlap=overlap)
+            torch.distributed.barrier()
+            t0 = time.perf_counter()
+            order, token, counts = experts.sort_rows(chosen)
+            y = experts.weigh(x, run(experts.compute, x[token], counts, comm), token, order, weights)
+            y.square().sum().backward()
+            elapsed = torch.tensor(time.perf_counter() - t0)
+            torch.distributed.all_reduce(elapsed, op=torch.distributed.ReduceOp.MAX)
+            if i >= 5:
+                times[overlap].append(elapsed.item())
+    if rank == 0:
+        queue.put(times)
+    torch.distributed.destroy_process_group()
+
+
+def overlap(args) -> dict:
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_overlap_rank, args=(r, port, args.iters, args.rows * args.seq_len, queue))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    times = queue.get()
+    for p in procs:
+        p.join()
+    on, off = statistics.median(times[True]), statistics.median(times[False])
+    return {"what": "forward+backward of moe-small's experts (d 256, 8 experts of 352, top-2), 2 ranks, ep 2, "
+                    "CPU, gloo, 1 thread per rank", "tokens_per_rank": args.rows * args.seq_len,
+            "iters": args.iters, "overlapped_median_s": on, "serial_median_s": off, "ratio_overlapped_over_serial":
+            on / off, "overlapped_s": times[True], "serial_s": times[False]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--overlap", action="store_true", help="time the dispatch overlapped and not (one layer)")
+    parser.add_argument("--iters", type=int, default=40)
+    parser.add_argument("--rows", type=int, default=8)
     parser.add_argument("--out")
     args = parser.parse_args()
+    if args.overlap:
+        result = overlap(args)
+        print(json.dumps({k: v for k, v in result.items() if not k.endswith("_s") or "median" in k}, indent=1))
+        if args.out:
+            with open(args.out, "w") as f:
+                f.write(json.dumps(result, indent=1) + "\n")
+        return
     runs: dict[str, list[dict]] = {name: [] for name in LAYOUTS}
     for r in range(args.rounds):
         for name, layout in LAYOUTS.items():

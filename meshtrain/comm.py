@@ -126,21 +126,22 @@ class Comm:
                   lambda g: dist.all_to_all_single(out, x, group=g))
         return out
 
-    def all_to_all_v(self, x: torch.Tensor, axis: str, send: list[int], receive: list[int]) -> torch.Tensor:
+    def all_to_all_v(self, x: torch.Tensor, axis: str, send: list[int], receive: list[int], *,
+                     async_op: bool = False):
         """Send `x`'s first `send[0]` rows to the rank at coordinate 0 of `axis`, the next
         `send[1]` to coordinate 1, and so on; returns the `receive[j]` rows each rank j sent
-        this one, in coordinate order. Counted: the bytes that leave this rank (its own
-        rows stay)."""
+        this one, in coordinate order (with `async_op`, (that tensor, the work to wait for
+        before reading it)). Counted: the bytes that leave this rank (its own rows stay)."""
         n = self.mesh.size(axis)
         if n == 1:
-            return x
+            return (x, _Done()) if async_op else x
         x = x.contiguous()
         row = x.element_size() * _row_elements(x)
         out = x.new_empty((sum(receive), *x.shape[1:]))
         sent = (sum(send) - send[self.mesh.coord(axis)]) * row
-        self._run(axis, "all_to_all", None, sent, False,
-                  lambda g: dist.all_to_all_single(out, x, receive, send, group=g))
-        return out
+        work = self._run(axis, "all_to_all", None, sent, async_op,
+                         lambda g: dist.all_to_all_single(out, x, receive, send, group=g, async_op=async_op))
+        return (out, work) if async_op else out
 
     def gather_along(self, x: torch.Tensor, axis: str, dim: int, *, purpose: str | None = None) -> torch.Tensor:
         """Every rank's `x` concatenated along `dim` in coordinate order (a new tensor)."""
