@@ -56,6 +56,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
+from expert_parallel import report  # benchmarks/, the script's own folder
 
 WORLD = 2
 EP = 2
@@ -273,11 +274,7 @@ def main() -> None:
     if "error" not in ds:
         ds.pop("traceback", None)
     out["deepspeed"] = ds
-    text = json.dumps(out, indent=1)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    report(out, args.out)
 
 
 if __name__ == "__main__":

@@ -127,10 +127,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.overlap:
         result = overlap(args)
-        print(json.dumps({k: v for k, v in result.items() if not k.endswith("_s") or "median" in k}, indent=1))
-        if args.out:
-            with open(args.out, "w") as f:
-                f.write(json.dumps(result, indent=1) + "\n")
+        report(result, args.out, {k: v for k, v in result.items() if not k.endswith("_s") or "median" in k})
         return
     runs: dict[str, list[dict]] = {name: [] for name in LAYOUTS}
     for r in range(args.rounds):
@@ -148,11 +145,15 @@ def main() -> None:
             "model_state_bytes_per_rank": [s["total"] for s in last["model_state_bytes_per_rank"]],
             "comm_bytes_per_step": last["comm_bytes_per_step"], "peak_rss_mib_per_rank": last["peak_rss_mib_per_rank"],
             "final_loss": last["final_loss"]}
-    text = json.dumps(out, indent=1)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    report(out, args.out)
+
+
+def report(result: dict, path: str | None, shown: dict | None = None) -> None:
+    """Print `shown` (default: all of `result`) as JSON; write all of it to `path` if given."""
+    print(json.dumps(result if shown is None else shown, indent=1))
+    if path:
+        with open(path, "w") as f:
+            f.write(json.dumps(result, indent=1) + "\n")
 
 
 if __name__ == "__main__":
