@@ -234,3 +234,36 @@ def test_a_checkpoint_resumes_across_ep_within_verify_s_tolerances(first, resume
     result = verify.compare(rec, verify.run_reference(cfg, rec))
     assert result["passed"], result["failures"]
     assert result["max_resume_rel_diff"] == 0.0
+
+
+# ---- bad input ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("layout,says", [
+    (dict(dp=2, ep=3), "--ep 3 does not divide dp·cp·tp = 2·1·1 = 2"),
+    (dict(dp=3, ep=3), "--ep 3 does not divide the 4 experts of moe-test"),
+    (dict(dp=2, ep=0), "--ep 0: must be a positive integer"),
+])
+def test_bad_ep_is_refused_in_one_line_before_any_rank_starts(layout, says):
+    c = moe_config(**layout)
+    with pytest.raises(C.ConfigError, match=says.replace("(", r"\(")):
+        C.validate(c)
+
+
+def test_ep_on_a_dense_model_is_refused_in_one_line():
+    c = moe_config(ep=2)
+    c.model.name, c.model.moe_aux_coef = "llama-test", None
+    with pytest.raises(C.ConfigError, match="llama-test has none"):
+        C.validate(c)
+
+
+def test_an_unset_dp_fills_what_ep_needs_from_a_shell():
+    c = moe_config(ep=4)
+    c.layout.dp = None
+    C.validate(c)
+    assert c.layout.dp == 4 and c.layout.world_size == 4
+
+
+def test_init_refuses_an_ep_that_does_not_divide_the_world_in_one_line():
+    import meshtrain
+    with pytest.raises(ValueError, match="ep=2 does not divide dp·cp·tp = 1"):
+        meshtrain.init(ep=2, device="cpu")
