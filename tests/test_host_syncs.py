@@ -105,3 +105,17 @@ def _gathers(mesh):
 def test_local_rows_checked_on_the_first_step_only():
     for counts in run_ranks(_gathers, 2):
         assert counts == [1, 1, 1, 2], counts
+
+
+def test_expert_parallelism_reads_its_split_sizes_once_per_moe_layer_and_micro_batch():
+    """The all-to-all's split sizes are the one sync expert parallelism adds: one `tolist`
+    per MoE layer per micro-batch, beside the step's. (A recomputed layer reads them again,
+    inside the backward, where the counter's mode does not reach: the exchange's bytes, 6
+    passes then, are checked against the planner in test_plan_moe.py.)"""
+    flags, per_layer = dict(dp=2, ep=2, microbatches=2), 1
+    moe_layers, microbatches = 3, 2  # moe-test: 4 blocks, the first dense
+    for where, _ in run_ranks(_count, 2, "moe-test", flags, ep=2):
+        split_sizes = sum(n for (kind, place), n in where.items() if place.endswith("dispatch_and_run"))
+        assert split_sizes == moe_layers * microbatches * per_layer, where
+        others = {(kind, place.rsplit(" ", 1)[-1]) for kind, place in where if not place.endswith("dispatch_and_run")}
+        assert others <= ALLOWED, where
