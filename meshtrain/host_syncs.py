@@ -9,8 +9,10 @@ reads a device tensor's value on the host (`Tensor.item`, `tolist`, `bool(t)`, `
 What it cannot see: a host-to-device copy of a CPU tensor (`.to(device)` waits for nothing,
 but a pageable copy is synchronous for the host), syncs inside C++ ops (`torch.unique`, a
 boolean-mask index, `repeat_interleave` without `output_size`), object collectives
-(`all_gather_object` pickles through a device tensor), and `cudaStreamSynchronize` calls of
-a process group. Those places are tested directly."""
+(`all_gather_object` pickles through a device tensor), `cudaStreamSynchronize` calls of
+a process group, and calls the autograd engine makes during a backward (a custom Function's
+backward, a checkpointed block's recomputation: the mode is not active there). Those places
+are tested directly.
 
 from __future__ import annotations
 
