@@ -19,11 +19,32 @@ from meshtrain.comm import Comm
 from meshtrain.parallel import experts as ep_module
 from meshtrain.parallel.data import DataParallel
 
+# 16 experts, one per token, dealt in turn along each row of 8 tokens: every token goes to
+# experts 0-7, which ep rank 0 holds, in every layout and in one process alike — ep rank 1
+# receives no row at all, and must still take part in every exchange.
+SIXTEEN = "moe-test-16"
+
+
+def _add_sixteen_preset() -> None:
+    import dataclasses
+
+    from meshtrain.recipes import PRESETS, add_preset
+    add_preset(SIXTEEN, dataclasses.replace(PRESETS["moe-test"], n_experts=16, top_k=1))
+
+
+def _no_tokens_config():
+    _add_sixteen_preset()
+    c = moe_config(ep=2, moe_routing="balanced")
+    c.model.name, c.train.seq_len = SIXTEEN, 8
+    return c
+
+
 LAYOUTS = {
     "dp2-ep2": moe_config(ep=2), "dp2-ep2-recompute": moe_config(ep=2, recompute="full"),
     "dp2-ep2-bf16": moe_config(ep=2, precision="bf16"),
     "dp2-ep2-bias": moe_config(ep=2, moe_balance="bias", moe_bias_rate=0.01),
     "dp2-ep2-compile": moe_config(ep=2, compile=True, compile_backend="aot_eager"),  # the exchange runs eagerly
+    "ep2-no-tokens-on-rank-1": _no_tokens_config(),
     "tp2-ep2": moe_config(dp=1, tp=2, ep=2, microbatches=1),
     "tp2-sp-ep2": moe_config(dp=1, tp=2, sp=True, ep=2, microbatches=1),
     "cp2-ep2": moe_config(dp=1, cp=2, ep=2, microbatches=1),
@@ -87,9 +108,12 @@ MUTANTS = {f.__name__: (f, layout) for f, layout in (
     (tokens_sent_to_the_neighbouring_ranks_experts, "dp2-ep2"),
     (expert_gradients_reduced_over_all_of_dp, "dp2-ep2"),
     (every_tp_rank_dispatches_every_token, "tp2-ep2"))}
+SKIPPING = {"a_rank_receiving_no_tokens_skips_its_exchange": (a_rank_receiving_no_tokens_skips_its_exchange,
+                                                               "ep2-no-tokens-on-rank-1")}
 
 
 def _records(mesh, layouts, mutants):
+    _add_sixteen_preset()  # in the ranks too
     return records_of_every_mutant(mesh, layouts, LAYOUTS, mutants)
 
 
@@ -98,7 +122,8 @@ def verdicts():
 
     def ranks(world, layouts, **axes):
         return run_ranks(_records, world, layouts, MUTANTS, **axes)[0]
-    records = ranks(2, ["dp2-ep2", "dp2-ep2-recompute", "dp2-ep2-bf16", "dp2-ep2-bias", "dp2-ep2-compile", "dp2-ep2-zero1",
+    records = ranks(2, ["dp2-ep2", "dp2-ep2-recompute", "dp2-ep2-bf16", "dp2-ep2-bias", "dp2-ep2-compile",
+                        "ep2-no-tokens-on-rank-1", "dp2-ep2-zero1",
                         "dp2-ep2-zero3", "dp2-ep2-zero3-bf16"], ep=2)
     records.update(ranks(2, ["tp2-ep2", "tp2-sp-ep2"], tp=2, ep=2))
     records.update(ranks(2, ["cp2-ep2"], cp=2, ep=2))
@@ -200,6 +225,21 @@ def test_the_overlapped_dispatch_computes_what_the_serial_one_does():
 def _skipping(mesh):
     with a_rank_receiving_no_tokens_skips_its_exchange()[0]:
         return _no_tokens_for_rank_1(mesh)
+
+
+def test_verify_fails_when_a_rank_receiving_no_tokens_skips_its_exchange():
+    """In the layout where ep rank 1 receives nothing, that rank skipping the exchange leaves
+    its peer's collectives to pair with the wrong ones: NCCL would hang; on gloo the run
+    fails or its numbers do — verify must not pass it."""
+    layout = "ep2-no-tokens-on-rank-1"
+    try:
+        records = run_ranks(_records, 2, [layout], SKIPPING, ep=2, timeout=120, collective_timeout=20)[0]
+    except AssertionError as e:  # a rank failed (or hung): not a pass either
+        assert "exit codes" in str(e) or "hung" in str(e)
+        return
+    verdicts = verdicts_of(records, LAYOUTS)
+    assert_real_passes(verdicts, layout)
+    assert_mutant_fails(verdicts, next(iter(SKIPPING)))
 
 
 def test_a_rank_receiving_no_tokens_that_skips_its_exchange_fails():

@@ -85,13 +85,19 @@ class TopKRouter(nn.Module):
             self.register_buffer("expert_bias", torch.zeros(spec.n_experts, dtype=torch.float32))
         self.register_buffer("expert_load", torch.zeros(spec.n_experts, dtype=torch.float32), persistent=False)
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [tokens, d] -> (scores [tokens, E] fp32, chosen [tokens, k], weights [tokens, k] fp32)."""
+    def forward(self, x: torch.Tensor, seq_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [tokens, d] (rows of `seq_len` tokens; None: one row) -> (scores [tokens, E]
+        fp32, chosen [tokens, k], weights [tokens, k] fp32). Balanced routing deals each
+        row's tokens to the experts in turn by their position in the row (token t's k slots
+        to experts t·k … t·k+k−1 mod E), so that cutting a batch into rows, micro-batches or
+        dp ranks routes every token as one process does."""
         logits = F.linear(x.float(), self.weight.float())
         scores = logits.softmax(-1) if self.score == "softmax" else logits.sigmoid()
         if self.routing == "balanced":
             n = x.shape[0]
-            chosen = (torch.arange(n * self.top_k, device=x.device) % self.n_experts).view(n, self.top_k)
+            position = torch.arange(n, device=x.device) % (seq_len or n)
+            slots = position[:, None] * self.top_k + torch.arange(self.top_k, device=x.device)
+            chosen = slots % self.n_experts
         else:
             ranked = scores.detach() + self.expert_bias if hasattr(self, "expert_bias") else scores
             chosen = ranked.topk(self.top_k, dim=-1).indices
@@ -236,7 +242,7 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, d = x.shape
         flat = x.reshape(-1, d)
-        scores, chosen, weights = self.gate(flat)
+        scores, chosen, weights = self.gate(flat, s)
         out = self.experts(flat, chosen, weights).view(b, s, d)
         if hasattr(self, "shared_experts"):
             out = out + self.shared_experts(x)
