@@ -12,7 +12,7 @@ boolean-mask index, `repeat_interleave` without `output_size`), object collectiv
 (`all_gather_object` pickles through a device tensor), `cudaStreamSynchronize` calls of
 a process group, and calls the autograd engine makes during a backward (a custom Function's
 backward, a checkpointed block's recomputation: the mode is not active there). Those places
-are tested directly.
+are tested directly."""
 
 from __future__ import annotations
 
