@@ -18,7 +18,7 @@ from pathlib import Path
 from meshtrain.recipes import PRESETS, PUBLISHED, add_preset, family_of, is_preset, is_published, parse_widths, spec_of
 from meshtrain.recipe import is_user_model
 from meshtrain.parallel.options import (COMPILE_BACKENDS, CP_MODES, GRAD_DTYPES, LINEAR_SYNCS, PRECISIONS, SCHEDULES,
-                                       Layout, parse_recompute, schedule_or_batch_problem)
+                                       Layout, expert_problem, parse_recompute, schedule_or_batch_problem)
 from meshtrain.hf import HFError, read_config, spec_from_config, weight_files
 from meshtrain.data.corpus import DataError
 
@@ -491,8 +491,11 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
                           f"{world_size}")
     if lay.cp > 1:
         _validate_context(cfg, user_model)
-    if lay.ep > 1:
-        _validate_experts(cfg, user_model)
+    if lay.ep > 1:  # a user's model: its experts are counted where it is built (meshtrain.parallelize)
+        experts = None if user_model else getattr(m.spec(), "n_experts", 0)
+        problem = expert_problem(lay, experts, m.name, tr.batch_size, tr.seq_len)
+        if problem:
+            raise ConfigError(problem)
     problem = schedule_or_batch_problem(lay, tr.batch_size)
     if problem:
         raise ConfigError(problem)
@@ -521,28 +524,6 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         if not 256 <= tr.vocab_size <= 2**20:  # above 65,536 the token file holds uint32 ids
             raise ConfigError(f"--vocab-size {tr.vocab_size}: use 256 (bytes) up to {2**20:,}")
     _reject_unbuilt(lay, tr)
-
-
-def _validate_experts(cfg: Config, user_model: bool) -> None:
-    """--ep: folded over dp·cp·tp, dividing each MoE layer's experts, on a model that has them."""
-    m, lay, tr = cfg.model, cfg.layout, cfg.train
-    fold = lay.dp * lay.cp * lay.tp
-    if fold % lay.ep:
-        raise ConfigError(f"--ep {lay.ep} does not divide dp·cp·tp = {lay.dp}·{lay.cp}·{lay.tp} = {fold}: expert "
-                          f"parallelism folds over those ranks; use an --ep dividing {fold} (or a larger --dp)")
-    if user_model:  # its experts are counted where it is built (meshtrain.parallelize)
-        return
-    experts = getattr(m.spec(), "n_experts", 0)
-    if not experts:
-        raise ConfigError(f"--ep {lay.ep}: expert parallelism splits a mixture of experts' experts, and {m.name} "
-                          "has none; use an MoE model (--model moe-test, moe-small) or drop --ep")
-    if experts % lay.ep:
-        raise ConfigError(f"--ep {lay.ep} does not divide the {experts} experts of {m.name}; use an --ep dividing "
-                          f"{experts}")
-    rows = tr.batch_size // (lay.dp * lay.microbatches)
-    if lay.tp > 1 and not lay.sp and (rows * tr.seq_len // lay.cp) % lay.tp:
-        raise ConfigError(f"--ep with --tp {lay.tp} and no --sp splits each micro-batch's {rows}×"
-                          f"{tr.seq_len // lay.cp} tokens over tp; use a batch or --seq-len whose tokens tp divides")
 
 
 def warnings(cfg: Config, command: str = "train") -> list[str]:

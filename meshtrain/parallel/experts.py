@@ -114,12 +114,13 @@ def dispatch_and_run(compute, rows: torch.Tensor, counts: torch.Tensor, comm: Co
     arrived = _Launch.apply(torch.cat([before, after]) if overlap else rows, comm, out_splits, in_splits, pending)
     local = compute(own.clone(), send[me]) if overlap else None  # while the others' rows travel
     arrived = _Wait.apply(arrived, pending)  # by source rank, then local expert
-    remote = receive.clone()
-    if overlap:
+    remote = receive
+    if overlap:  # its own rows did not travel
+        remote = receive.clone()
         remote[me] = 0
     by_expert = _expert_major(remote, sum(in_splits))
     done = compute(arrived[by_expert], remote.sum(0))
-    back = _AllToAll.apply(done[by_expert.argsort()], comm, in_splits, out_splits)  # in arrival order, sent back
+    back = _exchange(done[by_expert.argsort()], comm, in_splits, out_splits)  # in arrival order, sent back
     if not overlap:
         return back
     before, after = back.split([lo, back.shape[0] - lo])
@@ -169,17 +170,10 @@ class _Wait(torch.autograd.Function):
         return grad, None
 
 
-class _AllToAll(torch.autograd.Function):
-    """Rows exchanged over ep with the given splits; the gradients go back the other way."""
-
-    @staticmethod
-    def forward(ctx, rows: torch.Tensor, comm: Comm, send: list[int], receive: list[int]) -> torch.Tensor:
-        ctx.comm, ctx.send, ctx.receive = comm, send, receive
-        return comm.all_to_all_v(rows, "ep", send, receive)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return ctx.comm.all_to_all_v(grad.contiguous(), "ep", ctx.receive, ctx.send), None, None, None
+def _exchange(rows: torch.Tensor, comm: Comm, send: list[int], receive: list[int]) -> torch.Tensor:
+    """Rows exchanged over ep with the given splits, waited for (backward: the other way)."""
+    pending = _Pending()
+    return _Wait.apply(_Launch.apply(rows, comm, send, receive, pending), pending)
 
 
 def _take_chunk(x: torch.Tensor, comm: Comm) -> torch.Tensor:

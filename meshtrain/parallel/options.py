@@ -163,3 +163,27 @@ def schedule_or_batch_problem(lay: Layout, batch_size: int) -> str | None:
         return (f"--batch-size {batch_size} is not divisible by dp×microbatches = {lay.dp}×{lay.microbatches} = "
                 f"{per_step}; use a multiple of {per_step}")
     return None
+
+
+def expert_problem(lay: Layout, experts: int | None, model: str, batch_size: int | None = None,
+                   seq_len: int | None = None) -> str | None:
+    """What `train` and `plan` both refuse in `--ep`, one line or None: ep folds over
+    dp·cp·tp, divides the model's `experts` (None: not known yet — a user's model, counted
+    where it is built), and without SP tp splits each micro-batch's tokens."""
+    fold = lay.dp * lay.cp * lay.tp
+    if fold % lay.ep:
+        return (f"--ep {lay.ep} does not divide dp·cp·tp = {lay.dp}·{lay.cp}·{lay.tp} = {fold}: expert "
+                f"parallelism folds over those ranks; use an --ep dividing {fold} (or a larger --dp)")
+    if experts is None:
+        return None
+    if not experts:
+        return (f"--ep {lay.ep}: expert parallelism splits a mixture of experts' experts, and {model} has none; use "
+                "an MoE model (--model moe-test, moe-small) or drop --ep")
+    if experts % lay.ep:
+        return f"--ep {lay.ep} does not divide the {experts} experts of {model}; use an --ep dividing {experts}"
+    if batch_size is not None and seq_len is not None and lay.tp > 1 and not lay.sp:
+        rows = batch_size // (lay.dp * lay.microbatches)
+        if (rows * seq_len // lay.cp) % lay.tp:
+            return (f"--ep with --tp {lay.tp} and no --sp splits each micro-batch's {rows}×{seq_len // lay.cp} "
+                    "tokens over tp; use a batch or --seq-len whose tokens tp divides")
+    return None

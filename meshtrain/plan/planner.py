@@ -31,7 +31,8 @@ import functools
 from dataclasses import dataclass
 
 from meshtrain.ring import all_reduce_bytes
-from meshtrain.parallel.options import CP_MODES, SCHEDULES, Layout, parse_recompute, schedule_or_batch_problem
+from meshtrain.parallel.options import (CP_MODES, SCHEDULES, Layout, expert_problem, parse_recompute,
+                                       schedule_or_batch_problem)
 from meshtrain.plan import memory, sharing, traffic
 from meshtrain.plan.cost import hardware_flops, model_flops
 from meshtrain.plan.shapes import Shape
@@ -89,12 +90,9 @@ def check(work: Workload, lay: Layout, gpus: int | None = None) -> None:
     if lay.cp > 1:
         _check_context(work, lay)
     if lay.ep > 1:
-        fold = lay.dp * lay.cp * lay.tp
-        if shape.kind != "moe":
-            raise PlanError(f"--ep {lay.ep}: expert parallelism splits a mixture of experts' experts, and this model "
-                            "has none; drop --ep")
-        if fold % lay.ep or shape.experts % lay.ep:
-            raise PlanError(f"--ep {lay.ep} must divide dp·cp·tp = {fold} and the {shape.experts} experts")
+        problem = expert_problem(lay, shape.experts if shape.kind == "moe" else 0, "this model")
+        if problem:
+            raise PlanError(problem)
 
     if lay.sp and lay.tp == 1:
         raise PlanError("--sp shards the sequence inside the tensor-parallel group; use --tp 2 or more with --sp")
@@ -167,21 +165,21 @@ class Device:
 
     def params_on(self, stage: int) -> int:
         """The parameters a device of `stage` holds: its experts' 1/ep under expert parallelism."""
-        held = self.held(stage)
-        return held.in_blocks + held.outside - self.experts_elsewhere(stage)
+        return self.dense_params_on(stage) + (self.expert_params_on(stage) if self.layout.ep > 1 else 0)
+
+    def stage_experts(self, stage: int) -> int:
+        """All the experts' parameters of the stage's MoE layers (whole over tp)."""
+        return memory.expert_params_per_device(self.shape, stage=stage, **self._where)
 
     def expert_params_on(self, stage: int) -> int:
         """The experts' parameters a device of `stage` holds (1/ep of its MoE layers')."""
-        return memory.expert_params_per_device(self.shape, stage=stage, **self._where) // self.layout.ep
-
-    def experts_elsewhere(self, stage: int) -> int:
-        """The experts of the stage's MoE layers that other ep ranks hold."""
-        return memory.expert_params_per_device(self.shape, stage=stage, **self._where) - self.expert_params_on(stage)
+        return self.stage_experts(stage) // self.layout.ep
 
     def dense_params_on(self, stage: int) -> int:
         """What a device of `stage` holds apart from the ep-split experts (all of it at ep 1):
         reduced over dp × cp; the experts over their edp replicas."""
-        return self.params_on(stage) - (self.expert_params_on(stage) if self.layout.ep > 1 else 0)
+        held = self.held(stage)
+        return held.in_blocks + held.outside - (self.stage_experts(stage) if self.layout.ep > 1 else 0)
 
     def recomputed_units(self, stage: int) -> list[int]:
         """Sizes of the units a stage recomputes whole (full: each block; segments[:K]: each
@@ -191,8 +189,7 @@ class Device:
 
     def whole_params(self, stage: int) -> int:
         """Left whole by tp (summed over tp under SP): not the experts under ep, summed over edp."""
-        split = memory.expert_params_per_device(self.shape, stage=stage, **self._where) if self.layout.ep > 1 else 0
-        return self.held(stage).whole - split
+        return self.held(stage).whole - (self.stage_experts(stage) if self.layout.ep > 1 else 0)
 
     def partial_params(self, stage: int) -> int:
         return self.held(stage).partial
