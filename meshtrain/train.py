@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 
 from meshtrain import faults, launch
 from meshtrain.board import Board
-from meshtrain.checkpoint import folders, owner
+from meshtrain.checkpoint import folders, lineage, owner
 from meshtrain.cli.run_model import imported_record
 from meshtrain.comm import Comm
 from meshtrain.config import (Config, LayoutConfig, TrainConfig, imported_tokenizer, lr_at, strict_p2p_requested,
@@ -290,11 +290,10 @@ def train(cfg: Config, comm: Comm, *, observer: StepObserver | None = None, prog
     run_id = this_run(cfg, comm) if writes_out or tr.resume or tr.resume_from else ""
     start, resumed_from = resume(job, cfg, run_id)
     # The resume is accepted on every rank: only now does anything in OUT change.
+    if writes_out:
+        start_lineage(comm, Path(tr.out), run_id, start, resumed_from)
     if step_log is not None:
         step_log.start(start)
-    if writes_out:
-        _on_rank_0(comm, f"writing {Path(tr.out) / owner.RUN_FILE}", lambda: owner.write_run(
-            Path(tr.out), owner.started_record(run_id, resumed_from=resumed_from, step=start)))
     recorder = pipeline_trace.Recorder(mesh.device) if trace else None
     if recorder:
         p.runner.recorder = recorder
@@ -377,7 +376,12 @@ def train(cfg: Config, comm: Comm, *, observer: StepObserver | None = None, prog
             if observer:
                 report(*pending)
                 pending = None
-            checkpoint_after(job, cfg, data, step + 1, preemption, run_id)
+            try:
+                checkpoint_after(job, cfg, data, step + 1, preemption, run_id)
+            except Preempted:
+                if pending is not None:  # the step it saved is logged before the run stops
+                    report(*pending)
+                raise
             if stop_after is not None and step + 1 >= stop_after:
                 break
         job.wait_for_saves()  # an --async-save in flight: written and committed before the run ends
@@ -480,8 +484,9 @@ def save(job: Job, cfg: Config, data, step: int, run_id: str, background: bool =
     tokenizer = Path(getattr(data, "folder", None) or "", TOKENIZER_FILE)
 
     def then(comm) -> None:
-        if cfg.train.keep:
-            folders.prune(out, cfg.train.keep, comm, run=run_id)
+        _on_rank_0(comm, f"writing {out / owner.RUN_FILE}", lambda: lineage.record_head(out, folder))
+        if cfg.train.keep:  # the head's history: never a newer checkpoint of another branch
+            folders.prune(out, cfg.train.keep, comm, run=run_id, upto=step)
         if main:
             print(f"meshtrain: saved {folder} in {time.perf_counter() - t0:.1f} s"
                   + (" (in the background)" if background else ""), file=sys.stderr)
@@ -512,36 +517,38 @@ def _say(msg: str) -> None:
 
 def resume(job: Job, cfg: Config, run_id: str) -> tuple[int, str | None]:
     """Collective: with --resume or --resume-from, or after a restart, load the checkpoint
-    (any layout's, of run `run_id` when taken from OUT) and return its step and folder; else
-    (0, None). Everything that can refuse it is checked before the state is loaded, and
-    nothing in OUT is written here: a refused resume leaves OUT as it was."""
+    (any layout's) that `lineage.resume_plan` names — the run's head and its history below it,
+    a damaged one passed by for the one before — and return its step and folder; else (0,
+    None). Everything that can refuse it is checked before the state is loaded, and nothing in
+    OUT is written here: a refused resume leaves OUT as it was."""
     tr, comm = cfg.train, job.parallel.comm
     restarted = faults.restart_count() > 0
     if not (tr.resume or tr.resume_from or restarted):
         return 0, None
     say = _say if job.mesh.is_main else (lambda msg: None)
-    if tr.resume_from:
-        folder = Path(tr.resume_from)
+    plan = _on_rank_0_value(comm, lambda: lineage.resume_plan(
+        Path(tr.out), run_id, resume=tr.resume, resume_from=tr.resume_from, restarted=restarted,
+        job=lineage.job_id()))
+    for folder in plan.folders:
         problem = folders.check(folder, comm)
-        if problem is not None:
-            raise CheckpointError(f"--resume-from {folder}: {problem}")
-        meta = _checked_load(job, cfg, folder)
-    else:  # the newest good checkpoint of this run; one whose boxes fail their checksums is passed by
-        below = None
-        while True:
-            folder = folders.latest_good(Path(tr.out), comm, say, run=run_id, below=below)
-            if folder is None and restarted:
-                say(f"restart {faults.restart_count()}: no checkpoint of this run in {tr.out} yet; starting over")
-                return 0, None
-            if folder is None:
-                raise CheckpointError(f"--resume: no good checkpoint of run {run_id or '(unnamed)'} in {tr.out} "
-                                      f"(write them with --save-every N)")
+        if problem is None:
             try:
                 meta = _checked_load(job, cfg, folder)
                 break
-            except CorruptCheckpoint as e:
-                say(f"checkpoint {e}; trying the one before")
-                below = int(folders.STEP_DIR.match(folder.name).group(1))
+            except CorruptCheckpoint as e:  # a box failing its checksum as it loaded
+                if plan.named:
+                    raise
+                problem = str(e).removeprefix(f"{folder}: ")
+        if plan.named:
+            raise CheckpointError(f"--resume-from {folder}: {problem}")
+        say(f"checkpoint {folder}: {problem}; trying the one before")
+    else:
+        if plan.empty == "error":
+            raise CheckpointError(f"--resume: no good checkpoint of run {run_id or '(unnamed)'} in {tr.out} "
+                                  f"(write them with --save-every N)")
+        if restarted:
+            say(f"restart {faults.restart_count()}: no checkpoint of this run in {tr.out} yet; starting over")
+        return 0, None
     planned = (meta.get("config") or {}).get("train", {}).get("steps")
     if isinstance(planned, int) and planned != tr.steps and job.lr_scheduler is None:
         say(f"--steps {tr.steps}: the saved run planned {planned}; its learning-rate schedule is re-derived from "
@@ -549,6 +556,29 @@ def resume(job: Job, cfg: Config, run_id: str) -> tuple[int, str | None]:
             f"{lr_at(meta['steps'], replace(tr, steps=planned)):.3g})")
     say(f"resumed from {folder} (step {meta['steps']}, saved as {meta.get('layout_flags', '?')})")
     return meta["steps"], str(folder)
+
+
+def start_lineage(comm: Comm, out: Path, run_id: str, start: int, resumed_from: str | None) -> None:
+    """Collective, once a resume at `start` is accepted (or a fresh run begins): rank 0 moves
+    aside what the run's history no longer holds (`lineage.roll_back`: its checkpoints newer
+    than `start`, and their log), then writes run.json with the head (the resumed checkpoint,
+    or none) and this job's id, which restarts follow."""
+    def write() -> None:
+        rolled = lineage.roll_back(out, run_id, start)
+        if rolled is not None:
+            aside, later = rolled
+            _say(f"rolled back to step {start}: moved this run's later checkpoints (step "
+                 f"{', '.join(map(str, later))}) and their log records into {aside}")
+        owner.write_run(out, {**owner.started_record(run_id, resumed_from=resumed_from, step=start),
+                              lineage.HEAD: lineage.head_name(out, resumed_from), lineage.JOB: lineage.job_id()})
+    _on_rank_0(comm, f"writing {out / owner.RUN_FILE}", write)
+
+
+def _on_rank_0_value(comm: Comm, decide):
+    """Collective: what `decide()` returns on rank 0, on every rank (one decision, so every rank
+    reads the same checkpoints)."""
+    value = decide() if comm.mesh.is_main else None
+    return comm.all_gather_object(value)[0] if comm.mesh.world_size > 1 else value
 
 
 def _checked_load(job: Job, cfg: Config, folder: Path) -> dict:

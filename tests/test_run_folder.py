@@ -11,7 +11,11 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from helpers import TINY, run_cli
+
+from meshtrain.faults import FAULT_ENV
 
 from meshtrain import report
 from meshtrain.checkpoint import folders, owner
@@ -128,3 +132,66 @@ def test_one_job_per_out_and_a_killed_launchers_lock_and_ranks(tmp_path):
     assert r.returncode == 0, r.stderr
     assert f"took over the lock of a run that is gone (host {os.uname().nodename}, pid {launcher.pid}" in r.stderr
     assert not (out / ".lock").exists()
+
+
+def _logged_steps(out: Path) -> list[int]:
+    return [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_roll_back_keeps_its_point_restarts_on_its_own_branch_and_resume_continues_it(tmp_path):
+    """Run A saves step-4 and step-8; a roll-back to step-4 with --keep 2 whose rank 0 is
+    killed at step 7: the roll-back point is kept, A's step-8 is moved aside with its log, the
+    restart resumes the roll-back's own step-6 (and the launcher says so), and a later
+    --resume continues the new branch."""
+    out = tmp_path / "run"
+    assert _train(out, "--dp", "2", "--steps", "8", "--save-every", "4").returncode == 0
+    run = owner.read_run(out)["run_id"]
+    assert owner.read_run(out)["head"] == "step-8" and _logged_steps(out) == list(range(1, 9))
+    abandoned = (out / "step-8" / folders.COMPLETE).read_bytes()
+
+    r = _train(out, "--dp", "2", "--steps", "10", "--resume-from", out / "step-4", "--save-every", "2",
+               "--keep", "2", "--max-restarts", "1", env={FAULT_ENV: "kill:0:7"})
+    assert r.returncode == 0, r.stderr
+    aside, = out.glob("rolled-back-*")
+    assert f"rolled back to step 4: moved this run's later checkpoints (step 8) and their log records into {aside}" \
+        in r.stderr
+    assert folders.steps_in_local(aside) == [8] and (aside / "step-8" / folders.COMPLETE).read_bytes() == abandoned
+    assert [json.loads(line)["step"] for line in (aside / "metrics.jsonl").read_text().splitlines()] == [5, 6, 7, 8]
+    assert (aside / "model.safetensors").is_file()  # A's final model: the abandoned branch's
+    assert f"restart 1 of 1, from {out}/step-6" in r.stderr
+    assert f"resumed from {out}/step-6 (step 6" in r.stderr
+    assert folders.steps_in_local(out) == [10, 8]  # --keep 2 of the new branch; step-4 pruned only now
+    assert owner.read_run(out)["head"] == "step-10" and owner.read_run(out)["run_id"] == run
+    assert _logged_steps(out) == list(range(1, 11))  # each step of the kept history once
+
+    r = _train(out, "--dp", "2", "--steps", "12", "--resume", "--save-every", "2", "--keep", "2")
+    assert r.returncode == 0, r.stderr
+    assert f"resumed from {out}/step-10 (step 10" in r.stderr
+    assert _logged_steps(out) == list(range(1, 13))
+
+
+def test_a_sigterm_stop_logs_its_saved_step_and_a_resume_logs_each_step_once(tmp_path):
+    out = tmp_path / "run"
+    r = _train(out, "--dp", "2", "--steps", "6", "--save-every", "100", env={FAULT_ENV: "term:1:3"})
+    assert r.returncode == 0 and "stopped by SIGTERM after step 3" in r.stderr, r.stderr
+    assert _logged_steps(out) == [1, 2, 3] and owner.read_run(out)["head"] == "step-3"
+    r = _train(out, "--dp", "2", "--steps", "6", "--resume")
+    assert r.returncode == 0, r.stderr
+    assert _logged_steps(out) == [1, 2, 3, 4, 5, 6]
+
+
+@pytest.mark.slow  # torchrun's restarted workers, on this 2-core machine under load, now and then hang in
+# init_process_group (seen with and without a roll-back): kept out of the default suite
+def test_a_torchrun_restart_resumes_its_own_jobs_head(tmp_path):
+    """Under an outside launcher (torchrun --max-restarts) rank 0 claims again on a restart:
+    the restarted ranks follow the head their own job wrote, not the roll-back's point."""
+    out = tmp_path / "run"
+    assert _train(out, "--steps", "4", "--save-every", "2").returncode == 0
+    r = run_cli("--standalone", "--nproc-per-node", "2", "--max-restarts", "1", "-m", "meshtrain", "train", *TINY,
+                "--dp", "2", "--steps", "6", "--out", out, "--resume-from", out / "step-2", "--save-every", "1",
+                launcher=("-m", "torch.distributed.run"), env={FAULT_ENV: "kill:0:4"})
+    assert r.returncode == 0, r.stderr
+    assert f"resumed from {out}/step-2 (step 2" in r.stderr and f"resumed from {out}/step-3 (step 3" in r.stderr
+    assert owner.read_run(out)["head"] == "step-6" and _logged_steps(out) == list(range(1, 7))
+    aside, = out.glob("rolled-back-*")
+    assert folders.steps_in_local(aside) == [4]

@@ -118,11 +118,13 @@ def write(final: Path, comm, write_files: Callable[[Path], dict[str, dict]]) -> 
 
 def _commit(tmp: Path, final: Path, files: dict[str, dict]) -> None:
     """Rank 0: describe the files no rank described, write the marker, rename `tmp` to
-    `final` (putting back the one it replaced if the rename fails)."""
+    `final` (putting back the one it replaced if the rename fails). A kill between the two
+    renames of a replacement leaves no `final` but both whole folders: `recover` finishes
+    the commit."""
     files.update({f.name: describe(f) for f in sorted(tmp.iterdir()) if f.name not in files})
     write_synced(tmp / COMPLETE, json.dumps({"files": files}, indent=1).encode())
     fsync_dir(tmp)
-    replaced = final.with_name(f".{final.name}.replaced")
+    replaced = _replaced(final)
     if final.exists():
         shutil.rmtree(replaced, ignore_errors=True)
         os.replace(final, replaced)
@@ -134,6 +136,39 @@ def _commit(tmp: Path, final: Path, files: dict[str, dict]) -> None:
         raise
     fsync_dir(final.parent)
     shutil.rmtree(replaced, ignore_errors=True)
+
+
+def _replaced(final: Path) -> Path:
+    return final.with_name(f".{final.name}.replaced")
+
+
+def _pruned(final: Path) -> Path:
+    return final.with_name(f".{final.name}.pruned")
+
+
+def recover(out: Path) -> list[str]:
+    """Before a run reads `out` (its owner, before any rank starts): finish what a kill cut
+    short. A commit killed between its renames: its new folder, marked complete, takes its
+    place (else the one it replaced is put back). A prune killed inside its delete: the rest of
+    the hidden folder goes. Returns a line for each folder put in place."""
+    out, done = Path(out), []
+    if not out.is_dir():
+        return done
+    for tmp in sorted(out.glob("step-*.tmp")):
+        final = tmp.with_name(tmp.name[:-4])
+        if STEP_DIR.match(final.name) and not final.exists() and (tmp / COMPLETE).is_file():
+            os.replace(tmp, final)
+            done.append(f"{final}: its save was committed when the run stopped; put in place")
+    for replaced in sorted(out.glob(".step-*.replaced")):
+        final = out / replaced.name[1:-len(".replaced")]
+        if not final.exists() and (replaced / COMPLETE).is_file():
+            os.replace(replaced, final)
+            done.append(f"{final}: put back (its replacement had not been committed)")
+        else:
+            shutil.rmtree(replaced, ignore_errors=True)
+    for pruned in out.glob(".step-*.pruned"):
+        shutil.rmtree(pruned, ignore_errors=True)
+    return done
 
 
 def decide(comm, error: BaseException | None, doing: str, value=None) -> list:
@@ -208,32 +243,21 @@ def steps_in(out: Path, comm, run: str | None = None) -> list[int]:
     return sorted(seen, reverse=True)
 
 
-def latest_good(out: Path, comm, log: Callable[[str], None], run: str | None = None,
-                below: int | None = None) -> Path | None:
-    """Collective: the newest good checkpoint in `out` (of run `run` only, when given; before
-    step `below`, when given: one found damaged as it loaded; one line for each bad one
-    passed by)."""
-    for step in steps_in(out, comm, run):
-        if below is not None and step >= below:
-            continue
-        folder = step_dir(out, step)
-        problem = check(folder, comm)
-        if problem is None:
-            return folder
-        if comm.mesh.is_main:
-            log(f"checkpoint {folder}: {problem}; trying the one before")
-    return None
-
-
-def prune(out: Path, keep: int, comm, run: str | None = None) -> None:
+def prune(out: Path, keep: int, comm, run: str | None = None, upto: int | None = None) -> None:
     """Collective (rank 0 removes): all but the newest `keep` good-looking `step-N` folders
-    (of run `run` only, when given: another run's are never touched). Called after a save
-    has completed on every rank."""
+    (of run `run` only, when given: another run's are never touched; at or below step `upto`
+    only, when given: the run's head, whose history `--keep` follows). Called after a save has
+    completed on every rank. A folder is renamed out of the `step-N` names before it is
+    deleted, so a kill inside the delete never leaves a marker without its files."""
     error = None
     if comm.mesh.is_main:
         try:
-            for step in steps_in_local(out, run)[keep:]:
-                shutil.rmtree(step_dir(out, step))
+            steps = [s for s in steps_in_local(out, run) if upto is None or s <= upto]
+            for step in steps[keep:]:
+                doomed = _pruned(step_dir(out, step))
+                shutil.rmtree(doomed, ignore_errors=True)
+                os.replace(step_dir(out, step), doomed)
+                shutil.rmtree(doomed)
         except Exception as e:
             error = e
     decide(comm, error, f"removing the checkpoints of {out} beyond --keep {keep}")

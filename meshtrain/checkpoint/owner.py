@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Callable
 
 from meshtrain.atomic import atomic_write
-from meshtrain.checkpoint.folders import STEP_DIR, run_of, step_dir, steps_in_local
+from meshtrain.checkpoint.folders import STEP_DIR, recover, run_of, step_dir, steps_in_local
 
 RUN_FILE = "run.json"  # the run's id and start; at its end also its configuration (`cli.run_model.save_model`)
 RUN_ID_ENV = "MESHTRAIN_RUN_ID"  # how meshtrain's launcher hands the run id to its ranks
@@ -74,8 +74,11 @@ def claim(out: Path, *, resume: bool, resume_from: str | None, overwrite: bool,
     - `--resume`: the run of `run.json` when its checkpoints are there, else the one run found;
     - `--resume-from`: the run of that checkpoint; `out` may hold no other run's checkpoints.
     - a restart (by an outside launcher, whose rank 0 claims again): the run of `run.json`.
-    Nothing in `out` changes here except what `--overwrite` moves aside."""
+    Nothing in `out` changes here except what `--overwrite` moves aside, and a commit or a
+    prune that a kill cut short, finished first (`folders.recover`, one line each)."""
     out = Path(out)
+    for line in recover(out):
+        log(line)
     if restarted:
         return read_run(out).get("run_id") or new_run_id()
     runs = runs_in(out)

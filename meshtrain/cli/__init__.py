@@ -26,12 +26,12 @@ from meshtrain import config as C
 from meshtrain.recipe import is_user_model
 from meshtrain import launch
 from meshtrain.recipes import PUBLISHED, family_of
-from meshtrain.checkpoint.folders import COMPLETE, step_dir, steps_in_local
+from meshtrain.checkpoint.folders import COMPLETE, steps_in_local
 from meshtrain.checkpoint.owner import OwnerError, RUN_ID_ENV, read_run
 from meshtrain.data.corpus import DataError
 from meshtrain.checkpoint.lock import OutLock, OutLocked
 from meshtrain import board, faults
-from meshtrain.checkpoint import owner
+from meshtrain.checkpoint import lineage, owner
 from meshtrain.parallel.pipeline.draw import draw_panels, draw_png, summary, text_timeline
 from meshtrain.parallel.pipeline.schedules import schedule
 from meshtrain.parallel.pipeline.simulate import simulate
@@ -248,10 +248,11 @@ def _available_host_bytes() -> int | None:
     return None
 
 
-def _latest_checkpoint(out: str) -> str:
-    steps = steps_in_local(Path(out), os.environ.get(RUN_ID_ENV))
-    return f"{step_dir(Path(out), steps[0])} (or the newest good one before it)" if steps else \
-        "the start (no checkpoint yet)"
+def _restart_point(tr: C.TrainConfig) -> str:
+    """Where a restart of this job resumes, as its ranks will decide it (`lineage.resume_plan`)."""
+    run = os.environ.get(RUN_ID_ENV) or read_run(Path(tr.out)).get("run_id", "")
+    return lineage.resume_plan(Path(tr.out), run, resume=tr.resume, resume_from=tr.resume_from, restarted=True,
+                               job=lineage.job_id()).describe()
 
 
 def _stopped_cleanly(out: str, since: float) -> str | None:
@@ -378,6 +379,8 @@ def _own_out(cfg: C.Config, renv):
         lock.release()
         raise
     os.environ[owner.RUN_ID_ENV] = run
+    if renv is None:  # meshtrain's own launcher: one id for this launch, which its restarts share
+        os.environ[lineage.JOB_ENV] = lineage.new_job_id()
     return lock
 
 
@@ -386,6 +389,7 @@ def _release(out_lock) -> None:
     if out_lock is not None:
         out_lock.release()
         os.environ.pop(RUN_ID_ENV, None)
+        os.environ.pop(lineage.JOB_ENV, None)
 
 
 def _log(msg: str) -> None:
@@ -414,7 +418,7 @@ def _launch_local(cfg: C.Config, args, argv: list[str]) -> int:
     if args.command != "verify":
         tr = cfg.train
         return launch.spawn(n, argv, max_restarts=tr.max_restarts if args.command == "train" else 0,
-                            restart_point=lambda: _latest_checkpoint(tr.out),
+                            restart_point=lambda: _restart_point(tr),
                             clean_stop=lambda since: _stopped_cleanly(tr.out, since))
     import torch
 
