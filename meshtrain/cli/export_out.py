@@ -107,7 +107,7 @@ def _files_to_move(out: Path, overwrite: bool) -> list[str]:
                          f"with --overwrite (--resume and --keep follow them); choose another --out")
     names = sorted(p.name for p in out.iterdir() if p.name != LOCK_FILE and not p.name.startswith(ASIDE_PREFIX))
     if names and not overwrite:
-        shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+        shown = names[0] + (f" and {len(names) - 1} more" if len(names) > 1 else "")
         raise OutRefused(f"--out {out} is not empty ({shown}); choose another --out, or pass --overwrite to move "
                          f"its files aside into {out}/{ASIDE_PREFIX}<time>/")
     return names
