@@ -680,11 +680,15 @@ def parse_layout(text: str, flag: str = "--resume-layout") -> dict[str, object]:
     return given
 
 
+RESUME_KEEPS = ("precision",)  # what --resume-layout inherits: the saved masters' precision must stay
+
+
 def resumed_config(cfg: Config, world_size: int | None = None) -> Config | None:
     """`verify --resume-at K [--resume-layout L]`: the configuration the run resumes in after
     step K (None without --resume-at), validated; `cfg` is the first part's, validated. L's
-    keys not named take their defaults, as on a command line, and an unset dp fills the first
-    layout's world where tp·pp·cp divides it (else 1). From a shell meshtrain starts each
+    keys not named take their defaults, as on a command line — but for `RESUME_KEEPS`, which
+    a resume cannot change and so takes from the first layout — and an unset dp fills the
+    first layout's world where tp·pp·cp divides it (else 1). From a shell meshtrain starts each
     part's own ranks, so the worlds may differ; under a launcher (`world_size`) the resumed
     part runs in the same processes, so L must fill that world."""
     tr = cfg.train
@@ -701,7 +705,8 @@ def resumed_config(cfg: Config, world_size: int | None = None) -> Config | None:
     second = Config(model=dataclasses.replace(cfg.model), layout=dataclasses.replace(cfg.layout),
                     train=dataclasses.replace(cfg.train))
     if tr.resume_layout is not None:
-        second.layout = LayoutConfig(**parse_layout(tr.resume_layout))
+        kept = {name: getattr(cfg.layout, name) for name in RESUME_KEEPS}
+        second.layout = LayoutConfig(**{**kept, **parse_layout(tr.resume_layout)})
     lay, where = second.layout, f"--resume-layout {tr.resume_layout!r}"
     world, rest = world_size or cfg.layout.world_size, lay.tp * lay.pp * lay.cp
     if lay.dp is None:
