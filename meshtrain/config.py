@@ -477,6 +477,10 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     if lay.compile_backend not in COMPILE_BACKENDS:
         raise ConfigError(f"unknown --compile-backend '{lay.compile_backend}'; use --compile-backend "
                           f"{' | '.join(COMPILE_BACKENDS)}")
+    if not lay.compile and (("layout", "compile_backend") in cfg.given
+                            or lay.compile_backend != LayoutConfig.compile_backend):
+        raise ConfigError(f"--compile-backend {lay.compile_backend} chooses how --compile compiles; add --compile, "
+                          f"or drop --compile-backend")
     if lay.dp_linear_sync not in LINEAR_SYNCS:
         raise ConfigError(f"unknown linear-layer sync '{lay.dp_linear_sync}'; use --dp-linear-sync "
                           f"{' | '.join(LINEAR_SYNCS)}")
@@ -643,9 +647,10 @@ def _reject_unbuilt(lay: LayoutConfig, tr: TrainConfig) -> None:
     """Strategies that later issues add. Refuse them plainly rather than run something else."""
     if tr.resume and tr.resume_from:
         raise ConfigError("--resume and --resume-from both say where to resume from; give one")
-    if tr.overwrite and tr.resume:
-        raise ConfigError("--overwrite starts a fresh run (moving the old one's checkpoints aside) and --resume "
-                          "continues the old one; give one")
+    if tr.overwrite and (tr.resume or tr.resume_from):
+        flag = "--resume" if tr.resume else "--resume-from"
+        raise ConfigError(f"--overwrite starts a fresh run (moving another run's checkpoints aside) and {flag} "
+                          f"continues one; give one (to resume beside another run's checkpoints, choose another --out)")
     unbuilt: list[tuple[bool, str, str, str]] = []
     for bad, flag, what, fix in unbuilt:
         if bad:
