@@ -213,3 +213,37 @@ def test_plan_schedule_and_refused_input_do_not_load_torch():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert "predicted step time" in r.stdout and "meshtrain: error: --tp 0" in r.stderr
+
+
+@pytest.mark.parametrize("argv, line", [
+    (["train", "--ep", "two"], "meshtrain: error: argument --ep: invalid int value: 'two' (see meshtrain train --help)"),
+    (["plan", "--mem-headroom", "abc"], "meshtrain: error: argument --mem-headroom: invalid float value: 'abc' (see "
+     "meshtrain plan --help)"),
+    (["export", "--ckpt", "x"], "meshtrain: error: the following arguments are required: --out (see meshtrain "
+     "export --help)"),
+    (["trian"], "meshtrain: error: argument COMMAND: invalid choice: 'trian'"),
+])
+def test_argparse_errors_are_one_line_without_the_usage(argv, line, capsys):
+    from meshtrain.cli import main
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith(line) and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("ours", [False, True], ids=["outside-launcher", "meshtrain-s-launcher"])
+def test_max_restarts_is_said_to_be_ignored_only_under_an_outside_launcher(ours, tmp_path):
+    """Under torchrun, srun or mpirun restarts are the launcher's; meshtrain's own ranks, which
+    it restarts itself, say nothing of it. (--out is held here, so that the rank stops at its
+    claim, after the warnings.)"""
+    from meshtrain.checkpoint.lock import OutLock
+    from meshtrain.launch import LAUNCHER_PID_ENV
+    env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+           **({LAUNCHER_PID_ENV: str(os.getpid())} if ours else {})}
+    lock = OutLock(tmp_path, log=print).acquire()
+    try:
+        r = run_cli("train", *TINY, "--dp", "1", "--max-restarts", "1", "--out", tmp_path, env=env, timeout=120)
+    finally:
+        lock.release()
+    assert r.returncode == 2 and "is in use by another meshtrain job" in r.stderr, r.stderr
+    assert ("--max-restarts is ignored" in r.stderr) is not ours, r.stderr

@@ -42,6 +42,15 @@ COMMAND_STEPS = {"verify": 10, "bench": 20}  # their default --steps, unless TOM
 LAYOUT_DUMP = "layout.pt"
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's errors as every other refusal: one line, exit 2 — not the page of usage
+    argparse prints first, which buries the line that says what is wrong. Subcommands'
+    parsers are of this class too (`add_subparsers` makes its parent's)."""
+
+    def error(self, message: str):
+        self.exit(2, f"meshtrain: error: {message} (see {self.prog} --help)\n")
+
+
 def _add_run_flags(p: argparse.ArgumentParser, steps: int | None = None) -> None:
     p.add_argument("--config", metavar="FILE", help="TOML file with [model], [layout], [train] sections")
     defaults = C.Config()
@@ -62,7 +71,7 @@ def build_parser(plan_flags: bool = True) -> argparse.ArgumentParser:
     """The command line. `plan_flags`: also `plan`'s own flags, which import the planner and
     with it torch (~2 s): `main` asks for them only when the command is `plan`, so that
     every other command's bad input is refused at once."""
-    p = argparse.ArgumentParser(prog="meshtrain", description="Distributed training, every strategy, "
+    p = _Parser(prog="meshtrain", description="Distributed training, every strategy, "
                                 "verified against one process.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     launched = ("From a shell, starts dp×tp×pp local ranks itself; under torchrun, srun or mpirun "
@@ -312,7 +321,8 @@ def main(argv: list[str] | None = None) -> int:
     renv, out_lock = None, None
     try:
         renv = launch.detect()
-        if renv is not None and os.environ.get(launch.LAUNCHER_PID_ENV):
+        ours = renv is not None and bool(os.environ.get(launch.LAUNCHER_PID_ENV))  # a rank meshtrain started
+        if ours:
             launch.die_with_launcher()
         cfg = _config_from(args)
         C.validate(cfg, world_size=renv.world_size if renv else None)
@@ -327,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
                     raise C.ConfigError(board.MISSING)
         for warning in C.warnings(cfg, args.command) if speaks else []:
             print(f"meshtrain: warning: {warning}", file=sys.stderr)
-        if renv is not None and cfg.train.max_restarts and speaks:
+        if renv is not None and not ours and cfg.train.max_restarts and speaks:  # meshtrain's launcher restarts
             print("meshtrain: warning: under a launcher, restarts are the launcher's (torchrun --max-restarts N); "
                   "--max-restarts is ignored, and restarted ranks resume from the latest checkpoint by themselves",
                   file=sys.stderr)
