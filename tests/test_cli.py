@@ -31,6 +31,8 @@ def test_train_json_outputs_and_generate(tmp_path):
     assert j["model_state_bytes_per_rank"][0]["total"] == 16 * j["n_params"]
     assert all(a > 0 for a in j["activation_bytes_per_rank"])
     assert j["comm_bytes_per_step"]["dp"] == round(2 * (2 - 1) / 2 * 4 * j["n_params"])
+    assert j["comm_bytes_per_step"].keys() >= {"dp", "tp", "pp", "cp", "ep", "edp"}  # every axis, 0 when unused
+    assert j["comm_bytes_per_step"]["edp"] == 0
     assert j["device"] == "cpu" and j["mfu"] is None and j["model_flops_per_step"] > 0
     lines = (out / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in lines] == [1, 2, 3, 4]
