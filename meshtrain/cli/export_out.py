@@ -90,8 +90,8 @@ def _init_from(ckpt: Path) -> str | None:
 def _lock(out: Path, log) -> OutLock:
     try:
         return OutLock(out, log).acquire()
-    except PermissionError as e:
-        raise OutRefused(f"--out {out}: cannot write there ({e.strerror}); choose another folder") from None
+    except OSError as e:  # a folder of someone else's, a read-only file system
+        raise OutRefused(f"--out {out}: cannot write there ({e.strerror or e}); choose another folder") from None
 
 
 def _files_to_move(out: Path, overwrite: bool) -> list[str]:
