@@ -685,7 +685,7 @@ def parse_layout(text: str, flag: str = "--resume-layout") -> dict[str, object]:
     return given
 
 
-RESUME_KEEPS = ("precision",)  # what --resume-layout inherits: the saved masters' precision must stay
+RESUME_KEEPS = ("precision",)  # what --resume-layout inherits from the first layout: a resume cannot change it
 
 
 def resumed_config(cfg: Config, world_size: int | None = None) -> Config | None:

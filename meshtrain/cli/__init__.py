@@ -71,8 +71,7 @@ def build_parser(plan_flags: bool = True) -> argparse.ArgumentParser:
     """The command line. `plan_flags`: also `plan`'s own flags, which import the planner and
     with it torch (~2 s): `main` asks for them only when the command is `plan`, so that
     every other command's bad input is refused at once."""
-    p = _Parser(prog="meshtrain", description="Distributed training, every strategy, "
-                                "verified against one process.")
+    p = _Parser(prog="meshtrain", description="Distributed training, every strategy, verified against one process.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     launched = ("From a shell, starts dp×tp×pp local ranks itself; under torchrun, srun or mpirun "
                 "it joins the ranks those started.")
