@@ -16,6 +16,7 @@ init            the device mesh (`Mesh`: sizes, coordinates, `rows(batch_size)`)
 parallelize     apply the strategies to a model; returns a `Job` (step, forward, save, load)
 verify          a layout against one process on your batches (`VerifyReport`)
 full_shape      the full shape of a parameter, shard or ZeRO piece (for optimizer factories)
+adamw           the command line's optimizer factory (what `job.load` of its checkpoints needs)
 cross_entropy   the mean cross-entropy over non-ignored targets, classes last
 TensorPlan, COLUMN, ROW, VOCAB, REGION, SEQUENCE, Fused, Heads    tensor-parallel plans
 PipelinePlan    how a model is cut into pipeline stages
@@ -32,7 +33,7 @@ _API = {
     "parallelize": "meshtrain.job", "Job": "meshtrain.job", "StepOutput": "meshtrain.job",
     "cross_entropy": "meshtrain.loss_terms",
     "verify": "meshtrain.lockstep", "VerifyReport": "meshtrain.lockstep",
-    "full_shape": "meshtrain.optim",
+    "full_shape": "meshtrain.optim", "adamw": "meshtrain.optim",
     "TensorPlan": "meshtrain.parallel.styles", "COLUMN": "meshtrain.parallel.styles",
     "ROW": "meshtrain.parallel.styles", "VOCAB": "meshtrain.parallel.styles", "REGION": "meshtrain.parallel.styles",
     "SEQUENCE": "meshtrain.parallel.styles", "Fused": "meshtrain.parallel.styles", "Heads": "meshtrain.parallel.styles",

@@ -477,6 +477,10 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     if lay.compile_backend not in COMPILE_BACKENDS:
         raise ConfigError(f"unknown --compile-backend '{lay.compile_backend}'; use --compile-backend "
                           f"{' | '.join(COMPILE_BACKENDS)}")
+    if not lay.compile and (("layout", "compile_backend") in cfg.given
+                            or lay.compile_backend != LayoutConfig.compile_backend):
+        raise ConfigError(f"--compile-backend {lay.compile_backend} chooses how --compile compiles; add --compile, "
+                          f"or drop --compile-backend")
     if lay.dp_linear_sync not in LINEAR_SYNCS:
         raise ConfigError(f"unknown linear-layer sync '{lay.dp_linear_sync}'; use --dp-linear-sync "
                           f"{' | '.join(LINEAR_SYNCS)}")
@@ -643,9 +647,10 @@ def _reject_unbuilt(lay: LayoutConfig, tr: TrainConfig) -> None:
     """Strategies that later issues add. Refuse them plainly rather than run something else."""
     if tr.resume and tr.resume_from:
         raise ConfigError("--resume and --resume-from both say where to resume from; give one")
-    if tr.overwrite and tr.resume:
-        raise ConfigError("--overwrite starts a fresh run (moving the old one's checkpoints aside) and --resume "
-                          "continues the old one; give one")
+    if tr.overwrite and (tr.resume or tr.resume_from):
+        flag = "--resume" if tr.resume else "--resume-from"
+        raise ConfigError(f"--overwrite starts a fresh run (moving another run's checkpoints aside) and {flag} "
+                          f"continues one; give one (to resume beside another run's checkpoints, choose another --out)")
     unbuilt: list[tuple[bool, str, str, str]] = []
     for bad, flag, what, fix in unbuilt:
         if bad:
@@ -680,11 +685,15 @@ def parse_layout(text: str, flag: str = "--resume-layout") -> dict[str, object]:
     return given
 
 
+RESUME_KEEPS = ("precision",)  # what --resume-layout inherits from the first layout: a resume cannot change it
+
+
 def resumed_config(cfg: Config, world_size: int | None = None) -> Config | None:
     """`verify --resume-at K [--resume-layout L]`: the configuration the run resumes in after
     step K (None without --resume-at), validated; `cfg` is the first part's, validated. L's
-    keys not named take their defaults, as on a command line, and an unset dp fills the first
-    layout's world where tp·pp·cp divides it (else 1). From a shell meshtrain starts each
+    keys not named take their defaults, as on a command line — but for `RESUME_KEEPS`, which
+    a resume cannot change and so takes from the first layout — and an unset dp fills the
+    first layout's world where tp·pp·cp divides it (else 1). From a shell meshtrain starts each
     part's own ranks, so the worlds may differ; under a launcher (`world_size`) the resumed
     part runs in the same processes, so L must fill that world."""
     tr = cfg.train
@@ -701,7 +710,8 @@ def resumed_config(cfg: Config, world_size: int | None = None) -> Config | None:
     second = Config(model=dataclasses.replace(cfg.model), layout=dataclasses.replace(cfg.layout),
                     train=dataclasses.replace(cfg.train))
     if tr.resume_layout is not None:
-        second.layout = LayoutConfig(**parse_layout(tr.resume_layout))
+        kept = {name: getattr(cfg.layout, name) for name in RESUME_KEEPS}
+        second.layout = LayoutConfig(**{**kept, **parse_layout(tr.resume_layout)})
     lay, where = second.layout, f"--resume-layout {tr.resume_layout!r}"
     world, rest = world_size or cfg.layout.world_size, lay.tp * lay.pp * lay.cp
     if lay.dp is None:

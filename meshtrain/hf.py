@@ -360,13 +360,15 @@ def state_buffers(spec, vocab_size: int) -> set[str]:
 
 
 def write_hf(folder, spec, vocab_size: int, read, dtype, *, side: dict[str, dict] | None = None,
-             tokenizer: Path | None = None, max_shard_bytes: int | None = None, log=lambda msg: None) -> list[Path]:
+             tokenizer: Path | None = None, max_shard_bytes: int | None = None, log=lambda msg: None,
+             before_writing=lambda: None) -> list[Path]:
     """A complete Hugging Face folder for a model of `spec`: its weights as safetensors in
     `dtype` (a torch dtype), asking `read(name)` for one of our parameters at a time, whole
     (so no more than one is held at once here; one stored in parts, a stacked MoE's experts,
     is read once and written key by key), sharded at `max_shard_bytes` (2 GB) with an index;
     then `write_side`'s files. A spec its family cannot write is refused (one line) before
-    anything is. Returns the weight files."""
+    anything is, and `before_writing()` runs then (the command line clears its --out there).
+    Returns the weight files."""
     from meshtrain.checkpoint.safetensors_files import MAX_SHARD_BYTES, write_shards  # torch: only a writer
 
     dtype_name = str(dtype).removeprefix("torch.")
@@ -382,6 +384,7 @@ def write_hf(folder, spec, vocab_size: int, read, dtype, *, side: dict[str, dict
             held[name] = read(name).to(dtype)
         return held[name][index]
 
+    before_writing()
     folder.mkdir(parents=True, exist_ok=True)
     shapes = {key: (shape, dtype) for key, (_, _, shape) in layout.items()}
     files = write_shards(folder, shapes, part, log=log, max_shard_bytes=max_shard_bytes or MAX_SHARD_BYTES)

@@ -389,7 +389,7 @@ def train(cfg: Config, comm: Comm, *, observer: StepObserver | None = None, prog
             report(*pending)
         if bar is not None:
             bar.close()
-        for axis in ("dp", "tp", "pp", "cp", "ep"):
+        for axis in ("dp", "tp", "pp", "cp", "ep", "edp"):  # every axis --json names, 0 when unused
             comm_per_step.setdefault(axis, 0)
             comm_detail.setdefault(axis, {})
         traced = _gather_trace(cfg, comm, p.runner, recorder) if recorder else None

@@ -369,6 +369,30 @@ def _api_saved(mesh0, folder):
     return out
 
 
+def test_a_command_line_checkpoint_loads_into_the_api_with_meshtrain_adamw(tmp_path):
+    """`job.load` of a `meshtrain train` checkpoint needs the command line's optimizer groups
+    (docs/api.md): `meshtrain.adamw` builds them and the saved weights come back; one group
+    of everything is refused in one line."""
+    import meshtrain
+    from meshtrain.checkpoint.export import consolidated
+    from meshtrain.recipes.build import build_model
+    cfg = _cfg({}, tmp_path)
+    cfg.train.steps = cfg.train.save_every = 2
+    train(cfg, Comm(Mesh.single(CPU)))
+    ckpt, mesh = folders.step_dir(tmp_path, 2), meshtrain.init(device="cpu")
+
+    def job(optimizer):
+        model = build_model(cfg.model.name, cfg.train.seed, vocab_size=256, dropout=cfg.model.dropout)
+        return meshtrain.parallelize(model, mesh, optimizer=optimizer, loss_fn=meshtrain.cross_entropy)
+    loaded = job(meshtrain.adamw(cfg.train.lr, cfg.train.weight_decay))
+    loaded.load(ckpt)
+    state = loaded.module.state_dict()
+    assert all(torch.equal(state[name], t) for name, t in consolidated(ckpt).items())
+    with pytest.raises(CheckpointError, match="saved with different hyper-parameters") as e:
+        job(lambda named: torch.optim.AdamW((p for _, p in named), lr=cfg.train.lr)).load(ckpt)
+    assert "\n" not in str(e.value)
+
+
 def test_a_fused_tensor_parallel_job_and_its_bf16_masters_load_in_one_process(tmp_path):
     import meshtrain
     from test_api import OPTIMIZERS, make_model

@@ -31,6 +31,8 @@ def test_train_json_outputs_and_generate(tmp_path):
     assert j["model_state_bytes_per_rank"][0]["total"] == 16 * j["n_params"]
     assert all(a > 0 for a in j["activation_bytes_per_rank"])
     assert j["comm_bytes_per_step"]["dp"] == round(2 * (2 - 1) / 2 * 4 * j["n_params"])
+    assert j["comm_bytes_per_step"].keys() >= {"dp", "tp", "pp", "cp", "ep", "edp"}  # every axis, 0 when unused
+    assert j["comm_bytes_per_step"]["edp"] == 0
     assert j["device"] == "cpu" and j["mfu"] is None and j["model_flops_per_step"] > 0
     lines = (out / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in lines] == [1, 2, 3, 4]
@@ -213,3 +215,37 @@ def test_plan_schedule_and_refused_input_do_not_load_torch():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert "predicted step time" in r.stdout and "meshtrain: error: --tp 0" in r.stderr
+
+
+@pytest.mark.parametrize("argv, line", [
+    (["train", "--ep", "two"], "meshtrain: error: argument --ep: invalid int value: 'two' (see meshtrain train --help)"),
+    (["plan", "--mem-headroom", "abc"], "meshtrain: error: argument --mem-headroom: invalid float value: 'abc' (see "
+     "meshtrain plan --help)"),
+    (["export", "--ckpt", "x"], "meshtrain: error: the following arguments are required: --out (see meshtrain "
+     "export --help)"),
+    (["trian"], "meshtrain: error: argument COMMAND: invalid choice: 'trian'"),
+])
+def test_argparse_errors_are_one_line_without_the_usage(argv, line, capsys):
+    from meshtrain.cli import main
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith(line) and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("ours", [False, True], ids=["outside-launcher", "meshtrain-s-launcher"])
+def test_max_restarts_is_said_to_be_ignored_only_under_an_outside_launcher(ours, tmp_path):
+    """Under torchrun, srun or mpirun restarts are the launcher's; meshtrain's own ranks, which
+    it restarts itself, say nothing of it. (--out is held here, so that the rank stops at its
+    claim, after the warnings.)"""
+    from meshtrain.checkpoint.lock import OutLock
+    from meshtrain.launch import LAUNCHER_PID_ENV
+    env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+           **({LAUNCHER_PID_ENV: str(os.getpid())} if ours else {})}
+    lock = OutLock(tmp_path, log=print).acquire()
+    try:
+        r = run_cli("train", *TINY, "--dp", "1", "--max-restarts", "1", "--out", tmp_path, env=env, timeout=120)
+    finally:
+        lock.release()
+    assert r.returncode == 2 and "is in use by another meshtrain job" in r.stderr, r.stderr
+    assert ("--max-restarts is ignored" in r.stderr) is not ours, r.stderr

@@ -47,6 +47,11 @@ def cfg(**sections):
     ({"train": {"seq_len": 4096}}, None, "--seq-len 4096"),
     ({"layout": {"tp": 3, "dp": 1}}, None, "use --tp 1, 2, 4, 8"),
     ({"train": {"resume": True, "resume_from": "x"}}, None, "give one"),
+    ({"train": {"overwrite": True, "resume_from": "x"}}, None, "--overwrite starts a fresh run (moving another run's "
+     "checkpoints aside) and --resume-from continues one; give one"),
+    ({"train": {"overwrite": True, "resume": True}}, None, "and --resume continues one; give one"),
+    ({"layout": {"compile_backend": "aot_eager"}}, None, "--compile-backend aot_eager chooses how --compile compiles; "
+     "add --compile, or drop --compile-backend"),
     ({"layout": {"recompute": "segments:0"}}, None, "use --recompute none | full | selective | segments[:K]"),
     ({"layout": {"dp_linear_sync": "sometimes"}}, None, "use --dp-linear-sync allreduce | allgather | auto"),
     ({"layout": {"zero": -1}}, None, "use --zero 0, 1, 2 or 3"),
@@ -88,6 +93,12 @@ def test_validation_names_the_flag(sections, world, fix):
 def test_defaults_are_valid():
     C.validate(C.Config())
     C.validate(C.Config(), world_size=2)
+
+
+def test_compile_backend_is_refused_without_compile_even_at_its_default():
+    with pytest.raises(C.ConfigError, match="add --compile, or drop --compile-backend"):
+        C.validate(C.load(None, {("layout", "compile_backend"): "inductor"}))
+    C.validate(C.load(None, {("layout", "compile_backend"): "aot_eager", ("layout", "compile"): True}))
 
 
 @pytest.mark.parametrize("layout, world, dp", [({}, None, 2), ({"pp": 2}, None, 1), ({"tp": 4}, None, 1),

@@ -215,3 +215,55 @@ def test_the_byte_tokenizer_is_written_as_a_byte_level_tokenizer_json(tmp_path):
     ids = tok(text).input_ids
     assert ids == ByteTokenizer().encode(text).tolist()
     assert tok.decode(ids) == text and tok.decode(list(range(256))) == ByteTokenizer().decode(range(256))
+
+
+# ---- where an export writes: never over a model unless asked, never over a run or its sources ----
+
+def _files(folder):
+    """Every file under `folder` by its path there, with its bytes."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_a_non_empty_out_is_refused_unless_overwrite_moves_its_files_aside(exported, tmp_path):
+    """A sharded export is refused as --out in one line with nothing written; with
+    --overwrite its shards, index and run.json are renamed into OUT/replaced-<time>/, and
+    the folder holds the new export's files alone."""
+    _, _, ckpt, first = exported
+    out = tmp_path / "model"
+    r = run_cli("export", "--ckpt", ckpt, "--out", out, "--max-shard-gb", "0.0001")  # 100 kB shards
+    assert r.returncode == 0, r.stderr
+    old = _files(out)
+    assert "model.safetensors.index.json" in old and sum(n.endswith(".safetensors") for n in old) > 1
+    r = run_cli("export", "--hf", "--ckpt", ckpt, "--out", out)
+    assert r.returncode == 2 and f"--out {out} is not empty" in r.stderr and "--overwrite" in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and _files(out) == old, r.stderr
+    r = run_cli("export", "--hf", "--ckpt", ckpt, "--out", out, "--overwrite")
+    assert r.returncode == 0, r.stderr
+    aside, = out.glob("replaced-*")
+    assert _files(aside) == old  # every old file, renamed: nothing lost
+    assert {p.name for p in out.iterdir()} - {aside.name} == {p.name for p in first.iterdir()}
+    assert _files(out).keys() - {f"{aside.name}/{n}" for n in old} == _files(first).keys()
+
+
+@pytest.mark.parametrize("case", ["init-from", "the-run", "another-run", "ckpt", "locked"])
+def test_an_export_never_writes_over_its_sources_a_run_or_a_live_job_s_folder_even_with_overwrite(case, exported,
+                                                                                                 tmp_path):
+    """The --init-from folder the run fine-tuned, the run's --out that holds --ckpt, another
+    run's --out (its checkpoints and lineage), the --ckpt folder itself, and a folder a live
+    job holds: refused in one line, exit 2, not a byte changed there."""
+    from meshtrain.checkpoint.lock import OutLock
+    hf, run, ckpt, first = exported
+    if case == "another-run":
+        shutil.copytree(run, tmp_path / "run")
+    out, says = {"init-from": (hf, "fine-tuned"), "the-run": (run, "holds --ckpt"),
+                 "another-run": (tmp_path / "run", "holds a training run's checkpoints (step-2)"),
+                 "ckpt": (ckpt, "is --ckpt"), "locked": (first, "in use by another meshtrain job")}[case]
+    before = _files(out)
+    lock = OutLock(out, log=print).acquire() if case == "locked" else None
+    try:
+        r = run_cli("export", "--hf", "--ckpt", ckpt, "--out", out, "--overwrite")
+    finally:
+        if lock:
+            lock.release()
+    assert r.returncode == 2 and says in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert _files(out) == before

@@ -218,7 +218,7 @@ def test_plan_command_gives_the_contract_keys_and_says_what_it_planned():
     got = last_json(r.stdout)
     assert all(key in got for key in CONTRACT)
     assert got["fits"] is True and got["predicted_step_time_s"] > 0 and 0 < got["mfu"] < 1
-    assert set(got["comm_bytes_per_step"]) == {"dp", "tp", "pp", "cp", "ep"} and got["comm_bytes_per_step"]["tp"] > 0
+    assert set(got["comm_bytes_per_step"]) == {"dp", "tp", "pp", "cp", "ep", "edp"} and got["comm_bytes_per_step"]["tp"] > 0
     assert "predicted step time" in r.stderr and "activations" in r.stderr
 
 

@@ -115,6 +115,15 @@ def test_resumed_config_fills_dp_and_refuses_what_cannot_resume():
         C.resumed_config(alone)
 
 
+def test_the_resumed_layout_inherits_the_precision_it_must_keep():
+    """A bf16 run resumes in bf16 without `precision=bf16` repeated in --resume-layout (it
+    cannot change); naming another is still refused."""
+    second = C.resumed_config(resume_config("dp=2 zero=1", precision="bf16"))
+    assert second.layout.precision == "bf16" and (second.layout.dp, second.layout.zero) == (2, 1)
+    with pytest.raises(C.ConfigError, match="precision fp32, but the run saved in bf16; write precision=bf16"):
+        C.resumed_config(resume_config("zero=1 precision=fp32", precision="bf16"))
+
+
 @pytest.mark.parametrize("argv, says", [
     (["verify", "--resume-at", "2", "--resume-layout", "tp=2 fast=1"], "unknown key 'fast'"),
     (["train", "--resume-at", "2"], "are verify's"),

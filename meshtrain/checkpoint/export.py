@@ -111,14 +111,17 @@ def weights_of(folder: Path) -> tuple[dict[str, tuple[tuple[int, ...], torch.dty
 
 
 def export(ckpt: Path, out: Path, *, dtype: torch.dtype | None = None, max_shard_bytes: int = MAX_SHARD_BYTES,
-           log: Callable[[str], None] = lambda msg: None) -> list[Path]:
+           log: Callable[[str], None] = lambda msg: None,
+           before_writing: Callable[[], None] = lambda: None) -> list[Path]:
     """Write the checkpoint's weights as safetensors in `out` (and its run's configuration
     and tokenizer), in `dtype` where floating point (default: as saved, the fp32 masters);
-    returns the weight files. Holds one tensor at a time."""
+    returns the weight files. Holds one tensor at a time. `before_writing()` runs once the
+    checkpoint passed its checks, before the first write (the command line clears --out)."""
 
     ckpt, out = Path(ckpt), Path(out)
     check_good(ckpt)
     shapes, read = weights_of(ckpt)
+    before_writing()
     out.mkdir(parents=True, exist_ok=True)
     files = write_shards(out, {n: (s, _as(d, dtype)) for n, (s, d) in shapes.items()}, lambda n: read(n, dtype),
                          max_shard_bytes=max_shard_bytes, log=log)

@@ -20,12 +20,12 @@ from __future__ import annotations
 import json
 import os
 import socket
-import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 from meshtrain.atomic import atomic_write
+from meshtrain.checkpoint.aside import move_into_aside
 from meshtrain.checkpoint.folders import STEP_DIR, run_of, step_dir, steps_in_local
 from meshtrain.checkpoint.owner import read_run, write_run
 
@@ -135,15 +135,12 @@ def roll_back(out: Path, run: str, step: int) -> tuple[Path, list[int]] | None:
     later = later_steps(out, run, step)
     if not later:
         return None
-    aside = out / f"{ROLLED_BACK_PREFIX}{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:4]}"
-    aside.mkdir()
     names = {step_dir(out, s).name for s in later}
     names |= {p.name for p in out.iterdir() if p.name.endswith(".tmp") and (m := STEP_DIR.match(p.name[:-4]))
               and int(m.group(1)) > step and run_of(p) in (run, "")}
     if _finished_after(read_run(out), step) and (out / FINAL_WEIGHTS).is_file():
         names.add(FINAL_WEIGHTS)  # the abandoned branch's final model
-    for name in sorted(names):
-        os.replace(out / name, aside / name)
+    aside = move_into_aside(out, names, prefix=ROLLED_BACK_PREFIX)
     _split_log(out / METRICS_FILE, aside / METRICS_FILE, step)
     return aside, later
 

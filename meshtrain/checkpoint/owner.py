@@ -13,7 +13,6 @@ Reading a checkpoint's run needs no torch: the command line decides before any r
 from __future__ import annotations
 
 import json
-import os
 import socket
 import time
 import uuid
@@ -21,11 +20,11 @@ from pathlib import Path
 from typing import Callable
 
 from meshtrain.atomic import atomic_write
+from meshtrain.checkpoint.aside import ASIDE_PREFIX, move_into_aside
 from meshtrain.checkpoint.folders import STEP_DIR, recover, run_of, step_dir, steps_in_local
 
 RUN_FILE = "run.json"  # the run's id and start; at its end also its configuration (`cli.run_model.save_model`)
 RUN_ID_ENV = "MESHTRAIN_RUN_ID"  # how meshtrain's launcher hands the run id to its ranks
-ASIDE_PREFIX = "replaced-"
 # What a fresh run moves aside with --overwrite besides the checkpoints: the old run's record.
 RUN_RECORDS = (RUN_FILE, "metrics.jsonl", "loss.png", "tensorboard", "model.safetensors")
 
@@ -94,6 +93,9 @@ def claim(out: Path, *, resume: bool, resume_from: str | None, overwrite: bool,
     others = {r: steps for r, steps in runs.items() if not resume_from or r != run}
     if not others:
         return run
+    if resume_from:  # --overwrite is a fresh run's (the command line refuses it with --resume-from)
+        raise OwnerError(f"--out {out} holds another run's checkpoints ({_describe(others)}); resume "
+                         f"{resume_from} into another --out, or continue that run with --resume")
     if not overwrite:
         raise OwnerError(f"--out {out} holds another run's checkpoints ({_describe(others)}); continue that run "
                          f"with --resume, choose another --out, or pass --overwrite to move them aside into "
@@ -107,14 +109,10 @@ def move_aside(out: Path, steps: list[int]) -> Path:
     """Move the given checkpoints of `out`, its unfinished saves and the old run's records
     into a new `out/replaced-<time>/` (renames: nothing is copied or deleted)."""
     out = Path(out)
-    aside = out / f"{ASIDE_PREFIX}{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:4]}"
-    aside.mkdir()
     moved = {step_dir(out, s).name for s in steps}
     moved |= {p.name for p in out.iterdir() if p.name.endswith(".tmp") and STEP_DIR.match(p.name[:-4])}
     moved |= {name for name in RUN_RECORDS if (out / name).exists()}
-    for name in sorted(moved):
-        os.replace(out / name, aside / name)
-    return aside
+    return move_into_aside(out, moved)
 
 
 def started_record(run_id: str, *, resumed_from: str | None, step: int, argv: list[str] | None = None) -> dict:

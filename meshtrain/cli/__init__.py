@@ -42,6 +42,15 @@ COMMAND_STEPS = {"verify": 10, "bench": 20}  # their default --steps, unless TOM
 LAYOUT_DUMP = "layout.pt"
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's errors as every other refusal: one line, exit 2 — not the page of usage
+    argparse prints first, which buries the line that says what is wrong. Subcommands'
+    parsers are of this class too (`add_subparsers` makes its parent's)."""
+
+    def error(self, message: str):
+        self.exit(2, f"meshtrain: error: {message} (see {self.prog} --help)\n")
+
+
 def _add_run_flags(p: argparse.ArgumentParser, steps: int | None = None) -> None:
     p.add_argument("--config", metavar="FILE", help="TOML file with [model], [layout], [train] sections")
     defaults = C.Config()
@@ -62,8 +71,7 @@ def build_parser(plan_flags: bool = True) -> argparse.ArgumentParser:
     """The command line. `plan_flags`: also `plan`'s own flags, which import the planner and
     with it torch (~2 s): `main` asks for them only when the command is `plan`, so that
     every other command's bad input is refused at once."""
-    p = argparse.ArgumentParser(prog="meshtrain", description="Distributed training, every strategy, "
-                                "verified against one process.")
+    p = _Parser(prog="meshtrain", description="Distributed training, every strategy, verified against one process.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     launched = ("From a shell, starts dp×tp×pp local ranks itself; under torchrun, srun or mpirun "
                 "it joins the ranks those started.")
@@ -120,7 +128,10 @@ def build_parser(plan_flags: bool = True) -> argparse.ArgumentParser:
                          "generation_config.json, the tokenizer and its tokenizer_config.json), written one tensor at "
                          "a time; `generate --ckpt OUT` reads that too.")
     exp.add_argument("--ckpt", required=True, metavar="DIR", help="a checkpoint folder (OUT/step-N)")
-    exp.add_argument("--out", required=True, metavar="DIR", help="where to write the weights")
+    exp.add_argument("--out", required=True, metavar="DIR", help="where to write the weights: a new or empty folder "
+                     "(never a training run's --out, the --ckpt or the run's --init-from folder)")
+    exp.add_argument("--overwrite", action="store_true", help="export into a non-empty --out: its files are moved "
+                     "aside into OUT/replaced-<time>/ (renamed, not deleted)")
     exp.add_argument("--max-shard-gb", type=float, default=2.0, help="largest weight file, in GB (default 2)")
     exp.add_argument("--hf", action="store_true", help="a folder transformers loads (Llama, and the MoE as Mixtral, Qwen3-MoE "
                      "or OLMoE); "
@@ -310,7 +321,8 @@ def main(argv: list[str] | None = None) -> int:
     renv, out_lock = None, None
     try:
         renv = launch.detect()
-        if renv is not None and os.environ.get(launch.LAUNCHER_PID_ENV):
+        ours = renv is not None and bool(os.environ.get(launch.LAUNCHER_PID_ENV))  # a rank meshtrain started
+        if ours:
             launch.die_with_launcher()
         cfg = _config_from(args)
         C.validate(cfg, world_size=renv.world_size if renv else None)
@@ -325,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
                     raise C.ConfigError(board.MISSING)
         for warning in C.warnings(cfg, args.command) if speaks else []:
             print(f"meshtrain: warning: {warning}", file=sys.stderr)
-        if renv is not None and cfg.train.max_restarts and speaks:
+        if renv is not None and not ours and cfg.train.max_restarts and speaks:  # meshtrain's launcher restarts
             print("meshtrain: warning: under a launcher, restarts are the launcher's (torchrun --max-restarts N); "
                   "--max-restarts is ignored, and restarted ranks resume from the latest checkpoint by themselves",
                   file=sys.stderr)
@@ -657,8 +669,11 @@ def _prepare(args) -> int:
 
 
 def _export(args) -> int:
+    """`meshtrain export`: --out is checked and held (`export_out`) before anything is read
+    or written."""
     from meshtrain.checkpoint.export import DTYPES, export
     from meshtrain.checkpoint.sharded import CheckpointError
+    from meshtrain.cli.export_out import writing_into
     bad = [(not args.max_shard_gb > 0, f"--max-shard-gb {args.max_shard_gb}: must be positive"),
            (args.dtype is not None and args.dtype not in DTYPES,
             f"unknown dtype '{args.dtype}'; use --dtype {' | '.join(DTYPES)}")]
@@ -668,10 +683,12 @@ def _export(args) -> int:
             return 2
     dtype, max_shard_bytes = DTYPES.get(args.dtype), int(args.max_shard_gb * 1e9)
     try:
-        if args.hf:
-            return _export_hf(Path(args.ckpt), Path(args.out), dtype, max_shard_bytes)
-        files = export(Path(args.ckpt), Path(args.out), dtype=dtype, max_shard_bytes=max_shard_bytes, log=_log)
-    except (CheckpointError, FileNotFoundError, ValueError) as e:
+        with writing_into(Path(args.out), Path(args.ckpt), overwrite=args.overwrite, log=_log) as ready:
+            if args.hf:
+                return _export_hf(Path(args.ckpt), Path(args.out), dtype, max_shard_bytes, ready)
+            files = export(Path(args.ckpt), Path(args.out), dtype=dtype, max_shard_bytes=max_shard_bytes, log=_log,
+                           before_writing=ready)
+    except (CheckpointError, FileNotFoundError, ValueError) as e:  # export_out's refusals and OutLocked are ValueErrors
         print(f"meshtrain: error: {e}", file=sys.stderr)
         return 2
     _log(f"exported {args.ckpt} to {args.out} ({len(files)} weight file{'s' if len(files) > 1 else ''}); "
@@ -679,10 +696,10 @@ def _export(args) -> int:
     return 0
 
 
-def _export_hf(ckpt: Path, out: Path, dtype, max_shard_bytes: int) -> int:
+def _export_hf(ckpt: Path, out: Path, dtype, max_shard_bytes: int, ready) -> int:
     """A Llama or MoE checkpoint (or run folder, or plain export) as a complete Hugging Face folder."""
     from meshtrain.cli.hf_export import export_hf
-    files = export_hf(ckpt, out, dtype=dtype, max_shard_bytes=max_shard_bytes, log=_log)
+    files = export_hf(ckpt, out, dtype=dtype, max_shard_bytes=max_shard_bytes, log=_log, before_writing=ready)
     written = sorted(name for name in (*SIDE_FILES, TOKENIZER) if (out / name).is_file())
     if "tokenizer.json" not in written:
         _log(f"warning: {ckpt} keeps no tokenizer.json, so {out} has none: put the run's tokenizer there before "

@@ -19,14 +19,15 @@ from meshtrain.recipes import family_of
 
 
 def export_hf(ckpt: Path, out: Path, *, dtype: torch.dtype | None = None, max_shard_bytes: int = MAX_SHARD_BYTES,
-              log: Callable[[str], None] = lambda msg: None) -> list[Path]:
+              log: Callable[[str], None] = lambda msg: None,
+              before_writing: Callable[[], None] = lambda: None) -> list[Path]:
     """A command-line run's model — a sharded checkpoint of any layout, a run's --out or a
     plain export — as a complete Hugging Face folder in `out` (`meshtrain.hf.write_hf`), in
     `dtype` (default: the run's compute precision), streamed one tensor at a time from the
     saved weights (a stacked MoE's experts read once, written one key per expert): no model
     is built but on the meta device. Refuses (ValueError, one line) a model no Hugging Face
     architecture holds, saved state the folder cannot keep (a router's nonzero bias), and
-    weights that are not that model's."""
+    weights that are not that model's. `before_writing()`: as `export.export`'s."""
 
     ckpt, out = Path(ckpt), Path(out)
     saved = describe(ckpt)
@@ -52,4 +53,5 @@ def export_hf(ckpt: Path, out: Path, *, dtype: torch.dtype | None = None, max_sh
             raise ValueError(f"--ckpt {ckpt}: {problem}; export it without --hf")
     dtype = dtype or DTYPES.get(saved.config.layout.precision, torch.float32)
     return hf.write_hf(out, spec, saved.vocab_size, lambda name: read(name, dtype), dtype,
-                       side=saved.imported, tokenizer=saved.tokenizer, max_shard_bytes=max_shard_bytes, log=log)
+                       side=saved.imported, tokenizer=saved.tokenizer, max_shard_bytes=max_shard_bytes, log=log,
+                       before_writing=before_writing)

@@ -226,9 +226,8 @@ def edp_transfers(d, stage: int) -> list[Transfer]:
 
 def transfers(d, stage: int) -> dict[str, list[Transfer]]:
     out = {"dp": dp_transfers(d, stage), "tp": tp_transfers(d, stage) + ep_tp_transfers(d, stage),
-           "pp": pp_transfers(d, stage), "cp": cp_transfers(d, stage), "ep": ep_transfers(d, stage)}
-    if d.layout.ep > 1:
-        out["edp"] = edp_transfers(d, stage)
+           "pp": pp_transfers(d, stage), "cp": cp_transfers(d, stage), "ep": ep_transfers(d, stage),
+           "edp": edp_transfers(d, stage) if d.layout.ep > 1 else []}  # every axis train's --json names
     return out
 
 
