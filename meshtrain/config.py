@@ -685,14 +685,16 @@ def parse_layout(text: str, flag: str = "--resume-layout") -> dict[str, object]:
     return given
 
 
-RESUME_KEEPS = ("precision",)  # what --resume-layout inherits from the first layout: a resume cannot change it
+# What --resume-layout inherits from the first layout: verify's one-process reference trains
+# in one precision throughout, so both parts must train in it (a plain resume may change it).
+RESUME_KEEPS = ("precision",)
 
 
 def resumed_config(cfg: Config, world_size: int | None = None) -> Config | None:
     """`verify --resume-at K [--resume-layout L]`: the configuration the run resumes in after
     step K (None without --resume-at), validated; `cfg` is the first part's, validated. L's
     keys not named take their defaults, as on a command line — but for `RESUME_KEEPS`, which
-    a resume cannot change and so takes from the first layout — and an unset dp fills the
+    the reference holds equal and so come from the first layout — and an unset dp fills the
     first layout's world where tp·pp·cp divides it (else 1). From a shell meshtrain starts each
     part's own ranks, so the worlds may differ; under a launcher (`world_size`) the resumed
     part runs in the same processes, so L must fill that world."""

@@ -39,6 +39,9 @@ _LAYOUT_ONLY = ("zero", "sp", "tp_plan", "pipeline", "schedule", "chunks", "micr
 # What a resume layout keeps from the first layout's arguments when it does not name them: how
 # the model is split (the plans), not whether it is.
 _MODEL_PLANS = ("tp_plan", "pipeline", "wrap")
+# ... and the precision, which the one-process reference trains in throughout (as the command
+# line's `--resume-layout` inherits it: `config.RESUME_KEEPS`).
+_KEPT_BY_RESUME = (*_MODEL_PLANS, "precision")
 _MESH_KEYS = ("dp", "tp", "pp", "cp", "ep")
 
 
@@ -173,7 +176,7 @@ def _second_layout(mesh: Mesh, options: dict, resume_layout, seed: int) -> tuple
         raise TypeError(f"resume_layout: pass a dict of layout arguments or a string such as \"tp=2 zero=1\", not "
                         f"{type(resume_layout).__name__}")
     sizes = {k: given.pop(k) for k in _MESH_KEYS if k in given}
-    kept = {k: v for k, v in options.items() if k not in _LAYOUT_ONLY or k in _MODEL_PLANS}
+    kept = {k: v for k, v in options.items() if k not in _LAYOUT_ONLY or k in _KEPT_BY_RESUME}
     if all(sizes.get(k, 1) == mesh.size(k) for k in ("tp", "pp", "cp", "ep")) and sizes.get("dp") in (None, mesh.batch_dp):
         mesh_b = mesh
     else:
@@ -183,7 +186,7 @@ def _second_layout(mesh: Mesh, options: dict, resume_layout, seed: int) -> tuple
         except ValueError as e:
             raise ValueError(f"resume_layout: {e} (the resumed job runs in these processes)") from None
     described = {"dp": mesh_b.batch_dp, "tp": mesh_b.size("tp"), "pp": mesh_b.size("pp"), "cp": mesh_b.cp,
-                 "ep": mesh_b.size("ep"), **given}
+                 "ep": mesh_b.size("ep"), "precision": kept.get("precision", "fp32"), **given}
     return mesh_b, {**kept, **given}, described
 
 

@@ -258,3 +258,12 @@ def test_resume_layout_must_fill_the_same_world_in_the_api():
         meshtrain.verify(make_tiny, batches(3), optimizer=no_decay_first, resume_at=3)
     with pytest.raises(C.ConfigError, match="unknown key 'fast'"):
         meshtrain.verify(make_tiny, batches(3), optimizer=no_decay_first, resume_at=1, resume_layout="fast=1")
+
+
+def test_the_api_resume_layout_inherits_the_precision():
+    """The reference trains in one precision throughout: a resume layout that does not name it
+    keeps the first layout's (bf16 here), as `--resume-layout` does."""
+    report = meshtrain.verify(make_tiny, batches(4), optimizer=no_decay_first, precision="bf16", resume_at=2,
+                              resume_layout="bucket-mb=0.001")
+    assert report.passed, report.failures
+    assert report.result["resume_layout"]["precision"] == "bf16"
