@@ -105,6 +105,23 @@ def divide_(tensors, divisor: torch.Tensor) -> None:
         torch._foreach_div_(group, divisor.to(group[0].device, group[0].dtype))
 
 
+def norm_dtype(device: torch.device) -> torch.dtype:
+    """fp64 for a norm's squares, where the device has it. In fp32, torch's CPU norm of a
+    large tensor loses up to 5e-5 (gpt-small's head gradient), and a layout that norms shards
+    loses differently from one that norms whole tensors. MPS has no fp64: fp32 there."""
+    return torch.float32 if device.type == "mps" else torch.float64
+
+
+def sum_of_squares(tensors, device: torch.device) -> torch.Tensor:
+    """Σ‖t‖² of `tensors`, a 0-dim tensor on `device` in `norm_dtype` (nothing read on the
+    host). Each tensor is normed by `torch._foreach_norm` with an fp64 result (one launch per
+    device and dtype), which on CPU and CUDA accumulates in fp64 without an fp64 copy."""
+    dtype = norm_dtype(device)
+    squares = [torch.stack(torch._foreach_norm(group, 2.0, dtype=norm_dtype(group[0].device))).to(device, dtype)
+               .square().sum() for group in by_device_and_dtype(tensors)]
+    return torch.stack(squares).sum() if squares else torch.zeros((), dtype=dtype, device=device)
+
+
 def grad_norm(params, comm: Comm) -> torch.Tensor:
     """The global gradient norm, an fp32 0-dim tensor on the mesh's device (nothing read on
     the host).
@@ -114,8 +131,10 @@ def grad_norm(params, comm: Comm) -> torch.Tensor:
     counted under `metrics`. Each tensor's squared norm counts once: a replicated gradient
     only on the ranks at coordinate 0 of the axes it is replicated over; a sharded one
     (`SHARDED_OVER`) on every rank of those axes; pipeline stages hold different parameters,
-    so every stage counts. The per-tensor norms are one `torch._foreach_norm` per device and
-    dtype, taken in fp32."""
+    so every stage counts. The squares are taken, summed and all-reduced in fp64
+    (`sum_of_squares`), so that the norm of shards is the norm of the whole tensors up to
+    fp64 rounding, in every layout; only the root is rounded to fp32, what clipping scales
+    fp32 gradients by."""
     mesh = comm.mesh
     counted = []
     for p in params:
@@ -125,12 +144,10 @@ def grad_norm(params, comm: Comm) -> torch.Tensor:
         replicated = getattr(p, REPLICATED_OVER, REPLICATED_AXES)
         if all(mesh.coord(axis) == 0 for axis in replicated if axis not in sharded):
             counted.append(local_tensor(p.grad).detach())
-    squares = [torch.stack(torch._foreach_norm(group, 2.0, dtype=torch.float32)).to(mesh.device).square().sum()
-               for group in by_device_and_dtype(counted)]
-    total = torch.stack(squares).sum() if squares else torch.zeros((), dtype=torch.float32, device=mesh.device)
+    total = sum_of_squares(counted, mesh.device)
     for axis in AXES:
         comm.all_reduce(total, axis, purpose=METRICS)
-    return total.sqrt()
+    return total.sqrt().float()
 
 
 def clip_grads_(params, max_norm: float, norm: torch.Tensor) -> None:
