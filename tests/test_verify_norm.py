@@ -48,7 +48,8 @@ def test_gpt_small_gradient_norm_agrees_where_layouts_cut_large_tensors(world, t
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", [
     ["--tp", "2"], ["--dp", "4", "--zero", "3"], ["--dp", "3", "--zero", "3", "--batch-size", "6"],
-    ["--tp", "2", "--pp", "2", "--schedule", "1f1b", "--microbatches", "4"], ["--tp", "2", "--sp", "--recompute", "full"]],
+    ["--tp", "2", "--pp", "2", "--schedule", "1f1b", "--microbatches", "4"],
+    ["--tp", "2", "--sp", "--recompute", "full"]],
     ids=["tp2", "dp4-zero3", "dp3-zero3-b6", "tp2-pp2-1f1b-mb4", "tp2-sp-recompute"])
 def test_default_verify_passes(layout):
     """Issue 47's acceptance: `meshtrain verify` as users run it, default steps and model
