@@ -54,7 +54,7 @@ def test_clipping_leaves_small_gradients_alone():
 
 
 def _large_gradient() -> torch.Tensor:
-    """1,050,000 elements, as many as a vocabulary head's gradient: enough for fp32 sums to lose."""
+    """1,050,000 elements, a large vocabulary head's gradient: enough for fp32 sums to lose."""
     return torch.randn(1000, 1050, generator=torch.Generator().manual_seed(0))
 
 

@@ -2,8 +2,8 @@
 the gradient norm that clipping scales by must agree with one process's within 1e-5.
 
 gpt-small's head and embedding gradients hold 524,288 elements each. Summed in fp32 (as the
-norm once was), whole tensors and the pieces a layout holds lose differently, 2-4e-5 apart
-by step 10: every case below failed so (tp 2: 3.05e-5, dp 4 · ZeRO-3: 3.44e-5, tp 2 · SP with
+norm once was), whole tensors and the pieces a layout holds lose differently, 1.6-3.4e-5
+apart by step 10: every case below failed so (tp 2: 3.05e-5, dp 4 · ZeRO-3: 3.44e-5, tp 2 · SP with
 full recomputation: 3.06e-5 on the fast configuration; the default form 1.6-2.2e-5). The
 norm is now summed in fp64 (`optim.sum_of_squares`) and they agree to fp32's rounding."""
 
@@ -31,7 +31,8 @@ def _records(mesh, cfgs):
 
 
 # The fast configuration: 4 sequences of 32 tokens keep the tensors, and the fp32 error, of the
-# default's 8 of 128 (15-22 s each here through the command line, in-process less).
+# default's 8 of 128 (15-22 s each here through the command line; in-process 25 s for both tp
+# layouts, 10 s for dp 4).
 FAST = {"tp2,tp2-sp-recompute": (2, 2, [gpt_small(4, 32, dp=1, tp=2),
                                         gpt_small(4, 32, dp=1, tp=2, sp=True, recompute="full")]),
         "dp4-zero3": (4, 1, [gpt_small(4, 32, dp=4, zero=3)])}
