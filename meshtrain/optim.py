@@ -2,7 +2,7 @@
 
 Clipping uses the global gradient norm. Parameters that a strategy shards carry the mesh
 axes they are split over in `SHARDED_OVER`; their partial squared norms are summed over those
-axes, so the norm is the full model's whatever the layout."""
+axes, in fp64, so the norm is the full model's whatever the layout, up to fp32's rounding."""
 
 from __future__ import annotations
 
@@ -105,6 +105,34 @@ def divide_(tensors, divisor: torch.Tensor) -> None:
         torch._foreach_div_(group, divisor.to(group[0].device, group[0].dtype))
 
 
+def norm_dtype(device: torch.device) -> torch.dtype:
+    """fp64 for a norm's squares, where the device has it. In fp32, torch's CPU norm of a
+    large tensor loses up to 5e-5 (gpt-small's head gradient), and a layout that norms shards
+    loses differently from one that norms whole tensors. MPS has no fp64: fp32 there."""
+    return torch.float32 if device.type == "mps" else torch.float64
+
+
+# On the CPU torch norms a tensor in fp64 through an fp64 copy of it (measured: 2× the fp32
+# tensor's bytes); normed in pieces of this many elements, the copy stays at 8 MiB. CUDA's
+# kernel reads the tensor in place, accumulating in fp64.
+CPU_NORM_PIECE = 1 << 20
+
+
+def _norm_pieces(tensors):
+    for t in tensors:
+        yield from t.reshape(-1).split(CPU_NORM_PIECE) if t.device.type == "cpu" else (t,)
+
+
+def sum_of_squares(tensors, device: torch.device) -> torch.Tensor:
+    """Σ‖t‖² of `tensors`, a 0-dim tensor on `device` in `norm_dtype` (nothing read on the
+    host): the norms taken by `torch._foreach_norm` with an fp64 result, which accumulates in
+    fp64 on CPU and CUDA, one launch per device and dtype; their squares summed in fp64."""
+    dtype = norm_dtype(device)
+    squares = [torch.stack(torch._foreach_norm(group, 2.0, dtype=norm_dtype(group[0].device))).to(device, dtype)
+               .square().sum() for group in by_device_and_dtype(_norm_pieces(tensors))]
+    return torch.stack(squares).sum() if squares else torch.zeros((), dtype=dtype, device=device)
+
+
 def grad_norm(params, comm: Comm) -> torch.Tensor:
     """The global gradient norm, an fp32 0-dim tensor on the mesh's device (nothing read on
     the host).
@@ -114,8 +142,10 @@ def grad_norm(params, comm: Comm) -> torch.Tensor:
     counted under `metrics`. Each tensor's squared norm counts once: a replicated gradient
     only on the ranks at coordinate 0 of the axes it is replicated over; a sharded one
     (`SHARDED_OVER`) on every rank of those axes; pipeline stages hold different parameters,
-    so every stage counts. The per-tensor norms are one `torch._foreach_norm` per device and
-    dtype, taken in fp32."""
+    so every stage counts. The squares are taken, summed and all-reduced in fp64
+    (`sum_of_squares`), so that the norm of shards is the norm of the whole tensors up to
+    fp64 rounding, in every layout; only the root is rounded to fp32, what clipping scales
+    fp32 gradients by."""
     mesh = comm.mesh
     counted = []
     for p in params:
@@ -125,12 +155,10 @@ def grad_norm(params, comm: Comm) -> torch.Tensor:
         replicated = getattr(p, REPLICATED_OVER, REPLICATED_AXES)
         if all(mesh.coord(axis) == 0 for axis in replicated if axis not in sharded):
             counted.append(local_tensor(p.grad).detach())
-    squares = [torch.stack(torch._foreach_norm(group, 2.0, dtype=torch.float32)).to(mesh.device).square().sum()
-               for group in by_device_and_dtype(counted)]
-    total = torch.stack(squares).sum() if squares else torch.zeros((), dtype=torch.float32, device=mesh.device)
+    total = sum_of_squares(counted, mesh.device)
     for axis in AXES:
         comm.all_reduce(total, axis, purpose=METRICS)
-    return total.sqrt()
+    return total.sqrt().float()
 
 
 def clip_grads_(params, max_norm: float, norm: torch.Tensor) -> None:

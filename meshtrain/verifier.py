@@ -40,6 +40,7 @@ import torch
 from meshtrain.comm import Comm
 from meshtrain.config import Config, LayoutConfig
 from meshtrain.mesh import Mesh
+from meshtrain.optim import sum_of_squares
 from meshtrain.parallel.compile import compile_stats
 from meshtrain.parallel.state import digest
 from meshtrain.train import StepObserver, held_out_loss, setup, train, train_step
@@ -349,9 +350,10 @@ def _floored_rel(a: torch.Tensor, b: torch.Tensor, floor: float) -> float:
 
 
 def _grad_floors(grads: dict[str, torch.Tensor]) -> dict[str, float]:
-    """GRAD_FLOOR of each tensor's even share of the whole gradient norm, ‖g‖·√(n_t/N)."""
+    """GRAD_FLOOR of each tensor's even share of the whole gradient norm, ‖g‖·√(n_t/N) (the
+    norm summed as clipping's is: `optim.sum_of_squares`)."""
     total = sum(g.numel() for g in grads.values())
-    norm = math.sqrt(sum(g.double().pow(2).sum().item() for g in grads.values()))
+    norm = math.sqrt(sum_of_squares(grads.values(), torch.device("cpu")).item())
     return {n: GRAD_FLOOR * norm * math.sqrt(g.numel() / total) for n, g in grads.items()}
 
 

@@ -58,8 +58,8 @@ def test_dp_traffic_is_the_ring_all_reduce_volume(dp):
         grad_bytes = rank["n_params"] * 4
         assert rank["comm"]["dp"] == round(2 * (dp - 1) / dp * grad_bytes)
         assert rank["comm"]["tp"] == rank["comm"]["pp"] == 0
-        # apart from the model's traffic: the logged loss and the squared gradient norm, 4 bytes each
-        assert rank["comm"]["metrics"] == round(2 * 2 * (dp - 1) / dp * 4)
+        # apart from the model's traffic: the logged loss (fp32, 4 bytes) and the squared gradient norm (fp64, 8)
+        assert rank["comm"]["metrics"] == round(2 * (dp - 1) / dp * (4 + 8))
         # parameters, gradients and Adam's two moments, fp32: 16 bytes per parameter
         assert rank["model_state"]["total"] == 16 * rank["n_params"]
 

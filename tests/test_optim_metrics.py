@@ -13,7 +13,7 @@ from meshtrain.mesh import Mesh
 from meshtrain.metrics import ActivationMeter
 from meshtrain.models import build_model
 from meshtrain.models.presets import PRESETS
-from meshtrain.optim import SHARDED_OVER, clip_grad_norm_
+from meshtrain.optim import SHARDED_OVER, clip_grad_norm_, grad_norm
 from meshtrain.train import parallelize_config as parallelize
 from meshtrain.plan.cost import gpt_flops_per_step
 
@@ -51,6 +51,42 @@ def test_clipping_leaves_small_gradients_alone():
     p.grad = torch.tensor([0.1, 0.2, 0.2])
     assert clip_grad_norm_([p], 1.0, Comm(Mesh.single(torch.device("cpu")))) == pytest.approx(0.3)
     assert torch.equal(p.grad, torch.tensor([0.1, 0.2, 0.2]))
+
+
+def _large_gradient() -> torch.Tensor:
+    """1,050,000 elements, a large vocabulary head's gradient: enough for fp32 sums to lose."""
+    return torch.randn(1000, 1050, generator=torch.Generator().manual_seed(0))
+
+
+def _with_grad(grad: torch.Tensor, sharded_over=()) -> torch.nn.Parameter:
+    p = torch.nn.Parameter(torch.zeros_like(grad))
+    p.grad = grad
+    if sharded_over:
+        setattr(p, SHARDED_OVER, sharded_over)
+    return p
+
+
+def _norms_whole_and_in_pieces(mesh, axis):
+    """The norm of the large gradient held whole (a replica on each rank) and in this rank's
+    piece of it: a tensor-parallel half (columns) or a ZeRO piece (of the flat tensor)."""
+    full, n, r = _large_gradient(), mesh.size(axis), mesh.coord(axis)
+    piece = full.chunk(n, dim=1)[r].contiguous() if axis == "tp" else full.flatten().chunk(n)[r].clone()
+    comm = Comm(mesh)
+    return grad_norm([_with_grad(full)], comm).item(), grad_norm([_with_grad(piece, (axis,))], comm).item()
+
+
+@pytest.mark.parametrize("axis", ["tp", "dp"])
+def test_a_large_gradient_has_its_fp64_norm_whole_or_in_pieces(axis):
+    """Whole, in tp halves or in ZeRO pieces, a gradient's norm is its fp64 norm: the squares
+    are summed in fp64, so layouts that cut tensors differently agree (verify's gradient-norm
+    check, at 1e-5). Summed in fp32 as before, this tensor's norm was 9.9e-6 off whole and
+    4.8e-6 off in tp halves."""
+    full = _large_gradient()
+    exact = full.double().norm().item()
+    fp32 = torch._foreach_norm([full], 2.0, dtype=torch.float32)[0].item()
+    assert abs(fp32 - exact) / exact > 1e-6  # the old way's loss: the test can tell
+    for whole, pieces in run_ranks(_norms_whole_and_in_pieces, 2, axis, tp=2 if axis == "tp" else 1):
+        assert whole == pytest.approx(exact, rel=1e-6) and pieces == pytest.approx(exact, rel=1e-6)
 
 
 def _peak(fn) -> int:

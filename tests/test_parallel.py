@@ -149,7 +149,7 @@ def _clip_with_uneven_holdings(mesh):
 def test_clipping_issues_the_same_collectives_whatever_a_rank_holds():
     for norm, sent in run_ranks(_clip_with_uneven_holdings, 2):
         assert norm == pytest.approx(5.0)
-        assert sent == {METRICS: 4.0}  # one 4-byte all-reduce over dp, counted apart
+        assert sent == {METRICS: 8.0}  # one all-reduce of one fp64 number over dp, counted apart
 
 
 def test_a_non_finite_norm_is_reported_and_nothing_is_scaled():

@@ -333,6 +333,21 @@ def evaluation_skips_the_cp_split():
     return [mock.patch.object(Job, "evaluate", evaluate)]
 
 
+def a_tensor_counted_twice_in_the_norm():
+    """Clipping's norm counts one gradient twice (a parameter listed twice in what is normed,
+    as a tied one collected from both its modules would be): blocks.7.attn.v.weight, the
+    smallest share of ‖g‖² above 1e-4 at step 1 (1.4e-4 on gpt-test; the norm then reads
+    7e-5 high). Nothing else changes but clipping's scale, which Adam all but hides."""
+    import meshtrain.job as J
+    real_update, real_norm = J.Job.update, J.grad_norm
+
+    def update(self, loss):
+        twice = dict(self.parallel.named_parameters())["blocks.7.attn.v.weight"]
+        with mock.patch.object(J, "grad_norm", lambda params, comm: real_norm([*params, twice], comm)):
+            return real_update(self, loss)
+    return [mock.patch.object(J.Job, "update", update)]
+
+
 # name -> (the mutant, the layout it runs in)
 def compiled_block_miscomputes():
     """--compile: the compiled graphs compute their first output 0.1 % off (a stand-in for a
@@ -363,11 +378,13 @@ MUTANTS = {f.__name__: (f, layout) for f, layout in (
     (store_keeps_one_micro_batch_per_layer, "pp-zb"), (blocks_merged_without_the_lse_correction, "cp"),
     (keys_not_placed_head_tail, "cp"), (gradients_not_reduced_over_cp, "cp"),
     (dropout_masks_drawn_per_cp_rank, "cp-dropout"), (evaluation_skips_the_cp_split, "cp"),
-    (compiled_block_miscomputes, "dp-compile"))}
+    (compiled_block_miscomputes, "dp-compile"), (a_tensor_counted_twice_in_the_norm, "tp"))}
 # Mutants that first fail the held-out check (`job.evaluate` after the step): one that trains
 # correctly, and the miscompiled block, whose first step runs eagerly (the activation meter's:
 # docs/compile.md), so that its first compiled forward is step 1's evaluation.
 EVALUATION = {"evaluation_skips_the_cp_split", "compiled_block_miscomputes"}
+# Mutants that first fail the gradient-norm check (what clipping scales by): every gradient right.
+NORM = {"a_tensor_counted_twice_in_the_norm"}
 # The step at which each mutant first does harm.
 FIRST_BAD_STEP = {name: MIDDLE if name == "bucket_skipped_on_a_middle_step" else 1 for name in MUTANTS}
 
@@ -399,6 +416,9 @@ def test_verify_fails_on_the_mutant_naming_step_and_tensor(verdicts, name):
     assert first.startswith(f"step {FIRST_BAD_STEP[name]}:"), first
     if name in EVALUATION:
         assert "held-out loss" in first, first
+        return
+    if name in NORM:
+        assert "gradient norm" in first, first
         return
     # a tensor is named: a parameter's gradient or update, or a rank's copy of one
     assert re.search(r"(gradient|update|weights)", first) and re.search(r"\.(weight|bias)\b", first), first

@@ -306,12 +306,12 @@ def _elementwise(r: _Rank, nbytes: int) -> dict[str, float]:
 
 def _optimizer_step(r: _Rank, elements: int) -> dict[str, float]:
     """Seconds per parameter and per tensor of the step after backward as `train_step` runs
-    it: each gradient's squared norm summed and the gradients scaled (clipping, as
-    `optim.clip_grad_norm_` does it, less its one-number all-reduce), then the trainer's
+    it: each gradient's squared norm summed in fp64 and the gradients scaled (clipping, as
+    `optim.clip_grad_norm_` does it through `sum_of_squares`, less its one-number all-reduce), then the trainer's
     AdamW (`optim.adamw`). Timed on 4 large fp32 tensors (per parameter, with the
     memory traffic of states far past the caches) and on 64 tiny ones (per tensor: the
     dispatch of each op, their 256 elements a rounding error), all ranks at once."""
-    from meshtrain.optim import adamw  # torch: only in the ranks
+    from meshtrain.optim import adamw, sum_of_squares  # torch: only in the ranks
     torch = r.torch
 
     def seconds(count: int, size: int) -> float:
@@ -322,7 +322,7 @@ def _optimizer_step(r: _Rank, elements: int) -> dict[str, float]:
         grads = [p.grad for _, p in named]
 
         def step():
-            norm = float(sum(g.pow(2).sum() for g in grads)) ** 0.5
+            norm = sum_of_squares(grads, r.device).sqrt().item()
             for g in grads:
                 g.mul_(min(1.0, 1.0 / (norm + 1e-6)))
             optimizer.step()
