@@ -116,6 +116,8 @@ def resume_plan(out: Path, run: str, *, resume: bool, resume_from: str | None, r
 
 
 def _following_head(out: Path, run: str, record: dict, empty: str) -> ResumePlan:
+    if record.get("run_id", run) != run:  # run.json is another run's: this run's newest first
+        record = {}
     head = head_folder(out, record)
     below = [step_dir(out, s) for s in lineage_steps(out, run, record)]
     first = [head] if head is not None else []
