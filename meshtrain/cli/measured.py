@@ -40,6 +40,8 @@ def train_argv(cfg: C.Config, steps: int, out: str) -> list[str]:
         value = getattr(getattr(cfg, section), name)
         if name in ("steps", "out", "resume") or value is None or value == "":
             continue
+        if name == "compile_backend" and not cfg.layout.compile:  # refused without --compile
+            continue
         if typ is bool:
             argv.append(flag if value else f"--no-{flag[2:]}")
         else:
