@@ -14,13 +14,13 @@ PACKAGE = Path(__file__).resolve().parent.parent / "meshtrain"
 # (who, what it may not import, why) — docs/architecture.md, "Layers".
 RULES = [
     (("models",), ("*",), "models import nothing else of meshtrain"),
-    (("parallel",), ("models", "recipe", "recipes", "config", "cli", "train", "job"),
+    (("parallel",), ("models", "recipe", "recipes", "config", "cli", "train", "run_folder", "job"),
      "strategies name no model, recipe, config or command line"),
-    (("recipes",), ("hf", "config", "cli", "train", "job", "lockstep", "verifier", "report"),
+    (("recipes",), ("hf", "config", "cli", "train", "run_folder", "job", "lockstep", "verifier", "report"),
      "a model family's recipe is below Hugging Face interop, the API and the command line"),
-    (("hf",), ("config", "cli", "train", "job", "lockstep", "verifier", "report"),
+    (("hf",), ("config", "cli", "train", "run_folder", "job", "lockstep", "verifier", "report"),
      "Hugging Face interop is below the API and the command line"),
-    (("checkpoint", "plan"), ("recipes", "hf", "config", "cli", "train", "job"),
+    (("checkpoint", "plan"), ("recipes", "hf", "config", "cli", "train", "run_folder", "job"),
      "checkpoints and the planner take typed inputs, not a recipe or the command line's config"),
 ]
 
