@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from meshtrain.checkpoint.owner import METRICS_FILE
 from meshtrain.cli.run_model import save_model
 from meshtrain.comm import Comm
 from meshtrain.config import Config, tokens_per_sample
@@ -104,7 +105,7 @@ def _expert_balance(ratios: list[list[float]]) -> dict:
 
 def plot_run(result: RunResult, out: Path, title: str) -> None:
     """OUT/loss.png of the whole run from its log: a resumed run's earlier steps included."""
-    log = [r for r in read_log(out / "metrics.jsonl") if "loss" in r]
+    log = [r for r in read_log(out / METRICS_FILE) if "loss" in r]
     if log:
         steps, losses = [r["step"] for r in log], [r["loss"] for r in log]
         val_losses = [(r["step"], r["val_loss"]) for r in log if "val_loss" in r]

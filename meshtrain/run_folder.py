@@ -71,17 +71,16 @@ def this_run(cfg: Config, comm: Comm) -> str:
     """Collective: the id of the run, as rank 0 knows it — from the command line, which
     claimed OUT before any rank started (`checkpoint.owner.claim`), or claimed here for a
     caller of `train` that did not (the same refusals, as `RunRefused`)."""
-    run = None
-    if comm.mesh.is_main:
-        tr = cfg.train
+    tr = cfg.train
+
+    def claimed():
         try:
-            run = os.environ.get(owner.RUN_ID_ENV) or owner.claim(
+            return os.environ.get(owner.RUN_ID_ENV) or owner.claim(
                 Path(tr.out), resume=tr.resume, resume_from=tr.resume_from, overwrite=tr.overwrite, log=_say,
                 restarted=faults.restart_count() > 0)
         except owner.OwnerError as e:
-            run = RunRefused(str(e))
-    if comm.mesh.world_size > 1:
-        run = comm.all_gather_object(run)[0]
+            return RunRefused(str(e))
+    run = _on_rank_0_value(comm, claimed)
     if isinstance(run, RunRefused):
         raise run
     return run

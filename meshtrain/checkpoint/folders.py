@@ -146,6 +146,13 @@ def _pruned(final: Path) -> Path:
     return final.with_name(f".{final.name}.pruned")
 
 
+def unfinished_saves(out: Path) -> dict[int, Path]:
+    """step -> its `step-N.tmp/` folder: the saves a kill (or a failure) left in `out`."""
+    out = Path(out)
+    return {int(m.group(1)): p for p in (out.iterdir() if out.is_dir() else [])
+            if p.name.endswith(".tmp") and (m := STEP_DIR.match(p.name[:-4]))}
+
+
 def recover(out: Path) -> list[str]:
     """Before a run reads `out` (its owner, before any rank starts): finish what a kill cut
     short. A commit killed between its renames: its new folder, marked complete, takes its
@@ -154,9 +161,9 @@ def recover(out: Path) -> list[str]:
     out, done = Path(out), []
     if not out.is_dir():
         return done
-    for tmp in sorted(out.glob("step-*.tmp")):
-        final = tmp.with_name(tmp.name[:-4])
-        if STEP_DIR.match(final.name) and not final.exists() and (tmp / COMPLETE).is_file():
+    for step, tmp in sorted(unfinished_saves(out).items()):
+        final = step_dir(out, step)
+        if not final.exists() and (tmp / COMPLETE).is_file():
             os.replace(tmp, final)
             done.append(f"{final}: its save was committed when the run stopped; put in place")
     for replaced in sorted(out.glob(".step-*.replaced")):

@@ -26,15 +26,14 @@ from pathlib import Path
 
 from meshtrain.atomic import atomic_write
 from meshtrain.checkpoint.aside import move_into_aside
-from meshtrain.checkpoint.folders import STEP_DIR, run_of, step_dir, steps_in_local
-from meshtrain.checkpoint.owner import read_run, write_run
+from meshtrain.checkpoint.folders import STEP_DIR, run_of, step_dir, steps_in_local, unfinished_saves
+from meshtrain.checkpoint.owner import METRICS_FILE, read_run, write_run
+from meshtrain.checkpoint.weight_files import WEIGHTS as FINAL_WEIGHTS  # a finished run's model
 
 HEAD = "head"  # run.json's key: "step-N" inside OUT, an absolute path outside it, or null (nothing yet)
 JOB = "job"  # run.json's key: the launch whose ranks wrote the record
 JOB_ENV = "MESHTRAIN_JOB_ID"  # set by the process that owns OUT for meshtrain's own launcher's ranks
 ROLLED_BACK_PREFIX = "rolled-back-"
-METRICS_FILE = "metrics.jsonl"
-FINAL_WEIGHTS = "model.safetensors"  # a finished run's model (`checkpoint.weights`)
 
 
 def job_id() -> str:
@@ -138,8 +137,7 @@ def roll_back(out: Path, run: str, step: int) -> tuple[Path, list[int]] | None:
     if not later:
         return None
     names = {step_dir(out, s).name for s in later}
-    names |= {p.name for p in out.iterdir() if p.name.endswith(".tmp") and (m := STEP_DIR.match(p.name[:-4]))
-              and int(m.group(1)) > step and run_of(p) in (run, "")}
+    names |= {tmp.name for s, tmp in unfinished_saves(out).items() if s > step and run_of(tmp) in (run, "")}
     if _finished_after(read_run(out), step) and (out / FINAL_WEIGHTS).is_file():
         names.add(FINAL_WEIGHTS)  # the abandoned branch's final model
     aside = move_into_aside(out, names, prefix=ROLLED_BACK_PREFIX)

@@ -21,12 +21,14 @@ from typing import Callable
 
 from meshtrain.atomic import atomic_write
 from meshtrain.checkpoint.aside import ASIDE_PREFIX, move_into_aside
-from meshtrain.checkpoint.folders import STEP_DIR, recover, run_of, step_dir, steps_in_local
+from meshtrain.checkpoint.folders import recover, run_of, step_dir, steps_in_local, unfinished_saves
+from meshtrain.checkpoint.weight_files import WEIGHTS
 
 RUN_FILE = "run.json"  # the run's id and start; at its end also its configuration (`cli.run_model.save_model`)
 RUN_ID_ENV = "MESHTRAIN_RUN_ID"  # how meshtrain's launcher hands the run id to its ranks
+METRICS_FILE = "metrics.jsonl"  # the run's log, a record a step (`metrics.StepLog`)
 # What a fresh run moves aside with --overwrite besides the checkpoints: the old run's record.
-RUN_RECORDS = (RUN_FILE, "metrics.jsonl", "loss.png", "tensorboard", "model.safetensors")
+RUN_RECORDS = (RUN_FILE, METRICS_FILE, "loss.png", "tensorboard", WEIGHTS)
 
 
 class OwnerError(ValueError):
@@ -90,7 +92,7 @@ def claim(out: Path, *, resume: bool, resume_from: str | None, overwrite: bool,
         raise OwnerError(f"--resume: {out} holds checkpoints of {len(runs)} runs ({_describe(runs)}) and its "
                          f"{RUN_FILE} names none of them; name one with --resume-from {out}/step-N")
     run = run_of(Path(resume_from)) if resume_from else new_run_id()
-    others = {r: steps for r, steps in runs.items() if not resume_from or r != run}
+    others = {r: steps for r, steps in runs.items() if r != run}
     if not others:
         return run
     if resume_from:  # --overwrite is a fresh run's (the command line refuses it with --resume-from)
@@ -110,7 +112,7 @@ def move_aside(out: Path, steps: list[int]) -> Path:
     into a new `out/replaced-<time>/` (renames: nothing is copied or deleted)."""
     out = Path(out)
     moved = {step_dir(out, s).name for s in steps}
-    moved |= {p.name for p in out.iterdir() if p.name.endswith(".tmp") and STEP_DIR.match(p.name[:-4])}
+    moved |= {tmp.name for tmp in unfinished_saves(out).values()}
     moved |= {name for name in RUN_RECORDS if (out / name).exists()}
     return move_into_aside(out, moved)
 

@@ -501,7 +501,7 @@ def _train(cfg, comm, args):
     from meshtrain.metrics import StepLog
     from meshtrain.train import train
 
-    log = StepLog(Path(cfg.train.out) / "metrics.jsonl") if comm.mesh.is_main else None
+    log = StepLog(Path(cfg.train.out) / owner.METRICS_FILE) if comm.mesh.is_main else None
     result = train(cfg, comm, progress="train", step_log=log, trace=bool(args.trace))
     if log:
         log.close()

@@ -27,9 +27,8 @@ from typing import Callable, Iterator
 from meshtrain.checkpoint.aside import ASIDE_PREFIX, move_into_aside
 from meshtrain.checkpoint.folders import COMPLETE, STATE, STEP_DIR
 from meshtrain.checkpoint.lock import LOCK_FILE, OutLock
-from meshtrain.checkpoint.owner import RUN_FILE, read_run
+from meshtrain.checkpoint.owner import METRICS_FILE, RUN_FILE, read_run
 
-METRICS_FILE = "metrics.jsonl"  # a training run's log (`metrics.StepLog`)
 
 
 class OutRefused(ValueError):
