@@ -5,8 +5,9 @@ its accounting)."""
 import pytest
 
 from meshtrain.models import build_model, count_params
-from meshtrain.plan.memory import (activation_bytes_per_layer, in_flight, model_state_bytes,
-                                   torch_activation_bytes, torch_activation_bytes_per_layer)
+from meshtrain.plan.activations import activation_bytes_per_layer, torch_activation_bytes_per_layer
+from meshtrain.plan.model_states import model_state_bytes
+from meshtrain.plan.stage_activations import in_flight, torch_activation_bytes
 from meshtrain.plan.shapes import PUBLISHED, megatron_params, shape_of
 
 # The released checkpoints' parameter counts (their model cards / safetensors indexes).

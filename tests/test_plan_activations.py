@@ -4,7 +4,8 @@ and sequence parallelism, and 1F1B pipeline stages (gpt-test, vocab 256, fp32, s
 
 import pytest
 
-from meshtrain.plan.memory import recompute_units, torch_activation_bytes
+from meshtrain.plan.activations import recompute_units
+from meshtrain.plan.stage_activations import torch_activation_bytes
 
 LAYERS, HIDDEN, HEADS, VOCAB = 8, 32, 4, 256  # gpt-test
 

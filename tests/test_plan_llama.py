@@ -6,7 +6,9 @@ vocab 256)."""
 
 import pytest
 
-from meshtrain.plan.memory import LlamaDims, torch_activation_bytes, torch_activation_bytes_per_layer
+from meshtrain.plan.activations import torch_activation_bytes_per_layer
+from meshtrain.plan.block_terms import LlamaDims
+from meshtrain.plan.stage_activations import torch_activation_bytes
 
 LAYERS, HIDDEN, HEADS, KV_WIDTH, FFN, VOCAB = 8, 32, 4, 24, 64, 256
 DIMS = LlamaDims(q_width=48, kv_width=24, head_dim=12)

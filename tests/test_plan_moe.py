@@ -19,7 +19,7 @@ import pytest
 
 from meshtrain.plan import traffic
 from meshtrain.plan.cost import model_flops
-from meshtrain.plan.memory import torch_activation_bytes_per_layer
+from meshtrain.plan.activations import torch_activation_bytes_per_layer
 from meshtrain.plan.planner import Device, Workload
 from meshtrain.recipes import PRESETS, PUBLISHED, family_of, shape_of
 

@@ -17,7 +17,7 @@ from meshtrain.plan.planner import ACCOUNTINGS, PlanError, Workload, plan
 from meshtrain.plan.shapes import Shape
 from meshtrain.recipes import PUBLISHED, family_of, is_preset, is_published, shape_of
 from meshtrain.plan.profile import MachineProfile, ProfileRates
-from meshtrain.plan.memory import model_state_bytes
+from meshtrain.plan.model_states import model_state_bytes
 from meshtrain.plan.search import search
 
 EXPLICIT = ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab")

@@ -1,7 +1,8 @@
-"""The `torch` accounting's terms of one block beyond meshtrain's GPT (`memory.py` builds the
-step's moments from them): the Llama's block (RMSNorm, rotary, grouped-query attention,
-SwiGLU, its own head size), and what context parallelism's attention keeps and holds
-(the ring, all-to-all). Pure arithmetic, no torch."""
+"""The `torch` accounting's terms of one block beyond meshtrain's GPT (`activations.py` takes
+a block's terms from them, `stage_activations.py` the step's moments from those): the
+Llama's block (RMSNorm, rotary, grouped-query attention, SwiGLU, its own head size), and
+what context parallelism's attention keeps and holds (the ring, all-to-all). Pure
+arithmetic, no torch."""
 
 from __future__ import annotations
 

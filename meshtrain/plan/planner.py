@@ -1,8 +1,8 @@
 """One plan: a model, a layout and a batch on a cluster → memory per device, FLOPs, traffic,
 bubble, predicted step time and MFU (the `meshtrain plan` contract of DESIGN.md).
 
-Memory is the worst pipeline stage's: its model states (`memory.model_state_bytes`) plus the
-activations it holds at its peak. Time is built from the rates of a machine (a roofline of a
+Memory is the worst pipeline stage's: its model states (`model_states.model_state_bytes`) plus
+the activations it holds at its peak. Time is built from the rates of a machine (a roofline of a
 GPU preset, or a profile measured here):
 
     per micro-batch and stage  t_f, t_b   the block's matmuls and elementwise traffic (backward
@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from meshtrain.ring import all_reduce_bytes
 from meshtrain.parallel.options import (CP_MODES, SCHEDULES, Layout, expert_problem, parse_recompute,
                                        schedule_or_batch_problem)
-from meshtrain.plan import memory, sharing, traffic
+from meshtrain.plan import activations, block_terms, model_states, sharing, stage_activations, traffic
 from meshtrain.plan.cost import hardware_flops, model_flops
 from meshtrain.plan.shapes import Shape
 
@@ -125,7 +125,7 @@ def _check_context(work: Workload, lay: Layout) -> None:
 
 
 # the search plans each activation peak once: ZeRO levels (and cp modes' shared terms) repeat it
-_stage_activations = functools.lru_cache(maxsize=4096)(memory.torch_stage_activation_bytes)
+_stage_activations = functools.lru_cache(maxsize=4096)(stage_activations.torch_stage_activation_bytes)
 
 
 class Device:
@@ -148,17 +148,17 @@ class Device:
         self.recompute_mode, _ = parse_recompute(lay.recompute)
         self._where = dict(tp=lay.tp, pp=lay.pp, chunks=lay.chunks, stage_layers=lay.stage_layer_counts())
         self.fused_blocks = work.device == "cpu"  # `parallel.context.fused_blocks`
-        self._held: dict[int, memory.StageParams] = {}  # stage -> what a device of it holds
+        self._held: dict[int, model_states.StageParams] = {}  # stage -> what a device of it holds
 
-    def held(self, stage: int) -> memory.StageParams:
-        """The parameters a device of stage `stage` holds (`memory.stage_params`)."""
+    def held(self, stage: int) -> model_states.StageParams:
+        """The parameters a device of stage `stage` holds (`model_states.stage_params`)."""
         if stage not in self._held:
-            self._held[stage] = memory.stage_params(self.shape, stage=stage, **self._where)
+            self._held[stage] = model_states.stage_params(self.shape, stage=stage, **self._where)
         return self._held[stage]
 
     def layers_on(self, stage: int) -> tuple[int, ...]:
         """The indices of the blocks stage `stage` holds."""
-        return memory.stage_layers(self.shape, stage=stage, **self._where)
+        return model_states.stage_layers(self.shape, stage=stage, **self._where)
 
     def blocks_on(self, stage: int) -> int:
         return len(self.layers_on(stage))
@@ -169,7 +169,7 @@ class Device:
 
     def stage_experts(self, stage: int) -> int:
         """All the experts' parameters of the stage's MoE layers (whole over tp)."""
-        return memory.expert_params_per_device(self.shape, stage=stage, **self._where)
+        return model_states.expert_params_per_device(self.shape, stage=stage, **self._where)
 
     def expert_params_on(self, stage: int) -> int:
         """The experts' parameters a device of `stage` holds (1/ep of its MoE layers')."""
@@ -184,8 +184,8 @@ class Device:
     def recomputed_units(self, stage: int) -> list[int]:
         """Sizes of the units a stage recomputes whole (full: each block; segments[:K]: each
         chunk's run cut every K, default ⌈√run⌉, blocks), as `apply_recompute` cuts them."""
-        return [size for run in memory.stage_runs(self.shape, stage=stage, **self._where)
-                for size in memory.recompute_units(run, self.layout.recompute)]
+        return [size for run in model_states.stage_runs(self.shape, stage=stage, **self._where)
+                for size in activations.recompute_units(run, self.layout.recompute)]
 
     def whole_params(self, stage: int) -> int:
         """Left whole by tp (summed over tp under SP): not the experts under ep, summed over edp."""
@@ -224,9 +224,9 @@ class Device:
         dp × cp replicas like any parameter) and their share of its model states."""
         lay = self.layout
         params = self.expert_params_on(stage)
-        states = memory.model_state_bytes(params, self.expert_zero, self.edp if lay.ep > 1 else self.replicas,
-                                          precision=lay.precision,
-                                          grad_dtype=lay.grad_dtype, accounting=self.accounting)
+        states = model_states.model_state_bytes(params, self.expert_zero, self.edp if lay.ep > 1 else self.replicas,
+                                                precision=lay.precision,
+                                                grad_dtype=lay.grad_dtype, accounting=self.accounting)
         return {"n_active_params": self.shape.active_params(), "expert_params_per_device": params,
                 "expert_state_bytes": states["total"]}
 
@@ -237,34 +237,35 @@ class Device:
         gathered = self.params_on(stage) if lay.keep_gathered else held.outside + held.largest_pair
         kinds = dict(precision=lay.precision, grad_dtype=lay.grad_dtype, accounting=self.accounting)
         if lay.ep == 1:
-            return memory.model_state_bytes(self.params_on(stage), lay.zero, self.replicas, gathered_params=gathered,
-                                            **kinds)
+            return model_states.model_state_bytes(self.params_on(stage), lay.zero, self.replicas,
+                                                  gathered_params=gathered, **kinds)
         # the experts' chunks are sharded over their edp replicas, the rest over dp × cp; of
         # the two blocks ZeRO-3 holds gathered, each MoE layer's experts are a chunk
         if not lay.keep_gathered:
             moe_blocks = sum(self.shape.is_moe(i) for i in self.layers_on(stage))
             gathered -= min(2, moe_blocks) * self.shape.expert_params() * (lay.ep - 1) // lay.ep
-        dense = memory.model_state_bytes(self.dense_params_on(stage), lay.zero, self.replicas,
-                                         gathered_params=gathered, **kinds)
-        experts = memory.model_state_bytes(self.expert_params_on(stage), self.expert_zero, self.edp, **kinds)
+        dense = model_states.model_state_bytes(self.dense_params_on(stage), lay.zero, self.replicas,
+                                               gathered_params=gathered, **kinds)
+        experts = model_states.model_state_bytes(self.expert_params_on(stage), self.expert_zero, self.edp, **kinds)
         return {part: dense.get(part, 0) + experts.get(part, 0) for part in dense.keys() | experts.keys()}
 
     def _torch_terms(self) -> dict:
         sh, lay = self.shape, self.layout
-        llama = (memory.LlamaDims(q_width=sh.q_width, kv_width=sh.kv_width, head_dim=sh.head_size,
-                                  qk_norm=sh.qk_norm) if sh.kind in ("llama", "moe") else None)
+        llama = (block_terms.LlamaDims(q_width=sh.q_width, kv_width=sh.kv_width, head_dim=sh.head_size,
+                                       qk_norm=sh.qk_norm) if sh.kind in ("llama", "moe") else None)
         return dict(element_bytes=self.element_bytes, attention=self.work.attention, dropout=self.work.dropout,
                     ffn=sh.ffn_width, tp=lay.tp, sp=lay.sp, llama=llama,
                     cp_mode=lay.cp_mode if lay.cp > 1 else None)
 
-    def moe_dims(self) -> memory.MoEDims | None:
+    def moe_dims(self) -> block_terms.MoEDims | None:
         """A MoE model's experts as the `torch` accounting takes them (None: no experts)."""
         sh = self.shape
         if sh.kind != "moe":
             return None
-        return memory.MoEDims(sh.experts, sh.top_k, sh.expert_ffn, shared_ffn=sh.shared_ffn, norm_topk=sh.norm_topk,
-                              aux_rows=sh.aux_rows, dense_layers=sh.dense_layers, ep=self.layout.ep,
-                              rows_share=self.layout.tp if self.layout.ep > 1 and not self.layout.sp else 1)
+        return block_terms.MoEDims(sh.experts, sh.top_k, sh.expert_ffn, shared_ffn=sh.shared_ffn,
+                                   norm_topk=sh.norm_topk, aux_rows=sh.aux_rows, dense_layers=sh.dense_layers,
+                                   ep=self.layout.ep,
+                                   rows_share=self.layout.tp if self.layout.ep > 1 and not self.layout.sp else 1)
 
     def activation_per_layer(self) -> float:
         """What one block keeps for backward, per micro-batch, under the layout's recompute
@@ -279,20 +280,20 @@ class Device:
         mode = self.recompute_mode
         moe = self.moe_dims() if sh.is_moe(layer) else None
         if self.accounting == "paper":
-            return memory.activation_bytes_per_layer(
+            return activations.activation_bytes_per_layer(
                 s, b, sh.hidden, sh.heads, tp=lay.tp, sp=lay.sp, recompute="full" if mode == "segments" else mode,
                 attention=self.work.attention, kv_width=sh.kv_width, ffn=sh.ffn_width, swiglu=sh.kind != "gpt",
                 q_width=sh.q_width if sh.kind != "gpt" else None, moe=moe)
-        parts = memory.block_parts(s, b, sh.hidden, sh.heads, fused_blocks=self.fused_blocks, moe=moe,
-                                   **self._torch_terms())
+        parts = activations.block_parts(s, b, sh.hidden, sh.heads, fused_blocks=self.fused_blocks, moe=moe,
+                                        **self._torch_terms())
         blocks = self.blocks_on(0)
-        return memory.recompute_kept_bytes(blocks, parts, lay.recompute) / blocks
+        return activations.recompute_kept_bytes(blocks, parts, lay.recompute) / blocks
 
     def activations(self, stage: int) -> float:
         """The activation peak of pipeline stage `stage`. `torch`: the step's peak as
-        `memory.torch_stage_activation_bytes` derives it (matched to the trainer's meter).
-        `paper`: the table's bytes per layer for the blocks of the micro-batches the stage
-        holds at once (`in_flight`), plus the recomputation of one block (or segment) with
+        `stage_activations.torch_stage_activation_bytes` derives it (matched to the trainer's
+        meter). `paper`: the table's bytes per layer for the blocks of the micro-batches the
+        stage holds at once (`in_flight`), plus the recomputation of one block (or segment) with
         its full activations; the embedding and the head are left out, as in the paper."""
         lay, sh = self.layout, self.shape
         if self.accounting == "torch":
@@ -301,12 +302,13 @@ class Device:
                 pp=lay.pp, stage=stage, schedule=lay.schedule, microbatches=lay.microbatches, chunks=lay.chunks,
                 stage_layers=tuple(lay.stage_layer_counts() or ()) or None, fused_blocks=self.fused_blocks,
                 moe=self.moe_dims(), **self._torch_terms())
-        held = memory.in_flight(lay.pp - stage, lay.microbatches, lay.schedule, lay.chunks) if lay.pp > 1 else 1
+        held = (stage_activations.in_flight(lay.pp - stage, lay.microbatches, lay.schedule, lay.chunks)
+                if lay.pp > 1 else 1)
         layers = self.layers_on(stage)
         per_block = sum(self.activation_per_block(i) for i in layers)  # each block's kind
         if self.recompute_mode == "none":
             return held * per_block
-        full = max(memory.activation_bytes_per_layer(
+        full = max(activations.activation_bytes_per_layer(
             self.seq, self.micro_batch, sh.hidden, sh.heads, tp=lay.tp, sp=lay.sp, attention=self.work.attention,
             kv_width=sh.kv_width, ffn=sh.ffn_width, swiglu=sh.kind != "gpt", q_width=sh.q_width if sh.kind != "gpt"
             else None, moe=self.moe_dims() if sh.is_moe(i) else None) for i in layers)
@@ -341,7 +343,7 @@ class Device:
                     r = max(1, sh.top_k * n // sh.experts)
                     linear += sum(machine.matmul_time(r, k, m, dtype, batch=sh.experts)
                                   for k, m in ((h, 2 * sh.expert_ffn), (sh.expert_ffn, h)))
-                traffic_bytes = 2 * memory.torch_activation_bytes_per_layer(
+                traffic_bytes = 2 * activations.torch_activation_bytes_per_layer(
                     s, b, h, sh.heads, moe=self.moe_dims() if moe else None, **self._torch_terms())
                 elementwise = machine.elementwise_time(traffic_bytes)
                 ops = (OPS_PER_BLOCK + (OPS_PER_MOE if moe else 0)) * machine.op_overhead_s
