@@ -30,7 +30,7 @@ __version__ = "0.1.0"
 _API = {
     "init": "meshtrain.session",
     "Mesh": "meshtrain.mesh",
-    "parallelize": "meshtrain.job", "Job": "meshtrain.job", "StepOutput": "meshtrain.job",
+    "parallelize": "meshtrain.job", "Job": "meshtrain.job", "StepOutput": "meshtrain.step_output",
     "cross_entropy": "meshtrain.loss_terms",
     "verify": "meshtrain.lockstep", "VerifyReport": "meshtrain.lockstep",
     "full_shape": "meshtrain.optim", "adamw": "meshtrain.optim",

@@ -6,7 +6,11 @@ rank's rows and its micro-batches, casts floating inputs to the compute dtype, k
 dropout masks by (step, row) so that every layout drops the same elements, weights each
 micro-batch's mean loss by the number of terms it averages (so that the step's gradient is
 the full batch's mean, whatever the layout), synchronises gradients, clips, steps the
-optimizer and the scheduler, and zeroes the gradients."""
+optimizer and the scheduler, and zeroes the gradients.
+
+Its pieces live beside it: `batch_rows` (this rank's rows of a batch), `global_loss` (the
+loss and its count over the ranks), `model_checks` (what is checked of the model),
+`function_init` (a user's `init=`), `step_output` (what a step returns)."""
 
 from __future__ import annotations
 
@@ -20,85 +24,27 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
+from meshtrain.batch_rows import batch_rows, step_rows, take_rows
 from meshtrain.comm import METRICS
-from meshtrain.loss import IGNORE_INDEX
-from meshtrain.loss_terms import LossTerms, accepts_loss_kwargs, cross_entropy, labels_for_count
-from meshtrain.parallel.materialize import stable_seed
+from meshtrain.function_init import FunctionInit
+from meshtrain.global_loss import global_mean, loss_inputs, say_how_the_loss_is_weighted
+from meshtrain.loss_terms import LossTerms, accepts_loss_kwargs, cross_entropy
 from meshtrain.mesh import Mesh
+from meshtrain.model_checks import check_layout, check_same_weights, first_nonfinite, tied_names
 from meshtrain.optim import OptimizerFactory, clip_grads_, divide_, grad_norm
 from meshtrain.parallel.compose import Parallelized, parallelize as apply_strategies, set_micro_shape
-from meshtrain.parallel.context import attention_cores, gather_sequence, shard_sequence
+from meshtrain.parallel.context import gather_sequence, shard_sequence
 from meshtrain.parallel.expert_load import ExpertLoad, set_aux_scale
 from meshtrain.parallel.compile import check_compilable, eager_while
 from meshtrain.parallel.options import CompileOptions, Strategies
 from meshtrain.parallel.pipeline.stages import PipelinePlan
-from meshtrain.parallel.state import digest
-from meshtrain.parallel.tensor import TensorPlan, check_plan
+from meshtrain.parallel.tensor import TensorPlan
+from meshtrain.step_output import StepOutput
 
 
 def _reciprocal(count, loss_scale: float):
     """loss_scale / count, where count is a number or a 0-dim device tensor (not read)."""
     return loss_scale / count if not torch.is_tensor(count) else loss_scale / count.to(torch.float32)
-
-
-class StepOutput:
-    """What one `job.step` did: `loss`, the global batch's mean (the same on every rank);
-    `grad_norm`, the global gradient norm before clipping; `lr`, the learning rate the step
-    used (the first parameter group's); `stepped`, False when the norm was not finite and
-    the update was skipped; `nonfinite`, then the first weight or gradient that is not
-    finite (by the one-process name); `expert_load`, a mixture-of-experts model's tokens
-    per expert over the step, summed over every rank, [every router of the model, experts]
-    (None: no routers).
-
-    `loss` stays on the device until it is read (then a float, kept): a loop that reads a
-    step's loss after it started the next one never makes the host wait for the device.
-    `loss_tensor` is the 0-dim device tensor itself."""
-
-    __slots__ = ("loss_tensor", "_loss", "grad_norm", "lr", "stepped", "nonfinite", "expert_load")
-
-    def __init__(self, loss, grad_norm: float, lr: float | None, stepped: bool, nonfinite: str | None = None,
-                 expert_load: torch.Tensor | None = None):
-        self.loss_tensor = loss if torch.is_tensor(loss) else torch.tensor(float(loss))
-        self._loss = None if torch.is_tensor(loss) else float(loss)
-        self.grad_norm, self.lr, self.stepped, self.nonfinite = grad_norm, lr, stepped, nonfinite
-        self.expert_load = expert_load
-
-    @property
-    def loss(self) -> float:
-        if self._loss is None:
-            self._loss = self.loss_tensor.item()
-        return self._loss
-
-    def _values(self) -> tuple:
-        return self.loss, self.grad_norm, self.lr, self.stepped, self.nonfinite
-
-    def __eq__(self, other) -> bool:
-        return isinstance(other, StepOutput) and self._values() == other._values()
-
-    __hash__ = None
-
-    def __repr__(self) -> str:
-        return (f"StepOutput(loss={self.loss:g}, grad_norm={self.grad_norm:g}, lr={self.lr}, stepped={self.stepped}"
-                + (f", nonfinite={self.nonfinite!r})" if self.nonfinite else ")"))
-
-
-def take_rows(batch, rows: slice):
-    """Those rows of a tensor, of each tensor of a dict; anything else (None) as it is."""
-    if batch is None:
-        return None
-    if isinstance(batch, dict):
-        return {k: take_rows(v, rows) for k, v in batch.items()}
-    return batch[rows] if torch.is_tensor(batch) else batch
-
-
-def _batch_rows(batch) -> int:
-    """Rows of a tensor or of a dict's tensors (all alike); one line if they differ."""
-    if torch.is_tensor(batch):
-        return batch.shape[0]
-    sizes = {k: v.shape[0] for k, v in batch.items() if torch.is_tensor(v) and v.dim() > 0}
-    if not sizes or len(set(sizes.values())) != 1:
-        raise ValueError(f"the batch dict's tensors must share their first (row) dimension; they have {sizes}")
-    return next(iter(sizes.values()))
 
 
 class Job:
@@ -148,13 +94,13 @@ class Job:
         if isinstance(inputs, dict) and mesh.size("pp") > 1:
             raise ValueError("a batch dict under pipeline parallelism: pass inputs and targets tensors (the stages "
                              "send one tensor between them)")
-        mine, offset, count = self._rows_of(inputs, targets, _batch_rows(inputs), rows, check)
+        mine, offset, count = self._rows_of(inputs, targets, rows, check)
         micro = (mine.stop - mine.start) // m
         if self._pipeline is not None and mesh.size("pp") > 1:
             x = inputs[:micro]
             tokens = x.shape[1] // mesh.size("cp") if x.dim() > 1 else 1  # a cp rank sends its tokens only
             set_micro_shape(p, self._pipeline, micro, tokens, self.options.sp)
-        extra = self._loss_inputs(inputs, rows)
+        extra = loss_inputs(self._loss, p, mesh, inputs, rows, self._passes_num_items)
 
         def micro_batch(i: int):
             at = slice(mine.start + i * micro, mine.start + (i + 1) * micro)
@@ -171,76 +117,13 @@ class Job:
         if p.dropout_keys is not None:
             p.dropout_keys.settle()
         p.grad_sync.finish_grad_sync()
-        loss, counted = self._global_mean(total)
+        loss, counted = global_mean(self._loss, p, total)
         if counted is not None:  # the runner back-propagated sums: the gradients of the mean, once, before clipping
             divide_([t.grad for t in {id(t): t for t in p.trained if t.grad is not None}.values()], counted)
         if not self._loss.settled:  # the first step says how a watched loss is weighted
-            self._say_how_the_loss_is_weighted(inputs, targets)
+            say_how_the_loss_is_weighted(self._loss, p, mesh, inputs, targets)
         self._loss.settled = True
         return loss
-
-    def _global_mean(self, total: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Collective: the global batch's mean loss from every rank's share `total`, and the
-        number of terms a watched loss counted as it ran (1 when it counted none: a model
-        divided by `num_items_in_batch`; None when no loss is watched: the shares were already
-        divided by the global count), both 0-dim device tensors. The loss lives on
-        the last pipeline stage of each replica, so both are summed over pp and dp (× cp).
-        Nothing is read on the host but on the step that checks a model's own division by
-        `num_items_in_batch` (the first)."""
-        terms = self._loss
-        if not terms.watched:
-            for axis in ("pp", "dp"):
-                self.parallel.comm.all_reduce(total, axis, purpose=METRICS)
-            return total, None
-        sums = torch.stack([total.double(), terms.counted, terms.checked])
-        for axis in ("pp", "dp"):
-            self.parallel.comm.all_reduce(sums, axis, purpose=METRICS)
-        total, counted, checked = sums.unbind()
-        if not terms.settled:  # the first step: the model's own division checked (a stage may hold no loss)
-            self._check_num_items(checked.item())
-        counted = torch.where(counted > 0, counted, torch.ones_like(counted))  # 0: the shares were normalised
-        return total / counted, counted
-
-    def _check_num_items(self, checked: float) -> None:
-        expected = self._loss.num_items.item() if self._loss.num_items is not None else None
-        if checked and checked != expected:
-            self.parallel.zero_grad()  # the step is refused whole: nothing accumulates into the next
-            raise ValueError(f"loss_fn=None: the model divided its summed loss by num_items_in_batch = {expected:g} "
-                             f"(its labels that are not -100, counted as transformers' Trainer counts them), but "
-                             f"its cross-entropy had {checked:g} terms; pass shift_labels in the batch, or set "
-                             f"model.accepts_loss_kwargs = False for meshtrain to count the terms itself")
-
-    def _say_how_the_loss_is_weighted(self, inputs, targets) -> None:
-        """Collective, once: a watched loss weighted by rows while its targets hold the
-        ignore index trains another model than a plain loop's mean; the first step says so."""
-        if self._loss.resolved != "rows":
-            return
-        held = targets if self._loss.kind == "mean" else (inputs.get("labels") if isinstance(inputs, dict) else None)
-        ignored = torch.is_tensor(held) and not held.is_floating_point() and bool((held == IGNORE_INDEX).any())
-        if self.parallel.comm.any_rank(ignored) and self.mesh.is_main:
-            print(f"meshtrain: warning: {self._loss.what} is a mean meshtrain cannot see into (no cross-entropy or "
-                  f"NLL mean inside), so each micro-batch's mean is weighted by its rows; its targets hold the "
-                  f"ignore index {IGNORE_INDEX}, so micro-batches and ranks with more of them weigh differently "
-                  f"from a plain loop's mean: compute it with F.cross_entropy or F.nll_loss, or pass "
-                  f"loss_reduction='sum' with a normalizer", file=sys.stderr)
-
-    def _loss_inputs(self, inputs, rows: str) -> dict:
-        """What the model's forward is passed beside the batch, and the loss's counts reset:
-        a model that takes `num_items_in_batch` (transformers') gets the global batch's count
-        of its labels, as transformers' Trainer counts them."""
-        labels = None
-        if self._loss.kind == "own" and self._passes_num_items and isinstance(inputs, dict):
-            labels = labels_for_count(self.module, inputs)
-        if labels is None:
-            self._loss.start_step(None, self.mesh.device)
-            return {}
-        n = (labels != IGNORE_INDEX).sum().to(self.mesh.device)
-        if rows == "local":  # each rank passed its share: the shares' counts summed (a cp group shares one)
-            n = n.double()
-            self.parallel.comm.all_reduce(n, "dp", purpose=METRICS)
-            n = (n / self.mesh.size("cp")).round().long()
-        self._loss.start_step(n, self.mesh.device)
-        return {"num_items_in_batch": n}
 
     def update(self, loss: torch.Tensor) -> StepOutput:
         """The second half of `step`: clip, step the optimizer and the scheduler, zero the
@@ -266,47 +149,11 @@ class Job:
         self.steps += 1
         return StepOutput(loss=loss, grad_norm=norm, lr=lr, stepped=stepped, nonfinite=nonfinite, expert_load=load)
 
-    def _rows_of(self, inputs, targets, n: int, rows: str, check: bool = False) -> tuple[slice, int, object]:
+    def _rows_of(self, inputs, targets, rows: str, check: bool = False) -> tuple[slice, int, object]:
         """(this rank's rows of what it was passed, where they start in the global batch, the
-        global count of loss terms: a number or a 0-dim tensor), with one line for a batch the
-        layout cannot split. Local shares are compared across ranks on the first step and when
-        `check` asks (an object gather: the host waits for every rank)."""
-        mesh, m = self.mesh, self.options.microbatches
-        dp = mesh.batch_dp  # the ranks of a cp group share their rows
-        if rows == "global":
-            if n % (dp * m):
-                raise ValueError(f"a global batch of {n} rows does not split into dp·microbatches = {dp}·{m}; "
-                                 f"pass a multiple of {dp * m} rows")
-            mine = mesh.rows(n)
-            return mine, mine.start, self._loss.count(targets, n)
-        if rows != "local":
-            raise ValueError(f"rows={rows!r}: use 'global' (every rank passes the global batch) or 'local'")
-        if n % m:
-            raise ValueError(f"rows='local': this rank's {n} rows do not split into microbatches={m}")
-        if check or not self._loss.settled:
-            self._check_local_shares(inputs, n, dp)
-        if self._loss.watched:  # its terms are counted as it runs
-            return slice(0, n), mesh.batch_coord * n, 1.0
-        count = torch.as_tensor(self._loss.count(targets, n)).to(mesh.device, torch.float64)
-        self.parallel.comm.all_reduce(count, "dp", purpose=METRICS)  # over dp × cp: each row cp times
-        return slice(0, n), mesh.batch_coord * n, count / mesh.size("cp")
-
-    def _check_local_shares(self, inputs, n: int, dp: int) -> None:
-        mesh = self.mesh
-        shares = self.parallel.comm.all_gather_object((mesh.batch_coord, n, _fingerprint(inputs)))
-        sizes = {s[1] for s in shares}
-        if len(sizes) != 1:
-            raise ValueError(f"rows='local': ranks passed shares of different sizes {sorted(sizes)}; pass "
-                             f"batch[mesh.rows(global_batch_size)] on every rank")
-        by_coord: dict[int, set] = {}
-        for coord, _, fp in shares:
-            by_coord.setdefault(coord, set()).add(fp)
-        if any(len(fps) > 1 for fps in by_coord.values()):
-            raise ValueError("rows='local': ranks of the same data-parallel replica (its tp and pp ranks) passed "
-                             "different rows; each must pass batch[mesh.rows(global_batch_size)]")
-        if dp > 1 and len({next(iter(fps)) for fps in by_coord.values()}) == 1:
-            raise ValueError("rows='local': every data-parallel rank passed the same rows; pass "
-                             "batch[mesh.rows(global_batch_size)], or rows='global' with the whole batch")
+        global count of loss terms): `batch_rows.step_rows`."""
+        return step_rows(self.mesh, self.parallel.comm, self._loss, self.options.microbatches, inputs, targets,
+                         batch_rows(inputs), rows, check)
 
     def _sequence_shard(self, batch):
         """Context parallelism: this cp rank's two chunks (head-tail) of every sequence of a
@@ -355,8 +202,8 @@ class Job:
         in evaluation mode, forward only, in every layout, its terms counted as in `step`:
         held-out validation."""
         p = self.parallel
-        mine, _, count = self._rows_of(inputs, targets, _batch_rows(inputs), rows)
-        extra = self._loss_inputs(inputs, rows)
+        mine, _, count = self._rows_of(inputs, targets, rows)
+        extra = loss_inputs(self._loss, p, self.mesh, inputs, rows, self._passes_num_items)
         total = torch.zeros((), dtype=torch.float64, device=self.mesh.device)
         x = self._to_device(take_rows(inputs, mine))
         with torch.no_grad(), p.loss_scope():
@@ -368,7 +215,7 @@ class Job:
                     y = self._to_device(take_rows(targets, mine), cast=False)
                     y = self._sequence_shard(y) if self.mesh.size("cp") > 1 else y
                 total += p.loss_fn(out, y).double() / count
-        return self._global_mean(total)[0].item()
+        return global_mean(self._loss, p, total)[0].item()
 
     def _output(self, x):
         """The module's output in evaluation mode on this rank's tokens of `x` (on the
@@ -380,40 +227,13 @@ class Job:
         module, was_training = self.module, self.module.training
         module.eval()
         try:
-            if self.mesh.size("pp") > 1:
-                return self._pipeline_forward(x)
+            if self.mesh.size("pp") > 1:  # each virtual stage in turn
+                seq = x.shape[1] if x.dim() > 1 else 1
+                seq = seq // self.mesh.size("tp") if self.options.sp else seq
+                return self.parallel.runner.forward_only(x, self._pipeline.activation_shape(x.shape[0], seq))
             return module(**x) if isinstance(x, dict) else module(x)
         finally:
             module.train(was_training)
-
-    def _pipeline_forward(self, x: torch.Tensor):
-        """Each virtual stage in turn: its owner receives the activation, runs its chunk, and
-        sends it on (one grouped transfer at a time, which NCCL cannot deadlock)."""
-        runner, mesh = self.parallel.runner, self.mesh
-        stage = runner.stage
-        seq = x.shape[1] if x.dim() > 1 else 1
-        shape = self._pipeline.activation_shape(x.shape[0], seq // mesh.size("tp") if self.options.sp else seq)
-        out = None
-        pp = mesh.size("pp")
-        for v in range(stage.last_virtual + 1):
-            owner, chunk = v % pp, v // pp
-            if owner != mesh.coord("pp"):
-                continue
-            if v > 0:
-                h = torch.empty(shape, dtype=runner.dtype, device=mesh.device)
-                prev = (owner - 1) % pp - mesh.coord("pp")
-                for work in self.parallel.comm.exchange([(False, h, prev, 0)], "pp", purpose=METRICS):
-                    work.wait()
-            else:
-                h = x
-            h = stage.forward(chunk, h)
-            if v < stage.last_virtual:
-                nxt = (owner + 1) % pp - mesh.coord("pp")
-                for work in self.parallel.comm.exchange([(True, h.contiguous(), nxt, 0)], "pp", purpose=METRICS):
-                    work.wait()
-            else:
-                out = h
-        return out
 
     # ---- state ------------------------------------------------------------------------------
 
@@ -484,78 +304,6 @@ class Job:
         return meta
 
 
-def tied_names(module: nn.Module) -> dict[str, str]:
-    """{another name: the first name} of each parameter reachable under several names (a tied
-    head): `named_parameters` gives the first name only, torch's `state_dict` every one."""
-    first: dict[int, str] = {}
-    aliases = {}
-    for name, p in module.named_parameters(remove_duplicate=False):
-        if id(p) in first:
-            aliases[name] = first[id(p)]
-        else:
-            first[id(p)] = name
-    return aliases
-
-
-def first_nonfinite(p: Parallelized) -> str | None:
-    """Collective: the first weight that holds an inf or a NaN, else the first gradient that
-    does (in rank order, then this rank's order), as "weight NAME" or "the gradient of NAME"."""
-    pieces = p.local_pieces()
-    bad = lambda t: t is not None and not bool(torch.isfinite(t).all())  # noqa: E731
-    mine = [next((f"weight {x.name}" for x in pieces if bad(x.value)), None),
-            next((f"the gradient of {x.name}" for x in pieces if bad(x.grad)), None)]
-    found = p.comm.all_gather_object(mine)
-    return next((rank[i] for i in (0, 1) for rank in found if rank[i] is not None), None)
-
-
-class FunctionInit:
-    """A user's `init=fn(name, tensor, generator)` in the form the strategies draw from: each
-    parameter's full value from a CPU generator seeded by (seed, name), so every rank and the
-    one-process reference draw the same values, each only for what it keeps."""
-
-    def __init__(self, fn, shapes: dict[str, tuple[int, ...]], seed: int):
-        self.fn, self.shapes, self.seed = fn, shapes, seed
-
-    @classmethod
-    def of(cls, model: nn.Module, fn, seed: int) -> "FunctionInit":
-        if not callable(fn):
-            raise TypeError("init: pass fn(name, tensor, generator) that fills the parameter's tensor in place")
-        return cls(fn, {n: tuple(p.shape) for n, p in model.named_parameters()}, seed)
-
-    def full_value(self, name: str) -> torch.Tensor:
-        out = torch.empty(self.shapes[name], dtype=torch.float32)
-        with torch.no_grad():
-            self.fn(name, out, torch.Generator().manual_seed(stable_seed(self.seed, name)))
-        return out
-
-    def fingerprint(self) -> int:
-        text = repr((self.seed, sorted(self.shapes.items()), getattr(self.fn, "__qualname__", repr(self.fn))))
-        return stable_seed(0, text)
-
-
-def _fingerprint(batch) -> bytes:
-    if isinstance(batch, dict):
-        return b"".join(_fingerprint(batch[k]) for k in sorted(batch))
-    return digest(batch) if torch.is_tensor(batch) else repr(batch).encode()
-
-
-def check_same_weights(model: nn.Module, mesh: Mesh) -> None:
-    """Collective over the world: every rank was given the same full model (the same values
-    of every parameter and buffer), before any strategy splits it. One line names the first
-    tensor that differs and a rank it differs on."""
-    if mesh.world_size == 1:
-        return
-    mine = [(n, digest(t)) for n, t in list(model.named_parameters()) + list(model.named_buffers())
-            if t.device.type != "meta"]
-    every = mesh.comm.all_gather_object(mine)
-    for rank, theirs in enumerate(every):
-        if theirs != every[0]:
-            names = dict(every[0])
-            bad = next((n for n, d in theirs if names.get(n) != d), "the parameter list")
-            raise ValueError(f"model: rank {rank}'s {bad} differs from rank 0's; build the model alike on every rank "
-                             f"(torch.manual_seed(same seed) before constructing it), or on the meta device with init=")
-
-
 def parallelize(model: nn.Module, mesh: Mesh, *, optimizer: OptimizerFactory, loss_fn=cross_entropy,
                 loss_reduction: str = "mean", normalizer=None, zero: int = 0, precision: str = "fp32",
                 grad_dtype: str | None = None, recompute: str = "none", sp: bool = False,
@@ -613,27 +361,7 @@ def parallelize(model: nn.Module, mesh: Mesh, *, optimizer: OptimizerFactory, lo
         raise TypeError("lr_scheduler: pass a factory taking the optimizer, e.g. "
                         "`lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=10)`")
     loss = LossTerms(loss_fn, loss_reduction, normalizer)
-    if mesh.size("tp") > 1:
-        if tp_plan is None:
-            raise ValueError(f"tp_plan: tp={mesh.size('tp')} needs a plan of the model's module names to styles")
-        check_plan(model, tp_plan, mesh.size("tp"))
-        if tp_plan.vocab_parallel_loss and (not loss.is_cross_entropy or loss.label_smoothing):
-            raise ValueError("loss_fn: the tp_plan shards the head by vocabulary, so the loss is meshtrain's "
-                             "vocabulary-parallel cross-entropy (no logits gathered); pass loss_fn=meshtrain."
-                             "cross_entropy (no label smoothing), or keep the head whole in the plan")
-    if mesh.size("cp") > 1:
-        attention_cores(model)
-        if loss.kind == "own":
-            raise ValueError("loss_fn=None under context parallelism: a model computing its own loss shifts its "
-                             "labels inside its forward, which a cp rank's share of each sequence cannot do; pass "
-                             "a loss_fn and targets shifted outside the model")
-    if mesh.size("pp") > 1:
-        if pipeline is None:
-            raise ValueError(f"pipeline: pp={mesh.size('pp')} needs a PipelinePlan (before, blocks, after)")
-        pipeline.check(model, mesh.size("pp") * chunks)
-    if init is None and any(p.device.type == "meta" for p in model.parameters()):
-        raise ValueError("init: the model is on the meta device (no weights); pass init=fn(name, tensor, generator) "
-                         "that fills each parameter, or build the model on a real device")
+    check_layout(model, mesh, loss, tp_plan, pipeline, chunks, init)
     check_same_weights(model, mesh)
     if init is not None and not hasattr(init, "full_value"):  # a spec (InitSpec, hf.HFWeights) is used as is
         init = FunctionInit.of(model, init, mesh.seed)

@@ -28,7 +28,8 @@ import torch
 import torch.nn as nn
 
 from meshtrain.config import parse_layout  # the command line's grammar of a layout (verifier already imports config)
-from meshtrain.job import Job, cross_entropy, parallelize
+from meshtrain.job import Job, parallelize
+from meshtrain.loss_terms import cross_entropy
 from meshtrain.mesh import Mesh
 from meshtrain.verifier import LayoutRecorder, compare, join_parts, lockstep_steps, same_ranks, shared_temp_folder
 from meshtrain.session import init

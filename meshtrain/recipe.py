@@ -46,6 +46,6 @@ class RecipeData:
         self._batch = batch
 
     def batch(self, step: int, batch_size: int, rows: slice):
-        from meshtrain.job import take_rows
+        from meshtrain.batch_rows import take_rows
         inputs, targets = self._batch(step, batch_size)
         return take_rows(inputs, rows), take_rows(targets, rows)

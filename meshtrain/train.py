@@ -23,8 +23,8 @@ from meshtrain.config import (Config, LayoutConfig, TrainConfig, imported_tokeni
 from meshtrain.data.datasets import open_dataset
 from meshtrain.metrics import ActivationMeter, BuildMeter, LayerProbe, StepLog
 from meshtrain.optim import adamw, set_lr
-from meshtrain.job import Job, StepOutput, cross_entropy, parallelize
-from meshtrain.loss_terms import LossTerms
+from meshtrain.job import Job, parallelize
+from meshtrain.loss_terms import LossTerms, cross_entropy
 from meshtrain.loss import IGNORE_INDEX, cross_entropy_sum
 from meshtrain.parallel.compose import Parallelized
 from meshtrain.parallel.compose import parallelize as apply_strategies
@@ -33,6 +33,7 @@ from meshtrain.parallel.materialize import ModelRules
 from meshtrain.parallel.pipeline import trace as pipeline_trace
 from meshtrain.recipe import Recipe, RecipeData, is_user_model, load_recipe
 from meshtrain.recipes.build import build_model, preset_recipe
+from meshtrain.step_output import StepOutput
 from meshtrain.run_folder import (Preempted, Preemption, RunRefused, checkpoint_after, resume, start_lineage,
                                   this_run)
 from meshtrain.hf import HFWeights

@@ -228,7 +228,7 @@ def _meta_and_vocab_head(_harness):
 
 def test_a_meta_device_model_with_a_users_init_and_a_vocabulary_parallel_head():
     got = run_ranks(_meta_and_vocab_head, 2, timeout=300)[0]
-    from meshtrain.job import FunctionInit  # the reference draws the same values, whole
+    from meshtrain.function_init import FunctionInit  # the reference draws the same values, whole
     model = make_model()
     spec = FunctionInit.of(model, _fill, seed=0)
     with torch.no_grad():

@@ -19,8 +19,7 @@ from meshtrain.comm import Comm
 from meshtrain.data.corpus import DataError
 from meshtrain.data.datasets import DOCUMENTS_FILE, META_FILE, TOKENS_FILE, TextData, prepare_text
 from meshtrain.data.tokenizer import EOS_TEXT, load_tokenizer
-from meshtrain.job import IGNORE_INDEX
-from meshtrain.loss import cross_entropy_sum
+from meshtrain.loss import IGNORE_INDEX, cross_entropy_sum
 
 DOCS = ["To be, or not to be, that is the question:\n" * 4, "Now is the winter of our discontent\n",
         "Friends, Romans, countrymen, lend me your ears;\nI come to bury Caesar, not to praise him.\n" * 2]

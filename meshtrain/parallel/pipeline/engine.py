@@ -24,7 +24,7 @@ from typing import Callable
 
 import torch
 
-from meshtrain.comm import Comm
+from meshtrain.comm import METRICS, Comm
 from meshtrain.parallel.pipeline import schedules as S
 from meshtrain.parallel.pipeline.split import WeightGradStore, split_linears
 from meshtrain.parallel.pipeline.stages import Stage
@@ -100,6 +100,34 @@ class PipelineRunner:
         step = +1 if isinstance(op, (S.SendActivation, S.RecvGrad)) else -1
         other = self.stage.virtual(op.chunk) + step
         return other % self.stage.stages - self.stage.stage, other // self.stage.stages
+
+    def forward_only(self, x: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor | None:
+        """Evaluation (no instruction list, no gradients kept by the caller): each virtual stage
+        in turn, its owner receives the activation (of `shape`), runs its chunk and sends it on,
+        one grouped transfer at a time, which NCCL cannot deadlock. The last virtual stage's
+        output on its ranks, None on the others."""
+        stage, mesh = self.stage, self.comm.mesh
+        out = None
+        pp = mesh.size("pp")
+        for v in range(stage.last_virtual + 1):
+            owner, chunk = v % pp, v // pp
+            if owner != mesh.coord("pp"):
+                continue
+            if v > 0:
+                h = torch.empty(shape, dtype=self.dtype, device=mesh.device)
+                prev = (owner - 1) % pp - mesh.coord("pp")
+                for work in self.comm.exchange([(False, h, prev, 0)], "pp", purpose=METRICS):
+                    work.wait()
+            else:
+                h = x
+            h = stage.forward(chunk, h)
+            if v < stage.last_virtual:
+                nxt = (owner + 1) % pp - mesh.coord("pp")
+                for work in self.comm.exchange([(True, h.contiguous(), nxt, 0)], "pp", purpose=METRICS):
+                    work.wait()
+            else:
+                out = h
+        return out
 
     def _transfer(self, op: S.Instruction, tensor: torch.Tensor) -> Transfer:
         send = isinstance(op, S.SEND)
