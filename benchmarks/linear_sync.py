@@ -21,11 +21,12 @@ import torch
 from meshtrain import config as C
 from meshtrain.bench import interleaved
 from meshtrain.bench.ddp import ddp_setup
+from meshtrain.cli import bench_options
 from meshtrain.comm import Comm, linear_sync_crossover
 from meshtrain.launch import detect, init_distributed, shutdown_distributed
 from meshtrain.mesh import Mesh
 from meshtrain.parallel.linear_gather import choose_linear_syncs
-from meshtrain.train import job_for, setup
+from meshtrain.train import job_for, setup, train_step
 
 SYNCS = ("allreduce", "allgather", "auto")
 
@@ -46,8 +47,9 @@ def measure(comm: Comm, batch: int, hidden: str, steps: int) -> dict:
     for sync in SYNCS:
         cfg = config(sync, dp, batch, hidden, steps)
         data, runs[sync] = setup(cfg, comm)
-    runs["ddp"] = job_for(ddp_setup(config("allreduce", dp, batch, hidden, steps), comm), cfg)
-    measured = interleaved(runs, data, cfg, comm, f"B={batch}")
+    peer = bench_options(config("allreduce", dp, batch, hidden, steps), "ddp").peer
+    runs["ddp"] = job_for(ddp_setup(peer, comm), cfg)
+    measured = interleaved(runs, data, lambda job, data, i: train_step(job, data, i, cfg), steps, comm, f"B={batch}")
     layers = choose_linear_syncs(runs["allreduce"].module, "auto", batch, dp, grad_size=4, activation_size=4)
     return {
         "batch": batch,

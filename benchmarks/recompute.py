@@ -47,7 +47,8 @@ def main() -> None:
         meter = ActivationMeter()
         train_step(runs[mode], data, 0, cfg, meter=meter)  # measured apart: the meter slows a step
         activations[mode] = meter.peak
-    measured = interleaved(runs, data, cfg, comm, "recompute")
+    measured = interleaved(runs, data, lambda job, data, i: train_step(job, data, i, cfg), args.steps, comm,
+                           "recompute")
     times = {mode: statistics.median(t) for mode, t in measured.times.items()}
     result = {"model": args.model, "attention": args.attention, "batch_size": args.batch_size,
               "seq_len": args.seq_len, "steps": args.steps, "activation_bytes": activations,

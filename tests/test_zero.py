@@ -216,7 +216,9 @@ def test_stage_3_takes_any_model_with_a_block_list_and_trains_it_as_the_plain_on
 
 def _bench_both(mesh):
     from meshtrain.bench import run_bench
-    return [run_bench(zero_config(stage, 2, steps=2), Comm(mesh), peer) for stage, peer in ((1, "zero1"), (3, "fsdp2"))]
+    from meshtrain.cli import bench_options
+    return [run_bench(bench_options(zero_config(stage, 2, steps=2), peer), Comm(mesh), peer)
+            for stage, peer in ((1, "zero1"), (3, "fsdp2"))]
 
 
 def test_bench_against_zero_redundancy_optimizer_and_fsdp2_trains_the_same_model():

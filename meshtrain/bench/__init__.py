@@ -1,7 +1,11 @@
 """`meshtrain bench --vs PEER`: this project and PyTorch's native equivalent on the same
 model, data, world size and process group, interleaved step by step in one process tree
 (which of the two goes first alternates), so that a noisy machine slows both alike.
-Reports medians and their ratio (ours / peer); the first steps are warm-up and not timed."""
+Reports medians and their ratio (ours / peer); the first steps are warm-up and not timed.
+
+It takes typed options (`BenchOptions`, `PeerOptions`), not the command line's `Config`:
+the command line fills them and hands in its train loop's pieces — how ours is built, how a
+peer's strategies become a `Job` running the same loop, and one step of that loop."""
 
 from __future__ import annotations
 
@@ -10,20 +14,36 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 from meshtrain.bench.ddp import ddp_setup
 from meshtrain.bench.dtensor_tp import dtensor_tp_setup
 from meshtrain.bench.fsdp2 import fsdp2_setup
+from meshtrain.bench.options import PeerOptions
 from meshtrain.bench.torch_pp import torch_pp_setup
 from meshtrain.bench.zero1 import zero1_setup
 from meshtrain.comm import Comm
-from meshtrain.config import Config
 from meshtrain.job import Job
-from meshtrain.train import job_for, setup, train_step
+from meshtrain.parallel.compose import Parallelized
+from meshtrain.step_output import StepOutput
 
 PEERS = {"ddp": ddp_setup, "zero1": zero1_setup, "fsdp2": fsdp2_setup, "dtensor-tp": dtensor_tp_setup,
          "torch-pp": torch_pp_setup}
 WARMUP_STEPS = 2
+
+Step = Callable[[Job, object, int], StepOutput]  # one step of the train loop: (job, data, 0-based step)
+
+
+@dataclass(frozen=True)
+class BenchOptions:
+    """What `run_bench` compares: the peer's options, and the train loop's pieces ours and the
+    peer run in (the command line's: `cli.bench_options`)."""
+    peer: PeerOptions
+    ours: Callable[[Comm], tuple[object, Job]]  # collective: the data, and our job on this layout
+    as_job: Callable[[Parallelized], Job]  # a peer's strategies in a Job that runs our loop
+    step: Step
+    steps: int  # timed steps, after `WARMUP_STEPS`
+    model: str  # the model's name, for the report
 
 
 @dataclass
@@ -34,40 +54,40 @@ class Interleaved:
     sent: dict[str, list[dict[str, float]]]
 
 
-def interleaved(runs: dict[str, Job], data, cfg: Config, comm: Comm, desc: str) -> Interleaved:
-    """Collective: `cfg.train.steps` steps (after `WARMUP_STEPS`) of every set-up in the same
-    ranks, one after the other, the order rotating every step, so that a noisy machine slows
-    all alike."""
+def interleaved(runs: dict[str, Job], data, step: Step, steps: int, comm: Comm, desc: str) -> Interleaved:
+    """Collective: `steps` steps (after `WARMUP_STEPS`) of every set-up in the same ranks, one
+    after the other, the order rotating every step, so that a noisy machine slows all alike;
+    each runs `step(job, data, i)`."""
     names = list(runs)
     out = Interleaved({n: [] for n in names}, {n: [] for n in names}, {n: [] for n in names})
     bar = None
     if comm.mesh.is_main:
         from tqdm import tqdm
-        bar = tqdm(total=cfg.train.steps, desc=desc, file=sys.stderr, unit="round")
-    for step in range(WARMUP_STEPS + cfg.train.steps):
-        shift = step % len(names)
+        bar = tqdm(total=steps, desc=desc, file=sys.stderr, unit="round")
+    for i in range(WARMUP_STEPS + steps):
+        shift = i % len(names)
         for name in names[shift:] + names[:shift]:
             before = comm.totals()
             comm.barrier()
             t0 = time.perf_counter()
-            loss = train_step(runs[name], data, step, cfg).loss
+            loss = step(runs[name], data, i).loss
             elapsed = time.perf_counter() - t0
             out.losses[name].append(loss)
-            if step >= WARMUP_STEPS:
+            if i >= WARMUP_STEPS:
                 out.times[name].append(elapsed)
                 out.sent[name].append({k: v - before.get(k, 0.0) for k, v in comm.totals().items()})
-        if bar is not None and step >= WARMUP_STEPS:
+        if bar is not None and i >= WARMUP_STEPS:
             bar.update()
     if bar is not None:
         bar.close()
     return out
 
 
-def run_bench(cfg: Config, comm: Comm, peer: str) -> dict | None:
+def run_bench(options: BenchOptions, comm: Comm, peer: str) -> dict | None:
     """Collective: both setups in the same ranks, steps alternated; rank 0 gets the result."""
-    data, ours = setup(cfg, comm)
-    theirs = job_for(PEERS[peer](cfg, comm), cfg)  # the same loop as ours
-    measured = interleaved({"ours": ours, "peer": theirs}, data, cfg, comm, f"bench vs {peer}")
+    data, ours = options.ours(comm)
+    theirs = options.as_job(PEERS[peer](options.peer, comm))  # the same loop as ours
+    measured = interleaved({"ours": ours, "peer": theirs}, data, options.step, options.steps, comm, f"bench vs {peer}")
     times, losses = measured.times, measured.losses
     ours_state, peer_state = ours.parallel.model_state_bytes(), theirs.parallel.model_state_bytes()
     if not comm.mesh.is_main:
@@ -75,9 +95,9 @@ def run_bench(cfg: Config, comm: Comm, peer: str) -> dict | None:
     ours_median, peer_median = statistics.median(times["ours"]), statistics.median(times["peer"])
     return {
         "peer": peer,
-        "layout": cfg.layout.summary(),
-        "model": cfg.model.name,
-        "steps": cfg.train.steps,
+        "layout": options.peer.layout.summary(),
+        "model": options.model,
+        "steps": options.steps,
         "ours_step_time_median_s": ours_median,
         "peer_step_time_median_s": peer_median,
         "ratio": ours_median / peer_median,
@@ -96,10 +116,10 @@ def _kept(state: dict) -> int:
     return state["total"] - state.get("gathered", 0)
 
 
-def report(cfg: Config, result: dict, json_mode: bool) -> int:
+def report(options: BenchOptions, result: dict, json_mode: bool) -> int:
     out = sys.stderr if json_mode else sys.stdout
     peer = result["peer"]
-    print(f"{cfg.model.name}, {cfg.layout.world_size} ranks, {cfg.train.steps} interleaved steps: "
+    print(f"{options.model}, {options.peer.layout.world_size} ranks, {options.steps} interleaved steps: "
           f"ours {result['ours_step_time_median_s'] * 1e3:.1f} ms, {peer} {result['peer_step_time_median_s'] * 1e3:.1f} ms, "
           f"ratio {result['ratio']:.3f} (pairwise median {result['pairwise_ratio_median']:.3f}); model-state "
           f"bytes/rank kept between steps ours {_kept(result['ours_model_state_bytes']):,}, {peer} "

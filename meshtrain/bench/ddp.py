@@ -15,24 +15,23 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from meshtrain.bench.options import PeerOptions
 from meshtrain.comm import Comm
-from meshtrain.config import Config
 from meshtrain.loss import cross_entropy_sum
 from meshtrain.optim import adamw
 from meshtrain.parallel.compose import Parallelized
 from meshtrain.parallel.precision import COMPUTE_DTYPES, MasterWeights, fp32_loss
 from meshtrain.parallel.runner import PlainRunner
-from meshtrain.train import build
 
 
-def peer_dtypes(cfg: Config) -> tuple[torch.dtype, torch.dtype]:
+def peer_dtypes(options: PeerOptions) -> tuple[torch.dtype, torch.dtype]:
     """The compute dtype and the dtype gradients are reduced in, as our layout has them."""
-    compute = COMPUTE_DTYPES[cfg.layout.precision]
-    return compute, torch.float32 if cfg.layout.grad_dtype == "fp32" else compute
+    compute = COMPUTE_DTYPES[options.layout.precision]
+    return compute, torch.float32 if options.layout.grad_dtype == "fp32" else compute
 
 
-def peer_loss(cfg: Config):
-    return cross_entropy_sum if cfg.layout.precision == "fp32" else fp32_loss(cross_entropy_sum)
+def peer_loss(options: PeerOptions):
+    return cross_entropy_sum if options.layout.precision == "fp32" else fp32_loss(cross_entropy_sum)
 
 
 def _all_reduce_in(dtype: torch.dtype):
@@ -62,23 +61,23 @@ class PeerSync:
         pass
 
 
-def ddp_setup(cfg: Config, comm: Comm) -> Parallelized:
+def ddp_setup(options: PeerOptions, comm: Comm) -> Parallelized:
     mesh = comm.mesh
-    compute, reduce = peer_dtypes(cfg)
-    _, model = build(cfg, mesh.device)
+    compute, reduce = peer_dtypes(options)
+    model = options.build_model(mesh.device)
     model.to(compute)
-    ddp = DistributedDataParallel(model, process_group=mesh.group("dp"), bucket_cap_mb=cfg.layout.bucket_mb,
+    ddp = DistributedDataParallel(model, process_group=mesh.group("dp"), bucket_cap_mb=options.layout.bucket_mb,
                                   gradient_as_bucket_view=True,
                                   device_ids=[mesh.device.index] if mesh.device.type == "cuda" else None)
     named = list(model.named_parameters())
     if compute == torch.float32:
-        optimizer = adamw(cfg.train.lr, cfg.train.weight_decay)(named)
+        optimizer = adamw(options.lr, options.weight_decay)(named)
     else:
-        optimizer = MasterWeights(named, adamw(cfg.train.lr, cfg.train.weight_decay))
+        optimizer = MasterWeights(named, adamw(options.lr, options.weight_decay))
         if reduce != compute:
             ddp.register_comm_hook(mesh.group("dp"), _all_reduce_in(reduce))
     # DDP averages gradients over ranks; our loss is already divided by the global token
     # count, so scale it by dp to get the same gradient.
-    return Parallelized(ddp, peer_loss(cfg), PeerSync(ddp.no_sync), optimizer, PlainRunner(), comm,
+    return Parallelized(ddp, peer_loss(options), PeerSync(ddp.no_sync), optimizer, PlainRunner(), comm,
                         n_params=sum(p.numel() for p in model.parameters()), loss_scale=mesh.size("dp"),
                         compute_dtype=compute)

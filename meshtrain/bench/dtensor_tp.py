@@ -23,13 +23,12 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
                                                RowwiseParallel, SequenceParallel, loss_parallel,
                                                parallelize_module)
 
+from meshtrain.bench.options import PeerOptions
 from meshtrain.comm import Comm
-from meshtrain.config import Config
 from meshtrain.models.llama import Llama
 from meshtrain.optim import SHARDED_OVER, adamw
 from meshtrain.parallel.compose import GradSyncs, Parallelized
 from meshtrain.parallel.runner import PlainRunner
-from meshtrain.train import build
 
 
 def dtensor_plan(n_layers: int, sp: bool) -> dict:
@@ -100,16 +99,16 @@ class _LossParallelRunner(PlainRunner):
             return total
 
 
-def dtensor_tp_setup(cfg: Config, comm: Comm) -> Parallelized:
+def dtensor_tp_setup(options: PeerOptions, comm: Comm) -> Parallelized:
     mesh = comm.mesh
-    _, model = build(cfg, mesh.device)
+    model = options.build_model(mesh.device)
     n_params = sum(p.numel() for p in model.parameters())
-    plan = llama_dtensor_plan(len(model.layers), cfg.layout.sp) if isinstance(model, Llama) else \
-        dtensor_plan(len(model.blocks), cfg.layout.sp)
+    plan = llama_dtensor_plan(len(model.layers), options.layout.sp) if isinstance(model, Llama) else \
+        dtensor_plan(len(model.blocks), options.layout.sp)
     parallelize_module(model, mesh.device_mesh("tp"), plan)
     for p in model.parameters():  # our clipping sums the squared norms of shards over tp
         if any(isinstance(pl, Shard) for pl in getattr(p, "placements", ())):
             setattr(p, SHARDED_OVER, ("tp",))
-    optimizer = adamw(cfg.train.lr, cfg.train.weight_decay)(list(model.named_parameters()))
+    optimizer = adamw(options.lr, options.weight_decay)(list(model.named_parameters()))
     return Parallelized(model, _loss_parallel_cross_entropy_sum, GradSyncs(), optimizer, _LossParallelRunner(), comm,
                         n_params)

@@ -13,13 +13,12 @@ from functools import partial
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from meshtrain.bench.ddp import PeerSync, peer_dtypes, peer_loss
+from meshtrain.bench.options import PeerOptions
 from meshtrain.comm import Comm
-from meshtrain.parallel.modules import find_block_list
-from meshtrain.config import Config
 from meshtrain.optim import SHARDED_OVER, adamw
 from meshtrain.parallel.compose import Parallelized
+from meshtrain.parallel.modules import find_block_list
 from meshtrain.parallel.runner import PlainRunner
-from meshtrain.train import build
 
 
 @contextmanager
@@ -32,19 +31,19 @@ def _no_gradient_sync(model):
         model.set_requires_gradient_sync(True)
 
 
-def fsdp2_setup(cfg: Config, comm: Comm) -> Parallelized:
+def fsdp2_setup(options: PeerOptions, comm: Comm) -> Parallelized:
     mesh = comm.mesh
-    _, model = build(cfg, mesh.device)
+    model = options.build_model(mesh.device)
     n_params = sum(p.numel() for p in model.parameters())
     dp_mesh = mesh.device_mesh("dp")
-    compute, reduce = peer_dtypes(cfg)
+    compute, reduce = peer_dtypes(options)
     policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=reduce)
     for block in find_block_list(model)[1]:  # the GPT's blocks, the Llama's layers
         fully_shard(block, mesh=dp_mesh, mp_policy=policy)
     fully_shard(model, mesh=dp_mesh, mp_policy=policy)
     for p in model.parameters():  # our clipping sums the squared norms of the shards over dp
         setattr(p, SHARDED_OVER, ("dp",))
-    optimizer = adamw(cfg.train.lr, cfg.train.weight_decay)(list(model.named_parameters()))
+    optimizer = adamw(options.lr, options.weight_decay)(list(model.named_parameters()))
     # FSDP2 averages gradients over ranks; our loss is already divided by the global token count.
-    return Parallelized(model, peer_loss(cfg), PeerSync(partial(_no_gradient_sync, model)), optimizer, PlainRunner(),
+    return Parallelized(model, peer_loss(options), PeerSync(partial(_no_gradient_sync, model)), optimizer, PlainRunner(),
                         comm, n_params, loss_scale=mesh.size("dp"), compute_dtype=compute)

@@ -16,14 +16,12 @@ import torch.nn as nn
 from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
                                           ScheduleInterleavedZeroBubble)
 
+from meshtrain.bench.options import PeerOptions
 from meshtrain.comm import Comm
-from meshtrain.config import Config
 from meshtrain.loss import cross_entropy_sum
 from meshtrain.optim import adamw
 from meshtrain.parallel.compose import GradSyncs, Parallelized
 from meshtrain.parallel.pipeline.stages import Stage
-from meshtrain.recipes import pipeline_plan_of
-from meshtrain.train import build
 
 SINGLE = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 MULTI = {"interleaved": ScheduleInterleaved1F1B, "zb": ScheduleInterleavedZeroBubble}
@@ -66,11 +64,13 @@ class _TorchScheduleRunner:
         return total
 
 
-def torch_pp_setup(cfg: Config, comm: Comm) -> Parallelized:
-    mesh, lay = comm.mesh, cfg.layout
-    _, model = build(cfg, mesh.device)
+def torch_pp_setup(options: PeerOptions, comm: Comm) -> Parallelized:
+    mesh, lay = comm.mesh, options.layout
+    if options.pipeline is None:
+        raise ValueError("torch-pp: PeerOptions.pipeline must say how the model is cut into stages")
+    model = options.build_model(mesh.device)
     n_params = sum(q.numel() for q in model.parameters())
-    stage = Stage(model, pipeline_plan_of(cfg.model.spec()), mesh.coord("pp"), lay.pp, lay.chunks,
+    stage = Stage(model, options.pipeline, mesh.coord("pp"), lay.pp, lay.chunks,
                   lay.stage_layer_counts())
     torch_stages = [PipelineStage(_VirtualStage(stage, c), stage.virtual(c), lay.pp * lay.chunks, mesh.device,
                                   group=mesh.group("pp")) for c in range(lay.chunks)]
@@ -80,5 +80,5 @@ def torch_pp_setup(cfg: Config, comm: Comm) -> Parallelized:
     else:
         schedule = MULTI[lay.schedule](torch_stages, lay.microbatches, runner.loss, scale_grads=False)
     runner.schedule = schedule
-    optimizer = adamw(cfg.train.lr, cfg.train.weight_decay)(list(model.named_parameters()))
+    optimizer = adamw(options.lr, options.weight_decay)(list(model.named_parameters()))
     return Parallelized(model, cross_entropy_sum, GradSyncs(), optimizer, runner, comm, n_params)

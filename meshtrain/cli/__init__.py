@@ -25,7 +25,7 @@ from pathlib import Path
 from meshtrain import config as C
 from meshtrain.recipe import is_user_model
 from meshtrain import launch
-from meshtrain.recipes import PUBLISHED, family_of
+from meshtrain.recipes import PUBLISHED, family_of, pipeline_plan_of
 from meshtrain.checkpoint.folders import COMPLETE, steps_in_local
 from meshtrain.checkpoint.owner import OwnerError, RUN_ID_ENV, read_run
 from meshtrain.data.corpus import DataError
@@ -540,13 +540,29 @@ def _verify(cfg, comm, args):
     return hand_over if args.dump_dir else lambda: verify.against_reference(cfg, rec, args.json)
 
 
+def bench_options(cfg: C.Config, peer: str):
+    """`meshtrain bench`'s typed options from the configuration: what the peer is built from,
+    and the train loop's pieces ours and the peer run in (`train.setup`, `job_for`, `train_step`)."""
+    from meshtrain import bench, train
+
+    tr = cfg.train
+    peer_options = bench.PeerOptions(layout=cfg.layout, build_model=lambda device: train.build(cfg, device)[1],
+                                     lr=tr.lr, weight_decay=tr.weight_decay,
+                                     pipeline=pipeline_plan_of(cfg.model.spec()) if peer == "torch-pp" else None)
+    return bench.BenchOptions(peer=peer_options, ours=lambda comm: train.setup(cfg, comm),
+                              as_job=lambda p: train.job_for(p, cfg),
+                              step=lambda job, data, i: train.train_step(job, data, i, cfg), steps=tr.steps,
+                              model=cfg.model.name)
+
+
 def _bench(cfg, comm, args):
     from meshtrain import bench
 
-    result = bench.run_bench(cfg, comm, args.vs)
+    options = bench_options(cfg, args.vs)
+    result = bench.run_bench(options, comm, args.vs)
     if not comm.mesh.is_main:
         return lambda: 0
-    return lambda: bench.report(cfg, result, args.json)
+    return lambda: bench.report(options, result, args.json)
 
 
 _COMMANDS = {"train": _train, "verify": _verify, "bench": _bench}
