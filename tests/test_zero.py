@@ -10,7 +10,7 @@ from helpers import small_config
 
 from meshtrain import verifier as verify
 from meshtrain.comm import Comm
-from meshtrain.config import Config, LayoutConfig, TrainConfig
+from meshtrain.cli.config import Config, LayoutConfig, TrainConfig
 from meshtrain.mesh import Mesh
 from meshtrain.models import build_model
 from meshtrain.optim import adamw

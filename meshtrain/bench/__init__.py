@@ -17,7 +17,7 @@ from meshtrain.bench.fsdp2 import fsdp2_setup
 from meshtrain.bench.torch_pp import torch_pp_setup
 from meshtrain.bench.zero1 import zero1_setup
 from meshtrain.comm import Comm
-from meshtrain.config import Config
+from meshtrain.cli.config import Config
 from meshtrain.job import Job
 from meshtrain.train import job_for, setup, train_step
 

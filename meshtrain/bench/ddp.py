@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from meshtrain.comm import Comm
-from meshtrain.config import Config
+from meshtrain.cli.config import Config
 from meshtrain.loss import cross_entropy_sum
 from meshtrain.optim import adamw
 from meshtrain.parallel.compose import Parallelized

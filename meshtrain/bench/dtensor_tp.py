@@ -24,7 +24,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
                                                parallelize_module)
 
 from meshtrain.comm import Comm
-from meshtrain.config import Config
+from meshtrain.cli.config import Config
 from meshtrain.models.llama import Llama
 from meshtrain.optim import SHARDED_OVER, adamw
 from meshtrain.parallel.compose import GradSyncs, Parallelized

@@ -15,7 +15,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from meshtrain.bench.ddp import PeerSync, peer_dtypes, peer_loss
 from meshtrain.comm import Comm
 from meshtrain.parallel.modules import find_block_list
-from meshtrain.config import Config
+from meshtrain.cli.config import Config
 from meshtrain.optim import SHARDED_OVER, adamw
 from meshtrain.parallel.compose import Parallelized
 from meshtrain.parallel.runner import PlainRunner

@@ -17,7 +17,7 @@ from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleG
                                           ScheduleInterleavedZeroBubble)
 
 from meshtrain.comm import Comm
-from meshtrain.config import Config
+from meshtrain.cli.config import Config
 from meshtrain.loss import cross_entropy_sum
 from meshtrain.optim import adamw
 from meshtrain.parallel.compose import GradSyncs, Parallelized

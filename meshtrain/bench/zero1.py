@@ -11,7 +11,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from meshtrain.bench.ddp import PeerSync
 from meshtrain.comm import Comm
-from meshtrain.config import Config
+from meshtrain.cli.config import Config
 from meshtrain.loss import cross_entropy_sum
 from meshtrain.parallel.compose import Parallelized
 from meshtrain.parallel.runner import PlainRunner
