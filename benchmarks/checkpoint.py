@@ -39,7 +39,7 @@ def _measure(mesh0, model: str, layout: dict, folder: str, repeats: int):
     from safetensors.torch import save_file
 
     from meshtrain.comm import Comm
-    from meshtrain.config import Config
+    from meshtrain.cli.config import Config
     from meshtrain.mesh import Mesh
     from meshtrain.train import setup, train_step
 

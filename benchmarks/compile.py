@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from meshtrain.config import Config
+from meshtrain.cli.config import Config
 from meshtrain.mesh import Mesh
 from meshtrain.parallel.compile import compile_stats
 from meshtrain.train import setup, train_step

@@ -18,7 +18,8 @@ import statistics
 
 import torch
 
-from meshtrain import config as C
+from meshtrain.cli import config as C
+from meshtrain.cli.validate import validate
 from meshtrain.bench import interleaved
 from meshtrain.bench.ddp import ddp_setup
 from meshtrain.cli import bench_options
@@ -36,7 +37,7 @@ def config(sync: str, dp: int, batch: int, hidden: str, steps: int) -> C.Config:
     cfg.model.name, cfg.model.mlp_hidden, cfg.train.data = "mlp", hidden, "digits"
     cfg.layout.dp, cfg.layout.dp_linear_sync = dp, sync
     cfg.train.batch_size, cfg.train.steps, cfg.train.device = batch, steps, "cpu"
-    C.validate(cfg, world_size=dp)
+    validate(cfg, world_size=dp)
     return cfg
 
 

@@ -24,7 +24,7 @@ import time
 import torch
 
 from meshtrain.comm import Comm
-from meshtrain.config import Config
+from meshtrain.cli.config import Config
 from meshtrain.mesh import Mesh
 from meshtrain.train import setup, train, train_step
 

@@ -15,7 +15,8 @@ import statistics
 
 import torch
 
-from meshtrain import config as C
+from meshtrain.cli import config as C
+from meshtrain.cli.validate import validate
 from meshtrain.bench import interleaved
 from meshtrain.comm import Comm
 from meshtrain.mesh import Mesh
@@ -42,7 +43,7 @@ def main() -> None:
         cfg.model.name, cfg.model.attention, cfg.layout.dp, cfg.layout.recompute = args.model, args.attention, 1, mode
         cfg.train.batch_size, cfg.train.seq_len, cfg.train.steps, cfg.train.device = (args.batch_size, args.seq_len,
                                                                                        args.steps, "cpu")
-        C.validate(cfg)
+        validate(cfg)
         data, runs[mode] = setup(cfg, comm)
         meter = ActivationMeter()
         train_step(runs[mode], data, 0, cfg, meter=meter)  # measured apart: the meter slows a step

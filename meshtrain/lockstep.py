@@ -27,9 +27,9 @@ from typing import Callable, Iterable
 import torch
 import torch.nn as nn
 
-from meshtrain.config import parse_layout  # the command line's grammar of a layout (verifier already imports config)
 from meshtrain.job import Job, parallelize
 from meshtrain.loss_terms import cross_entropy
+from meshtrain.parallel.options import parse_layout  # a layout written as text (the grammar of verify --resume-layout)
 from meshtrain.mesh import Mesh
 from meshtrain.verifier import LayoutRecorder, compare, join_parts, lockstep_steps, same_ranks, shared_temp_folder
 from meshtrain.session import init
@@ -41,7 +41,7 @@ _LAYOUT_ONLY = ("zero", "sp", "tp_plan", "pipeline", "schedule", "chunks", "micr
 # the model is split (the plans), not whether it is.
 _MODEL_PLANS = ("tp_plan", "pipeline", "wrap")
 # ... and the precision, which the one-process reference trains in throughout (as the command
-# line's `--resume-layout` inherits it: `config.RESUME_KEEPS`).
+# line's `--resume-layout` inherits it: `cli.resume_at.RESUME_KEEPS`).
 _KEPT_BY_RESUME = (*_MODEL_PLANS, "precision")
 _MESH_KEYS = ("dp", "tp", "pp", "cp", "ep")
 

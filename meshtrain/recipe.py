@@ -4,7 +4,7 @@ shipped preset is) or just the `nn.Module`; the layout flags become
 `meshtrain.parallelize`'s arguments, and batches come from the recipe or from `--data`
 (token ids [B, seq] for text, 8×8 digits as [B, 64] floats with 10 classes).
 
-No torch import at module level: `config` asks `is_user_model` while it validates flags."""
+No torch import at module level: `cli.validate` asks `is_user_model` while it validates flags."""
 
 from __future__ import annotations
 

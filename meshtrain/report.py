@@ -16,7 +16,7 @@ import torch
 from meshtrain.checkpoint.owner import METRICS_FILE
 from meshtrain.cli.run_model import save_model
 from meshtrain.comm import Comm
-from meshtrain.config import Config, tokens_per_sample
+from meshtrain.cli.config import Config, tokens_per_sample
 from meshtrain.recipe import is_user_model
 from meshtrain.generate import sample
 from meshtrain.metrics import peak_device_mib, peak_rss_mib, plot_losses, read_log

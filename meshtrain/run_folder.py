@@ -21,7 +21,7 @@ from meshtrain.checkpoint.folders import CorruptCheckpoint
 from meshtrain.checkpoint.sharded import CheckpointError, read_meta
 from meshtrain.cli.run_model import imported_record
 from meshtrain.comm import Comm
-from meshtrain.config import Config, lr_at
+from meshtrain.cli.config import Config, lr_at
 from meshtrain.data.tokenizer import TOKENIZER_FILE
 from meshtrain.job import Job
 

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from meshtrain import launch
 from meshtrain.board import Board
 from meshtrain.comm import Comm
-from meshtrain.config import (Config, LayoutConfig, TrainConfig, imported_tokenizer, lr_at, strict_p2p_requested,
-                              tokens_per_sample)
+from meshtrain.cli.config import (Config, LayoutConfig, TrainConfig, imported_tokenizer, lr_at, strict_p2p_requested,
+                                  tokens_per_sample)
 from meshtrain.data.datasets import open_dataset
 from meshtrain.metrics import ActivationMeter, BuildMeter, LayerProbe, StepLog
 from meshtrain.optim import adamw, set_lr

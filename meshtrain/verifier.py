@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 from meshtrain.comm import Comm
-from meshtrain.config import Config, LayoutConfig
+from meshtrain.cli.config import Config, LayoutConfig
 from meshtrain.mesh import Mesh
 from meshtrain.optim import sum_of_squares
 from meshtrain.parallel.compile import compile_stats

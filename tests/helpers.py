@@ -11,7 +11,7 @@ TINY = ["--model", "gpt-test", "--vocab-size", "256", "--seq-len", "32", "--batc
 def small_config(model: str, steps: int, batch: int, **layout):
     """A `Config` for a run inside spawned ranks: `model` on its small data (digits for the
     MLP, bytes of Shakespeare cut to 32 tokens for a GPT), on the CPU, with small buckets."""
-    from meshtrain.config import Config
+    from meshtrain.cli.config import Config
     c = Config()
     c.model.name = model
     c.layout.bucket_mb = 0.02

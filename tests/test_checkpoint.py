@@ -15,7 +15,7 @@ from meshtrain.checkpoint import folders
 from meshtrain.checkpoint.boxes import boxes, flat_boxes
 from meshtrain.checkpoint.sharded import CheckpointError
 from meshtrain.comm import Comm
-from meshtrain.config import Config
+from meshtrain.cli.config import Config
 from meshtrain.faults import FAULT_ENV
 from meshtrain.mesh import Mesh
 from meshtrain.parallel.state import Where, shard_positions

@@ -13,7 +13,7 @@ from distributed import run_ranks
 from meshtrain.checkpoint import dcp, folders, sharded
 from meshtrain.checkpoint.folders import CorruptCheckpoint
 from meshtrain.comm import Comm
-from meshtrain.config import Config
+from meshtrain.cli.config import Config
 from meshtrain.mesh import Mesh
 from meshtrain.train import setup
 

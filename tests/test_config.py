@@ -5,7 +5,8 @@ from pathlib import Path
 import pytest
 from helpers import run_cli
 
-from meshtrain import config as C
+from meshtrain.cli import config as C
+from meshtrain.cli.validate import validate
 
 
 def cfg(**sections):
@@ -85,20 +86,20 @@ def cfg(**sections):
 ])
 def test_validation_names_the_flag(sections, world, fix):
     with pytest.raises(C.ConfigError) as e:
-        C.validate(cfg(**sections), world_size=world)
+        validate(cfg(**sections), world_size=world)
     assert fix in str(e.value)
     assert "\n" not in str(e.value)
 
 
 def test_defaults_are_valid():
-    C.validate(C.Config())
-    C.validate(C.Config(), world_size=2)
+    validate(C.Config())
+    validate(C.Config(), world_size=2)
 
 
 def test_compile_backend_is_refused_without_compile_even_at_its_default():
     with pytest.raises(C.ConfigError, match="add --compile, or drop --compile-backend"):
-        C.validate(C.load(None, {("layout", "compile_backend"): "inductor"}))
-    C.validate(C.load(None, {("layout", "compile_backend"): "aot_eager", ("layout", "compile"): True}))
+        validate(C.load(None, {("layout", "compile_backend"): "inductor"}))
+    validate(C.load(None, {("layout", "compile_backend"): "aot_eager", ("layout", "compile"): True}))
 
 
 @pytest.mark.parametrize("layout, world, dp", [({}, None, 2), ({"pp": 2}, None, 1), ({"tp": 4}, None, 1),
@@ -111,8 +112,8 @@ def test_unset_dp_fills_the_world(layout, world, dp):
 
 
 def _cli_config(*argv):
-    from meshtrain.cli import _config_from, build_parser
-    return _config_from(build_parser().parse_args([str(a) for a in argv]))
+    from meshtrain.cli import build_parser
+    return C.from_args(build_parser().parse_args([str(a) for a in argv]))
 
 
 def test_flags_switch_off_what_the_toml_switched_on(tmp_path):

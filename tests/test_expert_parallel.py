@@ -13,7 +13,10 @@ from distributed import run_ranks
 from mutant_harness import assert_mutant_fails, assert_real_passes, records_of_every_mutant, verdicts_of
 from test_moe import moe_config
 
-from meshtrain import config as C
+from meshtrain.cli import config as C
+from meshtrain.cli.resume_at import resumed_config
+from meshtrain.cli.validate import validate
+from meshtrain.parallel.options import parse_layout
 from meshtrain import verifier as verify
 from meshtrain.comm import Comm
 from meshtrain.parallel import experts as ep_module
@@ -254,7 +257,7 @@ def test_a_rank_receiving_no_tokens_that_skips_its_exchange_fails():
 def _resume_config(resume_layout: str, **layout):
     c = moe_config(**layout)
     c.train.steps, c.train.resume_at, c.train.resume_layout = 4, 2, resume_layout
-    C.validate(c)
+    validate(c)
     return c
 
 
@@ -268,8 +271,8 @@ def test_a_checkpoint_resumes_across_ep_within_verify_s_tolerances(first, resume
     """Saved with the experts split over ep (each rank's chunk, by the one-process names; under
     ZeRO each chunk's flat shards) and resumed with them whole on every rank, or the other
     way round: weights and Adam's moments come back bit for bit."""
-    cfg = _resume_config(resumed, **C.parse_layout(first) if first else {})
-    second = C.resumed_config(cfg)
+    cfg = _resume_config(resumed, **parse_layout(first) if first else {})
+    second = resumed_config(cfg)
     rec = run_ranks(_resumed_record, 2, cfg, second, ep=cfg.layout.ep)[0]
     result = verify.compare(rec, verify.run_reference(cfg, rec))
     assert result["passed"], result["failures"]
@@ -286,20 +289,20 @@ def test_a_checkpoint_resumes_across_ep_within_verify_s_tolerances(first, resume
 def test_bad_ep_is_refused_in_one_line_before_any_rank_starts(layout, says):
     c = moe_config(**layout)
     with pytest.raises(C.ConfigError, match=says.replace("(", r"\(")):
-        C.validate(c)
+        validate(c)
 
 
 def test_ep_on_a_dense_model_is_refused_in_one_line():
     c = moe_config(ep=2)
     c.model.name, c.model.moe_aux_coef = "llama-test", None
     with pytest.raises(C.ConfigError, match="llama-test has none"):
-        C.validate(c)
+        validate(c)
 
 
 def test_an_unset_dp_fills_what_ep_needs_from_a_shell():
     c = moe_config(ep=4)
     c.layout.dp = None
-    C.validate(c)
+    validate(c)
     assert c.layout.dp == 4 and c.layout.world_size == 4
 
 

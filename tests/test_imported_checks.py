@@ -10,7 +10,8 @@ import json
 import pytest
 
 from helpers import run_cli
-from meshtrain import config as C
+from meshtrain.cli import config as C
+from meshtrain.cli.validate import validate
 from meshtrain.models.presets import PRESETS
 
 VOCAB = 384
@@ -31,17 +32,17 @@ def _folder(path, max_positions=64, rope=None):
 
 def _config(folder, *flags, toml=None):
     """The configuration `train FLAGS --init-from FOLDER` makes (the command line's own parse)."""
-    from meshtrain.cli import _config_from, build_parser
+    from meshtrain.cli import build_parser
     args = ["train", "--init-from", str(folder), "--device", "cpu", "--seq-len", "32", *map(str, flags)]
     if toml is not None:
         args += ["--config", str(toml)]
-    return _config_from(build_parser(plan_flags=False).parse_args(args))
+    return C.from_args(build_parser(plan_flags=False).parse_args(args))
 
 
 def test_the_preset_is_named_after_the_folder_once(tmp_path):
     for folder, name in (("a/hf-tiny", "hf-tiny"), ("b/HF_Small", "hf-Small"), ("c/tiny", "hf-tiny")):
         cfg = _config(_folder(tmp_path / folder))
-        C.validate(cfg)
+        validate(cfg)
         assert cfg.model.name == name and cfg.model.name in PRESETS, cfg.model.name
         assert cfg.train.vocab_size == VOCAB
 
@@ -60,9 +61,9 @@ def test_a_vocab_size_the_user_gave_is_refused_unless_it_is_the_folders(how, tmp
             with pytest.raises(C.ConfigError, match=rf"^--vocab-size {given} with --init-from .*: the vocabulary is "
                                                     rf"the folder's \({VOCAB} tokens, its tokenizer's\); drop "
                                                     rf"--vocab-size$"):
-                C.validate(cfg)
+                validate(cfg)
         else:
-            C.validate(cfg)
+            validate(cfg)
             assert cfg.train.vocab_size == VOCAB
 
 
@@ -72,16 +73,16 @@ def test_a_config_made_in_code_or_saved_by_a_run_is_adopted_as_before(tmp_path):
     folder = _folder(tmp_path / "tiny")
     cfg = C.Config()
     cfg.model.init_from, cfg.train.seq_len = str(folder), 32
-    C.validate(cfg)
+    validate(cfg)
     assert cfg.train.vocab_size == VOCAB
     again = C.Config.from_dict(cfg.to_dict())
-    C.validate(again)
-    C.validate(again)
+    validate(again)
+    validate(again)
     assert again.model.name == cfg.model.name == "hf-tiny" and again.train.vocab_size == VOCAB
     cfg = C.Config()
     cfg.model.init_from, cfg.train.seq_len, cfg.train.vocab_size = str(folder), 32, 999
     with pytest.raises(C.ConfigError, match="--vocab-size 999 with --init-from"):
-        C.validate(cfg)
+        validate(cfg)
 
 
 @pytest.mark.parametrize("rope", [None, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -90,11 +91,11 @@ def test_a_sequence_beyond_the_folders_positions_is_refused(rope, tmp_path):
     """max_position_embeddings is the length the folder declares, its rope scaling included:
     up to it is fine, one more is refused, scaled or not."""
     folder = _folder(tmp_path / "tiny", max_positions=64, rope=rope)
-    C.validate(_config(folder, "--seq-len", 64))
+    validate(_config(folder, "--seq-len", 64))
     scaled = ", its llama3 rope scaling included" if rope else ""
     with pytest.raises(C.ConfigError, match=rf"^--seq-len 65 exceeds the 64 positions of --init-from \S+ \(its "
                                             rf"max_position_embeddings{scaled}\); use --seq-len 64 or less$"):
-        C.validate(_config(folder, "--seq-len", 65))
+        validate(_config(folder, "--seq-len", 65))
 
 
 def test_the_command_line_refuses_them_in_one_line_before_ranks_start(tmp_path):

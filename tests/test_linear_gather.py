@@ -13,7 +13,8 @@ from helpers import small_config
 
 from meshtrain import verifier as verify
 from meshtrain.comm import Comm, cheaper_linear_sync, linear_sync_bytes, linear_sync_crossover
-from meshtrain.config import Config, ConfigError, LayoutConfig, TrainConfig, load, validate, warnings
+from meshtrain.cli.config import Config, ConfigError, LayoutConfig, TrainConfig, load
+from meshtrain.cli.validate import validate, warnings
 from meshtrain.train import parallelize_config as parallelize
 from meshtrain.parallel.linear_gather import LinearGather, linear_layers, mark_linear
 from meshtrain.train import train

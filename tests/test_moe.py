@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from distributed import run_ranks
 from mutant_harness import assert_mutant_fails, assert_real_passes, records_of_every_mutant, verdicts_of
 
-from meshtrain.config import Config
+from meshtrain.cli.config import Config
 from meshtrain.models import moe
 from meshtrain.recipes.build import build_model
 

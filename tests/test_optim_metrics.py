@@ -7,7 +7,7 @@ from distributed import run_ranks
 import torch.utils.checkpoint
 
 from meshtrain.comm import Comm
-from meshtrain.config import LayoutConfig, TrainConfig
+from meshtrain.cli.config import LayoutConfig, TrainConfig
 from meshtrain.loss import cross_entropy_sum
 from meshtrain.mesh import Mesh
 from meshtrain.metrics import ActivationMeter

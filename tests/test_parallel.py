@@ -9,7 +9,7 @@ import torch
 from distributed import run_ranks
 
 from meshtrain.comm import METRICS, Comm
-from meshtrain.config import Config, LayoutConfig, TrainConfig
+from meshtrain.cli.config import Config, LayoutConfig, TrainConfig
 from meshtrain.mesh import Mesh
 from meshtrain.models import build_model
 from meshtrain.optim import SHARDED_OVER, clip_grad_norm_

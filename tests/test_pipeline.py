@@ -10,7 +10,7 @@ from distributed import run_ranks
 
 from meshtrain import verifier as verify
 from meshtrain.comm import Comm
-from meshtrain.config import Config
+from meshtrain.cli.config import Config
 from meshtrain.models import build_model
 from meshtrain.parallel.pipeline.engine import _saved_by_own_grad_fn
 from meshtrain.parallel.pipeline.stages import Stage, gpt_plan, split_layers

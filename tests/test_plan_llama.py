@@ -114,7 +114,7 @@ def test_llama_accounting_of_pipeline_stages(schedule, chunks):
 def test_plan_of_a_llama_preset_uses_its_head_dim_and_groups():
     """The planner's device figures for llama-test are the accounting's (the shape's head_dim
     12 ≠ d/h = 8, and 2 key/value heads), not a GPT's of the same d and heads."""
-    from meshtrain.config import Config
+    from meshtrain.cli.config import Config
     from meshtrain.plan.planner import Device, Workload
     from meshtrain.plan.shapes import shape_of
 

@@ -10,8 +10,9 @@ from dataclasses import fields
 
 import pytest
 
-from meshtrain import config as C
-from meshtrain.cli import _config_from, build_parser, main
+from meshtrain.cli import config as C
+from meshtrain.cli.validate import validate
+from meshtrain.cli import build_parser, main
 from meshtrain.cli.plan import DEFAULT_HEADROOM, train_flags
 from meshtrain.plan.planner import Workload
 from meshtrain.plan.search import layouts, search
@@ -69,8 +70,8 @@ def test_the_search_keeps_only_layouts_within_the_headroom(capsys):
 
 def _as_train(flags: list[str], world: int) -> C.Config:
     """The configuration `meshtrain train FLAGS` makes and validates under a launcher of `world`."""
-    cfg = _config_from(build_parser(plan_flags=False).parse_args(["train", *flags]))
-    C.validate(cfg, world_size=world)
+    cfg = C.from_args(build_parser(plan_flags=False).parse_args(["train", *flags]))
+    validate(cfg, world_size=world)
     return cfg
 
 
@@ -118,8 +119,8 @@ def test_a_single_plans_train_line_is_the_planned_run(args, capsys):
     words = shlex.split(command)
     assert words[:2] == ["meshtrain", "train"]
     cfg = _as_train(words[2:], None)  # as from a shell: its dp is given
-    want = _config_from(build_parser().parse_args(["plan", *args]))
-    C.validate(want)
+    want = C.from_args(build_parser().parse_args(["plan", *args]))
+    validate(want)
     if "--micro-batch-size" in args:  # plan's own flag: train takes the micro-batches it makes
         want.layout.microbatches = want.train.batch_size // (want.layout.dp * 2)
     assert cfg.layout == want.layout and cfg.model == want.model
@@ -143,7 +144,7 @@ def test_published_shapes_say_how_they_train(capsys):
     cfg.model.name = "llama3-8b"
     with pytest.raises(C.ConfigError, match=r"^--model llama3-8b is a published shape for `meshtrain plan`, not a "
                                             r"model train builds; .*--init-from DIR$"):
-        C.validate(cfg)
+        validate(cfg)
 
 
 def test_beyond_a_node_the_line_says_how_to_start_the_ranks(capsys):

@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 from helpers import last_json, run_cli, small_config
 
-from meshtrain.config import LayoutConfig
+from meshtrain.cli.config import LayoutConfig
 from meshtrain.plan import traffic
 from meshtrain.plan.cluster import GPU_PRESETS, GpuRates
 from meshtrain.plan.cost import gpt_flops_per_step, hardware_flops, model_flops

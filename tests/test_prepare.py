@@ -178,27 +178,28 @@ def test_train_refuses_a_prepared_folder_of_another_version_or_tokenizer(llama3,
 
 
 def test_train_takes_a_prepared_folder_s_vocabulary_and_refuses_an_unversioned_one(llama3, tmp_path):
-    from meshtrain import config as C
+    from meshtrain.cli import config as C
+    from meshtrain.cli.validate import validate
     _, text, _, _ = llama3
     meta = prepare_folder(str(text), tmp_path / "p", 300, log=lambda m: None)
     flags = {("train", "data"): str(tmp_path / "p"), ("model", "name"): "gpt-test", ("layout", "dp"): 1,
              ("train", "seq_len"): 32}
     cfg = C.load(None, flags)
-    C.validate(cfg)
+    validate(cfg)
     assert cfg.train.vocab_size == meta["vocab_size"] != C.TrainConfig.vocab_size
     with pytest.raises(C.ConfigError, match="--vocab-size 512 with --data .*drop --vocab-size"):
-        C.validate(C.load(None, {**flags, ("train", "vocab_size"): 512}))
+        validate(C.load(None, {**flags, ("train", "vocab_size"): 512}))
     old = tmp_path / "old"  # the cache of meshtrain before the format: meta.json and tokens.bin, no "format"
     old.mkdir()
     (old / "meta.json").write_text(json.dumps({"vocab_size": 256, "n_tokens": 0, "dtype": "uint16"}))
     (old / "tokens.bin").write_bytes(b"")
     with pytest.raises(C.ConfigError, match="older meshtrain .*prepare"):
-        C.validate(C.load(None, {**flags, ("train", "data"): str(old)}))
+        validate(C.load(None, {**flags, ("train", "data"): str(old)}))
     text_folder = tmp_path / "text"  # a folder of text with a meta.json of its own stays text
     shutil.copytree(text, text_folder)
     (text_folder / "meta.json").write_text("{}")
     cfg = C.load(None, {**flags, ("train", "data"): str(text_folder)})
-    C.validate(cfg)
+    validate(cfg)
     assert cfg.train.vocab_size == C.TrainConfig.vocab_size
 
 

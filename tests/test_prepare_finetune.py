@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from helpers import last_json, run_cli
 from llama3_folder import documents, hf_llama_folder, llama3_tokenizer, write_documents
 
-from meshtrain.config import TrainConfig, lr_at
+from meshtrain.cli.config import TrainConfig, lr_at
 from meshtrain.data.datasets import TextData
 
 transformers = pytest.importorskip("transformers")

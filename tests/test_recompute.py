@@ -10,7 +10,9 @@ from helpers import small_config
 
 from meshtrain import verifier as verify
 from meshtrain.comm import Comm
-from meshtrain.config import ConfigError, parse_recompute, validate
+from meshtrain.cli.config import ConfigError
+from meshtrain.cli.validate import validate
+from meshtrain.parallel.options import parse_recompute
 from meshtrain.mesh import Mesh
 from meshtrain.train import train
 

@@ -13,7 +13,7 @@ from distributed import run_ranks
 
 from meshtrain import verifier as verify
 from meshtrain.comm import Comm
-from meshtrain.config import ConfigError, strict_p2p_requested
+from meshtrain.cli.config import ConfigError, strict_p2p_requested
 from test_pipeline import pp_config
 
 

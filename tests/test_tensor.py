@@ -11,7 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from meshtrain import verifier as verify
 from meshtrain.comm import Comm
-from meshtrain.config import Config
+from meshtrain.cli.config import Config
 from meshtrain.optim import clip_grad_norm_
 from meshtrain.parallel.dropout import DropoutKeys, SeededDropout
 from meshtrain.parallel.state import gather_full

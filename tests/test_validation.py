@@ -9,7 +9,7 @@ from distributed import run_ranks
 from helpers import TINY, last_json, run_cli
 
 from meshtrain.comm import Comm
-from meshtrain.config import Config
+from meshtrain.cli.config import Config
 from meshtrain.data.datasets import DigitsData, open_dataset
 from meshtrain.mesh import Mesh
 from meshtrain.train import train

@@ -17,7 +17,7 @@ from mutant_harness import records_of_every_mutant, verdicts_of
 
 from meshtrain import verifier as verify
 from meshtrain.comm import Comm
-from meshtrain.config import Config
+from meshtrain.cli.config import Config
 
 STEPS = 5
 MIDDLE = verify.lockstep_steps(STEPS)[1]  # a step in the middle that verify samples

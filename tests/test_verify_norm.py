@@ -13,7 +13,7 @@ from helpers import last_json, run_cli
 
 from meshtrain import verifier as verify
 from meshtrain.comm import Comm
-from meshtrain.config import Config
+from meshtrain.cli.config import Config
 
 
 def gpt_small(batch_size: int, seq_len: int, **layout) -> Config:

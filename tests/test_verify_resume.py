@@ -19,7 +19,10 @@ from helpers import TINY, last_json, run_cli
 from test_api import TinyLM, batches
 
 import meshtrain
-from meshtrain import config as C
+from meshtrain.cli import config as C
+from meshtrain.cli.resume_at import resumed_config
+from meshtrain.cli.validate import validate
+from meshtrain.parallel.options import parse_layout
 from meshtrain import verifier as verify
 from meshtrain.comm import Comm
 from meshtrain.job import Job
@@ -36,7 +39,7 @@ def resume_config(resume_layout: str | None, **layout) -> C.Config:
     c.train.steps, c.train.batch_size, c.train.seq_len, c.train.vocab_size = STEPS, 8, 32, 256
     c.train.warmup, c.train.device = 1, "cpu"
     c.train.resume_at, c.train.resume_layout = AT, resume_layout
-    C.validate(c)
+    validate(c)
     return c
 
 
@@ -55,7 +58,7 @@ MATRIX = {
 @pytest.mark.parametrize("name", MATRIX)
 def test_resume_in_another_layout_passes_with_tolerances_unchanged(name):
     cfg, axes = MATRIX[name]
-    second = C.resumed_config(cfg)
+    second = resumed_config(cfg)
     assert second.layout.world_size == cfg.layout.world_size == 2
     rec = run_ranks(_resumed_record, 2, cfg, second, **axes)[0]
     result = verify.compare(rec, verify.run_reference(cfg, rec))
@@ -84,44 +87,44 @@ def test_verify_resume_at_from_the_shell():
 # ---- bad input: one line each, before any rank starts -----------------------------------------
 
 def test_resume_layout_parses_flags_and_refuses_unknown_keys():
-    assert C.parse_layout("tp=2 pp=2 zero=1 sp schedule=gpipe") == {"tp": 2, "pp": 2, "zero": 1, "sp": True,
+    assert parse_layout("tp=2 pp=2 zero=1 sp schedule=gpipe") == {"tp": 2, "pp": 2, "zero": 1, "sp": True,
                                                                     "schedule": "gpipe"}
-    assert C.parse_layout("keep-gathered sp=0 bucket_mb=0.5") == {"keep_gathered": True, "sp": False,
+    assert parse_layout("keep-gathered sp=0 bucket_mb=0.5") == {"keep_gathered": True, "sp": False,
                                                                    "bucket_mb": 0.5}
     for text, says in (("tp=2 fast=1", "unknown key 'fast'"), ("tp=two", "give tp=<int>"), ("", "name a layout"),
                        ("sp=maybe", "'sp=0' off")):
         with pytest.raises(C.ConfigError, match=says):
-            C.parse_layout(text)
+            parse_layout(text)
 
 
 def test_resumed_config_fills_dp_and_refuses_what_cannot_resume():
     cfg = resume_config("tp=2 pp=2")  # from a shell: a world of its own (4 ranks)
-    assert C.resumed_config(cfg).layout.world_size == 4
-    assert C.resumed_config(resume_config("tp=2")).layout.dp == 1  # dp fills the first layout's world
-    assert C.resumed_config(resume_config(None)).layout == resume_config(None).layout
+    assert resumed_config(cfg).layout.world_size == 4
+    assert resumed_config(resume_config("tp=2")).layout.dp == 1  # dp fills the first layout's world
+    assert resumed_config(resume_config(None)).layout == resume_config(None).layout
     with pytest.raises(C.ConfigError, match=r"1×1×2×2 = 4, but the launcher started 2 processes"):
-        C.resumed_config(cfg, world_size=2)  # under a launcher the same processes resume
+        resumed_config(cfg, world_size=2)  # under a launcher the same processes resume
     with pytest.raises(C.ConfigError, match="write precision=fp32"):
-        C.resumed_config(resume_config("tp=2 precision=bf16"))
+        resumed_config(resume_config("tp=2 precision=bf16"))
     with pytest.raises(C.ConfigError, match="--resume-layout 'tp=3'.*--tp 3 does not divide"):
-        C.resumed_config(resume_config("tp=3"))
+        resumed_config(resume_config("tp=3"))
     late = resume_config(None)
     late.train.resume_at = STEPS
     with pytest.raises(C.ConfigError, match="--resume-at 5: save after a step from 1 to 4"):
-        C.resumed_config(late)
+        resumed_config(late)
     alone = resume_config("tp=2")
     alone.train.resume_at = None
     with pytest.raises(C.ConfigError, match="give --resume-at K too"):
-        C.resumed_config(alone)
+        resumed_config(alone)
 
 
 def test_the_resumed_layout_inherits_the_precision_it_must_keep():
     """A bf16 run resumes in bf16 without `precision=bf16` repeated in --resume-layout (it
     cannot change); naming another is still refused."""
-    second = C.resumed_config(resume_config("dp=2 zero=1", precision="bf16"))
+    second = resumed_config(resume_config("dp=2 zero=1", precision="bf16"))
     assert second.layout.precision == "bf16" and (second.layout.dp, second.layout.zero) == (2, 1)
     with pytest.raises(C.ConfigError, match="precision fp32, but the run saved in bf16; write precision=bf16"):
-        C.resumed_config(resume_config("zero=1 precision=fp32", precision="bf16"))
+        resumed_config(resume_config("zero=1 precision=fp32", precision="bf16"))
 
 
 @pytest.mark.parametrize("argv, says", [

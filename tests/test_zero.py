@@ -10,7 +10,7 @@ from helpers import small_config
 
 from meshtrain import verifier as verify
 from meshtrain.comm import Comm
-from meshtrain.config import Config, LayoutConfig, TrainConfig
+from meshtrain.cli.config import Config, LayoutConfig, TrainConfig
 from meshtrain.mesh import Mesh
 from meshtrain.models import build_model
 from meshtrain.optim import adamw
@@ -216,7 +216,7 @@ def test_stage_3_takes_any_model_with_a_block_list_and_trains_it_as_the_plain_on
 
 def _bench_both(mesh):
     from meshtrain.bench import run_bench
-    from meshtrain.cli import bench_options
+    from meshtrain.cli.bench import bench_options
     return [run_bench(bench_options(zero_config(stage, 2, steps=2), peer), Comm(mesh), peer)
             for stage, peer in ((1, "zero1"), (3, "fsdp2"))]
 

@@ -37,7 +37,7 @@ Step = Callable[[Job, object, int], StepOutput]  # one step of the train loop: (
 @dataclass(frozen=True)
 class BenchOptions:
     """What `run_bench` compares: the peer's options, and the train loop's pieces ours and the
-    peer run in (the command line's: `cli.bench_options`)."""
+    peer run in (the command line's: `cli.bench.bench_options`)."""
     peer: PeerOptions
     ours: Callable[[Comm], tuple[object, Job]]  # collective: the data, and our job on this layout
     as_job: Callable[[Parallelized], Job]  # a peer's strategies in a Job that runs our loop

@@ -1,5 +1,5 @@
 """What a PyTorch-native peer is built from: typed options the command line fills from its
-configuration (`cli.bench_options`), so that the peers never read the command line's `Config`."""
+configuration (`cli.bench.bench_options`), so that the peers never read the command line's `Config`."""
 
 from __future__ import annotations
 

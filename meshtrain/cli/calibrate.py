@@ -26,7 +26,7 @@ import traceback
 from datetime import datetime, timezone
 from itertools import product
 
-from meshtrain.config import TrainConfig
+from meshtrain.cli.config import TrainConfig
 from meshtrain.launch import RankEnv, finish, init_distributed
 from meshtrain.plan.profile import KINDS, MachineProfile
 

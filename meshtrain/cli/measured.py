@@ -11,7 +11,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from meshtrain import config as C
+import meshtrain.cli.config as C
 from meshtrain.cli.calibrate import calibrate, stderr_progress
 from meshtrain.plan.planner import Device
 from meshtrain.recipes import PRESETS, family_of

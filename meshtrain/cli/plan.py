@@ -11,7 +11,8 @@ import json
 import sys
 from dataclasses import replace
 
-from meshtrain import config as C
+import meshtrain.cli.config as C
+from meshtrain.cli.validate import adopt_imported_model
 from meshtrain.plan.cluster import GIB, GPU_PRESETS, Cluster, GpuRates, cluster_from
 from meshtrain.plan.planner import ACCOUNTINGS, PlanError, Workload, plan
 from meshtrain.plan.shapes import Shape
@@ -253,7 +254,7 @@ def _run(args, cfg: C.Config) -> int:
         raise PlanError(f"unknown accounting '{args.accounting}'; use --accounting paper | torch")
     out = sys.stderr if args.json else sys.stdout
     headroom = headroom_of(args)
-    C.adopt_imported_model(cfg)  # --init-from DIR: plan that folder's model (a preset named after it)
+    adopt_imported_model(cfg)  # --init-from DIR: plan that folder's model (a preset named after it)
     work = None if args.params is not None else workload_of(args, cfg)
     lay, gpus = layout_of(args, cfg, cfg.train.batch_size)
     try:

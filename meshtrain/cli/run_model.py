@@ -15,7 +15,7 @@ import torch
 
 from meshtrain.checkpoint.owner import RUN_FILE
 from meshtrain.checkpoint.weights import WEIGHTS_FILE, is_hf_export, save_weights
-from meshtrain.config import Config
+from meshtrain.cli.config import Config
 from meshtrain.data.tokenizer import TOKENIZER_FILE, ByteTokenizer, load_tokenizer
 from meshtrain.hf import CONFIG, load_hf, side_files, spec_from_config
 from meshtrain.recipes import PUBLISHED, family_of, is_preset, is_published, spec_of

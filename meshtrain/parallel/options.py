@@ -1,11 +1,14 @@
 """The strategies' own typed options: what `parallelize` applies, independent of the command
 line (the CLI's `LayoutConfig` and the Python API both translate into this), and the
 `Layout` a run is planned and trained in (the command line's `[layout]` section is this
-class, `config.LayoutConfig`), with what every user of a layout refuses in it
-(`schedule_or_batch_problem`). No torch: the command line validates with these."""
+class, `cli.config.LayoutConfig`), with what every user of a layout refuses in it
+(`schedule_or_batch_problem`), and a layout's text form (`parse_layout`: the grammar of
+`verify --resume-layout` and of `meshtrain.verify(resume_layout=...)`). No torch: the command
+line validates with these."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
@@ -14,6 +17,12 @@ GRAD_DTYPES = ("compute", "fp32")
 LINEAR_SYNCS = ("allreduce", "allgather", "auto")
 CP_MODES = ("ring", "ulysses")  # context parallelism's attention
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot work; the message is one line that names the fix. The
+    command line's refusals raise it (`meshtrain.cli.config.ConfigError` is this class), and
+    so does a layout written as text that cannot be read (`parse_layout`)."""
 
 
 @dataclass(frozen=True)
@@ -90,9 +99,9 @@ def parse_recompute(policy: str) -> tuple[str, int | None]:
 @dataclass
 class Layout:
     """A run's parallel layout: the mesh's axis sizes and the strategies' options, as the
-    command line's `[layout]` section (`config.LayoutConfig`) and the planner take it."""
+    command line's `[layout]` section (`cli.config.LayoutConfig`) and the planner take it."""
     # None: fill the world. Under a launcher world ÷ (tp·pp); from a shell 2 when tp = pp = 1
-    # (the default job), else 1. `config.validate` fills it in.
+    # (the default job), else 1. `cli.validate.validate` fills it in.
     dp: int | None = None
     tp: int = 1
     pp: int = 1
@@ -187,3 +196,36 @@ def expert_problem(lay: Layout, experts: int | None, model: str, batch_size: int
             return (f"--ep with --tp {lay.tp} and no --sp splits each micro-batch's {rows}×{seq_len // lay.cp} "
                     "tokens over tp; use a batch or --seq-len whose tokens tp divides")
     return None
+
+
+_KEY_TYPES = {"int": int, "float": float, "bool": bool, "str": str}
+
+
+def parse_layout(text: str, flag: str = "--resume-layout") -> dict[str, object]:
+    """A layout written as its flags without dashes — "tp=2 pp=2 zero=1 sp schedule=gpipe" —
+    as {Layout field: value} of the keys named (a bare key switches a flag on; `sp=0` off);
+    one line (`ConfigError`) for an unknown key or a bad value. The keys are `Layout`'s
+    fields, which are the command line's layout flags."""
+    keys = {f.name.replace("_", "-"): (f.name, _KEY_TYPES[f.type.replace(" | None", "")])
+            for f in dataclasses.fields(Layout)}
+    given: dict[str, object] = {}
+    for token in text.split():
+        key, eq, value = token.partition("=")
+        key = key.lstrip("-").replace("_", "-")
+        if key not in keys:
+            raise ConfigError(f"{flag} {text!r}: unknown key '{key}'; use {', '.join(keys)}")
+        name, typ = keys[key]
+        if typ is bool:
+            if eq and value.lower() not in ("1", "0", "true", "false"):
+                raise ConfigError(f"{flag}: {token}: write '{key}' to switch it on, '{key}=0' off")
+            given[name] = not eq or value.lower() in ("1", "true")
+            continue
+        try:
+            given[name] = typ(value) if eq and value else None
+        except ValueError:
+            given[name] = None
+        if given[name] is None:
+            raise ConfigError(f"{flag}: {token}: give {key}=<{typ.__name__}>")
+    if not given:
+        raise ConfigError(f"{flag}: name a layout, e.g. \"tp=2 pp=2 zero=1\"")
+    return given

@@ -107,7 +107,7 @@ def check(work: Workload, lay: Layout, gpus: int | None = None) -> None:
 
 
 def _check_context(work: Workload, lay: Layout) -> None:
-    """What context parallelism cannot split: as `config` refuses it for a run."""
+    """What context parallelism cannot split: as `cli.validate` refuses it for a run."""
     shape = work.shape
     if lay.cp_mode not in CP_MODES:
         raise PlanError(f"unknown --cp-mode '{lay.cp_mode}'; use --cp-mode {' | '.join(CP_MODES)}")
