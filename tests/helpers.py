@@ -1,7 +1,10 @@
+import io
 import json
 import os
 import subprocess
 import sys
+from contextlib import redirect_stderr, redirect_stdout
+from dataclasses import dataclass
 
 # Small, fast settings shared by the end-to-end tests: the strategies' test preset on bytes of
 # Shakespeare, on the CPU (so the suite runs unchanged on a machine with GPUs).
@@ -25,10 +28,61 @@ def small_config(model: str, steps: int, batch: int, **layout):
     return c
 
 
+def cli_config(*args):
+    """The `Config` that `meshtrain ARGS` runs: the command line's own parser, defaults and
+    checks (a refused layout raises `ConfigError`, as the command line refuses it)."""
+    from meshtrain import config
+    from meshtrain.cli import _config_from, build_parser
+    cfg = _config_from(build_parser().parse_args([str(a) for a in args]))
+    config.validate(cfg)
+    return cfg
+
+
+def _record(mesh, cfg):
+    from meshtrain import verifier
+    from meshtrain.comm import Comm
+    return verifier.record(cfg, Comm(mesh), "layout")
+
+
+def verify_in_ranks(cfg, timeout: float = 600) -> dict:
+    """What `meshtrain verify` computes, without its interpreters: the layout's ranks record
+    (forked from the preloaded server, as in every multi-rank test), this process runs the
+    one-process reference and compares — the calls its ranks and its launching parent make.
+    The verdict, with the `--json` report's `layout` key."""
+    from distributed import run_ranks
+
+    from meshtrain import verifier
+    lay = cfg.layout
+    record = run_ranks(_record, lay.world_size, cfg, pp=lay.pp, tp=lay.tp, cp=lay.cp, ep=lay.ep, timeout=timeout)[0]
+    return {"layout": lay.summary(), **verifier.compare(record, verifier.run_reference(cfg, record))}
+
+
 def run_cli(*args, timeout=300, env=None, launcher=("-m", "meshtrain")):
     """`python -m meshtrain ARGS` in a subprocess, as a user would run it."""
     return subprocess.run([sys.executable, *launcher, *map(str, args)], capture_output=True,
                           text=True, timeout=timeout, env={**os.environ, **(env or {})})
+
+
+@dataclass
+class Ran:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def run_main(*args) -> Ran:
+    """`meshtrain ARGS` in this process: the `main` that `python -m meshtrain` calls, with its
+    output captured. For what runs in one process — a refused input, export, generate, plan,
+    schedule — it spares the fresh interpreter (~3 s of torch import here); `run_cli` keeps
+    at least one real process per command."""
+    from meshtrain.cli import main
+    out, err = io.StringIO(), io.StringIO()
+    with redirect_stdout(out), redirect_stderr(err):
+        try:
+            code = main([str(a) for a in args])
+        except SystemExit as e:  # argparse's refusals
+            code = e.code if isinstance(e.code, int) else int(e.code is not None)
+    return Ran(code, out.getvalue(), err.getvalue())
 
 
 def last_json(stdout: str) -> dict:

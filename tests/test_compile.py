@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 from distributed import run_ranks
-from helpers import run_cli
+from helpers import cli_config, run_cli, verify_in_ranks
 from test_api import OPTIMIZERS, PIPELINE, PLAN, SCHEDULER, batches, make_model, plain_loop
 
 import meshtrain
@@ -31,12 +31,29 @@ LAYOUTS = {
 }
 
 
+# The layout verified as users run it, `meshtrain verify ... --compile` in its own processes;
+# the others through the same calls in ranks forked from the preloaded server (helpers).
+THROUGH_THE_SHELL = "zero3"
+
+
 def _verify_compiled(layout: str, backend: str) -> dict:
     model, *flags = LAYOUTS[layout]
-    r = run_cli("verify", "--model", model, *flags, *SMALL, "--compile", "--compile-backend", backend, "--json",
-                timeout=900)
+    args = ("verify", "--model", model, *flags, *SMALL, "--compile", "--compile-backend", backend)
+    if layout != THROUGH_THE_SHELL:
+        return verify_in_ranks(cli_config(*args), timeout=900)
+    r = run_cli(*args, "--json", timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+_REPORTS: dict[tuple[str, str], dict] = {}
+
+
+def _verified(layout: str, backend: str) -> dict:
+    """Each layout's report, computed once for the tests that read it."""
+    if (layout, backend) not in _REPORTS:
+        _REPORTS[layout, backend] = _verify_compiled(layout, backend)
+    return _REPORTS[layout, backend]
 
 
 def _check(report: dict) -> None:
@@ -50,7 +67,7 @@ def _check(report: dict) -> None:
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_verify_compiled_aot_eager(layout):
-    _check(_verify_compiled(layout, "aot_eager"))
+    _check(_verified(layout, "aot_eager"))
 
 
 @pytest.mark.slow
@@ -63,9 +80,9 @@ def test_blocks_without_collectives_compile_whole():
     """Under ZeRO-3 a block holds no collective (its gathers are hooks around the call): one
     graph, no break. Under TP each tensor-parallel layer's communication breaks the graph
     (Comm's collectives run eagerly), and the break is named."""
-    zero3 = _verify_compiled("zero3", "aot_eager")["compile"]
+    zero3 = _verified("zero3", "aot_eager")["compile"]
     assert zero3["graph_breaks"] == 0, zero3
-    tp = _verify_compiled("tp2-sp", "aot_eager")["compile"]
+    tp = _verified("tp2-sp", "aot_eager")["compile"]
     assert tp["graph_breaks"] > 0 and any("disable" in reason for reason in tp["break_reasons"]), tp
 
 

@@ -1,9 +1,8 @@
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from helpers import run_cli
+from helpers import run_cli, run_main
 
 from meshtrain.cli import config as C
 from meshtrain.cli.validate import validate
@@ -196,22 +195,33 @@ def _bad_inputs(tmp: Path) -> list[tuple[list, str]]:
     return cases
 
 
-def test_cli_rejects_bad_input_in_one_line(tmp_path):
-    def timed(args):
-        t0 = time.perf_counter()
-        return run_cli(*args, timeout=60), time.perf_counter() - t0
+def _refused_in_one_line(args, fix, r, seconds):
+    assert r.returncode == 2, (args, r.stderr)
+    assert "Traceback" not in r.stderr, (args, r.stderr)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("meshtrain: error:") and fix in lines[0], (args, r.stderr)
+    assert "starting" not in r.stderr  # rejected before any rank starts
+    assert seconds < 30
 
-    cases = _bad_inputs(tmp_path)
-    # two at a time: each process is mostly importing torch, on one core
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        results = list(pool.map(timed, [args for args, _ in cases]))
-    for (args, fix), (r, seconds) in zip(cases, results):
-        assert r.returncode == 2, (args, r.stderr)
-        assert "Traceback" not in r.stderr, (args, r.stderr)
-        lines = r.stderr.strip().splitlines()
-        assert len(lines) == 1 and lines[0].startswith("meshtrain: error:") and fix in lines[0], (args, r.stderr)
-        assert "starting" not in r.stderr  # rejected before any rank starts
-        assert seconds < 30
+
+def test_cli_rejects_bad_input_in_one_line(tmp_path):
+    """Each refusal through the command line's `main`, in this process (the same code as
+    `python -m meshtrain`; the next test runs two of them as real processes)."""
+    for args, fix in _bad_inputs(tmp_path):
+        t0 = time.perf_counter()
+        r = run_main(*args)
+        _refused_in_one_line(args, fix, r, time.perf_counter() - t0)
+
+
+def test_a_refusal_from_a_shell_is_one_line_and_exit_code_2(tmp_path):
+    """From a fresh interpreter: one refusal found by the flags alone, one found by reading
+    the data (the interpreter's exit code and its whole stderr)."""
+    cases = [case for case in _bad_inputs(tmp_path) if case[1] in ("--dp 0", "not UTF-8 text")]
+    assert len(cases) == 2
+    for args, fix in cases:
+        t0 = time.perf_counter()
+        r = run_cli(*args, timeout=60)
+        _refused_in_one_line(args, fix, r, time.perf_counter() - t0)
 
 
 def test_world_size_mismatch_under_torchrun():
