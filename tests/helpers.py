@@ -31,10 +31,11 @@ def small_config(model: str, steps: int, batch: int, **layout):
 def cli_config(*args):
     """The `Config` that `meshtrain ARGS` runs: the command line's own parser, defaults and
     checks (a refused layout raises `ConfigError`, as the command line refuses it)."""
-    from meshtrain import config
-    from meshtrain.cli import _config_from, build_parser
-    cfg = _config_from(build_parser().parse_args([str(a) for a in args]))
-    config.validate(cfg)
+    from meshtrain.cli import build_parser
+    from meshtrain.cli.config import from_args
+    from meshtrain.cli.validate import validate
+    cfg = from_args(build_parser().parse_args([str(a) for a in args]))
+    validate(cfg)
     return cfg
 
 
