@@ -12,7 +12,7 @@ import shutil
 
 import pytest
 import torch
-from helpers import run_cli
+from helpers import run_cli, run_main
 from safetensors import safe_open
 
 transformers = pytest.importorskip("transformers")
@@ -98,7 +98,7 @@ def test_the_export_is_the_run_s_model_in_its_compute_dtype_and_generate_reads_i
     with torch.no_grad():
         want = model(ids).logits
         torch.testing.assert_close(ours.eval()(ids), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
-    g = run_cli("generate", "--ckpt", out, "--prompt", "ROMEO.", "--tokens", "8", "--device", "cpu")
+    g = run_main("generate", "--ckpt", out, "--prompt", "ROMEO.", "--tokens", "8", "--device", "cpu")
     assert g.returncode == 0, g.stderr
     assert g.stdout.startswith("ROMEO.") and len(g.stdout) > len("ROMEO.\n")
 
@@ -177,7 +177,7 @@ def test_the_run_s_out_keeps_the_imported_configs_so_the_folder_may_go(exported,
 
 
 def test_an_unknown_dtype_is_refused_in_one_line(tmp_path):
-    r = run_cli("export", "--hf", "--ckpt", tmp_path, "--out", tmp_path / "x", "--dtype", "fp16")
+    r = run_main("export", "--hf", "--ckpt", tmp_path, "--out", tmp_path / "x", "--dtype", "fp16")
     assert r.returncode == 2 and "unknown dtype 'fp16'; use --dtype bf16 | fp32" in r.stderr, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "x").exists(), r.stderr
 
@@ -230,14 +230,14 @@ def test_a_non_empty_out_is_refused_unless_overwrite_moves_its_files_aside(expor
     the folder holds the new export's files alone."""
     _, _, ckpt, first = exported
     out = tmp_path / "model"
-    r = run_cli("export", "--ckpt", ckpt, "--out", out, "--max-shard-gb", "0.0001")  # 100 kB shards
+    r = run_main("export", "--ckpt", ckpt, "--out", out, "--max-shard-gb", "0.0001")  # 100 kB shards
     assert r.returncode == 0, r.stderr
     old = _files(out)
     assert "model.safetensors.index.json" in old and sum(n.endswith(".safetensors") for n in old) > 1
-    r = run_cli("export", "--hf", "--ckpt", ckpt, "--out", out)
+    r = run_main("export", "--hf", "--ckpt", ckpt, "--out", out)
     assert r.returncode == 2 and f"--out {out} is not empty" in r.stderr and "--overwrite" in r.stderr, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and _files(out) == old, r.stderr
-    r = run_cli("export", "--hf", "--ckpt", ckpt, "--out", out, "--overwrite")
+    r = run_main("export", "--hf", "--ckpt", ckpt, "--out", out, "--overwrite")
     assert r.returncode == 0, r.stderr
     aside, = out.glob("replaced-*")
     assert _files(aside) == old  # every old file, renamed: nothing lost
@@ -261,7 +261,7 @@ def test_an_export_never_writes_over_its_sources_a_run_or_a_live_job_s_folder_ev
     before = _files(out)
     lock = OutLock(out, log=print).acquire() if case == "locked" else None
     try:
-        r = run_cli("export", "--hf", "--ckpt", ckpt, "--out", out, "--overwrite")
+        r = run_main("export", "--hf", "--ckpt", ckpt, "--out", out, "--overwrite")
     finally:
         if lock:
             lock.release()
