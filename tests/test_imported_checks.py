@@ -11,7 +11,7 @@ import pytest
 
 from helpers import run_cli
 from meshtrain import config as C
-from meshtrain.models.presets import PRESETS
+from meshtrain.recipes import PRESETS
 
 VOCAB = 384
 
