@@ -12,8 +12,8 @@ from distributed import run_ranks
 from helpers import small_config
 
 from meshtrain.comm import Comm
-from meshtrain.models import build_model
-from meshtrain.models.init import init_spec, is_placeholder, placeholder, stable_seed
+from meshtrain.parallel.materialize import is_placeholder, placeholder, stable_seed
+from meshtrain.recipes.build import build_model, init_spec
 from meshtrain.train import setup
 
 MARGIN = 64 * 1024  # a few bookkeeping tensors (placeholders, the replica check's hashes)
@@ -32,7 +32,7 @@ def test_initial_weights_are_a_function_of_seed_and_name():
 
 def test_the_seed_hash_is_stable_across_processes():
     """Not Python's `hash()`, which is salted per process."""
-    code = "from meshtrain.models.init import stable_seed; print(stable_seed(0, 'blocks.0.attn.q.weight'))"
+    code = "from meshtrain.parallel.materialize import stable_seed; print(stable_seed(0, 'blocks.0.attn.q.weight'))"
     outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                            env={"PYTHONHASHSEED": str(salt)}).stdout.strip() for salt in (1, 2)}
     assert outs == {str(stable_seed(0, "blocks.0.attn.q.weight"))}

@@ -13,7 +13,7 @@ from test_llama import ROWS, T, V, adamw, batches
 from test_llama import make_model as make_llama
 
 import meshtrain
-from meshtrain.models import build_model
+from meshtrain.recipes.build import build_model
 from meshtrain.parallel import block_kernels, context
 from meshtrain.parallel.context import sequence_positions, shard_sequence
 
@@ -145,8 +145,8 @@ def test_four_rank_context_layouts_pass_verify(axes, options):
 
 
 def _verify_composed(_mesh, name):
-    from meshtrain.parallel.pipeline.stages import llama_plan
-    from meshtrain.parallel.tensor import GPT_PLAN
+    from meshtrain.recipes.gpt import TP_PLAN as GPT_PLAN
+    from meshtrain.recipes.llama import pipeline_plan as llama_plan
 
     if name == "cp2-tp2-sp":
         return meshtrain.verify(_gpt, batches(), optimizer=adamw, mesh=meshtrain.init(cp=2, tp=2), tp_plan=GPT_PLAN,

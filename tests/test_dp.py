@@ -9,7 +9,7 @@ from distributed import run_ranks
 from meshtrain import verifier as verify
 from meshtrain.comm import Comm
 from meshtrain.cli.config import Config
-from meshtrain.models import build_model
+from meshtrain.recipes.build import build_model
 from meshtrain.parallel.data import DataParallel
 from meshtrain.train import train
 

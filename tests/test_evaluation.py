@@ -30,7 +30,7 @@ def _held_out_losses(_harness):
         out[name] = result.val_losses
     mesh = meshtrain.init(cp=2)
     torch.manual_seed(0)
-    from meshtrain.models import build_model
+    from meshtrain.recipes.build import build_model
     model = build_model("gpt-test", 0, vocab_size=256)
     job = meshtrain.parallelize(model, mesh, optimizer=lambda named: torch.optim.SGD([p for _, p in named], lr=0.1))
     x = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(5))
@@ -46,7 +46,7 @@ def test_held_out_loss_and_forward_equal_one_process_in_every_layout():
         assert [s for s, _ in got[name]] == [1, 2], (name, got[name])
         for (_, a), (_, b) in zip(got[name], reference):
             assert abs(a - b) / b < 1e-5, (name, got[name], reference)
-    from meshtrain.models import build_model
+    from meshtrain.recipes.build import build_model
     model = build_model("gpt-test", 0, vocab_size=256).eval()
     x = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():

@@ -184,7 +184,7 @@ def test_an_unknown_dtype_is_refused_in_one_line(tmp_path):
 
 def _tiny_llama(vocab):
     from meshtrain.models.llama import Llama
-    from meshtrain.models.presets import LlamaSpec
+    from meshtrain.models.specs import LlamaSpec
     torch.manual_seed(0)
     return Llama(LlamaSpec(n_layers=1, n_heads=2, d_model=16, ffn_dim=24, max_seq_len=64), vocab)
 

@@ -12,7 +12,7 @@ import pytest
 from helpers import run_cli
 from meshtrain.cli import config as C
 from meshtrain.cli.validate import validate
-from meshtrain.models.presets import PRESETS
+from meshtrain.recipes import PRESETS
 
 VOCAB = 384
 

@@ -8,9 +8,9 @@ import torch
 from distributed import run_ranks
 
 import meshtrain
-from meshtrain.models import build_model
-from meshtrain.parallel.pipeline.stages import llama_plan
-from meshtrain.parallel.tensor import LLAMA_PLAN
+from meshtrain.recipes.build import build_model
+from meshtrain.recipes.llama import TP_PLAN as LLAMA_PLAN
+from meshtrain.recipes.llama import pipeline_plan as llama_plan
 
 V, T, ROWS = 256, 32, 8
 PIPELINE = llama_plan(32)
@@ -77,7 +77,7 @@ def _kv_heads_left_whole():
     """q split by heads but k and v left whole: rank r's query heads pair with key/value heads
     0, 1, ... instead of their own group's."""
     import meshtrain.parallel.tensor as tensor
-    styles = {k: v for k, v in tensor.LLAMA_PLAN.styles.items() if k != "layers.*.self_attn.[qkv]_proj"}
+    styles = {k: v for k, v in LLAMA_PLAN.styles.items() if k != "layers.*.self_attn.[qkv]_proj"}
     styles["layers.*.self_attn.q_proj"] = tensor.COLUMN
     return tensor.TensorPlan(styles, vocab_parallel_loss=True)
 
@@ -113,7 +113,7 @@ def _tied_refused(_mesh):
     import dataclasses
 
     from meshtrain.models.llama import Llama
-    from meshtrain.models.presets import PRESETS
+    from meshtrain.recipes import PRESETS
 
     tied = Llama(dataclasses.replace(PRESETS["llama-test"], tie_embeddings=True), 256)
     with pytest.raises(ValueError, match="lm_head.weight is the same parameter as embed_tokens.weight"):
@@ -166,10 +166,11 @@ def test_a_checkpoint_trained_in_zero3_exports_for_transformers(tmp_path):
 
 
 def test_the_planners_published_llamas_build_on_meta_with_its_parameter_counts():
-    from meshtrain.models import count_params, published_llamas
-    from meshtrain.plan.shapes import PUBLISHED
+    from meshtrain.models import count_params
+    from meshtrain.recipes import published_shapes
+    from meshtrain.recipes.llama import published_llamas
     assert set(published_llamas()) == {"llama2-7b", "llama2-13b", "llama2-70b", "llama3-8b", "llama3-70b", "llama3-405b"}
     for name in published_llamas():
         model = build_model(name, 0, device="meta")
-        assert count_params(model) == PUBLISHED[name].n_params(), name
+        assert count_params(model) == published_shapes()[name].n_params(), name
     assert count_params(build_model("llama3-8b", 0, device="meta")) == 8_030_261_248  # Meta's 8.03B

@@ -1,6 +1,7 @@
 import torch
 
-from meshtrain.models import build_model, count_params
+from meshtrain.models import count_params
+from meshtrain.recipes.build import build_model
 
 
 def test_sizes():

@@ -11,11 +11,11 @@ from meshtrain.cli.config import LayoutConfig, TrainConfig
 from meshtrain.loss import cross_entropy_sum
 from meshtrain.mesh import Mesh
 from meshtrain.metrics import ActivationMeter
-from meshtrain.models import build_model
-from meshtrain.models.presets import PRESETS
+from meshtrain.recipes.build import build_model
 from meshtrain.optim import SHARDED_OVER, clip_grad_norm_, grad_norm
 from meshtrain.train import parallelize_config as parallelize
-from meshtrain.plan.cost import gpt_flops_per_step
+from meshtrain.recipes import PRESETS
+from meshtrain.recipes.gpt import flops_per_step
 
 
 def _full_grads():
@@ -140,7 +140,7 @@ def test_gpt_flops_formula_matches_a_count_of_every_matmul():
     x, y = torch.randint(0, 256, (2, 32)), torch.randint(0, 256, (2, 32))
     with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
         cross_entropy_sum(model(x), y).backward()
-    assert counter.get_total_flops() == gpt_flops_per_step(PRESETS["gpt-test"], 256, batch=2, seq_len=32)
+    assert counter.get_total_flops() == flops_per_step(PRESETS["gpt-test"], 256, batch=2, seq_len=32)
 
 
 def test_model_state_is_16_bytes_per_parameter_in_fp32_adam():

@@ -11,7 +11,7 @@ from distributed import run_ranks
 from meshtrain.comm import METRICS, Comm
 from meshtrain.cli.config import Config, LayoutConfig, TrainConfig
 from meshtrain.mesh import Mesh
-from meshtrain.models import build_model
+from meshtrain.recipes.build import build_model
 from meshtrain.optim import SHARDED_OVER, clip_grad_norm_
 from meshtrain.train import parallelize_config as parallelize
 from meshtrain.train import setup, train_step

@@ -11,9 +11,10 @@ from distributed import run_ranks
 from meshtrain import verifier as verify
 from meshtrain.comm import Comm
 from meshtrain.cli.config import Config
-from meshtrain.models import build_model
+from meshtrain.recipes.build import build_model
 from meshtrain.parallel.pipeline.engine import _saved_by_own_grad_fn
-from meshtrain.parallel.pipeline.stages import Stage, gpt_plan, split_layers
+from meshtrain.parallel.pipeline.stages import Stage, split_layers
+from meshtrain.recipes.gpt import pipeline_plan
 from meshtrain.train import train
 
 
@@ -31,7 +32,7 @@ def test_blocks_split_as_evenly_as_possible_or_as_told():
 def test_a_stage_keeps_its_parts_under_the_full_names(stage, chunks, blocks, has_embed, has_head):
     model = build_model("gpt-test", 0, vocab_size=256)
     full = dict(model.named_parameters())
-    cut = Stage(model, gpt_plan(32), stage, 3, chunks, [3, 3, 2] if chunks == 1 else [1, 1, 1, 1, 1, 3])
+    cut = Stage(model, pipeline_plan(32), stage, 3, chunks, [3, 3, 2] if chunks == 1 else [1, 1, 1, 1, 1, 3])
     names = {n for n, _ in model.named_parameters()}
     assert {int(n.split(".")[1]) for n in names if n.startswith("blocks.")} == set(blocks)
     assert any(n.startswith("embed.") for n in names) == has_embed

@@ -4,11 +4,13 @@ its accounting)."""
 
 import pytest
 
-from meshtrain.models import build_model, count_params
+from meshtrain.models import count_params
+from meshtrain.recipes.build import build_model
 from meshtrain.plan.activations import activation_bytes_per_layer, torch_activation_bytes_per_layer
 from meshtrain.plan.model_states import model_state_bytes
 from meshtrain.plan.stage_activations import in_flight, torch_activation_bytes
-from meshtrain.plan.shapes import PUBLISHED, megatron_params, shape_of
+from meshtrain.plan.shapes import megatron_params
+from meshtrain.recipes import published_shapes, shape_of
 
 # The released checkpoints' parameter counts (their model cards / safetensors indexes).
 LLAMA_COUNTS = {"llama2-7b": 6_738_415_616, "llama2-13b": 13_015_864_320, "llama2-70b": 68_976_648_192,
@@ -17,7 +19,7 @@ LLAMA_COUNTS = {"llama2-7b": 6_738_415_616, "llama2-13b": 13_015_864_320, "llama
 
 @pytest.mark.parametrize("name", LLAMA_COUNTS)
 def test_llama_presets_have_the_exact_published_parameter_counts(name):
-    assert PUBLISHED[name].n_params() == LLAMA_COUNTS[name]
+    assert published_shapes()[name].n_params() == LLAMA_COUNTS[name]
 
 
 @pytest.mark.parametrize("layers, hidden, billions", [

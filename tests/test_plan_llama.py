@@ -116,7 +116,7 @@ def test_plan_of_a_llama_preset_uses_its_head_dim_and_groups():
     12 ≠ d/h = 8, and 2 key/value heads), not a GPT's of the same d and heads."""
     from meshtrain.cli.config import Config
     from meshtrain.plan.planner import Device, Workload
-    from meshtrain.plan.shapes import shape_of
+    from meshtrain.recipes import shape_of
 
     cfg = Config()
     cfg.layout.dp = 1
@@ -144,7 +144,7 @@ def test_the_plan_of_context_parallel_layouts():
 
     from meshtrain.plan import traffic
     from meshtrain.plan.planner import Device, Workload
-    from meshtrain.plan.shapes import shape_of
+    from meshtrain.recipes import shape_of
 
     cases = [("ring", "none", "fp32"), ("ring", "selective", "fp32"), ("ring", "full", "fp32"),
              ("ring", "none", "bf16"), ("ulysses", "none", "fp32")]
@@ -175,7 +175,7 @@ def test_the_plan_of_the_rings_math_kernel():
     from distributed import run_ranks
 
     from meshtrain.plan.planner import Device, Workload
-    from meshtrain.plan.shapes import shape_of
+    from meshtrain.recipes import shape_of
 
     cfgs = [_config(rec, batch=4, seq=64, cp=2) for rec in ("none", "full")]
     for cfg, got in zip(cfgs, run_ranks(_measured_math_kernel, 2, cfgs)[0]):
@@ -201,7 +201,7 @@ def test_the_plan_of_a_context_parallel_pipeline():
     from distributed import run_ranks
 
     from meshtrain.plan.planner import Device, Workload
-    from meshtrain.plan.shapes import shape_of
+    from meshtrain.recipes import shape_of
 
     cfg = _config("none", batch=4, seq=64, cp=2, pp=2, microbatches=2)
     device = Device(Workload(shape_of("llama-test", vocab_size=VOCAB), batch=4, seq=64, device="cpu"), cfg.layout, "torch")

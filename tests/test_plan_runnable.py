@@ -16,7 +16,7 @@ from meshtrain.cli import build_parser, main
 from meshtrain.cli.plan import DEFAULT_HEADROOM, train_flags
 from meshtrain.plan.planner import Workload
 from meshtrain.plan.search import layouts, search
-from meshtrain.plan.shapes import shape_of
+from meshtrain.recipes import shape_of
 from meshtrain.plan.cluster import GIB, GPU_PRESETS, GpuRates
 
 # Llama-3 8B on 64 H100s at 8k tokens, dp 64 · ZeRO-2, one sequence per micro-batch: the

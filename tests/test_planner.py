@@ -12,10 +12,11 @@ from helpers import last_json, run_cli, small_config
 from meshtrain.cli.config import LayoutConfig
 from meshtrain.plan import traffic
 from meshtrain.plan.cluster import GPU_PRESETS, GpuRates
-from meshtrain.plan.cost import gpt_flops_per_step, hardware_flops, model_flops
+from meshtrain.plan.cost import hardware_flops, model_flops
 from meshtrain.plan.planner import Device, PlanError, Workload, bubble_fraction, plan
 from meshtrain.plan.search import search
-from meshtrain.plan.shapes import PUBLISHED, Shape, shape_of
+from meshtrain.plan.shapes import Shape
+from meshtrain.recipes import published_shapes, shape_of
 
 CONTRACT = ("n_params", "model_state_bytes", "activation_bytes", "activation_bytes_per_layer", "total_bytes", "fits",
             "flops_per_step", "bubble_fraction", "comm_bytes_per_step", "predicted_step_time_s", "mfu")
@@ -35,19 +36,20 @@ def test_bubble_closed_forms_are_the_simulators(name, chunks):
 def test_model_flops_are_megatrons_and_hardware_flops_narayanans_eq_3():
     """Narayanan et al. (2021): model FLOPs 72·B·s·l·h²(1 + s/6h + V/12lh); with full
     recompute the executed FLOPs are eq. 3's 96·B·s·l·h²(1 + s/6h + V/16lh)."""
-    gpt3 = PUBLISHED["gpt3-175b"]
+    gpt3 = published_shapes()["gpt3-175b"]
     B, s, l, h, V = 1536, 2048, gpt3.layers, gpt3.hidden, gpt3.vocab
     assert model_flops(gpt3, B, s) == pytest.approx(72 * B * s * l * h * h * (1 + s / (6 * h) + V / (12 * l * h)))
     assert hardware_flops(gpt3, B, s, "full") == pytest.approx(96 * B * s * l * h * h * (1 + s / (6 * h) + V / (16 * l * h)))
-    from meshtrain.models.presets import PRESETS
+    from meshtrain.recipes import PRESETS
+    from meshtrain.recipes.gpt import flops_per_step
     assert model_flops(shape_of("gpt-small", 2048), 8, 128) == pytest.approx(
-        gpt_flops_per_step(PRESETS["gpt-small"], 2048, 8, 128))
+        flops_per_step(PRESETS["gpt-small"], 2048, 8, 128))
 
 
 def test_paper_accounting_of_a_plan_is_korthikantis_table_2():
     """paper accounting: GPT-3 175B at t = 8 with SP and selective recompute keeps
     34·s·b·h/t per layer (Korthikanti et al. 2022, Table 2); under full recompute 2·s·b·h/t."""
-    gpt3 = PUBLISHED["gpt3-175b"]
+    gpt3 = published_shapes()["gpt3-175b"]
     work = Workload(gpt3, 64, 2048, attention="math")
     sbh = 2048 * 1 * gpt3.hidden
     for recompute, per_layer in (("selective", 34 * sbh / 8), ("full", 2 * sbh / 8)):

@@ -12,7 +12,7 @@ from meshtrain import verifier as verify
 from meshtrain.comm import Comm
 from meshtrain.cli.config import Config, LayoutConfig, TrainConfig
 from meshtrain.mesh import Mesh
-from meshtrain.models import build_model
+from meshtrain.recipes.build import build_model
 from meshtrain.optim import adamw
 from meshtrain.parallel.compose import mark_full_shapes
 from meshtrain.train import parallelize_config as parallelize

@@ -265,7 +265,7 @@ def attention_cores(model: nn.Module) -> list[nn.Module]:
         raise ValueError("context parallelism splits sequences for attention, and this model has no module with "
                          "an attention core(q, k, v) (meshtrain's GPT and Llama have one; transformers' classes do "
                          "not: train those with cp=1, or load the weights into meshtrain's Llama with "
-                         "meshtrain.models.load_hf)")
+                         "meshtrain.hf.load_hf)")
     for m in cores:
         drop = getattr(m, "attn_drop", None)
         if getattr(m, "attention", "sdpa") == "math" and drop is not None and drop.p > 0:

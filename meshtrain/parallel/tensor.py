@@ -434,16 +434,3 @@ class TensorParallelSync:
 
     def reset(self) -> None:
         pass
-
-
-def __getattr__(name: str):
-    """Old import paths: the built-in models' plans live in their recipes (`meshtrain.recipes`)."""
-    old = {"GPT_PLAN": ("gpt", "TP_PLAN"), "LLAMA_PLAN": ("llama", "TP_PLAN"), "MLP_PLAN": ("mlp", "TP_PLAN")}
-    if name in old:
-        import importlib
-        family, attr = old[name]
-        return getattr(importlib.import_module(f"meshtrain.recipes.{family}"), attr)
-    if name == "plan_for":
-        from meshtrain.recipes import tp_plan_of
-        return tp_plan_of
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

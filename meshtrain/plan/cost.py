@@ -52,7 +52,7 @@ def head_forward_flops(shape, micro_batch: int, seq: int) -> float:
 
 def model_flops(shape, batch: int, seq: int) -> float:
     """Model FLOPs of one step (forward and a backward of twice its cost) on `batch`
-    sequences: 72·B·s·l·h²·(1 + s/6h + V/(12·l·h)) for the GPT shape (`gpt_flops_per_step`),
+    sequences: 72·B·s·l·h²·(1 + s/6h + V/(12·l·h)) for the GPT shape (`recipes.gpt.flops_per_step`),
     generalised to SwiGLU's three matrices of width ffn, grouped-query attention, a head size
     other than h/heads, and a MoE's active parameters (each family's `flops_per_step`, the
     trainer's MFU numerator: a test holds them equal)."""
@@ -88,12 +88,3 @@ def hardware_flops(shape, batch: int, seq: int, recompute: str = "none") -> floa
     """FLOPs the devices execute: model FLOPs plus the recomputation. With full recompute
     of a GPT, Narayanan et al. (2021) eq. 3: 96·B·s·l·h²·(1 + s/6h + V/(16·l·h))."""
     return model_flops(shape, batch, seq) + recomputed_flops(shape, batch, seq, recompute)
-
-
-def __getattr__(name: str):
-    """Old import paths: a step's model FLOPs are each family's recipe's."""
-    moved = {"gpt_flops_per_step": "gpt", "llama_flops_per_step": "llama", "mlp_flops_per_step": "mlp"}
-    if name in moved:
-        import importlib
-        return getattr(importlib.import_module(f"meshtrain.recipes.{moved[name]}"), "flops_per_step")
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

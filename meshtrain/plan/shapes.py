@@ -149,12 +149,3 @@ def megatron_params(layers: int, hidden: int, vocab: int, seq_len: int) -> float
     projections, a 4h MLP, learned positions, the head tied to the embedding."""
     l, h = layers, hidden
     return 12 * l * h * h * (1 + 13 / (12 * h) + (vocab + seq_len) / (12 * l * h))
-
-
-def __getattr__(name: str):
-    """Old import paths: the published shapes and the presets' shapes are the model families'
-    recipes' (`meshtrain.recipes`): one registry of model shapes."""
-    if name in ("PUBLISHED", "shape_of"):
-        import meshtrain.recipes as recipes
-        return recipes.published_shapes() if name == "PUBLISHED" else recipes.shape_of
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -81,14 +81,3 @@ class Stage:
 def _drop(model: nn.Module, name: str) -> None:
     parent, _, child = name.rpartition(".")
     delattr(model.get_submodule(parent) if parent else model, child)
-
-
-def __getattr__(name: str):
-    """Old import paths: the built-in models' pipeline plans live in their recipes (`meshtrain.recipes`)."""
-    if name in ("gpt_plan", "llama_plan", "mlp_plan"):
-        import importlib
-        return getattr(importlib.import_module(f"meshtrain.recipes.{name[:-5]}"), "pipeline_plan")
-    if name == "plan_for":
-        from meshtrain.recipes import pipeline_plan_of
-        return pipeline_plan_of
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
