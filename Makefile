@@ -23,11 +23,12 @@ $(STAMP): pyproject.toml Makefile
 train: setup
 	$(VENV)/bin/meshtrain train
 
+# One test file per core at a time (a file's module fixtures are computed once); see docs/tests.md.
 test: setup
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -m "not slow" -n auto --dist loadfile
 
 test-all: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n auto --dist loadfile
 
 bench: setup
 	bash benchmarks/run.sh

@@ -211,6 +211,7 @@ def test_warmup_longer_than_the_run_and_zero_with_one_dp_rank_are_warnings_not_e
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1500)  # its command may take 1200 s
 def test_long_gpt_small_verify_passes():
     """The acceptance run: gpt-small, dp=2, warm-up 1, 100 steps (about 2 minutes here)."""
     r = run_cli("verify", "--dp", "2", "--warmup", "1", "--steps", "100", "--device", "cpu", "--json", timeout=1200)

@@ -3,6 +3,7 @@ traffic, per rank), against the papers (`paper` accounting, FLOPs), its closed f
 against the simulator, its search against brute force, and its command line."""
 
 import itertools
+import resource
 import time
 from dataclasses import replace
 
@@ -229,13 +230,16 @@ def test_llama3_70b_search_on_64_h100s_is_fast_and_explains_the_best():
     measured 2.8–3.6 s when it landed, 6.4 s on 2026-12-02's slower machine, where a
     checkout of that landing measures the same); its best layout fits and keeps tp inside a
     node, and is explained."""
-    t0 = time.perf_counter()
+    before, t0 = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
     r = run_cli("plan", "--model", "llama3-70b", "--gpus", "64", "--gpu", "h100-80g", "--seq-len", "8192",
                 "--batch-size", "256", "--precision", "bf16", "--search", "--json")
-    took = time.perf_counter() - t0
+    took, after = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_CHILDREN)
+    # The command's CPU seconds: its wall time on an idle core, whatever else the machine runs
+    # (make test runs a test file per core).
+    cpu = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
     assert r.returncode == 0, r.stderr
     got = last_json(r.stdout)
-    assert took < 10 and got["search"]["seconds"] < took, (took, got["search"]["seconds"])
+    assert cpu < 10 and got["search"]["seconds"] < took, (cpu, took, got["search"]["seconds"])
     assert got["fits"] and got["layout"]["tp"] <= 8 and got["total_bytes"] <= 80 * 2 ** 30
     assert got["layout"]["dp"] * got["layout"]["cp"] * got["layout"]["tp"] * got["layout"]["pp"] == 64
     assert "the best, explained" in r.stderr and "memory per device" in r.stderr

@@ -52,6 +52,7 @@ def test_gpt_small_gradient_norm_agrees_where_layouts_cut_large_tensors(world, t
     ["--tp", "2", "--pp", "2", "--schedule", "1f1b", "--microbatches", "4"],
     ["--tp", "2", "--sp", "--recompute", "full"]],
     ids=["tp2", "dp4-zero3", "dp3-zero3-b6", "tp2-pp2-1f1b-mb4", "tp2-sp-recompute"])
+@pytest.mark.timeout(1500)  # its command may take 1200 s
 def test_default_verify_passes(layout):
     """Issue 47's acceptance: `meshtrain verify` as users run it, default steps and model
     (28-44 s each here, 3 min 7 s for the five)."""
