@@ -1,78 +1,64 @@
-"""Per-test profile of the suite (`pytest -p suite_profile`, writes MESHTRAIN_PROFILE or
-suite-profile.jsonl): wall time, and the time and count of fresh interpreters the test
-started (subprocesses, from their start to their exit being read; overlapping ones counted
-once). docs/tests.md's table comes from it (`python tests/suite_profile.py FILE`)."""
+"""Where the suite's time goes (`pytest --profile FILE`, see conftest.py): per test, its wall
+time and the time and count of the fresh interpreters it started — subprocesses, from their
+start to their exit being read, overlapping ones counted once. One JSON line per test, so
+that xdist's workers can append to one file. `python tests/suite_profile.py FILE [N]` prints
+the per-file table and the N slowest tests (docs/tests.md's tables)."""
 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
 from collections import defaultdict
 
-_children: list[list[float]] = []  # [start, end] of each subprocess of the current test
+
+class Profile:
+    def __init__(self, path: str):
+        self.out = open(path, "a")
+        self.children: list[list[float | None]] = []  # [start, end] of each subprocess of the current test
+        self.t0 = None
+        self._time_subprocesses()
+
+    def _time_subprocesses(self) -> None:
+        init, reaped = subprocess.Popen.__init__, subprocess.Popen._handle_exitstatus
+        children = self.children
+
+        def timed_init(popen, *args, **kwargs):
+            popen._profile_span = [time.perf_counter(), None]
+            children.append(popen._profile_span)
+            init(popen, *args, **kwargs)
+
+        def timed_exit(popen, *args, **kwargs):
+            span = getattr(popen, "_profile_span", None)
+            if span is not None and span[1] is None:
+                span[1] = time.perf_counter()
+            return reaped(popen, *args, **kwargs)
+
+        subprocess.Popen.__init__, subprocess.Popen._handle_exitstatus = timed_init, timed_exit
+
+    def pytest_runtest_setup(self, item):
+        self.children.clear()
+        self.t0 = time.perf_counter()
+
+    def pytest_runtest_makereport(self, item, call):
+        if call.when == "teardown" and self.t0 is not None:
+            now = time.perf_counter()
+            self.out.write(json.dumps({"test": item.nodeid, "wall": round(now - self.t0, 3),
+                                       "subprocess": round(_union(self.children, now), 3),
+                                       "interpreters": len(self.children)}) + "\n")
+            self.out.flush()
+            self.t0 = None
 
 
-def _patch_popen():
-    init, handle = subprocess.Popen.__init__, subprocess.Popen._handle_exitstatus
-
-    def timed_init(self, *a, **k):
-        self._profile_span = [time.perf_counter(), None]
-        _children.append(self._profile_span)
-        init(self, *a, **k)
-
-    def timed_exit(self, *a, **k):
-        span = getattr(self, "_profile_span", None)
-        if span is not None and span[1] is None:
-            span[1] = time.perf_counter()
-        return handle(self, *a, **k)
-
-    subprocess.Popen.__init__, subprocess.Popen._handle_exitstatus = timed_init, timed_exit
-
-
-def _union(spans, now):
+def _union(spans, now: float) -> float:
     total, last = 0.0, None
     for s, e in sorted((s, e if e is not None else now) for s, e in spans):
         if last is None or s > last:
-            total += e - s
-            last = e
+            total, last = total + e - s, e
         elif e > last:
-            total += e - last
-            last = e
+            total, last = total + e - last, e
     return total
-
-
-_patch_popen()
-_out = None
-
-
-def pytest_configure(config):
-    global _out
-    _out = open(os.environ.get("MESHTRAIN_PROFILE", "suite-profile.jsonl"), "a")
-
-
-def pytest_runtest_protocol(item, nextitem):
-    _children.clear()
-    item._profile_t0 = time.perf_counter()
-
-
-def pytest_runtest_logfinish(nodeid, location):
-    pass
-
-
-def pytest_runtest_teardown(item, nextitem):
-    pass
-
-
-def pytest_runtest_makereport(item, call):
-    if call.when == "teardown" and hasattr(item, "_profile_t0"):
-        now = time.perf_counter()
-        _out.write(json.dumps({"test": item.nodeid, "wall": round(now - item._profile_t0, 3),
-                               "subprocess": round(_union(_children, now), 3),
-                               "interpreters": len(_children)}) + "\n")
-        _out.flush()
 
 
 def table(path: str, top: int = 40) -> str:
@@ -85,7 +71,9 @@ def table(path: str, top: int = 40) -> str:
         f[2] += r["subprocess"]
         f[3] += r["interpreters"]
     total = sum(f[1] for f in per_file.values())
-    lines = [f"{len(rows)} tests, {total / 60:.1f} min in tests", "",
+    inside = sum(f[2] for f in per_file.values())
+    lines = [f"{len(rows)} tests, {total / 60:.1f} min in tests, {inside / 60:.1f} min of it in "
+             f"{sum(f[3] for f in per_file.values())} fresh interpreters", "",
              "| file | tests | wall s | in fresh interpreters s | interpreters |", "|---|---|---|---|---|"]
     for name, (n, wall, sub, interp) in sorted(per_file.items(), key=lambda kv: -kv[1][1]):
         lines.append(f"| {name} | {n} | {wall:.0f} | {sub:.0f} | {interp} |")
