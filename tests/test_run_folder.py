@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import TINY, run_cli
+from helpers import TINY, run_cli, run_main
 
 from meshtrain.faults import FAULT_ENV
 
@@ -30,9 +30,15 @@ def _train(out, *flags, **kw):
     return run_cli("train", *TINY, "--dp", "1", "--out", out, *flags, **kw)
 
 
+def _train_here(out, *flags):
+    """A one-rank run through the command line's `main` in this process: the same claims,
+    refusals, resumes and prunes as `_train`'s command, without its interpreter."""
+    return run_main("train", *TINY, "--dp", "1", "--out", out, *flags)
+
+
 def test_a_fresh_run_into_another_runs_out_is_refused_and_a_refused_resume_changes_nothing(tmp_path):
     out = tmp_path / "run"
-    assert _train(out, "--steps", "4", "--save-every", "2", "--keep", "1").returncode == 0
+    assert _train_here(out, "--steps", "4", "--save-every", "2", "--keep", "1").returncode == 0
     first = owner.read_run(out)["run_id"]
     assert folders.steps_in_local(out) == [4] and folders.run_of(out / "step-4") == first
     before = _snapshot(out)
@@ -43,19 +49,19 @@ def test_a_fresh_run_into_another_runs_out_is_refused_and_a_refused_resume_chang
         (["--steps", "4", "--resume"], "nothing left to train"),
     ]
     for flags, said in refusals:
-        r = _train(out, *flags)
+        r = _train_here(out, *flags)
         assert r.returncode == 2 and said in r.stderr, (flags, r.stderr)
         assert _snapshot(out) == before, flags  # the log (4 records), run.json, the checkpoint
-    assert "--overwrite" in _train(out, "--steps", "4").stderr
+    assert "--overwrite" in _train_here(out, "--steps", "4").stderr
 
-    r = _train(out, "--steps", "6", "--resume")
+    r = _train_here(out, "--steps", "6", "--resume")
     assert r.returncode == 0, r.stderr
     assert "re-derived from 6" in r.stderr  # --steps may grow: the schedule follows it, and says so
     log = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [rec["step"] for rec in log] == [1, 2, 3, 4, 5, 6]
     assert owner.read_run(out)["run_id"] == first and owner.read_run(out)["resumed_from"].endswith("step-4")
 
-    r = _train(out, "--steps", "2", "--save-every", "1", "--keep", "1", "--overwrite")
+    r = _train_here(out, "--steps", "2", "--save-every", "1", "--keep", "1", "--overwrite")
     assert r.returncode == 0, r.stderr
     aside, = out.glob("replaced-*")
     assert folders.steps_in_local(aside) == [4] and (aside / "metrics.jsonl").is_file()
@@ -64,10 +70,10 @@ def test_a_fresh_run_into_another_runs_out_is_refused_and_a_refused_resume_chang
 
 def test_keep_and_resume_see_only_this_runs_checkpoints(tmp_path):
     ours, theirs = tmp_path / "ours", tmp_path / "theirs"
-    assert _train(ours, "--steps", "4", "--save-every", "2").returncode == 0
-    assert _train(theirs, "--steps", "6", "--save-every", "6").returncode == 0
+    assert _train_here(ours, "--steps", "4", "--save-every", "2").returncode == 0
+    assert _train_here(theirs, "--steps", "6", "--save-every", "6").returncode == 0
     shutil.copytree(theirs / "step-6", ours / "step-6")  # a newer checkpoint of another run
-    r = _train(ours, "--steps", "5", "--save-every", "5", "--keep", "1", "--resume")
+    r = _train_here(ours, "--steps", "5", "--save-every", "5", "--keep", "1", "--resume")
     assert r.returncode == 0, r.stderr
     assert f"resumed from {ours}/step-4" in r.stderr  # not the newer step-6
     assert folders.steps_in_local(ours) == [6, 5]  # ours pruned to one; theirs untouched
