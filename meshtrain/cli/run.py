@@ -333,10 +333,10 @@ def _train(cfg, comm, args):
     from meshtrain.metrics import StepLog
     from meshtrain.train import train
 
-    log = StepLog(Path(cfg.train.out) / owner.METRICS_FILE) if comm.mesh.is_main else None
-    result = train(cfg, comm, progress="train", step_log=log, trace=bool(args.trace))
-    if log:
-        log.close()
+    step_log = StepLog(Path(cfg.train.out) / owner.METRICS_FILE) if comm.mesh.is_main else None
+    result = train(cfg, comm, progress="train", step_log=step_log, trace=bool(args.trace))
+    if step_log:
+        step_log.close()
     gathered = report.gather(result, comm)
     if not comm.mesh.is_main:
         return lambda: 0
