@@ -58,6 +58,23 @@ def verify_in_ranks(cfg, timeout: float = 600) -> dict:
     return {"layout": lay.summary(), **verifier.compare(record, verifier.run_reference(cfg, record))}
 
 
+def _train(mesh, cfg):
+    from meshtrain.comm import Comm
+    from meshtrain.train import train
+    return train(cfg, Comm(mesh)).losses
+
+
+def train_in_ranks(cfg, timeout: float = 600) -> list:
+    """What the ranks of `meshtrain train` do (`train.train` on the layout's mesh: the steps,
+    the checkpoints `--save-every` asks for, in `--out`), in ranks forked from the preloaded
+    server; the losses. A run's own process boundary (launching, the run's log and report)
+    is checked by the tests that run the command."""
+    from distributed import run_ranks
+    os.makedirs(cfg.train.out, exist_ok=True)  # as the command does before its ranks start
+    lay = cfg.layout
+    return run_ranks(_train, lay.world_size, cfg, pp=lay.pp, tp=lay.tp, cp=lay.cp, ep=lay.ep, timeout=timeout)[0]
+
+
 def run_cli(*args, timeout=300, env=None, launcher=("-m", "meshtrain")):
     """`python -m meshtrain ARGS` in a subprocess, as a user would run it."""
     return subprocess.run([sys.executable, *launcher, *map(str, args)], capture_output=True,
