@@ -70,7 +70,13 @@ def train_in_ranks(cfg, timeout: float = 600) -> list:
     server; the losses. A run's own process boundary (launching, the run's log and report)
     is checked by the tests that run the command."""
     from distributed import run_ranks
-    os.makedirs(cfg.train.out, exist_ok=True)  # as the command does before its ranks start
+
+    from meshtrain.cli.config import imported_tokenizer
+    from meshtrain.data.datasets import prepare
+    # what the command does before its ranks start: --out made, the data prepared once
+    os.makedirs(cfg.train.out, exist_ok=True)
+    prepare(cfg.train.data, "mlp" if cfg.train.data == "digits" else cfg.model.name, cfg.train.vocab_size,
+            cfg.train.seq_len, log=lambda line: None, tokenizer=imported_tokenizer(cfg))
     lay = cfg.layout
     return run_ranks(_train, lay.world_size, cfg, pp=lay.pp, tp=lay.tp, cp=lay.cp, ep=lay.ep, timeout=timeout)[0]
 
