@@ -39,22 +39,25 @@ def cli_config(*args):
     return cfg
 
 
-def _record(mesh, cfg):
+def _record(mesh, cfg, paths=()):
+    sys.path[:0] = paths
     from meshtrain import verifier
     from meshtrain.comm import Comm
     return verifier.record(cfg, Comm(mesh), "layout")
 
 
-def verify_in_ranks(cfg, timeout: float = 600) -> dict:
+def verify_in_ranks(cfg, timeout: float = 600, paths=()) -> dict:
     """What `meshtrain verify` computes, without its interpreters: the layout's ranks record
     (forked from the preloaded server, as in every multi-rank test), this process runs the
     one-process reference and compares — the calls its ranks and its launching parent make.
-    The verdict, with the `--json` report's `layout` key."""
+    The verdict, with the `--json` report's `layout` key. `paths`: folders the ranks put
+    first on sys.path (what PYTHONPATH gives a command's ranks: a user's module or plugin)."""
     from distributed import run_ranks
 
     from meshtrain import verifier
     lay = cfg.layout
-    record = run_ranks(_record, lay.world_size, cfg, pp=lay.pp, tp=lay.tp, cp=lay.cp, ep=lay.ep, timeout=timeout)[0]
+    record = run_ranks(_record, lay.world_size, cfg, tuple(map(str, paths)), pp=lay.pp, tp=lay.tp, cp=lay.cp,
+                       ep=lay.ep, timeout=timeout)[0]
     return {"layout": lay.summary(), **verifier.compare(record, verifier.run_reference(cfg, record))}
 
 
