@@ -1,6 +1,7 @@
 import io
 import json
 import os
+import signal
 import subprocess
 import sys
 from contextlib import redirect_stderr, redirect_stdout
@@ -104,11 +105,15 @@ def run_main(*args) -> Ran:
     at least one real process per command."""
     from meshtrain.cli import main
     out, err = io.StringIO(), io.StringIO()
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     with redirect_stdout(out), redirect_stderr(err):
         try:
             code = main([str(a) for a in args])
         except SystemExit as e:  # argparse's refusals
             code = e.code if isinstance(e.code, int) else int(e.code is not None)
+        finally:  # a command's own handlers (prepare's, a Ctrl-C at the end of a run) die with its process
+            for sig, handler in handlers.items():
+                signal.signal(sig, handler)
     return Ran(code, out.getvalue(), err.getvalue())
 
 
