@@ -1,6 +1,7 @@
 import io
 import json
 import os
+import signal
 import subprocess
 import sys
 from contextlib import redirect_stderr, redirect_stdout
@@ -39,23 +40,49 @@ def cli_config(*args):
     return cfg
 
 
-def _record(mesh, cfg):
+def _record(mesh, cfg, paths=()):
+    sys.path[:0] = paths
     from meshtrain import verifier
     from meshtrain.comm import Comm
     return verifier.record(cfg, Comm(mesh), "layout")
 
 
-def verify_in_ranks(cfg, timeout: float = 600) -> dict:
+def verify_in_ranks(cfg, timeout: float = 600, paths=()) -> dict:
     """What `meshtrain verify` computes, without its interpreters: the layout's ranks record
     (forked from the preloaded server, as in every multi-rank test), this process runs the
     one-process reference and compares — the calls its ranks and its launching parent make.
-    The verdict, with the `--json` report's `layout` key."""
+    The verdict, with the `--json` report's `layout` key. `paths`: folders the ranks put
+    first on sys.path (what PYTHONPATH gives a command's ranks: a user's module or plugin)."""
     from distributed import run_ranks
 
     from meshtrain import verifier
     lay = cfg.layout
-    record = run_ranks(_record, lay.world_size, cfg, pp=lay.pp, tp=lay.tp, cp=lay.cp, ep=lay.ep, timeout=timeout)[0]
+    record = run_ranks(_record, lay.world_size, cfg, tuple(map(str, paths)), pp=lay.pp, tp=lay.tp, cp=lay.cp,
+                       ep=lay.ep, timeout=timeout)[0]
     return {"layout": lay.summary(), **verifier.compare(record, verifier.run_reference(cfg, record))}
+
+
+def _train(mesh, cfg):
+    from meshtrain.comm import Comm
+    from meshtrain.train import train
+    return train(cfg, Comm(mesh)).losses
+
+
+def train_in_ranks(cfg, timeout: float = 600) -> list:
+    """What the ranks of `meshtrain train` do (`train.train` on the layout's mesh: the steps,
+    the checkpoints `--save-every` asks for, in `--out`), in ranks forked from the preloaded
+    server; the losses. A run's own process boundary (launching, the run's log and report)
+    is checked by the tests that run the command."""
+    from distributed import run_ranks
+
+    from meshtrain.cli.config import imported_tokenizer
+    from meshtrain.data.datasets import prepare
+    # what the command does before its ranks start: --out made, the data prepared once
+    os.makedirs(cfg.train.out, exist_ok=True)
+    prepare(cfg.train.data, "mlp" if cfg.train.data == "digits" else cfg.model.name, cfg.train.vocab_size,
+            cfg.train.seq_len, log=lambda line: None, tokenizer=imported_tokenizer(cfg))
+    lay = cfg.layout
+    return run_ranks(_train, lay.world_size, cfg, pp=lay.pp, tp=lay.tp, cp=lay.cp, ep=lay.ep, timeout=timeout)[0]
 
 
 def run_cli(*args, timeout=300, env=None, launcher=("-m", "meshtrain")):
@@ -78,11 +105,15 @@ def run_main(*args) -> Ran:
     at least one real process per command."""
     from meshtrain.cli import main
     out, err = io.StringIO(), io.StringIO()
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     with redirect_stdout(out), redirect_stderr(err):
         try:
             code = main([str(a) for a in args])
         except SystemExit as e:  # argparse's refusals
             code = e.code if isinstance(e.code, int) else int(e.code is not None)
+        finally:  # a command's own handlers (prepare's, a Ctrl-C at the end of a run) die with its process
+            for sig, handler in handlers.items():
+                signal.signal(sig, handler)
     return Ran(code, out.getvalue(), err.getvalue())
 
 

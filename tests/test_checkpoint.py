@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 from distributed import run_ranks
-from helpers import TINY, last_json, run_cli
+from helpers import TINY, last_json, run_cli, run_main
 
 from meshtrain.checkpoint import folders
 from meshtrain.checkpoint.boxes import boxes, flat_boxes
@@ -346,8 +346,9 @@ def test_export_of_a_zero3_checkpoint_is_the_one_process_state_in_shards(tmp_pat
 ], ids=["save-every-0", "keep-0", "resume-nothing", "resume-from-not-a-checkpoint", "both", "export-not-a-checkpoint",
         "export-hf", "async-keep-1", "async-without-save-every"])
 def test_bad_checkpoint_flags_are_refused_in_one_line_before_ranks_start(args, message, tmp_path):
+    """Through the command line's `main` in this process (test_config runs refusals from a shell)."""
     out = ["--out", tmp_path] if args[0] == "train" else []
-    r = run_cli(*[a.format(tmp=tmp_path) for a in args], *out)
+    r = run_main(*[a.format(tmp=tmp_path) for a in args], *out)
     assert r.returncode == 2 and message in r.stderr and "starting" not in r.stderr, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1, r.stderr
 
@@ -412,7 +413,8 @@ def test_a_fused_tensor_parallel_job_and_its_bf16_masters_load_in_one_process(tm
 
 
 def test_a_huge_learning_rate_stops_the_run_within_a_step_naming_it(tmp_path):
-    r = run_cli("train", *TINY, "--dp", "1", "--steps", "6", "--lr", "1e6", "--warmup", "0", "--out", tmp_path)
+    """A one-process run through the command line's `main`, in this process."""
+    r = run_main("train", *TINY, "--dp", "1", "--steps", "6", "--lr", "1e6", "--warmup", "0", "--out", tmp_path)
     assert r.returncode == 3, r.stderr
     assert "meshtrain: error: step 2: the loss is nan" in r.stderr and "the gradient of embed.tok.weight" in r.stderr
 

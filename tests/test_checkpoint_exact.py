@@ -312,10 +312,11 @@ def test_a_marker_naming_a_path_outside_is_refused_in_one_line(name, tmp_path):
     (_set_dtype("Tensor"), "dtype 'Tensor', not one of"),
 ], ids=["dot-dot", "not-a-dtype"])
 def test_export_of_such_a_checkpoint_exits_2_in_one_line(edit, message, tmp_path):
-    from helpers import run_cli
+    """Through the command line's `main` in this process (test_export_hf runs export itself)."""
+    from helpers import run_main
     folder = _saved(tmp_path)
     _rewrite(folder, INDEX, edit)
-    r = run_cli("export", "--ckpt", folder, "--out", tmp_path / "x")
+    r = run_main("export", "--ckpt", folder, "--out", tmp_path / "x")
     assert r.returncode == 2 and message in r.stderr, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "x").exists(), r.stderr
 

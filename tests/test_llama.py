@@ -137,20 +137,29 @@ LLAMA_TINY = ["--model", "llama-test", "--vocab-size", "256", "--seq-len", "32",
     pytest.param(["--dp", "2", "--tp", "2", "--pp", "2", "--zero", "1", "--microbatches", "2"], marks=pytest.mark.slow),
 ], ids=["tp2-sp-selective", "pp2-interleaved", "pp2-zb", "dp2-tp2-pp2-zero1"])
 def test_llama_verify_through_the_command_line(layout):
-    from helpers import run_cli
-    r = run_cli("verify", *LLAMA_TINY, "--steps", "3", *layout)
+    """`meshtrain verify` as a user runs it for tensor parallelism; the pipelines' reports
+    from the same calls in ranks forked from the preloaded server (helpers.verify_in_ranks)."""
+    from helpers import cli_config, run_cli, verify_in_ranks
+    args = ("verify", *LLAMA_TINY, "--steps", "3", *layout)
+    if layout[0] != "--tp":
+        cfg = cli_config(*args)
+        j = verify_in_ranks(cfg)
+        assert j["passed"] and cfg.model.name == "llama-test", j["failures"]
+        return
+    r = run_cli(*args)
     assert r.returncode == 0 and "PASS: llama-test" in r.stdout, r.stdout[-1500:] + r.stderr[-1500:]
 
 
 def test_a_checkpoint_trained_in_zero3_exports_for_transformers(tmp_path):
     transformers = pytest.importorskip("transformers")
-    from helpers import run_cli
+    """The ZeRO-3 ranks' training (helpers.train_in_ranks: the command's ranks, forked) and a
+    one-process run through the command line's `main`, exported in this process."""
+    from helpers import cli_config, run_main, train_in_ranks
 
     from meshtrain.cli.run_model import load_model
-    r = run_cli("train", *LLAMA_TINY, "--dp", "2", "--zero", "3", "--steps", "3", "--save-every", "3",
-                "--out", tmp_path / "run")
-    assert r.returncode == 0, r.stderr
-    r = run_cli("export", "--hf", "--ckpt", tmp_path / "run" / "step-3", "--out", tmp_path / "hf")
+    train_in_ranks(cli_config("train", *LLAMA_TINY, "--dp", "2", "--zero", "3", "--steps", "3", "--save-every", "3",
+                              "--out", tmp_path / "run"))
+    r = run_main("export", "--hf", "--ckpt", tmp_path / "run" / "step-3", "--out", tmp_path / "hf")
     assert r.returncode == 0, r.stderr
     ours, _, _ = load_model(tmp_path / "run" / "step-3")
     theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", attn_implementation="eager").eval()
@@ -158,10 +167,10 @@ def test_a_checkpoint_trained_in_zero3_exports_for_transformers(tmp_path):
     with torch.no_grad():
         want = ours.eval()(ids)
         torch.testing.assert_close(theirs(ids).logits, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
-    gpt = run_cli("train", "--model", "gpt-test", "--vocab-size", "256", "--seq-len", "32", "--batch-size", "8",
-                  "--dp", "1", "--steps", "1", "--save-every", "1", "--out", tmp_path / "gpt")
+    gpt = run_main("train", "--model", "gpt-test", "--vocab-size", "256", "--seq-len", "32", "--batch-size", "8",
+                   "--dp", "1", "--steps", "1", "--save-every", "1", "--out", tmp_path / "gpt")
     assert gpt.returncode == 0, gpt.stderr
-    r = run_cli("export", "--hf", "--ckpt", tmp_path / "gpt" / "step-1", "--out", tmp_path / "y")
+    r = run_main("export", "--hf", "--ckpt", tmp_path / "gpt" / "step-1", "--out", tmp_path / "y")
     assert r.returncode == 2 and "holds gpt-test: export it without --hf" in r.stderr
 
 

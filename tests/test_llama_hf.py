@@ -153,11 +153,12 @@ def test_fine_tuning_from_the_command_line_starts_at_the_imported_model_s_loss(t
 
 
 def test_init_from_a_folder_meshtrain_cannot_use_is_refused_before_ranks_start(tmp_path):
-    from helpers import run_cli
-    r = run_cli("train", "--init-from", tmp_path, "--out", tmp_path / "run")
+    """Through the command line's `main` in this process (the fine-tuning above runs the command)."""
+    from helpers import run_main
+    r = run_main("train", "--init-from", tmp_path, "--out", tmp_path / "run")
     assert r.returncode == 2 and "--init-from" in r.stderr and "no config.json" in r.stderr, r.stderr
     _hf_model().save_pretrained(tmp_path / "hf")
-    r = run_cli("train", "--init-from", tmp_path / "hf", "--out", tmp_path / "run")
+    r = run_main("train", "--init-from", tmp_path / "hf", "--out", tmp_path / "run")
     assert r.returncode == 2 and "no tokenizer.json" in r.stderr, r.stderr
 
 

@@ -10,7 +10,7 @@ import re
 
 import pytest
 import torch
-from helpers import last_json, run_cli
+from helpers import cli_config, last_json, run_cli, run_main, train_in_ranks
 from safetensors import safe_open
 from safetensors.torch import load_file
 
@@ -83,13 +83,13 @@ def test_transformers_folders_give_its_logits_and_save_back_as_the_same_files(ca
 @pytest.fixture(scope="module", params=[("--dp", "2"), ("--dp", "2", "--ep", "2")], ids=["dp2", "dp2-ep2"])
 def moe_run(tmp_path_factory, request):
     """(the step-2 checkpoint of moe-test trained in dp 2, or dp 2 with the experts split over
-    ep 2, its `export --hf`)."""
+    ep 2, its `export --hf`): the command's ranks forked (helpers.train_in_ranks), the export
+    through the command line's `main` in this process (`init_run` trains from a shell)."""
     root = tmp_path_factory.mktemp("moe_run")
-    r = run_cli("train", "--model", "moe-test", "--vocab-size", "256", "--seq-len", "32", "--batch-size", "4",
-                "--data", "benchmarks/data/hamlet.txt", *request.param, "--steps", "2", "--save-every", "2",
-                "--device", "cpu", "--out", root / "run")
-    assert r.returncode == 0, r.stderr[-3000:]
-    r = run_cli("export", "--hf", "--ckpt", root / "run" / "step-2", "--out", root / "export")
+    train_in_ranks(cli_config("train", "--model", "moe-test", "--vocab-size", "256", "--seq-len", "32",
+                              "--batch-size", "4", "--data", "benchmarks/data/hamlet.txt", *request.param,
+                              "--steps", "2", "--save-every", "2", "--device", "cpu", "--out", root / "run"))
+    r = run_main("export", "--hf", "--ckpt", root / "run" / "step-2", "--out", root / "export")
     assert r.returncode == 0, r.stderr[-3000:]
     return root / "run" / "step-2", root / "export"
 
@@ -150,7 +150,7 @@ def test_init_from_a_qwen3_moe_folder_starts_at_its_loss(init_run):
 
 def test_export_of_a_nonzero_router_bias_is_refused_in_one_line(init_run, tmp_path):
     _, _, run, _ = init_run
-    r = run_cli("export", "--hf", "--ckpt", run / "step-1", "--out", tmp_path / "x")
+    r = run_main("export", "--hf", "--ckpt", run / "step-1", "--out", tmp_path / "x")
     assert r.returncode == 2, r.stderr
     assert re.search(r"layers\.\d\.mlp\.gate\.expert_bias is nonzero .*; export it without --hf", r.stderr), r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "x" / "model.safetensors").exists()

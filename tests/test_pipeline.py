@@ -106,8 +106,10 @@ def test_gpipe_holds_every_microbatch_1f1b_only_p_of_them_and_both_send_the_same
 def test_a_traced_run_and_its_simulation_agree_on_the_order_of_operations(tmp_path):
     """`train --trace` writes every stage's timeline; `schedule --trace` simulates it from the
     measured costs: the same operations in the same order on every stage. (How close the
-    makespans come is measured on gpt-small in the README, not asserted on a noisy machine.)"""
-    from helpers import TINY, last_json, run_cli
+    makespans come is measured on gpt-small in the README, not asserted on a noisy machine.)
+    The run is the command itself (its rank 0 writes the trace); `schedule` runs through the
+    command line's `main` in this process."""
+    from helpers import TINY, last_json, run_cli, run_main
     trace = tmp_path / "trace.json"
     r = run_cli("train", *TINY, "--dp", "1", "--pp", "2", "--microbatches", "4", "--schedule", "zb", "--steps", "3",
                 "--out", tmp_path, "--trace", trace)
@@ -116,7 +118,7 @@ def test_a_traced_run_and_its_simulation_agree_on_the_order_of_operations(tmp_pa
     assert len(t["steps"]) == 3 and len(t["steps"][0]) == 2 and t["p2p_s"] > 0
     kinds = [sp["op"] for sp in t["steps"][1][1]]
     assert kinds.count("F") == kinds.count("I") == kinds.count("W") == 4  # zero-bubble: F, input and weight grads
-    r = run_cli("schedule", "--trace", trace, "--png", tmp_path / "both.png", "--json")
+    r = run_main("schedule", "--trace", trace, "--png", tmp_path / "both.png", "--json")
     assert r.returncode == 0, r.stderr
     j = last_json(r.stdout)
     assert j["same_order"] and j["predicted_makespan_s"] > 0 and j["measured_makespan_s"] > 0

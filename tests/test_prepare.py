@@ -2,7 +2,8 @@
 Llama-3-style tokenizer (built with `tokenizers`, no download) gives each whole document's ids
 as `tokenizers` encodes it, then the EOS (docs/data.md), read back here with numpy alone; a
 long document cut into pieces where the pre-tokenizer splits anyway keeps those ids; shards
-read as one stream; and what cannot be used is refused in one line."""
+read as one stream; and what cannot be used is refused in one line. The commands run through
+the command line's `main` in this process (test_prepare_scale runs `prepare` itself)."""
 
 import json
 import shutil
@@ -10,7 +11,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from helpers import run_cli
+from helpers import run_main
 from llama3_folder import BOS, EOS, documents, llama3_tokenizer, write_documents, write_tokenizer
 
 from meshtrain.data.datasets import TextData, build_folder, prepare_folder
@@ -39,7 +40,7 @@ def llama3(tmp_path_factory):
 
 def test_prepared_ids_are_tokenizers_own_whole_document_ids_then_the_eos(llama3, tmp_path):
     docs, text, hf, tok = llama3
-    r = run_cli("prepare", "--data", text, "--init-from", hf, "--out", tmp_path / "prep")
+    r = run_main("prepare", "--data", text, "--init-from", hf, "--out", tmp_path / "prep")
     assert r.returncode == 0, r.stderr
     meta, (tokens,), (bounds,) = _read(tmp_path / "prep")
     bos, eos = tok.token_to_id(BOS), tok.token_to_id(EOS)
@@ -137,16 +138,16 @@ def test_prepare_refuses_a_folder_with_no_text_and_a_used_out(tmp_path, llama3):
     empty.mkdir()
     (empty / "a.txt").write_text("")
     (empty / "b.jsonl").write_text("\n\n")
-    _one_line_refusal(run_cli("prepare", "--data", empty, "--vocab-size", "256", "--out", tmp_path / "p"),
+    _one_line_refusal(run_main("prepare", "--data", empty, "--vocab-size", "256", "--out", tmp_path / "p"),
                       "no text there")
-    _one_line_refusal(run_cli("prepare", "--data", empty, "--out", tmp_path / "p"), "no text there")  # a BPE to train
+    _one_line_refusal(run_main("prepare", "--data", empty, "--out", tmp_path / "p"), "no text there")  # a BPE to train
     assert not (tmp_path / "p").exists() and [p.name for p in tmp_path.iterdir()] == ["empty"]
     (tmp_path / "used").mkdir()
     (tmp_path / "used" / "x").write_text("x")
     _, text, hf, _ = llama3
-    _one_line_refusal(run_cli("prepare", "--data", text, "--init-from", hf, "--vocab-size", "512", "--out",
+    _one_line_refusal(run_main("prepare", "--data", text, "--init-from", hf, "--vocab-size", "512", "--out",
                               tmp_path / "q"), "--vocab-size 512 with --init-from")
-    _one_line_refusal(run_cli("prepare", "--data", text, "--vocab-size", "256", "--out", tmp_path / "used"),
+    _one_line_refusal(run_main("prepare", "--data", text, "--vocab-size", "256", "--out", tmp_path / "used"),
                       "not empty")
 
 
@@ -168,11 +169,11 @@ def test_train_refuses_a_prepared_folder_of_another_version_or_tokenizer(llama3,
     meta = json.loads((tmp_path / "old" / "meta.json").read_text())
     (tmp_path / "old" / "meta.json").write_text(json.dumps({**meta, "version": 99}))
     flags = ["--seq-len", "16", "--batch-size", "2", "--steps", "1", "--device", "cpu", "--dp", "1"]
-    _one_line_refusal(run_cli("train", "--data", tmp_path / "old", "--init-from", other, *flags, "--out",
+    _one_line_refusal(run_main("train", "--data", tmp_path / "old", "--init-from", other, *flags, "--out",
                               tmp_path / "r1"), "format version 99", "prepare it again")
-    _one_line_refusal(run_cli("train", "--data", tmp_path / "bytes", "--init-from", hf, *flags, "--out",
+    _one_line_refusal(run_main("train", "--data", tmp_path / "bytes", "--init-from", hf, *flags, "--out",
                               tmp_path / "r2"), "prepared with the byte tokenizer", "--init-from")
-    _one_line_refusal(run_cli("train", "--data", tmp_path / "theirs", "--init-from", hf, *flags, "--out",
+    _one_line_refusal(run_main("train", "--data", tmp_path / "theirs", "--init-from", hf, *flags, "--out",
                               tmp_path / "r3"), "prepared with another tokenizer.json", f"--init-from {hf}")
     assert not any((tmp_path / r).exists() and any((tmp_path / r).iterdir()) for r in ("r1", "r2", "r3"))
 

@@ -8,7 +8,7 @@ the same rows the run draws). Step losses agree within 1e-5 relative over 5 step
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import last_json, run_cli
+from helpers import last_json, run_cli, run_main
 from llama3_folder import documents, hf_llama_folder, llama3_tokenizer, write_documents
 
 from meshtrain.cli.config import TrainConfig, lr_at
@@ -21,12 +21,13 @@ STEPS, BATCH, SEQ, LR, WARMUP = 5, 4, 32, 3e-3, 2
 
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory):
-    """(the Hugging Face folder, the prepared token folder, the transformers loop's losses)."""
+    """(the Hugging Face folder, the prepared token folder (`prepare` through the command
+    line's `main` in this process), the transformers loop's losses)."""
     root = tmp_path_factory.mktemp("finetune")
     docs = documents(n=24)
     tok = llama3_tokenizer(docs)
     hf_llama_folder(root / "hf", tok)
-    r = run_cli("prepare", "--data", write_documents(root / "docs", docs), "--init-from", root / "hf",
+    r = run_main("prepare", "--data", write_documents(root / "docs", docs), "--init-from", root / "hf",
                 "--out", root / "prep")
     assert r.returncode == 0, r.stderr
     return root / "hf", root / "prep", _transformers_losses(root / "hf", root / "prep")

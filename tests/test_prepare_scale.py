@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import run_cli
+from helpers import run_cli, run_main
 from llama3_folder import documents, llama3_tokenizer, write_tokenizer
 
 WORDS = ("the king is dead long live the king now is the winter of our discontent made glorious summer by this "
@@ -40,8 +40,11 @@ def corpus(path: Path, n_docs: int, seed: int = 0, field: str = "text", words_pe
     return docs
 
 
-def prepare(data, out, *flags, **kw):
-    return run_cli("prepare", "--data", data, "--out", out, *flags, **kw)
+def prepare(data, out, *flags):
+    """`meshtrain prepare` through the command line's `main` in this process (its workers are
+    spawned processes either way); the signal, kill, terminal and no-torch tests run the
+    command itself."""
+    return run_main("prepare", "--data", data, "--out", out, *flags)
 
 
 def tokens(folder: Path) -> bytes:
@@ -185,10 +188,10 @@ def test_a_killed_prepare_s_folder_is_never_read_as_complete_and_is_cleaned_by_t
     assert building.is_dir() and (building / "tokens.bin").is_file() and not out.exists()
     flags = ["--model", "gpt-test", "--seq-len", "16", "--batch-size", "2", "--steps", "1", "--device", "cpu",
              "--dp", "1", "--out", tmp_path / "run"]
-    one_line_refusal(run_cli("train", "--data", building, *flags), "unfinished token folder", "prepare it again")
+    one_line_refusal(run_main("train", "--data", building, *flags), "unfinished token folder", "prepare it again")
     partial = tmp_path / "partial"  # the same files, renamed by hand: still no meta.json, still refused
     building.rename(partial)
-    one_line_refusal(run_cli("train", "--data", partial, *flags), "unfinished token folder")
+    one_line_refusal(run_main("train", "--data", partial, *flags), "unfinished token folder")
     partial.rename(building)
     again = prepare(data[0] / "c.jsonl", out, "--vocab-size", "256", "--workers", "2")
     assert again.returncode == 0, again.stderr
