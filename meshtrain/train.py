@@ -10,6 +10,7 @@ gradients. A step whose gradient norm is not finite is skipped, with a warning."
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 import sys
 import time
 from pathlib import Path
@@ -45,7 +46,7 @@ class RunResult:
     step_times: list[float]
     n_params: int
     model_state: dict
-    activation_bytes: int
+    activation_bytes: int | None  # None: not measured (train(measure_memory=False))
     activation_bytes_per_layer: int | None
     comm_per_step: dict[str, int]
     parallel: Parallelized
@@ -132,10 +133,11 @@ def exact_fp32_on_cuda() -> None:
             backend.allow_tf32 = False
 
 
-def setup(cfg: Config, comm: Comm, **sync_options) -> tuple[object, Job]:
+def setup(cfg: Config, comm: Comm, *, measure_memory: bool = True, **sync_options) -> tuple[object, Job]:
     """Data, and the model with the layout's strategies applied and its optimizer: the
     configuration translated into `meshtrain.parallelize`'s arguments (`sync_options`: the
-    gradient synchroniser's, for the tests' probes)."""
+    gradient synchroniser's, for the tests' probes). `measure_memory`: the build's peak
+    (`build_peak_bytes`; a meter on every operator of the build)."""
     if comm.mesh.device.type == "cuda" and cfg.layout.precision == "fp32":
         exact_fp32_on_cuda()
     tr = cfg.train
@@ -146,7 +148,7 @@ def setup(cfg: Config, comm: Comm, **sync_options) -> tuple[object, Job]:
     else:
         data = _dataset(cfg)
         recipe = recipe_for(cfg, data)
-    with BuildMeter() as meter:
+    with BuildMeter() if measure_memory else nullcontext() as meter:
         model, init = _model_and_init(cfg, recipe)
         loss_fn = cross_entropy if recipe.loss_fn == "cross_entropy" else recipe.loss_fn
         normalizer = loss_terms_per_step(cfg) if recipe.loss_reduction == "sum" else None
@@ -154,7 +156,7 @@ def setup(cfg: Config, comm: Comm, **sync_options) -> tuple[object, Job]:
                           loss_fn=loss_fn, loss_reduction=recipe.loss_reduction, normalizer=normalizer, init=init,
                           tp_plan=recipe.tp_plan if cfg.layout.tp > 1 else None, pipeline=recipe.pipeline,
                           wrap=recipe.wrap, lr_scheduler=recipe.lr_scheduler, **_layout_arguments(cfg, sync_options))
-    job.parallel.build_peak_bytes = meter.peak
+    job.parallel.build_peak_bytes = meter.peak if meter is not None else None
     return data, job
 
 
@@ -238,11 +240,14 @@ def train_step(job: Job, data, step: int, cfg: Config, *, observer: StepObserver
 
 def train(cfg: Config, comm: Comm, *, observer: StepObserver | None = None, progress: str | None = None,
           step_log: StepLog | None = None, trace: bool = False, stop_after: int | None = None,
-          **sync_options) -> RunResult:
+          measure_memory: bool = True, **sync_options) -> RunResult:
     """`stop_after` K: end after step K (its checkpoint written when --save-every says so),
-    the schedule still that of --steps: `verify --resume-at K` runs the rest resumed."""
+    the schedule still that of --steps: `verify --resume-at K` runs the rest resumed.
+    `measure_memory`: the build's peak and the first step's activation peak, per rank and
+    per layer (their meters cost Python time on every operator of the build and of that
+    step: verify, which reports neither, leaves it off; they are then None)."""
     mesh, tr = comm.mesh, cfg.train
-    data, job = setup(cfg, comm, **sync_options)
+    data, job = setup(cfg, comm, measure_memory=measure_memory, **sync_options)
     if tr.eval_every and not hasattr(data, "val_batch"):
         raise RunRefused("--eval-every: this model's recipe brings its own batches, which have no held-out split; "
                          "evaluate in your own loop with job.evaluate")
@@ -269,8 +274,8 @@ def train(cfg: Config, comm: Comm, *, observer: StepObserver | None = None, prog
         from tqdm import tqdm
         bar = tqdm(total=tr.steps, initial=start, desc=progress, file=sys.stderr, unit="step", dynamic_ncols=True)
 
-    meter = ActivationMeter()
-    probe = LayerProbe(p.module, meter)
+    meter = ActivationMeter() if measure_memory else None
+    probe = LayerProbe(p.module, meter) if meter is not None else None
     # With checkpoints on, a SIGTERM (a scheduler's preemption) reaches ranks at different
     # steps: each step the flag is all-reduced, and every rank saves at the first step any saw it.
     preemption = Preemption() if tr.save_every else None
@@ -318,7 +323,8 @@ def train(cfg: Config, comm: Comm, *, observer: StepObserver | None = None, prog
             # The activation peak is measured on the first step (the meter costs Python time per op).
             out = train_step(job, data, step, cfg, observer=observer, meter=meter if step == start else None)
             if step == start:
-                probe.close()
+                if probe is not None:
+                    probe.close()
                 launch.set_collective_timeout(mesh, tr.timeout)  # built and stepped once: the steady bound
             dt = time.perf_counter() - t0
             comm_detail = _per_axis({k: v - sent_before.get(k, 0.0) for k, v in comm.detailed_totals().items()})
@@ -360,8 +366,8 @@ def train(cfg: Config, comm: Comm, *, observer: StepObserver | None = None, prog
             comm_detail.setdefault(axis, {})
         traced = _gather_trace(cfg, comm, p.runner, recorder) if recorder else None
         return RunResult(losses=losses, step_times=times, n_params=p.n_params, first_step=start + 1,
-                         model_state=p.model_state_bytes(), activation_bytes=meter.peak,
-                         activation_bytes_per_layer=probe.bytes,
+                         model_state=p.model_state_bytes(), activation_bytes=meter.peak if meter else None,
+                         activation_bytes_per_layer=probe.bytes if probe else None,
                          comm_per_step=comm_per_step, parallel=p, data=data, skipped_steps=skipped, trace=traced,
                          comm_detail_per_step=comm_detail, val_losses=val_losses,
                          expert_load_max_over_mean=expert_load_ratios)

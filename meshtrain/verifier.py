@@ -191,14 +191,15 @@ def record(cfg: Config, comm: Comm, label: str, *, resume_at: int | None = None,
     if part is None:  # verify writes nothing into --out (which `train` claims): a folder of its own
         folder = shared_temp_folder(comm, prefix="meshtrain-verify-")
         try:
-            result = train(_with_out(cfg, folder), comm, observer=recorder, progress=label)
+            result = train(_with_out(cfg, folder), comm, observer=recorder, progress=label, measure_memory=False)
         finally:
             if comm.mesh.is_main:
                 shutil.rmtree(folder, ignore_errors=True)
     else:
         if comm.mesh.is_main:
             Path(cfg.train.out).mkdir(parents=True, exist_ok=True)  # the part's own folder, in the temporary one
-        result = train(cfg, comm, observer=recorder, progress=label, stop_after=resume_at if part == FIRST else None)
+        result = train(cfg, comm, observer=recorder, progress=label, stop_after=resume_at if part == FIRST else None,
+                       measure_memory=False)
     if not comm.mesh.is_main:
         return None
     return {"losses": result.losses, "steps": recorder.records, "problems": recorder.problems,
@@ -317,10 +318,11 @@ def run_reference(cfg: Config, layout: dict) -> dict:
     trajectory = _TrajectoryRecorder(sampled)
     folder = tempfile.mkdtemp(prefix="meshtrain-verify-reference-")  # not --out, which `train` claims
     try:
-        losses = train(_with_out(ref, folder), comm, observer=trajectory, progress="reference").losses
+        losses = train(_with_out(ref, folder), comm, observer=trajectory, progress="reference",
+                       measure_memory=False).losses
     finally:
         shutil.rmtree(folder, ignore_errors=True)
-    data, job = setup(ref, comm)
+    data, job = setup(ref, comm, measure_memory=False)
     lockstep = {}
     for step in sampled:
         job.parallel.load_full_state_dict(layout["steps"][step]["pre"])

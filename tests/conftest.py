@@ -10,12 +10,12 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="meshtrain-test-cache-")
 
 
-def pytest_addoption(parser):
-    parser.addoption("--profile", metavar="FILE", help="append each test's wall time and fresh interpreters to FILE "
-                     "(tests/suite_profile.py prints the tables)")
+# Where the suite's time goes: MESHTRAIN_TEST_PROFILE=FILE appends one line per test to FILE
+# (every xdist worker alike); `python tests/suite_profile.py FILE` prints the tables.
+PROFILE_ENV = "MESHTRAIN_TEST_PROFILE"
 
 
 def pytest_configure(config):
-    if config.getoption("--profile"):
+    if os.environ.get(PROFILE_ENV):
         from suite_profile import Profile
-        config.pluginmanager.register(Profile(config.getoption("--profile")), "suite_profile")
+        config.pluginmanager.register(Profile(os.environ[PROFILE_ENV]), "suite_profile")

@@ -1,4 +1,4 @@
-"""Where the suite's time goes (`pytest --profile FILE`, see conftest.py): per test, its wall
+"""Where the suite's time goes (`MESHTRAIN_TEST_PROFILE=FILE pytest`, see conftest.py): per test, its wall
 time and the time and count of the fresh interpreters it started — subprocesses, from their
 start to their exit being read, overlapping ones counted once. One JSON line per test, so
 that xdist's workers can append to one file. `python tests/suite_profile.py FILE [N]` prints
