@@ -309,12 +309,11 @@ class _GradRecorder(StepObserver):
         self.grads = p.full_grads()
 
 
-def run_reference(cfg: Config, layout: dict) -> dict:
-    """The one-process reference on the CPU: its own trajectory from the seed, then one
-    lockstep step from the layout's state before each sampled step."""
+def reference_trajectory(cfg: Config, sampled: list[int]) -> dict:
+    """The one-process run from the seed on the CPU: its losses and its weights after each
+    sampled step — the same for every layout verified against `cfg` and these steps."""
     ref = reference_config(cfg)
     comm = Comm(Mesh.single(torch.device("cpu")))
-    sampled = sorted(layout["steps"])
     trajectory = _TrajectoryRecorder(sampled)
     folder = tempfile.mkdtemp(prefix="meshtrain-verify-reference-")  # not --out, which `train` claims
     try:
@@ -322,6 +321,18 @@ def run_reference(cfg: Config, layout: dict) -> dict:
                        measure_memory=False).losses
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+    return {"losses": losses, "trajectory": trajectory.params}
+
+
+def run_reference(cfg: Config, layout: dict, trajectory: dict | None = None) -> dict:
+    """The one-process reference on the CPU: its own trajectory from the seed (or the
+    `reference_trajectory` given, computed once for several layouts), then one lockstep
+    step from the layout's state before each sampled step."""
+    ref = reference_config(cfg)
+    comm = Comm(Mesh.single(torch.device("cpu")))
+    sampled = sorted(layout["steps"])
+    if trajectory is None:
+        trajectory = reference_trajectory(cfg, sampled)
     data, job = setup(ref, comm, measure_memory=False)
     lockstep = {}
     for step in sampled:
@@ -332,7 +343,7 @@ def run_reference(cfg: Config, layout: dict) -> dict:
                           "post": job.parallel.full_state_dict(with_optimizer=False)["model"]}
         if "val" in layout["steps"][step]:
             lockstep[step]["val"] = held_out_loss(job, data, ref)
-    return {"losses": losses, "trajectory": trajectory.params, "steps": lockstep}
+    return {**trajectory, "steps": lockstep}
 
 
 def against_reference(cfg: Config, layout: dict, json_mode: bool) -> int:

@@ -31,6 +31,14 @@ def assert_mutant_fails(verdicts: dict, name: str) -> None:
 
 
 def verdicts_of(records: dict, configs: dict) -> dict:
-    """{name: verify's verdict} of each record against the one-process reference."""
-    return {name: verify.compare(rec, verify.run_reference(configs[layout], rec))
-            for name, (layout, rec) in records.items()}
+    """{name: verify's verdict} of each record against the one-process reference. The
+    reference's own trajectory depends only on the configuration and the sampled steps: it
+    is computed once per layout, and each record gets its own lockstep steps."""
+    trajectories = {}
+    verdicts = {}
+    for name, (layout, rec) in records.items():
+        key = (layout, tuple(sorted(rec["steps"])))
+        if key not in trajectories:
+            trajectories[key] = verify.reference_trajectory(configs[layout], list(key[1]))
+        verdicts[name] = verify.compare(rec, verify.run_reference(configs[layout], rec, trajectories[key]))
+    return verdicts
