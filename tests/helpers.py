@@ -40,6 +40,14 @@ def cli_config(*args):
     return cfg
 
 
+def on_the_layout(fn, cfg, *args, timeout: float = 180):
+    """`fn(mesh, cfg, *args)` on the ranks of `cfg`'s layout (its world, its mesh's sizes),
+    forked from the preloaded server; each rank's result."""
+    from distributed import run_ranks
+    lay = cfg.layout
+    return run_ranks(fn, lay.world_size, cfg, *args, pp=lay.pp, tp=lay.tp, cp=lay.cp, ep=lay.ep, timeout=timeout)
+
+
 def _record(mesh, cfg, paths=()):
     sys.path[:0] = paths
     from meshtrain import verifier
@@ -53,13 +61,9 @@ def verify_in_ranks(cfg, timeout: float = 600, paths=()) -> dict:
     one-process reference and compares — the calls its ranks and its launching parent make.
     The verdict, with the `--json` report's `layout` key. `paths`: folders the ranks put
     first on sys.path (what PYTHONPATH gives a command's ranks: a user's module or plugin)."""
-    from distributed import run_ranks
-
     from meshtrain import verifier
-    lay = cfg.layout
-    record = run_ranks(_record, lay.world_size, cfg, tuple(map(str, paths)), pp=lay.pp, tp=lay.tp, cp=lay.cp,
-                       ep=lay.ep, timeout=timeout)[0]
-    return {"layout": lay.summary(), **verifier.compare(record, verifier.run_reference(cfg, record))}
+    record = on_the_layout(_record, cfg, tuple(map(str, paths)), timeout=timeout)[0]
+    return {"layout": cfg.layout.summary(), **verifier.compare(record, verifier.run_reference(cfg, record))}
 
 
 def _train(mesh, cfg):
@@ -73,16 +77,13 @@ def train_in_ranks(cfg, timeout: float = 600) -> list:
     the checkpoints `--save-every` asks for, in `--out`), in ranks forked from the preloaded
     server; the losses. A run's own process boundary (launching, the run's log and report)
     is checked by the tests that run the command."""
-    from distributed import run_ranks
-
     from meshtrain.cli.config import imported_tokenizer
     from meshtrain.data.datasets import prepare
     # what the command does before its ranks start: --out made, the data prepared once
     os.makedirs(cfg.train.out, exist_ok=True)
     prepare(cfg.train.data, "mlp" if cfg.train.data == "digits" else cfg.model.name, cfg.train.vocab_size,
             cfg.train.seq_len, log=lambda line: None, tokenizer=imported_tokenizer(cfg))
-    lay = cfg.layout
-    return run_ranks(_train, lay.world_size, cfg, pp=lay.pp, tp=lay.tp, cp=lay.cp, ep=lay.ep, timeout=timeout)[0]
+    return on_the_layout(_train, cfg, timeout=timeout)[0]
 
 
 def run_cli(*args, timeout=300, env=None, launcher=("-m", "meshtrain")):

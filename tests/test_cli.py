@@ -9,8 +9,8 @@ import time
 from pathlib import Path
 
 import pytest
-from distributed import free_port, run_ranks
-from helpers import TINY, cli_config, last_json, run_cli, run_main, verify_in_ranks
+from distributed import free_port
+from helpers import TINY, cli_config, last_json, on_the_layout, run_cli, run_main, verify_in_ranks
 
 TRAIN_KEYS = {"steps", "losses", "final_loss", "step_time_median_s", "tokens_per_s", "n_params", "layout",
               "model_state_bytes_per_rank", "activation_bytes_per_rank", "peak_rss_mib_per_rank",
@@ -114,9 +114,7 @@ def _bench(mesh, cfg, peer):
 def bench_in_ranks(peer: str, *flags) -> dict:
     """What `meshtrain bench --vs PEER FLAGS --json` prints, from the same calls in ranks forked
     from the preloaded server (the command itself runs in `test_bench_vs_ddp_smoke`)."""
-    cfg = cli_config("bench", "--vs", peer, *TINY, *flags)
-    lay = cfg.layout
-    return run_ranks(_bench, lay.world_size, cfg, peer, tp=lay.tp, pp=lay.pp)[0]
+    return on_the_layout(_bench, cli_config("bench", "--vs", peer, *TINY, *flags), peer)[0]
 
 
 @pytest.mark.parametrize("peer, flags, bound", [
