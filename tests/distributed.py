@@ -22,10 +22,15 @@ from pathlib import Path
 import torch
 
 ATTEMPTS = 3
-# What the fork server imports once for every rank it forks (this module, for `_rank_main`;
-# torch._dynamo, which a torch optimizer's first construction imports: ~2 s).
+# What the fork server imports once for every rank it forks: this module, for `_rank_main`;
+# torch._dynamo, which a torch optimizer's first construction imports (~2 s); and what ranks
+# import again and again otherwise (the suite's profile, issue 48): pytest, which every test
+# module a rank function lives in imports (0.1 s per rank, ~80 s over the suite); the digits'
+# sklearn (1.5 s per rank); what `compile=True` imports at its first graph (1.4 s per rank);
+# the tokenizer and transformers of the Hugging Face tests.
 PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "meshtrain.launch", "meshtrain.mesh", "meshtrain.train",
-           "meshtrain.verifier", "distributed"]
+           "meshtrain.verifier", "meshtrain.bench", "distributed", "pytest", "sklearn.datasets",
+           "torch._functorch.aot_autograd", "torch._inductor.pattern_matcher", "tokenizers", "transformers"]
 
 
 def _context():
