@@ -115,12 +115,14 @@ def test_matmul_time_matches_a_fresh_timing(calibrated):
     thread count, another process computing at the same time (alone, a process can run up to
     2x faster on a 2-core machine that something else also loads: a lone timing would not
     test the profile). Both share the machine with whatever else runs, whose load comes and
-    goes: the product is timed again (up to three times in all) until a timing falls within
-    2x either way of the profile's, and the test fails if none does."""
+    goes (`make test` runs another test file beside this one, whose ranks start and stop):
+    the product is timed again, a second apart, up to eight times in all, until a timing
+    falls within 2x either way of the profile's, and the test fails if none does."""
     profile, _, _, big, fresh = calibrated
     predicted = profile.matmul_time(big["m"], big["k"], big["n"], "fp32")
     ratios = [predicted / fresh]
-    while not 0.5 < ratios[-1] < 2 and len(ratios) < 3:
+    while not 0.5 < ratios[-1] < 2 and len(ratios) < 8:
+        time.sleep(1.0)  # another moment: the load beside this test has changed
         ratios.append(predicted / _fresh_matmul_time(big["m"], big["k"], big["n"], profile.threads_per_rank,
                                                      profile.ranks - 1))
     assert 0.5 < ratios[-1] < 2, (big, predicted, ratios)

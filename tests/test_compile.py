@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 from distributed import run_ranks
-from helpers import cli_config, run_cli, verify_in_ranks
+from helpers import cli_config, on_the_layout, run_cli, verify_in_ranks
 from test_api import OPTIMIZERS, PIPELINE, PLAN, SCHEDULER, batches, make_model, plain_loop
 
 import meshtrain
@@ -84,6 +84,34 @@ def test_blocks_without_collectives_compile_whole():
     assert zero3["graph_breaks"] == 0, zero3
     tp = _verified("tp2-sp", "aot_eager")["compile"]
     assert tp["graph_breaks"] > 0 and any("disable" in reason for reason in tp["break_reasons"]), tp
+
+
+def _graphs_after_each_step(mesh, cfg):
+    from meshtrain.comm import Comm
+    from meshtrain.parallel.compile import compile_stats
+    from meshtrain.train import StepObserver, train
+
+    class Graphs(StepObserver):
+        def __init__(self):
+            self.counts = []
+
+        def after_step(self, p, step, loss):
+            self.counts.append(compile_stats()["graphs"])
+    graphs = Graphs()
+    train(cfg, Comm(mesh), observer=graphs, measure_memory=False)
+    return graphs.counts
+
+
+@pytest.mark.parametrize("model, flags", [("gpt-test", ("--dp", "2", "--zero", "3")),
+                                         ("llama-test", ("--tp", "2", "--sp"))], ids=["zero3", "tp2-sp"])
+def test_training_compiles_its_graphs_once(model, flags):
+    """The first step runs under the mode that keys functional dropout (until it shows the
+    model makes no such call); compiled blocks keep that mode, so the graphs dynamo traced
+    under it at step 1 serve every later step: nothing compiles again at step 2 (which would
+    double the compile time, minutes under inductor)."""
+    cfg = cli_config("train", "--model", model, *flags, *SMALL, "--compile", "--compile-backend", "aot_eager")
+    for counts in on_the_layout(_graphs_after_each_step, cfg, timeout=600):
+        assert counts[0] >= 1 and counts == [counts[0]] * len(counts), counts
 
 
 # ---- a user's own model through the Python API ---------------------------------------------

@@ -48,11 +48,12 @@ class DropoutKeys:
     """Where the micro-batch being computed sits: the step and its rows of the global batch.
     The training step sets it before each micro-batch's forward."""
 
-    def __init__(self, seed: int):
+    def __init__(self, seed: int, *, compiled: bool = False):
         self.seed, self.step, self.rows = seed, 0, slice(0, 0)
         self.calls: dict[str, int] = {}  # functional dropout calls per site in this micro-batch's forward
         self.functional = None  # makes the mode that keys them (`FunctionalDropout`), while a model may call them
         self.functional_seen = False
+        self.compiled = compiled  # the blocks are compiled under the mode: it stays (`settle`)
 
     def use(self, step: int, rows: slice) -> None:
         self.step, self.rows = step, rows
@@ -68,8 +69,11 @@ class DropoutKeys:
         return self.functional() if self.functional is not None else nullcontext()
 
     def settle(self) -> None:
-        """After the first step: a model that called no functional dropout needs no mode."""
-        if not self.functional_seen:
+        """After the first step: a model that called no functional dropout needs no mode.
+        Compiled blocks keep it: dynamo traced them under it and guards on the mode stack,
+        so leaving it would compile every graph a second time at step 2 (inside a compiled
+        graph the mode costs nothing; it is traced away)."""
+        if not self.functional_seen and not self.compiled:
             self.functional = None
 
     def key(self, row: int, site: str) -> int:
