@@ -230,9 +230,46 @@ def init_distributed(renv: RankEnv, device, *, timeout_s: float | None = None, t
         torch.set_num_threads(threads_per_rank(renv.local_world_size))
         backend = "gloo"
     timeout = timedelta(seconds=timeout_s) if timeout_s else COLLECTIVE_TIMEOUT
-    dist.init_process_group(backend, init_method="env://", rank=renv.rank, world_size=renv.world_size,
-                            timeout=timeout, **options)
+    prefix = restart_store_prefix(renv)
+    if prefix is None:
+        dist.init_process_group(backend, init_method="env://", rank=renv.rank, world_size=renv.world_size,
+                                timeout=timeout, **options)
+    else:
+        store = dist.TCPStore(renv.master_addr, renv.master_port, renv.world_size, is_master=False, timeout=timeout)
+        dist.init_process_group(backend, store=dist.PrefixStore(prefix, store), rank=renv.rank,
+                                world_size=renv.world_size, timeout=timeout, **options)
     return device
+
+
+def restart_store_prefix(renv: RankEnv, env=os.environ) -> str | None:
+    """The key prefix that keeps a torchrun restart's ranks off the addresses the previous
+    attempt left in the store, or None where there is nothing to keep apart.
+
+    torchrun shares its own store with the workers (`TORCHELASTIC_USE_AGENT_STORE`, the
+    default since torch 2.5) and keeps it across restarts, so the keys every rank writes to
+    join the group outlive the attempt that wrote them: a restarted rank can read a dead
+    peer's address before the peer's new self writes it, and gloo's connect is refused
+    (NCCL's reads an old unique id: pytorch/pytorch#135712, #167288). On one node all ranks
+    count the same restarts (one agent), so the restart count names the attempt. Across
+    nodes the agents count apart (the one that failed counts, the others do not), so no
+    prefix is safe: the rank-0 warning of `cross_node_restart_warning` says what to set."""
+    if renv.launcher != "torchrun" or env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    attempt = int(env.get("TORCHELASTIC_RESTART_COUNT", 0) or 0)
+    if attempt == 0 or int(env.get("GROUP_WORLD_SIZE", 1) or 1) > 1:
+        return None
+    return f"meshtrain/attempt-{attempt}"
+
+
+def cross_node_restart_warning(renv: RankEnv | None, env=os.environ) -> str | None:
+    """What to tell a user whose torchrun restarts workers on several nodes through the store it
+    shares with them (see `restart_store_prefix`), or None."""
+    if (renv is None or renv.launcher != "torchrun" or env.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+            or int(env.get("TORCHELASTIC_MAX_RESTARTS", 0) or 0) == 0 or int(env.get("GROUP_WORLD_SIZE", 1) or 1) < 2):
+        return None
+    return ("torchrun restarts workers on several nodes through the store it shares with them, which keeps the "
+            "previous attempt's addresses (pytorch/pytorch#135712): export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 "
+            "before torchrun on every node")
 
 
 def set_collective_timeout(mesh, seconds: float) -> None:

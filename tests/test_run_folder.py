@@ -186,8 +186,8 @@ def test_a_sigterm_stop_logs_its_saved_step_and_a_resume_logs_each_step_once(tmp
     assert _logged_steps(out) == [1, 2, 3, 4, 5, 6]
 
 
-@pytest.mark.slow  # torchrun's restarted workers, on this 2-core machine under load, now and then hang in
-# init_process_group (seen with and without a roll-back): kept out of the default suite
+@pytest.mark.slow  # a real torchrun and its restart (20 s); its restarted workers once failed to join (torchrun's
+# store kept the dead attempt's addresses), which make test emulates in test_restart_store.py
 def test_a_torchrun_restart_resumes_its_own_jobs_head(tmp_path):
     """Under an outside launcher (torchrun --max-restarts) rank 0 claims again on a restart:
     the restarted ranks follow the head their own job wrote, not the roll-back's point."""
