@@ -7,6 +7,7 @@ the per-file table and the N slowest tests (docs/tests.md's tables)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -46,7 +47,8 @@ class Profile:
             now = time.perf_counter()
             self.out.write(json.dumps({"test": item.nodeid, "wall": round(now - self.t0, 3),
                                        "subprocess": round(_union(self.children, now), 3),
-                                       "interpreters": len(self.children)}) + "\n")
+                                       "interpreters": len(self.children), "ended": round(time.time(), 1),
+                                       "worker": os.environ.get("PYTEST_XDIST_WORKER", "")}) + "\n")
             self.out.flush()
             self.t0 = None
 
@@ -73,7 +75,14 @@ def table(path: str, top: int = 40) -> str:
     total = sum(f[1] for f in per_file.values())
     inside = sum(f[2] for f in per_file.values())
     lines = [f"{len(rows)} tests, {total / 60:.1f} min in tests, {inside / 60:.1f} min of it in "
-             f"{sum(f[3] for f in per_file.values())} fresh interpreters", "",
+             f"{sum(f[3] for f in per_file.values())} fresh interpreters", ""]
+    last = {}  # each xdist worker's last test: how long one waited, idle, for the other to end
+    for r in rows:
+        if "ended" in r:
+            last[r["worker"]] = max(last.get(r["worker"], 0.0), r["ended"])
+    if len(last) > 1:
+        lines += [f"the workers ended {max(last.values()) - min(last.values()):.0f} s apart", ""]
+    lines += [
              "| file | tests | wall s | in fresh interpreters s | interpreters |", "|---|---|---|---|---|"]
     for name, (n, wall, sub, interp) in sorted(per_file.items(), key=lambda kv: -kv[1][1]):
         lines.append(f"| {name} | {n} | {wall:.0f} | {sub:.0f} | {interp} |")
