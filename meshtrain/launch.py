@@ -253,10 +253,8 @@ def restart_store_prefix(renv: RankEnv, env=os.environ) -> str | None:
     count the same restarts (one agent), so the restart count names the attempt. Across
     nodes the agents count apart (the one that failed counts, the others do not), so no
     prefix is safe: the rank-0 warning of `cross_node_restart_warning` says what to set."""
-    if renv.launcher != "torchrun" or env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return None
-    attempt = int(env.get("TORCHELASTIC_RESTART_COUNT", 0) or 0)
-    if attempt == 0 or int(env.get("GROUP_WORLD_SIZE", 1) or 1) > 1:
+    attempt = _env_int(env, "TORCHELASTIC_RESTART_COUNT", 0)
+    if not _in_torchruns_store(renv, env) or attempt == 0 or _env_int(env, "GROUP_WORLD_SIZE", 1) > 1:
         return None
     return f"meshtrain/attempt-{attempt}"
 
@@ -264,12 +262,21 @@ def restart_store_prefix(renv: RankEnv, env=os.environ) -> str | None:
 def cross_node_restart_warning(renv: RankEnv | None, env=os.environ) -> str | None:
     """What to tell a user whose torchrun restarts workers on several nodes through the store it
     shares with them (see `restart_store_prefix`), or None."""
-    if (renv is None or renv.launcher != "torchrun" or env.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
-            or int(env.get("TORCHELASTIC_MAX_RESTARTS", 0) or 0) == 0 or int(env.get("GROUP_WORLD_SIZE", 1) or 1) < 2):
+    if (not _in_torchruns_store(renv, env) or _env_int(env, "TORCHELASTIC_MAX_RESTARTS", 0) == 0
+            or _env_int(env, "GROUP_WORLD_SIZE", 1) < 2):
         return None
     return ("torchrun restarts workers on several nodes through the store it shares with them, which keeps the "
             "previous attempt's addresses (pytorch/pytorch#135712): export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 "
             "before torchrun on every node")
+
+
+def _in_torchruns_store(renv: RankEnv | None, env) -> bool:
+    """A rank of torchrun whose agent shares its store with the workers."""
+    return renv is not None and renv.launcher == "torchrun" and env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+
+
+def _env_int(env, name: str, default: int) -> int:
+    return int(env.get(name) or default)
 
 
 def set_collective_timeout(mesh, seconds: float) -> None:

@@ -225,7 +225,7 @@ def parallelize(model: nn.Module, comm: Comm, options: Strategies, *, optimizer:
         to_placeholders(model, mesh.device)
     # Dropout masks from (seed, step, sample, site), so that every layout drops the same
     # elements: nn.Dropout modules replaced, functional calls keyed by a mode over the
-    # training forwards (until the first step shows there are none).
+    # training forwards (until the first step shows there are none; compiled blocks keep it).
     keys = DropoutKeys(seed, compiled=options.compile is not None)
     seed_dropout(model, keys)
     keys.functional = partial(FunctionalDropout, keys, {id(m): (n, m) for n, m in model.named_modules()},
