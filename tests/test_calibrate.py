@@ -55,8 +55,7 @@ def _fresh_matmul_time(m, k, n, threads, others, reps=7):
                 p.kill()
 
 
-@pytest.fixture(scope="module")
-def calibrated():
+def _calibrate_and_time():
     """A quick calibration, and a fresh timing of its largest fp32 product taken right after
     it (so that both meet the same load from whatever else this machine runs), alongside a
     process computing the same (as the other rank did)."""
@@ -68,6 +67,11 @@ def calibrated():
               key=lambda p: p["m"] * p["k"] * p["n"])
     fresh = _fresh_matmul_time(big["m"], big["k"], big["n"], profile.threads_per_rank, profile.ranks - 1)
     return profile, lines, wall, big, fresh
+
+
+@pytest.fixture(scope="module")
+def calibrated():
+    return _calibrate_and_time()
 
 
 def test_calibrate_measures_every_field(calibrated):
@@ -115,17 +119,16 @@ def test_matmul_time_matches_a_fresh_timing(calibrated):
     thread count, another process computing at the same time (alone, a process can run up to
     2x faster on a 2-core machine that something else also loads: a lone timing would not
     test the profile). Both share the machine with whatever else runs, whose load comes and
-    goes (`make test` runs another test file beside this one, whose ranks start and stop):
-    the product is timed again, a second apart, up to eight times in all, until a timing
-    falls within 2x either way of the profile's, and the test fails if none does."""
+    goes (`make test` runs another test file beside this one, whose ranks start and stop: a
+    fresh timing 3.7x the profile's, eight times over 20 s, once): when the timing is not
+    within 2x either way of the profile's, the machine is calibrated and the product timed
+    again, together, up to three times in all, and the test fails if no pair agrees."""
     profile, _, _, big, fresh = calibrated
-    predicted = profile.matmul_time(big["m"], big["k"], big["n"], "fp32")
-    ratios = [predicted / fresh]
-    while not 0.5 < ratios[-1] < 2 and len(ratios) < 8:
-        time.sleep(1.0)  # another moment: the load beside this test has changed
-        ratios.append(predicted / _fresh_matmul_time(big["m"], big["k"], big["n"], profile.threads_per_rank,
-                                                     profile.ranks - 1))
-    assert 0.5 < ratios[-1] < 2, (big, predicted, ratios)
+    ratios = [profile.matmul_time(big["m"], big["k"], big["n"], "fp32") / fresh]
+    while not 0.5 < ratios[-1] < 2 and len(ratios) < 3:
+        profile, _, _, big, fresh = _calibrate_and_time()
+        ratios.append(profile.matmul_time(big["m"], big["k"], big["n"], "fp32") / fresh)
+    assert 0.5 < ratios[-1] < 2, (big, ratios)
 
 
 def test_save_load_round_trip(calibrated, tmp_path):
