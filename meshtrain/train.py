@@ -10,9 +10,9 @@ gradients. A step whose gradient norm is not finite is skipped, with a warning."
 from __future__ import annotations
 
 import math
-from contextlib import nullcontext
 import sys
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from dataclasses import dataclass, field
 

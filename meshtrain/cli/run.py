@@ -52,9 +52,9 @@ def run(args, argv: list[str]) -> int:
             if cfg.train.tensorboard:
                 if not board.available():
                     raise C.ConfigError(board.MISSING)
-        for warning in [*warnings(cfg, args.command), launch.cross_node_restart_warning(renv)] if speaks else []:
-            if warning:
-                print(f"meshtrain: warning: {warning}", file=sys.stderr)
+        said = [*warnings(cfg, args.command), launch.cross_node_restart_warning(renv)] if speaks else []
+        for warning in filter(None, said):
+            print(f"meshtrain: warning: {warning}", file=sys.stderr)
         if renv is not None and not ours and cfg.train.max_restarts and speaks:  # meshtrain's launcher restarts
             print("meshtrain: warning: under a launcher, restarts are the launcher's (torchrun --max-restarts N); "
                   "--max-restarts is ignored, and restarted ranks resume from the latest checkpoint by themselves",
