@@ -9,6 +9,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # A fresh data cache per session, as on a fresh machine (the byte-tokenized corpus takes ~0.1 s).
 os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="meshtrain-test-cache-")
 
+import presets  # noqa: E402,F401  (the tests' own presets, gpt-test-4)
+
 
 # Where the suite's time goes: MESHTRAIN_TEST_PROFILE=FILE appends one line per test to FILE
 # (every xdist worker alike); `python tests/suite_profile.py FILE` prints the tables.

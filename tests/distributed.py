@@ -27,9 +27,9 @@ ATTEMPTS = 3
 # import again and again otherwise (the suite's profile, issue 48): pytest, which every test
 # module a rank function lives in imports (0.1 s per rank, ~80 s over the suite); the digits'
 # sklearn (1.5 s per rank); what `compile=True` imports at its first graph (1.4 s per rank);
-# the tokenizer and transformers of the Hugging Face tests.
+# the tokenizer and transformers of the Hugging Face tests; the tests' presets (presets.py).
 PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "meshtrain.launch", "meshtrain.mesh", "meshtrain.train",
-           "meshtrain.verifier", "meshtrain.bench", "distributed", "pytest", "sklearn.datasets",
+           "meshtrain.verifier", "meshtrain.bench", "distributed", "presets", "pytest", "sklearn.datasets",
            "torch._functorch.aot_autograd", "torch._inductor.pattern_matcher", "tokenizers", "transformers"]
 
 

@@ -32,12 +32,13 @@ def assert_mutant_fails(verdicts: dict, name: str) -> None:
 
 def verdicts_of(records: dict, configs: dict) -> dict:
     """{name: verify's verdict} of each record against the one-process reference. The
-    reference's own trajectory depends only on the configuration and the sampled steps: it
-    is computed once per layout, and each record gets its own lockstep steps."""
+    reference's own trajectory depends only on its one-process configuration and the sampled
+    steps: it is computed once for all the layouts that share them (dp, ZeRO, all-gather and
+    compile alike), and each record gets its own lockstep steps."""
     trajectories = {}
     verdicts = {}
     for name, (layout, rec) in records.items():
-        key = (layout, tuple(sorted(rec["steps"])))
+        key = (repr(verify.reference_config(configs[layout])), tuple(sorted(rec["steps"])))
         if key not in trajectories:
             trajectories[key] = verify.reference_trajectory(configs[layout], list(key[1]))
         verdicts[name] = verify.compare(rec, verify.run_reference(configs[layout], rec, trajectories[key]))

@@ -14,18 +14,19 @@ import pytest
 import torch
 from distributed import run_ranks
 from mutant_harness import records_of_every_mutant, verdicts_of
+from presets import GPT_TEST_4
 
 from meshtrain import verifier as verify
 from meshtrain.comm import Comm
 from meshtrain.cli.config import Config
 
-STEPS = 5
+STEPS = 3  # every step sampled (1, 2, 3): the middle one is 2
 MIDDLE = verify.lockstep_steps(STEPS)[1]  # a step in the middle that verify samples
 
 
 def mutant_config(**layout) -> Config:
     c = Config()
-    c.model.name = "gpt-test"
+    c.model.name = GPT_TEST_4
     c.layout.dp, c.layout.microbatches, c.layout.bucket_mb = 2, 2, 0.02  # several buckets
     for k, v in layout.items():
         setattr(c.layout, k, v)
@@ -335,14 +336,14 @@ def evaluation_skips_the_cp_split():
 
 def a_tensor_counted_twice_in_the_norm():
     """Clipping's norm counts one gradient twice (a parameter listed twice in what is normed,
-    as a tied one collected from both its modules would be): blocks.7.attn.v.weight, the
-    smallest share of ‖g‖² above 1e-4 at step 1 (1.4e-4 on gpt-test; the norm then reads
+    as a tied one collected from both its modules would be): blocks.1.attn.v.bias, the
+    smallest share of ‖g‖² above 1e-4 at step 1 (1.3e-4 on gpt-test-4; the norm then reads
     7e-5 high). Nothing else changes but clipping's scale, which Adam all but hides."""
     import meshtrain.job as J
     real_update, real_norm = J.Job.update, J.grad_norm
 
     def update(self, loss):
-        twice = dict(self.parallel.named_parameters())["blocks.7.attn.v.weight"]
+        twice = dict(self.parallel.named_parameters())["blocks.1.attn.v.bias"]
         with mock.patch.object(J, "grad_norm", lambda params, comm: real_norm([*params, twice], comm)):
             return real_update(self, loss)
     return [mock.patch.object(J.Job, "update", update)]
