@@ -55,15 +55,32 @@ def _record(mesh, cfg, paths=()):
     return verifier.record(cfg, Comm(mesh), "layout")
 
 
+_TRAJECTORIES: dict = {}  # (the one-process configuration, the sampled steps) -> its trajectory
+
+
+def verdict(cfg, record: dict) -> dict:
+    """verify's verdict on a layout's `record` against the one-process reference. The
+    reference's own trajectory (its losses, its weights after the sampled steps) is a function
+    of its one-process configuration and the steps alone — many layouts share it (every dp,
+    ZeRO and pipeline variant of one model and batch) —, so this process computes it once for
+    all of them; the lockstep steps from each record's own states are computed every time."""
+    from meshtrain import verifier
+    key = (repr(verifier.reference_config(cfg)), tuple(sorted(record["steps"])))
+    if key not in _TRAJECTORIES:
+        if len(_TRAJECTORIES) >= 32:  # a few MB each on the test models; gpt-small's are larger
+            _TRAJECTORIES.pop(next(iter(_TRAJECTORIES)))
+        _TRAJECTORIES[key] = verifier.reference_trajectory(cfg, list(key[1]))
+    return verifier.compare(record, verifier.run_reference(cfg, record, _TRAJECTORIES[key]))
+
+
 def verify_in_ranks(cfg, timeout: float = 600, paths=()) -> dict:
     """What `meshtrain verify` computes, without its interpreters: the layout's ranks record
     (forked from the preloaded server, as in every multi-rank test), this process runs the
     one-process reference and compares — the calls its ranks and its launching parent make.
     The verdict, with the `--json` report's `layout` key. `paths`: folders the ranks put
     first on sys.path (what PYTHONPATH gives a command's ranks: a user's module or plugin)."""
-    from meshtrain import verifier
     record = on_the_layout(_record, cfg, tuple(map(str, paths)), timeout=timeout)[0]
-    return {"layout": cfg.layout.summary(), **verifier.compare(record, verifier.run_reference(cfg, record))}
+    return {"layout": cfg.layout.summary(), **verdict(cfg, record)}
 
 
 def _train(mesh, cfg):

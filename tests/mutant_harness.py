@@ -4,6 +4,8 @@ reference the parent computes is the real code), and the verdicts against that r
 
 from contextlib import ExitStack
 
+from helpers import verdict
+
 from meshtrain import verifier as verify
 from meshtrain.comm import Comm
 
@@ -31,15 +33,6 @@ def assert_mutant_fails(verdicts: dict, name: str) -> None:
 
 
 def verdicts_of(records: dict, configs: dict) -> dict:
-    """{name: verify's verdict} of each record against the one-process reference. The
-    reference's own trajectory depends only on its one-process configuration and the sampled
-    steps: it is computed once for all the layouts that share them (dp, ZeRO, all-gather and
-    compile alike), and each record gets its own lockstep steps."""
-    trajectories = {}
-    verdicts = {}
-    for name, (layout, rec) in records.items():
-        key = (repr(verify.reference_config(configs[layout])), tuple(sorted(rec["steps"])))
-        if key not in trajectories:
-            trajectories[key] = verify.reference_trajectory(configs[layout], list(key[1]))
-        verdicts[name] = verify.compare(rec, verify.run_reference(configs[layout], rec, trajectories[key]))
-    return verdicts
+    """{name: verify's verdict} of each record against the one-process reference (its
+    trajectory computed once for every layout that shares it: `helpers.verdict`)."""
+    return {name: verdict(configs[layout], rec) for name, (layout, rec) in records.items()}

@@ -7,6 +7,8 @@ import os
 import pytest
 import torch
 from distributed import run_ranks
+from helpers import verdict
+from presets import GPT_TEST_4
 
 from meshtrain import verifier as verify
 from meshtrain.comm import Comm
@@ -77,7 +79,7 @@ SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb", 1)]
 ], ids=["pp2-every-schedule-strict", "pp4-every-schedule-strict", "dp2-pp2", "tp2-pp2", "dp2-tp2-pp2"])
 def test_pipeline_layouts_pass_verify(world, sizes, cfgs, strict):
     for cfg, rec in zip(cfgs, run_ranks(_records, world, cfgs, strict, **sizes)[0]):
-        result = verify.compare(rec, verify.run_reference(cfg, rec))
+        result = verdict(cfg, rec)
         assert result["passed"], (cfg.layout.short(), result["failures"])
 
 
@@ -162,7 +164,7 @@ def test_interleaved_chunks_launch_their_buckets_when_they_are_done():
 
 def zb_config(dp=1, tp=1, microbatches=4, **layout) -> Config:
     from helpers import small_config
-    return small_config("gpt-test", 3, 8, dp=dp, tp=tp, pp=2, schedule="zb", microbatches=microbatches, **layout)
+    return small_config(GPT_TEST_4, 3, 8, dp=dp, tp=tp, pp=2, schedule="zb", microbatches=microbatches, **layout)
 
 
 @pytest.mark.parametrize("world, sizes, cfgs", [
@@ -178,7 +180,7 @@ def test_zero_bubble_layouts_pass_verify(world, sizes, cfgs):
     data parallelism, ZeRO 2 and 3 (1 and 3 also in test_zero), bf16 with either gradient
     dtype, every recompute policy and TP with SP. ZeRO 1-3 with zb and dp 2 are in test_zero."""
     for cfg, rec in zip(cfgs, run_ranks(_records, world, cfgs, **sizes)[0]):
-        result = verify.compare(rec, verify.run_reference(cfg, rec))
+        result = verdict(cfg, rec)
         assert result["passed"], (cfg.layout.short(), result["failures"])
 
 

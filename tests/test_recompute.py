@@ -6,7 +6,8 @@ each mode against none; and the refusals."""
 import pytest
 import torch
 from distributed import run_ranks
-from helpers import small_config
+from helpers import small_config, verdict
+from presets import GPT_TEST_4
 
 from meshtrain import verifier as verify
 from meshtrain.comm import Comm
@@ -17,8 +18,9 @@ from meshtrain.mesh import Mesh
 from meshtrain.train import train
 
 
-def recompute_config(recompute, dp=1, tp=1, pp=1, microbatches=1, sp=False, zero=0, dropout=0.1, steps=3):
-    c = small_config("gpt-test", steps, 8, dp=dp, tp=tp, pp=pp, microbatches=microbatches, sp=sp, zero=zero,
+def recompute_config(recompute, dp=1, tp=1, pp=1, microbatches=1, sp=False, zero=0, dropout=0.1, steps=3,
+                     model=GPT_TEST_4):
+    c = small_config(model, steps, 8, dp=dp, tp=tp, pp=pp, microbatches=microbatches, sp=sp, zero=zero,
                      recompute=recompute)
     c.model.dropout, c.model.attention = dropout, "math"
     return c
@@ -38,7 +40,7 @@ def _records(mesh, cfgs):
 ], ids=["dp2-every-mode-and-zero1-2-3", "tp2-sp", "pp2-1f1b"])
 def test_every_recompute_mode_passes_verify_with_dropout(world, sizes, cfgs):
     for cfg, rec in zip(cfgs, run_ranks(_records, world, cfgs, **sizes)[0]):
-        result = verify.compare(rec, verify.run_reference(cfg, rec))
+        result = verdict(cfg, rec)
         assert result["passed"], (cfg.layout.recompute, cfg.layout.short(), result["failures"])
 
 
@@ -47,7 +49,7 @@ def activation_bytes():
     """gpt-test (8 blocks, d 32, s 64, math attention), one process, one step per mode."""
     out = {}
     for mode in ("none", "full", "selective", "segments", "segments:8"):
-        cfg = recompute_config(mode, dropout=0.0, steps=1)
+        cfg = recompute_config(mode, dropout=0.0, steps=1, model="gpt-test")
         cfg.train.seq_len = 64
         r = train(cfg, Comm(Mesh.single(torch.device("cpu"))))
         out[mode] = r.activation_bytes

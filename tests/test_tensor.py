@@ -7,9 +7,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from distributed import run_ranks
+from helpers import verdict
+from presets import GPT_TEST_4
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from meshtrain import verifier as verify
+from meshtrain.recipes import PRESETS
 from meshtrain.comm import Comm
 from meshtrain.cli.config import Config
 from meshtrain.optim import clip_grad_norm_
@@ -117,7 +120,7 @@ def test_vocab_parallel_cross_entropy_equals_the_full_softmax_without_holding_it
         assert r["largest_last_dim"] == 32  # no [tokens × 64] tensor on any rank
 
 
-def tp_config(tp, dp=1, sp=False, microbatches=1, steps=3, model="gpt-test", dropout=0.0, attention="sdpa",
+def tp_config(tp, dp=1, sp=False, microbatches=1, steps=3, model=GPT_TEST_4, dropout=0.0, attention="sdpa",
               **train) -> Config:
     c = Config()
     c.model.name, c.model.dropout, c.model.attention = model, dropout, attention
@@ -142,7 +145,7 @@ def _records(mesh, cfgs):
 ], ids=["tp2,tp2-sp,tp2-sp-dropout,mlp-tp2", "tp4,tp4-sp", "dp2-tp2,dp2-tp2-sp-mb2,+dropout-math"])
 def test_tensor_parallel_layouts_pass_verify(world, tp, cfgs):
     for cfg, rec in zip(cfgs, run_ranks(_records, world, cfgs, tp=tp)[0]):
-        result = verify.compare(rec, verify.run_reference(cfg, rec))
+        result = verdict(cfg, rec)
         assert result["passed"], (cfg.layout.short(), cfg.layout.sp, result["failures"])
 
 
@@ -163,7 +166,7 @@ def test_tp_traffic_matches_the_formula(sp):
           many; plus one backward re-gather of each region's input (attention, MLP, head),
           and the all-reduce of the gradients SP leaves whole (norms, row biases, positions)."""
     t, cfg = 2, tp_config(2, sp=sp, steps=2)
-    b, s, h, layers = cfg.train.batch_size, cfg.train.seq_len, 32, 8
+    b, s, h, layers = cfg.train.batch_size, cfg.train.seq_len, 32, PRESETS[cfg.model.name].n_layers
     ring, half = 2 * (t - 1) / t, (t - 1) / t
     act = b * s * h * 4
     ce = 3 * ring * b * s * 4

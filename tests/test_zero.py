@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.nn as nn
 from distributed import run_ranks
-from helpers import small_config
+from helpers import small_config, verdict
+from presets import GPT_TEST_4
 
 from meshtrain import verifier as verify
 from meshtrain.comm import Comm
@@ -20,7 +21,7 @@ from meshtrain.parallel.zero import Zero
 from meshtrain.train import train
 
 
-def zero_config(zero, dp, microbatches=1, tp=1, pp=1, steps=3, batch=8, model="gpt-test", precision="fp32",
+def zero_config(zero, dp, microbatches=1, tp=1, pp=1, steps=3, batch=8, model=GPT_TEST_4, precision="fp32",
                 grad_dtype="fp32") -> Config:
     return small_config(model, steps, batch, dp=dp, tp=tp, pp=pp, zero=zero, microbatches=microbatches,
                         precision=precision, grad_dtype=grad_dtype)
@@ -45,7 +46,7 @@ def _records(mesh, cfgs):
         "dp2-pp2-zero1-3-with-zb-and-interleaved-zero2-1f1b"])
 def test_zero_layouts_pass_verify(world, sizes, cfgs):
     for cfg, rec in zip(cfgs, run_ranks(_records, world, cfgs, **sizes)[0]):
-        result = verify.compare(rec, verify.run_reference(cfg, rec))
+        result = verdict(cfg, rec)
         assert result["passed"], (cfg.layout.short(), result["failures"])
         assert not rec["problems"]  # every rank's shard is that part of the full state
 
@@ -141,7 +142,7 @@ def test_bf16_halves_the_traffic_and_fp32_gradients_reduce_in_fp32(dp4_figures):
 ], ids=["dp2-zero0-zero3-and-bf16-grads", "dp2-the-other-stages", "dp2-tp2-pp2-zero1-and-zero3"])
 def test_bf16_loss_curves_stay_within_2_percent_of_fp32_one_process(world, sizes, cfgs):
     for cfg, rec in zip(cfgs, run_ranks(_records, world, cfgs, **sizes)[0]):
-        result = verify.compare(rec, verify.run_reference(cfg, rec))
+        result = verdict(cfg, rec)
         assert result["curve_only"] and result["passed"], (cfg.layout.short(), result["failures"])
         assert result["max_loss_rel_diff"] > 0  # bf16 compute really differs from fp32
 
@@ -384,7 +385,7 @@ def test_stage_3_prefetches_the_block_the_next_instruction_runs_first():
     """Under interleaving a forward is often followed by the other chunk's forward: the
     gather of that chunk's first block goes out during the instruction before, not when the
     forward starts (the prefetch follows the instruction list, not the block index)."""
-    cfg = _scheduled(zero_config(3, 2, 4, pp=2, steps=1), "interleaved", 2)
+    cfg = _scheduled(zero_config(3, 2, 4, pp=2, steps=1, model="gpt-test"), "interleaved", 2)  # 2 blocks a chunk
     checked = 0
     for r in run_ranks(_gathers_around_instructions, 4, cfg, pp=2):
         events, ops = r["events"], r["ops"]
@@ -405,7 +406,7 @@ def test_stage_3_under_interleaving_does_not_prefetch_by_index():
     """The next unit by index may be the next chunk's first, which does not run next: the
     prefetch follows the instruction list instead, and each stage holds less gathered at
     its peak."""
-    cfg = _scheduled(zero_config(3, 2, 4, pp=2, steps=1), "interleaved", 2)
+    cfg = _scheduled(zero_config(3, 2, 4, pp=2, steps=1, model="gpt-test"), "interleaved", 2)  # 2 blocks a chunk
     within = run_ranks(_gathered_peak, 4, cfg, False, pp=2)
     across = run_ranks(_gathered_peak, 4, cfg, True, pp=2)
     assert all(w < a for w, a in zip(within, across)), (within, across)
