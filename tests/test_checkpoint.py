@@ -10,6 +10,7 @@ import pytest
 import torch
 from distributed import run_ranks
 from helpers import TINY, last_json, run_cli, run_main
+from presets import GPT_TEST_4
 
 from meshtrain.checkpoint import folders
 from meshtrain.checkpoint.boxes import boxes, flat_boxes
@@ -82,7 +83,7 @@ def test_flat_boxes_are_row_major_runs():
 
 def _cfg(layout: dict, out=None) -> Config:
     c = Config()
-    c.model.name, c.model.dropout = "gpt-test", 0.1
+    c.model.name, c.model.dropout = GPT_TEST_4, 0.1
     c.train.steps, c.train.batch_size, c.train.seq_len, c.train.vocab_size, c.train.device = STEPS, 8, 32, 256, "cpu"
     c.train.warmup, c.train.out = 2, str(out or "unused")
     for k, v in layout.items():
@@ -328,7 +329,7 @@ def test_export_of_a_zero3_checkpoint_is_the_one_process_state_in_shards(tmp_pat
     for name, w in weights.items():
         assert torch.equal(exported[name], w), name
     model, _, cfg = load_model(ckpt)  # `generate` reads the checkpoint itself too
-    assert cfg.model.name == "gpt-test"
+    assert cfg.model.name == GPT_TEST_4
     for name, w in model.state_dict().items():
         assert torch.equal(w, weights[name]), name
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from distributed import run_ranks
+from presets import GPT_TEST_4
 from test_llama import ROWS, T, V, adamw, batches
 from test_llama import make_model as make_llama
 
@@ -93,7 +94,7 @@ def test_all_to_all_attention_equals_whole_sequence_attention(cp, heads, kv_head
 
 
 def _gpt():
-    return build_model("gpt-test", 0, vocab_size=V)
+    return build_model(GPT_TEST_4, 0, vocab_size=V)
 
 
 def _llama():
@@ -101,7 +102,7 @@ def _llama():
 
 
 def _gpt_dropout():
-    return build_model("gpt-test", 0, vocab_size=V, dropout=0.1)
+    return build_model(GPT_TEST_4, 0, vocab_size=V, dropout=0.1)
 
 
 LAYOUTS = {  # name: (model, mesh axes, options)
