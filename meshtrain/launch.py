@@ -26,9 +26,12 @@ COLLECTIVE_TIMEOUT = timedelta(minutes=5)
 # A rank leaves with this code when a collective failed because another rank died: the parent
 # then names the rank that really failed, not this one.
 PEER_LOST_EXIT = 86
+PEER_LOST_GRACE_S = 2.0  # `finish`
 # meshtrain's launcher names itself to its ranks, which end when it dies (`die_with_launcher`).
 LAUNCHER_PID_ENV = "MESHTRAIN_LAUNCHER_PID"
 _AT_FINISH: list = []
+_FINISH_CODE: list = []
+_FORKED = False  # `forked_from_a_server`
 
 
 class LaunchError(ValueError):
@@ -97,9 +100,12 @@ def threads_per_rank(local_world_size: int) -> int:
     return max(1, (os.cpu_count() or 1) // max(1, local_world_size))
 
 
-def spawn(nproc: int, argv: list[str], *, max_restarts: int = 0, restart_point=None, clean_stop=None) -> int:
+def spawn(nproc: int, argv: list[str], *, max_restarts: int = 0, restart_point=None, clean_stop=None,
+          rank_function=None) -> int:
     """Run `python -m meshtrain ARGV` as `nproc` local ranks under torchrun's engine and
-    return the job's exit code. If any rank fails, the engine stops the others; then, up to
+    return the job's exit code; with `rank_function`, each rank runs `rank_function(ARGV,
+    this process's environment)` instead, forked from multiprocessing's fork server
+    (`cli.forked_ranks`, started beforehand). If any rank fails, the engine stops the others; then, up to
     `max_restarts` times, all ranks start again (with RESTART_ENV set, so they resume from
     the latest good checkpoint), one line each saying which rank failed, why, and from where
     they resume (`restart_point()`). A refusal (exit code 2) is not retried: it would repeat.
@@ -107,11 +113,12 @@ def spawn(nproc: int, argv: list[str], *, max_restarts: int = 0, restart_point=N
     period); when `clean_stop(since)` says they all saved and stopped after `since`, the job
     exits 0, as its ranks do."""
     os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_rank(nproc)))
-    logging.getLogger("torch.distributed").setLevel(logging.CRITICAL)  # we report failures ourselves
+    for engine in ("torch.distributed", "torch.multiprocessing"):  # we report failures ourselves
+        logging.getLogger(engine).setLevel(logging.CRITICAL)
     before = os.environ.get(LAUNCHER_PID_ENV)
     os.environ[LAUNCHER_PID_ENV] = str(os.getpid())  # for the ranks only: put back below
     try:
-        return _run_attempts(nproc, argv, max_restarts, restart_point, clean_stop)
+        return _run_attempts(nproc, argv, max_restarts, restart_point, clean_stop, rank_function)
     finally:
         if before is None:
             os.environ.pop(LAUNCHER_PID_ENV, None)
@@ -119,7 +126,7 @@ def spawn(nproc: int, argv: list[str], *, max_restarts: int = 0, restart_point=N
             os.environ[LAUNCHER_PID_ENV] = before
 
 
-def _run_attempts(nproc: int, argv: list[str], max_restarts: int, restart_point, clean_stop) -> int:
+def _run_attempts(nproc: int, argv: list[str], max_restarts: int, restart_point, clean_stop, rank_function) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -127,10 +134,14 @@ def _run_attempts(nproc: int, argv: list[str], max_restarts: int, restart_point,
     for attempt in range(max_restarts + 1):
         config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc,
                               run_id=f"meshtrain-{uuid.uuid4().hex[:8]}", rdzv_backend="c10d",
-                              rdzv_endpoint="localhost:0", max_restarts=0, start_method="spawn")
+                              rdzv_endpoint="localhost:0", max_restarts=0,
+                              start_method="forkserver" if rank_function else "spawn")
         since = time.time()
         try:
-            elastic_launch(config, sys.executable)("-m", "meshtrain", *argv)
+            if rank_function:  # the environment of this attempt (RESTART_ENV)
+                elastic_launch(config, rank_function)(argv, dict(os.environ))
+            else:
+                elastic_launch(config, sys.executable)("-m", "meshtrain", *argv)
             return 0
         except ChildFailedError as e:
             rank, failure = culprit(e.failures)
@@ -314,8 +325,57 @@ def let_collective_threads_finish() -> None:
 def die_with_launcher() -> None:
     """A rank of meshtrain's launcher ends when the launcher dies, however it dies (`kill -9`
     included): SIGTERM, not SIGKILL: with --save-every the ranks save the step they are in
-    and stop, as after a scheduler's preemption."""
-    die_with_parent(int(os.environ.get(LAUNCHER_PID_ENV, 0)), signal.SIGTERM)
+    and stop, as after a scheduler's preemption. A rank forked from the launcher's fork server
+    (`forked_ranks`) is the server's child, not the launcher's: it watches the launcher."""
+    launcher = int(os.environ.get(LAUNCHER_PID_ENV, 0))
+    if _FORKED:
+        die_with(launcher, signal.SIGTERM)
+    else:
+        die_with_parent(launcher, signal.SIGTERM)
+
+
+def die_with(pid: int, sig: int) -> None:
+    """This process gets `sig` when process `pid` (not its parent) ends: a thread waits on
+    the process's descriptor (Linux 5.3+), elsewhere polls for it."""
+    def watch() -> None:
+        try:
+            import select
+            fd = os.pidfd_open(pid)
+            select.select([fd], [], [])
+        except ProcessLookupError:
+            pass  # already gone
+        except (AttributeError, OSError):
+            while _is_alive(pid):
+                time.sleep(1.0)
+        os.kill(os.getpid(), sig)
+    import threading
+    threading.Thread(target=watch, name="meshtrain-launcher-watch", daemon=True).start()
+
+
+def _is_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def name_this_rank(rank: int) -> None:
+    """`ps`, `top` and /proc show `meshtrain rN` for a rank meshtrain's launcher started (a
+    forked rank would show its fork server's command line otherwise)."""
+    try:
+        import ctypes
+        ctypes.CDLL(None).prctl(15, f"meshtrain r{rank}".encode()[:15], 0, 0, 0)  # PR_SET_NAME
+    except (OSError, AttributeError):
+        pass
+
+
+def forked_from_a_server() -> None:
+    """This rank was forked from the launcher's fork server, not started by the launcher."""
+    global _FORKED
+    _FORKED = True
 
 
 def die_with_parent(parent: int, sig: int) -> None:
@@ -343,10 +403,23 @@ def at_finish(callback) -> None:
     _AT_FINISH.append(callback)
 
 
+def on_finish_code(callback) -> None:
+    """Give `finish`'s exit code to `callback` before the process ends (a forked rank hands
+    it to the engine: `forked_ranks`)."""
+    _FINISH_CODE.append(callback)
+
+
 def finish(code: int = 0):
-    """End this process now: flush what it printed, skip interpreter teardown (see above)."""
+    """End this process now: flush what it printed, skip interpreter teardown (see above).
+    A forked rank whose collective failed because a peer died leaves `PEER_LOST_GRACE_S`
+    later: the engine reports only the first failed function rank its poll meets (every
+    0.1 s), which must be the rank that died, not this survivor (`culprit`)."""
+    if code == PEER_LOST_EXIT and _FORKED:
+        time.sleep(PEER_LOST_GRACE_S)
     for callback in _AT_FINISH:
         callback()
     sys.stdout.flush()
     sys.stderr.flush()
+    for callback in _FINISH_CODE:
+        callback(code)
     os._exit(code)

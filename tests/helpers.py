@@ -1,11 +1,13 @@
 import io
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 from contextlib import redirect_stderr, redirect_stdout
 from dataclasses import dataclass
+from pathlib import Path
 
 # Small, fast settings shared by the end-to-end tests: the strategies' test preset on bytes of
 # Shakespeare, on the CPU (so the suite runs unchanged on a machine with GPUs).
@@ -53,6 +55,29 @@ def _record(mesh, cfg, paths=()):
     from meshtrain import verifier
     from meshtrain.comm import Comm
     return verifier.record(cfg, Comm(mesh), "layout")
+
+
+def ranks_of(launcher_pid: int) -> dict[int, int]:
+    """{rank: pid} of the ranks a meshtrain launcher started, among its descendants (a forked
+    rank is its fork server's child): each names itself `meshtrain rN` (Linux /proc)."""
+    parents, names = {}, {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:
+            continue
+        pid = int(stat.parent.name)
+        names[pid] = text[text.index("(") + 1:text.rindex(")")]
+        parents[pid] = int(text.rsplit(")", 1)[1].split()[1])
+
+    def descends(pid: int) -> bool:
+        while pid > 1:
+            pid = parents.get(pid, 0)
+            if pid == launcher_pid:
+                return True
+        return False
+    return {int(name.rsplit("r", 1)[1]): pid for pid, name in names.items()
+            if re.fullmatch(r"meshtrain r\d+", name) and descends(pid)}
 
 
 _TRAJECTORIES: dict = {}  # (the one-process configuration, the sampled steps) -> its trajectory

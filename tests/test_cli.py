@@ -6,11 +6,10 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 from distributed import free_port
-from helpers import TINY, cli_config, last_json, on_the_layout, run_cli, run_main, verify_in_ranks
+from helpers import TINY, cli_config, last_json, on_the_layout, ranks_of, run_cli, run_main, verify_in_ranks
 
 TRAIN_KEYS = {"steps", "losses", "final_loss", "step_time_median_s", "tokens_per_s", "n_params", "layout",
               "model_state_bytes_per_rank", "activation_bytes_per_rank", "peak_rss_mib_per_rank",
@@ -157,22 +156,6 @@ def test_two_rank_runs_exit_cleanly_every_time(tmp_path, runs):
         assert last_json(r.stdout)["steps"] == 1
 
 
-def _ranks_of(parent_pid: int, rank: int) -> list[int]:
-    """Processes started by `parent_pid` whose environment says RANK=rank (Linux /proc)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            ppid = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
-            env = Path(f"/proc/{entry}/environ").read_bytes().split(b"\0")
-        except (OSError, IndexError, ValueError):
-            continue
-        if ppid == parent_pid and f"RANK={rank}".encode() in env:
-            found.append(int(entry))
-    return found
-
-
 def test_a_killed_rank_ends_the_job_naming_that_rank_and_signal(tmp_path):
     """kill -9 of rank 1 mid-training: the job ends within 30 s, the message names rank 1 and
     SIGKILL (not the survivor the engine stopped), and no survivor's traceback is shown."""
@@ -184,12 +167,15 @@ def test_a_killed_rank_ends_the_job_naming_that_rank_and_signal(tmp_path):
         deadline = time.time() + 120
         while time.time() < deadline and not (metrics.exists() and metrics.read_text().count("\n") >= 3):
             time.sleep(0.2)
-        victims = _ranks_of(proc.pid, 1)
-        assert victims, "rank 1 never started training"
-        os.kill(victims[0], signal.SIGKILL)
-        killed_at = time.time()
-        proc.wait(timeout=60)
-        elapsed = time.time() - killed_at
+        try:
+            victim = ranks_of(proc.pid).get(1)
+            assert victim, "rank 1 never started training"
+            os.kill(victim, signal.SIGKILL)
+            killed_at = time.time()
+            proc.wait(timeout=60)
+            elapsed = time.time() - killed_at
+        finally:
+            proc.kill()  # a job the test failed to end must not train on
     text = err_file.read_text()
     assert proc.returncode != 0
     assert elapsed < 30, f"the job took {elapsed:.0f} s to end"

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import TINY, run_cli, run_main
+from helpers import TINY, ranks_of, run_cli, run_main
 
 from meshtrain.faults import FAULT_ENV
 
@@ -93,18 +93,6 @@ def test_the_whole_log_is_plotted_after_a_resume(tmp_path, monkeypatch):
     assert drawn["steps"] == [1, 2, 3, 4, 5, 6]
 
 
-def _children(pid: int) -> list[int]:
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            found.append(int(stat.parent.name))
-    return found
-
-
 def _alive(pid: int) -> bool:
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -125,7 +113,7 @@ def test_one_job_per_out_and_a_killed_launchers_lock_and_ranks(tmp_path):
     second = _train(out, "--steps", "4")
     assert second.returncode == 2, second.stderr
     assert f"in use by another meshtrain job (host {os.uname().nodename}, pid {launcher.pid}, since" in second.stderr
-    ranks = _children(launcher.pid)
+    ranks = list(ranks_of(launcher.pid).values())
     assert len(ranks) == 2
     launcher.send_signal(signal.SIGKILL)
     launcher.wait()

@@ -178,4 +178,17 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         return plan.run(args, cfg)
     from meshtrain.cli import run
-    return run.run(args, argv)
+    return run.run(args, argv, rank_function=forked_rank)
+
+
+def forked_rank(argv: list[str], launcher_env: dict[str, str]) -> int:
+    """One local rank of meshtrain's launcher, forked from its fork server: what `python -m
+    meshtrain ARGV` runs, in the process torchrun's engine forked (`cli.forked_ranks`)."""
+    from meshtrain import launch
+    from meshtrain.cli import forked_ranks
+    forked_ranks.adopt(launcher_env)
+    try:
+        code = main(argv)
+    except SystemExit as e:  # argparse's refusals
+        code = e.code if isinstance(e.code, int) else int(e.code is not None)
+    return launch.finish(code)

@@ -32,14 +32,17 @@ from meshtrain.recipes import family_of
 LAYOUT_DUMP = "layout.pt"
 
 
-def run(args, argv: list[str]) -> int:
+def run(args, argv: list[str], rank_function=None) -> int:
     """Check everything that can be checked before a rank starts, claim --out (train), then
-    start the ranks or run as one."""
+    start the ranks or run as one. `rank_function(argv, launcher_env)`: what each local rank
+    runs when forked from a preloaded server (`cli.forked_ranks`; `cli.forked_rank`), where
+    torch's engine allows it; otherwise each rank is `python -m meshtrain ARGV`."""
     renv, out_lock = None, None
     try:
         renv = launch.detect()
         ours = renv is not None and bool(os.environ.get(launch.LAUNCHER_PID_ENV))  # a rank meshtrain started
         if ours:
+            launch.name_this_rank(renv.rank)
             launch.die_with_launcher()
         cfg = _config_from(args)
         validate(cfg, world_size=renv.world_size if renv else None)
@@ -82,7 +85,7 @@ def run(args, argv: list[str]) -> int:
     launch.at_finish(lambda: _release(out_lock))  # a rank leaves through os._exit
     try:
         if renv is None and _ranks_to_start(cfg, args) > 1:
-            return _launch_local(cfg, args, argv)
+            return _launch_local(cfg, args, argv, rank_function)
         return _run_here(cfg, args, renv, device)
     except KeyboardInterrupt:  # Ctrl-C reaches every rank: leave quietly, the launcher reports it
         signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -255,14 +258,20 @@ def _ranks_to_start(cfg: C.Config, args) -> int:
     return max(cfg.layout.world_size, second.layout.world_size if second else 1)
 
 
-def _launch_local(cfg: C.Config, args, argv: list[str]) -> int:
+def _launch_local(cfg: C.Config, args, argv: list[str], rank_function=None) -> int:
     """Start the ranks; for verify, then run the one-process reference here and compare."""
+    import meshtrain.cli.forked_ranks as forked_ranks
+    if rank_function is not None and forked_ranks.usable():
+        forked_ranks.start_server()
+    else:
+        rank_function = None
     n = cfg.layout.world_size
     cp = f", cp={cfg.layout.cp}" if cfg.layout.cp > 1 else ""
     log(f"starting {n} local ranks (dp={cfg.layout.dp}{cp}, tp={cfg.layout.tp}, pp={cfg.layout.pp})")
     if args.command != "verify":
         tr = cfg.train
-        return launch.spawn(n, argv, max_restarts=tr.max_restarts if args.command == "train" else 0,
+        return launch.spawn(n, argv, rank_function=rank_function,
+                            max_restarts=tr.max_restarts if args.command == "train" else 0,
                             restart_point=lambda: _restart_point(tr),
                             clean_stop=lambda since: _stopped_cleanly(tr.out, since))
     import torch
@@ -271,7 +280,7 @@ def _launch_local(cfg: C.Config, args, argv: list[str]) -> int:
     second = resumed_config(cfg)
     with tempfile.TemporaryDirectory(prefix="meshtrain-verify-") as tmp:
         if second is None:
-            code = launch.spawn(n, argv + ["--dump-dir", tmp])
+            code = launch.spawn(n, argv + ["--dump-dir", tmp], rank_function=rank_function)
             if code:
                 return code
             layout = torch.load(Path(tmp, LAYOUT_DUMP), weights_only=False)
@@ -281,7 +290,8 @@ def _launch_local(cfg: C.Config, args, argv: list[str]) -> int:
                 if part == verify.RESUMED:
                     log(f"resuming after step {cfg.train.resume_at}: starting {lay.world_size} local ranks "
                          f"({lay.short()})")
-                code = launch.spawn(lay.world_size, argv + ["--dump-dir", tmp, "--verify-part", part])
+                code = launch.spawn(lay.world_size, argv + ["--dump-dir", tmp, "--verify-part", part],
+                                    rank_function=rank_function)
                 if code:
                     return code
                 parts[part] = torch.load(Path(tmp, f"{part}-{LAYOUT_DUMP}"), weights_only=False)
