@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from distributed import free_port
@@ -170,6 +171,8 @@ def test_a_killed_rank_ends_the_job_naming_that_rank_and_signal(tmp_path):
         try:
             victim = ranks_of(proc.pid).get(1)
             assert victim, "rank 1 never started training"
+            # forked from the launcher's fork server (cli/forked_ranks.py), not started as a program
+            assert b"multiprocessing.forkserver" in Path(f"/proc/{victim}/cmdline").read_bytes()
             os.kill(victim, signal.SIGKILL)
             killed_at = time.time()
             proc.wait(timeout=60)

@@ -150,3 +150,36 @@ def test_the_collective_timeout_bounds_a_wait_on_every_mesh_group():
     from distributed import run_ranks
     waited, peer_failure = run_ranks(_one_rank_stops_answering, 2, 3, timeout=60)[0]
     assert 2.5 < waited < 8 and peer_failure, waited
+
+
+def test_the_pinned_torch_runs_forked_ranks():
+    """meshtrain's launcher forks its ranks from a preloaded server where torch's engine runs
+    function ranks through the wrapper `cli.forked_ranks` reads (torch 2.11 and up); the
+    killed-rank and killed-launcher tests (test_cli, test_run_folder) run them."""
+    from meshtrain.cli import forked_ranks
+    assert forked_ranks.usable()
+
+
+def test_a_rank_watching_a_process_gets_its_signal_when_it_ends():
+    """`launch.die_with`: a forked rank is its server's child, so it watches the launcher."""
+    import subprocess
+    import sys
+    import time
+    script = ("import os, signal, sys, time\n"
+              "from meshtrain.launch import die_with\n"
+              "signal.signal(signal.SIGTERM, lambda *a: (print('got SIGTERM', flush=True), os._exit(0)))\n"
+              "die_with(int(sys.argv[1]), signal.SIGTERM)\n"
+              "print('watching', flush=True)\n"
+              "time.sleep(60)\n")
+    watched = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    watcher = subprocess.Popen([sys.executable, "-c", script, str(watched.pid)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert watcher.stdout.readline().strip() == "watching"
+        watched.kill()
+        watched.wait()
+        started = time.time()
+        assert watcher.stdout.readline().strip() == "got SIGTERM"
+        assert time.time() - started < 5
+    finally:
+        watched.kill()
+        watcher.kill()
