@@ -380,20 +380,14 @@ def forked_from_a_server() -> None:
 
 def die_with_parent(parent: int, sig: int) -> None:
     """This process gets `sig` when its parent `parent` dies, however it dies: Linux's
-    parent-death signal, elsewhere a thread watching the parent's pid."""
+    parent-death signal, elsewhere a thread watching the parent (`die_with`)."""
     try:
         import ctypes
         libc = ctypes.CDLL(None, use_errno=True)
         if libc.prctl(1, int(sig), 0, 0, 0) != 0:  # PR_SET_PDEATHSIG
             raise OSError
     except (OSError, AttributeError):
-        import threading
-
-        def watch() -> None:
-            while os.getppid() == parent:
-                time.sleep(1.0)
-            os.kill(os.getpid(), sig)
-        threading.Thread(target=watch, name="meshtrain-parent-watch", daemon=True).start()
+        die_with(parent, sig)
     if os.getppid() != parent:  # it died before the signal was armed
         os.kill(os.getpid(), sig)
 

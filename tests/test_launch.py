@@ -1,4 +1,7 @@
 import signal
+import subprocess
+import sys
+import time
 from dataclasses import dataclass
 
 import pytest
@@ -162,9 +165,6 @@ def test_the_pinned_torch_runs_forked_ranks():
 
 def test_a_rank_watching_a_process_gets_its_signal_when_it_ends():
     """`launch.die_with`: a forked rank is its server's child, so it watches the launcher."""
-    import subprocess
-    import sys
-    import time
     script = ("import os, signal, sys, time\n"
               "from meshtrain.launch import die_with\n"
               "signal.signal(signal.SIGTERM, lambda *a: (print('got SIGTERM', flush=True), os._exit(0)))\n"
