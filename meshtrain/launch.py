@@ -365,9 +365,14 @@ def _is_alive(pid: int) -> bool:
 def name_this_rank(rank: int) -> None:
     """`ps`, `top` and /proc show `meshtrain rN` for a rank meshtrain's launcher started (a
     forked rank would show its fork server's command line otherwise)."""
+    name_this_process(f"meshtrain r{rank}")
+
+
+def name_this_process(name: str) -> None:
+    """The name `ps -o comm`, `top` and /proc/PID/stat show (Linux; 15 bytes at most)."""
     try:
         import ctypes
-        ctypes.CDLL(None).prctl(15, f"meshtrain r{rank}".encode()[:15], 0, 0, 0)  # PR_SET_NAME
+        ctypes.CDLL(None).prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
     except (OSError, AttributeError):
         pass
 

@@ -57,18 +57,30 @@ def _record(mesh, cfg, paths=()):
     return verifier.record(cfg, Comm(mesh), "layout")
 
 
+def _proc_stat(pid: int) -> tuple[str, int] | None:
+    """(name, parent pid) of a process (Linux /proc), None once it has gone."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return text[text.index("(") + 1:text.rindex(")")], int(text.rsplit(")", 1)[1].split()[1])
+
+
+def process_name(pid: int) -> str | None:
+    stat = _proc_stat(pid)
+    return stat and stat[0]
+
+
+def parent_of(pid: int) -> int | None:
+    stat = _proc_stat(pid)
+    return stat and stat[1]
+
+
 def ranks_of(launcher_pid: int) -> dict[int, int]:
     """{rank: pid} of the ranks a meshtrain launcher started, among its descendants (a forked
     rank is its fork server's child): each names itself `meshtrain rN` (Linux /proc)."""
-    parents, names = {}, {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            text = stat.read_text()
-        except OSError:
-            continue
-        pid = int(stat.parent.name)
-        names[pid] = text[text.index("(") + 1:text.rindex(")")]
-        parents[pid] = int(text.rsplit(")", 1)[1].split()[1])
+    stats = {int(p.name): _proc_stat(int(p.name)) for p in Path("/proc").glob("[0-9]*")}
+    parents = {pid: stat[1] for pid, stat in stats.items() if stat}
 
     def descends(pid: int) -> bool:
         while pid > 1:
@@ -76,8 +88,8 @@ def ranks_of(launcher_pid: int) -> dict[int, int]:
             if pid == launcher_pid:
                 return True
         return False
-    return {int(name.rsplit("r", 1)[1]): pid for pid, name in names.items()
-            if re.fullmatch(r"meshtrain r\d+", name) and descends(pid)}
+    return {int(stat[0].rsplit("r", 1)[1]): pid for pid, stat in stats.items()
+            if stat and re.fullmatch(r"meshtrain r\d+", stat[0]) and descends(pid)}
 
 
 _TRAJECTORIES: dict = {}  # (the one-process configuration, the sampled steps) -> its trajectory

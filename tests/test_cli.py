@@ -6,11 +6,13 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 from distributed import free_port
-from helpers import TINY, cli_config, last_json, on_the_layout, ranks_of, run_cli, run_main, verify_in_ranks
+from helpers import (TINY, cli_config, last_json, on_the_layout, parent_of, process_name, ranks_of, run_cli, run_main,
+                     verify_in_ranks)
+
+from meshtrain.cli import forked_ranks
 
 TRAIN_KEYS = {"steps", "losses", "final_loss", "step_time_median_s", "tokens_per_s", "n_params", "layout",
               "model_state_bytes_per_rank", "activation_bytes_per_rank", "peak_rss_mib_per_rank",
@@ -171,8 +173,9 @@ def test_a_killed_rank_ends_the_job_naming_that_rank_and_signal(tmp_path):
         try:
             victim = ranks_of(proc.pid).get(1)
             assert victim, "rank 1 never started training"
-            # forked from the launcher's fork server (cli/forked_ranks.py), not started as a program
-            assert b"multiprocessing.forkserver" in Path(f"/proc/{victim}/cmdline").read_bytes()
+            # forked from the launcher's fork server (cli/forked_ranks.py), itself the launcher's fork
+            server = parent_of(victim)
+            assert process_name(server) == forked_ranks.SERVER_NAME and parent_of(server) == proc.pid
             os.kill(victim, signal.SIGKILL)
             killed_at = time.time()
             proc.wait(timeout=60)

@@ -1,8 +1,10 @@
+import os
 import signal
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -161,6 +163,55 @@ def test_the_pinned_torch_runs_forked_ranks():
     killed-rank and killed-launcher tests (test_cli, test_run_folder) run them."""
     from meshtrain.cli import forked_ranks
     assert forked_ranks.usable()
+
+
+def test_the_fork_server_keeps_nothing_of_its_launcher_and_leaves_with_it(tmp_path):
+    """The server is a fork of the launcher (it inherits torch), yet like a fresh interpreter
+    it holds none of the launcher's files (an --out lock would outlive a killed launcher), runs
+    none of its signal handlers, and leaves when the launcher has gone."""
+    from helpers import parent_of, process_name
+
+    from meshtrain.cli.forked_ranks import SERVER_NAME
+    held = tmp_path / "held-by-the-launcher"
+    script = ("import signal, sys\n"
+              "held = open(sys.argv[1], 'w')\n"
+              "signal.signal(signal.SIGTERM, lambda *a: None)\n"
+              "from multiprocessing import forkserver\n"
+              "from meshtrain.cli import forked_ranks\n"
+              "forked_ranks.start_server()\n"
+              "print(forkserver._forkserver._forkserver_pid, flush=True)\n"
+              "sys.stdin.read()\n")
+    launcher = subprocess.Popen([sys.executable, "-c", script, str(held)], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, text=True)
+    try:
+        server = int(launcher.stdout.readline())
+        assert parent_of(server) == launcher.pid
+        deadline = time.time() + 60
+        while process_name(server) != SERVER_NAME and time.time() < deadline:
+            time.sleep(0.05)
+        assert process_name(server) == SERVER_NAME
+        files = {os.readlink(fd) for fd in Path(f"/proc/{server}/fd").iterdir() if fd.exists()}
+        assert str(held) not in files and str(held) in {os.readlink(fd) for fd in
+                                                         Path(f"/proc/{launcher.pid}/fd").iterdir()}
+        caught = int(next(line for line in Path(f"/proc/{server}/status").read_text().splitlines()
+                          if line.startswith("SigCgt:")).split()[1], 16)
+        assert not caught & (1 << (signal.SIGTERM - 1))
+        launcher.kill()
+        launcher.wait()
+        deadline = time.time() + 60
+        while _running(server) and time.time() < deadline:
+            time.sleep(0.1)
+        assert not _running(server), "the fork server outlived its launcher"
+    finally:
+        launcher.kill()
+
+
+def _running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
 
 
 def test_a_rank_watching_a_process_gets_its_signal_when_it_ends():

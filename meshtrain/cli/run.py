@@ -62,6 +62,8 @@ def run(args, argv: list[str], rank_function=None) -> int:
             print("meshtrain: warning: under a launcher, restarts are the launcher's (torchrun --max-restarts N); "
                   "--max-restarts is ignored, and restarted ranks resume from the latest checkpoint by themselves",
                   file=sys.stderr)
+        if renv is None and rank_function is not None and _ranks_to_start(cfg, args) > 1:
+            rank_function = _forked_ranks_server(rank_function)
         # From a shell the local ranks are all ours: check the GPUs before starting them.
         local_rank, local_world = (renv.local_rank, renv.local_world_size) if renv else (0, cfg.layout.world_size)
         device = launch.choose_device(cfg.train.device, local_rank, local_world)
@@ -258,13 +260,19 @@ def _ranks_to_start(cfg: C.Config, args) -> int:
     return max(cfg.layout.world_size, second.layout.world_size if second else 1)
 
 
+def _forked_ranks_server(rank_function):
+    """The rank function, its fork server started (`cli.forked_ranks`) — before this launcher
+    touches CUDA, holds --out or prepares data, whose state a fork must not carry; None where
+    torch's engine cannot run it (each rank is then a program)."""
+    import meshtrain.cli.forked_ranks as forked_ranks
+    if not forked_ranks.usable():
+        return None
+    forked_ranks.start_server()
+    return rank_function
+
+
 def _launch_local(cfg: C.Config, args, argv: list[str], rank_function=None) -> int:
     """Start the ranks; for verify, then run the one-process reference here and compare."""
-    import meshtrain.cli.forked_ranks as forked_ranks
-    if rank_function is not None and forked_ranks.usable():
-        forked_ranks.start_server()
-    else:
-        rank_function = None
     n = cfg.layout.world_size
     cp = f", cp={cfg.layout.cp}" if cfg.layout.cp > 1 else ""
     log(f"starting {n} local ranks (dp={cfg.layout.dp}{cp}, tp={cfg.layout.tp}, pp={cfg.layout.pp})")
