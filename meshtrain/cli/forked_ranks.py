@@ -52,14 +52,18 @@ def usable() -> bool:
     return wrap is not None and all(name in wrap.__code__.co_varnames for name in _WRAPPER_NAMES)
 
 
-def start_server() -> None:
+def start_server(import_here: bool = False) -> None:
     """Start the fork server now, before this launcher touches CUDA, holds --out or prepares
-    data (`_fork_server`): it imports the rest of `PRELOAD` while the launcher goes on; later
-    calls (a restart, verify's second layout) find it running."""
+    data (`_fork_server`): it imports the rest of `PRELOAD` while the launcher goes on — or,
+    with `import_here` (a launcher that will import it all anyway: verify's, which runs the
+    one-process reference), inherits it from the launcher. Later calls (a restart, verify's
+    second layout) find it running."""
+    import importlib
     import multiprocessing as mp
     from multiprocessing import forkserver, util
 
-    import torch  # noqa: F401  (the server inherits it: `_fork_server`)
+    for name in PRELOAD if import_here else ["torch"]:  # the server inherits them: `_fork_server`
+        importlib.import_module(name)
     mp.set_forkserver_preload(PRELOAD)
     exec_server = util.spawnv_passfds
     util.spawnv_passfds = lambda path, args, passfds: _fork_server(exec_server, path, args, passfds)

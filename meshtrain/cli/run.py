@@ -63,7 +63,7 @@ def run(args, argv: list[str], rank_function=None) -> int:
                   "--max-restarts is ignored, and restarted ranks resume from the latest checkpoint by themselves",
                   file=sys.stderr)
         if renv is None and rank_function is not None and _ranks_to_start(cfg, args) > 1:
-            rank_function = _forked_ranks_server(rank_function)
+            rank_function = _forked_ranks_server(rank_function, args.command)
         # From a shell the local ranks are all ours: check the GPUs before starting them.
         local_rank, local_world = (renv.local_rank, renv.local_world_size) if renv else (0, cfg.layout.world_size)
         device = launch.choose_device(cfg.train.device, local_rank, local_world)
@@ -260,14 +260,16 @@ def _ranks_to_start(cfg: C.Config, args) -> int:
     return max(cfg.layout.world_size, second.layout.world_size if second else 1)
 
 
-def _forked_ranks_server(rank_function):
+def _forked_ranks_server(rank_function, command: str):
     """The rank function, its fork server started (`cli.forked_ranks`) — before this launcher
     touches CUDA, holds --out or prepares data, whose state a fork must not carry; None where
-    torch's engine cannot run it (each rank is then a program)."""
+    torch's engine cannot run it (each rank is then a program). Verify's launcher runs the
+    one-process reference after its ranks, with all they import: it imports that first, and
+    the server inherits it."""
     import meshtrain.cli.forked_ranks as forked_ranks
     if not forked_ranks.usable():
         return None
-    forked_ranks.start_server()
+    forked_ranks.start_server(import_here=command == "verify")
     return rank_function
 
 
