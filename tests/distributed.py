@@ -8,12 +8,17 @@ Ranks start from a fork server that imported torch and meshtrain once (`_context
 fresh interpreter spends ~2 s of CPU importing them, per rank, and the suite starts
 hundreds of ranks. The server is a process of its own that has only imported (nothing a
 test did in pytest's process reaches it), so the ranks are as isolated as spawned ones: the
-parent's patches never reach them, and each test's mutants patch inside its ranks."""
+parent's patches never reach them, and each test's mutants patch inside its ranks. The
+command-line tests' `train`, `verify` and `bench` are forked from it too (`run_command`):
+a process of its own, with its own exit code, output, signals and ranks, that skips the
+interpreter's start."""
 
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import socket
+import subprocess
 import sys
 import tempfile
 import traceback
@@ -27,10 +32,12 @@ ATTEMPTS = 3
 # import again and again otherwise (the suite's profile, issue 48): pytest, which every test
 # module a rank function lives in imports (0.1 s per rank, ~80 s over the suite); the digits'
 # sklearn (1.5 s per rank); what `compile=True` imports at its first graph (1.4 s per rank);
-# the tokenizer and transformers of the Hugging Face tests; the tests' presets (presets.py).
+# the tokenizer and transformers of the Hugging Face tests; the tests' presets (presets.py);
+# matplotlib, which every forked `train` command's rank 0 imports for its loss curve (0.7 s).
 PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "meshtrain.launch", "meshtrain.mesh", "meshtrain.train",
            "meshtrain.verifier", "meshtrain.bench", "distributed", "presets", "pytest", "sklearn.datasets",
-           "torch._functorch.aot_autograd", "torch._inductor.pattern_matcher", "tokenizers", "transformers"]
+           "torch._functorch.aot_autograd", "torch._inductor.pattern_matcher", "tokenizers", "transformers",
+           "matplotlib.pyplot"]
 
 
 def _context():
@@ -65,6 +72,55 @@ def _rank_main(fn, rank, world, port, sizes, out_dir, args):
         print(text, file=sys.stderr)
     from meshtrain.launch import finish
     finish(code)
+
+
+def _command_main(argv: list[str], env: dict[str, str], cwd: str, out_path: str, err_path: str) -> None:
+    """`python -m meshtrain ARGV` in this forked process: its environment, working folder,
+    PYTHONPATH and standard streams set as a fresh interpreter's would be, `main(ARGV)` run,
+    and the process left as the interpreter leaves (non-daemon threads joined, atexit
+    handlers run) with main's exit code."""
+    import atexit
+    import threading
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    sys.path[:0] = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    sys.argv = ["meshtrain", *argv]
+    for fd, path in ((1, out_path), (2, err_path)):
+        target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(target, fd)
+        os.close(target)
+    code = 1
+    try:
+        from meshtrain.cli import main
+        code = main(argv)
+    except SystemExit as e:  # argparse's refusals
+        code = e.code if isinstance(e.code, int) else int(e.code is not None)
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        threading._shutdown()
+        atexit._run_exitfuncs()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code or 0)
+
+
+def run_command(argv: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
+    """`python -m meshtrain ARGV` as a process forked from the preloaded server (what a fresh
+    interpreter would run, without its seconds of imports): its exit code and its output.
+    Raises subprocess.TimeoutExpired, the command stopped, after `timeout` seconds."""
+    with tempfile.TemporaryDirectory() as out_dir:
+        out, err = Path(out_dir, "stdout"), Path(out_dir, "stderr")
+        proc = _context().Process(target=_command_main, args=(argv, env, os.getcwd(), str(out), str(err)))
+        proc.start()
+        proc.join(timeout)
+        if proc.is_alive():
+            proc.kill()  # its ranks watch it, and leave with it
+            proc.join(10)
+            raise subprocess.TimeoutExpired(["meshtrain", *argv], timeout, out.read_bytes(), err.read_bytes())
+        return subprocess.CompletedProcess(["meshtrain", *argv], proc.exitcode,
+                                           out.read_text(errors="replace"), err.read_text(errors="replace"))
 
 
 def run_ranks(fn, world: int, *args, pp: int = 1, tp: int = 1, cp: int = 1, ep: int = 1,

@@ -22,7 +22,7 @@ LAYOUT_KEYS = {"dp", "tp", "pp", "zero", "sp", "schedule", "microbatches", "reco
 
 def test_train_json_outputs_and_generate(tmp_path):
     out = tmp_path / "run"
-    r = run_cli("train", *TINY, "--dp", "2", "--steps", "4", "--out", out, "--json")
+    r = run_cli("train", *TINY, "--dp", "2", "--steps", "4", "--out", out, "--json", fresh=True)  # as typed in a shell
     assert r.returncode == 0, r.stderr
     j = last_json(r.stdout)
     assert TRAIN_KEYS <= j.keys() and LAYOUT_KEYS <= j["layout"].keys()

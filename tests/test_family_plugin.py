@@ -59,7 +59,7 @@ def test_a_registered_family_verifies_under_tp_and_pp(plugin_env, on_path, layou
         on_path(_site(plugin_env))
         out = verify_in_ranks(cli_config(*args), paths=[_site(plugin_env)])
     else:
-        r = run_cli(*args, "--json", env=plugin_env)
+        r = run_cli(*args, "--json", env=plugin_env, fresh=True)  # entry points read by a fresh interpreter
         assert r.returncode == 0, r.stderr[-2000:]
         out = last_json(r.stdout)
     assert out["passed"] and out["max_grad_rel_diff"] < 1e-5 and out["max_update_rel_diff"] < 1e-4, out

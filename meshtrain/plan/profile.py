@@ -251,15 +251,21 @@ class _Grid:
             else:
                 hi = next(i for i, v in enumerate(lx) if v > u)
                 cells.append((hi - 1, hi, (u - lx[hi - 1]) / (lx[hi] - lx[hi - 1])))
-        logt = 0.0
-        for corner in product((0, 1), repeat=3):
-            w, idx = 1.0, []
-            for (lo, hi, f), c in zip(cells, corner):
-                w *= f if c else 1.0 - f
-                idx.append(hi if c else lo)
-            if w:
-                logt += w * self.logt[tuple(idx)]
-        return math.exp(logt + extra)
+        # Trilinear, as nested lerps a + f·(b − a): where the grid is flat along an axis the
+        # lerp returns its value exactly, so a flat stretch stays flat to the last bit (a sum
+        # of eight weighted corners wobbles there by rounding, and time would seem to fall).
+        (m0, m1, fm), (k0, k1, fk), (n0, n1, fn) = cells
+        t = self.logt
+
+        def lerp(a: float, b: float, f: float) -> float:
+            return a + f * (b - a) if f else a
+
+        def along_m(j: int, n: int) -> float:
+            return lerp(t[m0, j, n], t[m1, j, n], fm)
+
+        def along_k(n: int) -> float:
+            return lerp(along_m(k0, n), along_m(k1, n), fk)
+        return math.exp(lerp(along_k(n0), along_k(n1), fn) + extra)
 
 
 class ProfileRates:
