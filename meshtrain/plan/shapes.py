@@ -15,6 +15,7 @@ and optionally a shared SwiGLU of width `shared_ffn` every token passes through.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 
 @dataclass(frozen=True)
@@ -64,7 +65,7 @@ class Shape:
         """Whether block `layer` has a mixture of experts (else a dense MLP)."""
         return self.kind == "moe" and layer not in self.dense_layers
 
-    @property
+    @cached_property  # the sums over layers are kept: a search asks for them per layout and stage
     def moe_layers(self) -> int:
         return sum(self.is_moe(i) for i in range(self.layers))
 
@@ -99,6 +100,10 @@ class Shape:
 
     def layer_params(self) -> int:
         """One block's parameters (a MoE's: a MoE layer's, the repeated block)."""
+        return self._layer_params
+
+    @cached_property
+    def _layer_params(self) -> int:
         h, f, kv = self.hidden, self.ffn_width, self.kv_width
         if self.kind == "moe":
             layer = next((i for i in range(self.layers) if self.is_moe(i)), 0)
@@ -129,6 +134,10 @@ class Shape:
     def n_params(self) -> int:
         """Exactly what the model holds (meshtrain's GPT for `gpt`; Meta's checkpoints for
         `llama`; meshtrain's MoE, as Mixtral's, Qwen3-MoE's and OLMoE's checkpoints, for `moe`)."""
+        return self._n_params
+
+    @cached_property
+    def _n_params(self) -> int:
         h, v = self.hidden, self.vocab
         if self.kind == "moe":
             blocks = sum(self.block_params(i) for i in range(self.layers))
