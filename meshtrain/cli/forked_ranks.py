@@ -76,7 +76,7 @@ def start_server(import_here: bool = False) -> None:
 def _fork_server(exec_server, path: str, args: list[str], passfds) -> int:
     """multiprocessing starts its fork server as a fresh interpreter (`exec_server`); here
     it is a fork of this launcher instead, which has imported torch and has not touched
-    CUDA, so the server pays only the rest of `PRELOAD` (3.5 -> 1.6 s of CPU a command).
+    CUDA, so the server pays only the rest of `PRELOAD` (3.0 -> 1.4 s of CPU a command).
     It then runs the very command the fresh interpreter would run, with what such an
     interpreter would not have taken away (`_as_a_fresh_server`). Other programs
     multiprocessing starts (its resource tracker) are left to `exec_server`."""
