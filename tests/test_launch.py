@@ -206,6 +206,36 @@ def test_the_fork_server_keeps_nothing_of_its_launcher_and_leaves_with_it(tmp_pa
         launcher.kill()
 
 
+def test_the_fork_server_is_forked_before_the_launcher_asks_for_cuda(tmp_path):
+    """A process that has asked the CUDA driver anything cannot give a forked child a working
+    GPU: the launcher forks its ranks' server before `choose_device` asks (emulated here,
+    with no GPU: the CUDA queries and the fork are logged in order; --out is held, so the
+    launcher stops at its claim, after both)."""
+    from meshtrain.checkpoint.lock import OutLock
+    script = ("import sys, torch\n"
+              "from meshtrain.cli import forked_ranks\n"
+              "def logged(name, fn):\n"
+              "    def call(*a, **k):\n"
+              "        print(name, flush=True)\n"
+              "        return fn(*a, **k)\n"
+              "    return call\n"
+              "torch.cuda.is_available = logged('cuda', torch.cuda.is_available)\n"
+              "torch.cuda.device_count = logged('cuda', torch.cuda.device_count)\n"
+              "forked_ranks.start_server = logged('fork', forked_ranks.start_server)\n"
+              "from meshtrain.cli import main\n"
+              "sys.exit(main(sys.argv[1:]))\n")
+    lock = OutLock(tmp_path, log=print).acquire()
+    try:
+        r = subprocess.run([sys.executable, "-c", script, "train", "--model", "gpt-test", "--vocab-size", "256",
+                            "--seq-len", "32", "--batch-size", "8", "--device", "auto", "--dp", "2", "--steps", "1",
+                            "--out", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    finally:
+        lock.release()
+    assert r.returncode == 2 and "in use by another meshtrain job" in r.stderr, r.stderr[-2000:]
+    events = r.stdout.split()
+    assert "fork" in events and "cuda" in events and events.index("fork") < events.index("cuda"), events
+
+
 def _running(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
