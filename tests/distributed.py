@@ -92,10 +92,8 @@ def _command_main(argv: list[str], env: dict[str, str], cwd: str, out_path: str,
         os.close(target)
     code = 1
     try:
-        from meshtrain.cli import main
-        code = main(argv)
-    except SystemExit as e:  # argparse's refusals
-        code = e.code if isinstance(e.code, int) else int(e.code is not None)
+        from meshtrain.cli import exit_code
+        code = exit_code(argv)
     except BaseException:
         traceback.print_exc()
     finally:

@@ -57,13 +57,14 @@ def _record(mesh, cfg, paths=()):
     return verifier.record(cfg, Comm(mesh), "layout")
 
 
-def _proc_stat(pid: int) -> tuple[str, int] | None:
-    """(name, parent pid) of a process (Linux /proc), None once it has gone."""
+def _proc_stat(pid: int) -> tuple[str, int, str] | None:
+    """(name, parent pid, state) of a process (Linux /proc), None once it has gone."""
     try:
         text = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    return text[text.index("(") + 1:text.rindex(")")], int(text.rsplit(")", 1)[1].split()[1])
+    state, parent = text.rsplit(")", 1)[1].split()[:2]
+    return text[text.index("(") + 1:text.rindex(")")], int(parent), state
 
 
 def process_name(pid: int) -> str | None:
@@ -74,6 +75,12 @@ def process_name(pid: int) -> str | None:
 def parent_of(pid: int) -> int | None:
     stat = _proc_stat(pid)
     return stat and stat[1]
+
+
+def is_running(pid: int) -> bool:
+    """Whether the process is there and not a zombie waiting to be reaped."""
+    stat = _proc_stat(pid)
+    return stat is not None and stat[2] != "Z"
 
 
 def ranks_of(launcher_pid: int) -> dict[int, int]:
@@ -170,14 +177,12 @@ def run_main(*args) -> Ran:
     output captured. For what runs in one process — a refused input, export, generate, plan,
     schedule — it spares the fresh interpreter (~3 s of torch import here); `run_cli` keeps
     at least one real process per command."""
-    from meshtrain.cli import main
+    from meshtrain.cli import exit_code
     out, err = io.StringIO(), io.StringIO()
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     with redirect_stdout(out), redirect_stderr(err):
         try:
-            code = main([str(a) for a in args])
-        except SystemExit as e:  # argparse's refusals
-            code = e.code if isinstance(e.code, int) else int(e.code is not None)
+            code = exit_code([str(a) for a in args])
         finally:  # a command's own handlers (prepare's, a Ctrl-C at the end of a run) die with its process
             for sig, handler in handlers.items():
                 signal.signal(sig, handler)

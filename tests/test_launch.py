@@ -169,7 +169,7 @@ def test_the_fork_server_keeps_nothing_of_its_launcher_and_leaves_with_it(tmp_pa
     """The server is a fork of the launcher (it inherits torch), yet like a fresh interpreter
     it holds none of the launcher's files (an --out lock would outlive a killed launcher), runs
     none of its signal handlers, and leaves when the launcher has gone."""
-    from helpers import parent_of, process_name
+    from helpers import is_running, parent_of, process_name
 
     from meshtrain.cli.forked_ranks import SERVER_NAME
     held = tmp_path / "held-by-the-launcher"
@@ -199,9 +199,9 @@ def test_the_fork_server_keeps_nothing_of_its_launcher_and_leaves_with_it(tmp_pa
         launcher.kill()
         launcher.wait()
         deadline = time.time() + 60
-        while _running(server) and time.time() < deadline:
+        while is_running(server) and time.time() < deadline:
             time.sleep(0.1)
-        assert not _running(server), "the fork server outlived its launcher"
+        assert not is_running(server), "the fork server outlived its launcher"
     finally:
         launcher.kill()
 
@@ -234,14 +234,6 @@ def test_the_fork_server_is_forked_before_the_launcher_asks_for_cuda(tmp_path):
     assert r.returncode == 2 and "in use by another meshtrain job" in r.stderr, r.stderr[-2000:]
     events = r.stdout.split()
     assert "fork" in events and "cuda" in events and events.index("fork") < events.index("cuda"), events
-
-
-def _running(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 def test_a_rank_watching_a_process_gets_its_signal_when_it_ends():

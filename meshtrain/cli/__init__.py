@@ -187,8 +187,13 @@ def forked_rank(argv: list[str], launcher_env: dict[str, str]) -> int:
     from meshtrain import launch
     from meshtrain.cli import forked_ranks
     forked_ranks.adopt(launcher_env)
+    return launch.finish(exit_code(argv))
+
+
+def exit_code(argv: list[str]) -> int:
+    """What `python -m meshtrain ARGV` leaves with: main's code, argparse's refusals
+    (SystemExit) included."""
     try:
-        code = main(argv)
-    except SystemExit as e:  # argparse's refusals
-        code = e.code if isinstance(e.code, int) else int(e.code is not None)
-    return launch.finish(code)
+        return main(argv)
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else int(e.code is not None)
