@@ -36,7 +36,7 @@ def layer_forward_flops(shape, micro_batch: int, seq: int, layer: int | None = N
     4·b·s²·h. `layer` None: a repeated block's (a MoE layer for the moe kind)."""
     bs, h, f, kv, q = micro_batch * seq, shape.hidden, shape.ffn_width, shape.kv_width, shape.q_width
     if layer is None:
-        layer = next((i for i in range(shape.layers) if shape.is_moe(i)), 0)
+        layer = shape.first_moe_layer
     if shape.is_moe(layer):
         mlp = 2 * bs * h * (shape.experts + 3 * shape.top_k * shape.expert_ffn + 3 * shape.shared_ffn)
     else:
@@ -65,9 +65,8 @@ def _kinds(shape) -> list[tuple[int, int]]:
     dense and MoE layers; one kind for the others)."""
     if shape.kind != "moe":
         return [(0, shape.layers)]
-    dense = next((i for i in range(shape.layers) if not shape.is_moe(i)), None)
-    sparse = next((i for i in range(shape.layers) if shape.is_moe(i)), None)
-    return [(i, n) for i, n in ((sparse, shape.moe_layers), (dense, shape.layers - shape.moe_layers)) if n]
+    return [(i, n) for i, n in ((shape.first_moe_layer, shape.moe_layers),
+                                (shape.first_dense_layer, shape.layers - shape.moe_layers)) if n]
 
 
 def recomputed_flops(shape, batch: int, seq: int, recompute: str) -> float:

@@ -194,4 +194,4 @@ def zero3_peak_gathered(shape, **where) -> int:
 def expert_params_per_device(shape, **where) -> int:
     """The experts' parameters one device holds (the MoE layers of its stage, whole over tp):
     where a MoE's memory sits."""
-    return sum(shape.expert_params() for i in stage_layers(shape, **where) if shape.is_moe(i))
+    return shape.expert_params() * shape.moe_in(stage_layers(shape, **where))

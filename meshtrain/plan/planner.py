@@ -242,7 +242,7 @@ class Device:
         # the experts' chunks are sharded over their edp replicas, the rest over dp × cp; of
         # the two blocks ZeRO-3 holds gathered, each MoE layer's experts are a chunk
         if not lay.keep_gathered:
-            moe_blocks = sum(self.shape.is_moe(i) for i in self.layers_on(stage))
+            moe_blocks = self.shape.moe_in(self.layers_on(stage))
             gathered -= min(2, moe_blocks) * self.shape.expert_params() * (lay.ep - 1) // lay.ep
         dense = model_states.model_state_bytes(self.dense_params_on(stage), lay.zero, self.replicas,
                                                gathered_params=gathered, **kinds)
@@ -271,8 +271,7 @@ class Device:
         """What one block keeps for backward, per micro-batch, under the layout's recompute
         mode (full and segments: its input — for segments, spread over the segment). A MoE
         model's: a MoE layer's (its repeated block; `activation_per_block` for a dense one)."""
-        layer = next((i for i in range(self.shape.layers) if self.shape.is_moe(i)), 0)
-        return self.activation_per_block(layer)
+        return self.activation_per_block(self.shape.first_moe_layer)
 
     def activation_per_block(self, layer: int) -> float:
         """`activation_per_layer` of block `layer`'s kind (a MoE's dense or MoE layers)."""

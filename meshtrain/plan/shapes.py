@@ -63,11 +63,30 @@ class Shape:
 
     def is_moe(self, layer: int) -> bool:
         """Whether block `layer` has a mixture of experts (else a dense MLP)."""
-        return self.kind == "moe" and layer not in self.dense_layers
+        flags = self._moe_flags
+        return flags[layer] if 0 <= layer < len(flags) else self.kind == "moe" and layer not in self.dense_layers
+
+    @cached_property
+    def first_moe_layer(self) -> int:
+        """The first block with a mixture of experts (0 where none has one): a MoE's repeated block."""
+        return next((i for i, moe in enumerate(self._moe_flags) if moe), 0)
 
     @cached_property  # the sums over layers are kept: a search asks for them per layout and stage
     def moe_layers(self) -> int:
-        return sum(self.is_moe(i) for i in range(self.layers))
+        return sum(self._moe_flags)
+
+    @cached_property  # asked for millions of times in a search
+    def _moe_flags(self) -> tuple[bool, ...]:
+        return tuple(self.kind == "moe" and i not in self.dense_layers for i in range(self.layers))
+
+    @cached_property
+    def first_dense_layer(self) -> int | None:
+        """The first block with a dense MLP (None where every block has experts)."""
+        return next((i for i, moe in enumerate(self._moe_flags) if not moe), None)
+
+    def moe_in(self, layers) -> int:
+        """How many of the blocks `layers` (indices) have a mixture of experts."""
+        return sum(map(self._moe_flags.__getitem__, layers))
 
     def qk_norm_params(self) -> int:
         """The q/k RMSNorms' weights: per head (head_dim each) or per projection."""
@@ -106,8 +125,7 @@ class Shape:
     def _layer_params(self) -> int:
         h, f, kv = self.hidden, self.ffn_width, self.kv_width
         if self.kind == "moe":
-            layer = next((i for i in range(self.layers) if self.is_moe(i)), 0)
-            return self.block_params(layer)
+            return self.block_params(self.first_moe_layer)
         if self.kind == "llama":
             q = self.heads * (self.head_dim or h // self.heads)
             return 2 * h * q + 2 * h * kv + 3 * h * f + 2 * h  # q, o; k, v; gate, up, down; two RMSNorms

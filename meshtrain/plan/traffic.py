@@ -193,7 +193,7 @@ def ep_transfers(d, stage: int) -> list[Transfer]:
     lay, sh = d.layout, d.shape
     if lay.ep == 1:
         return []
-    layers = sum(sh.is_moe(i) for i in d.layers_on(stage))
+    layers = sh.moe_in(d.layers_on(stage))
     recomputed = d.recompute_mode in ("full", "segments")
     tokens = d.micro_batch * d.seq // lay.tp
     rows = expert_all_to_all_bytes(tokens, sh.top_k, sh.hidden, lay.ep, element_bytes=d.element_bytes,
@@ -208,7 +208,7 @@ def ep_tp_transfers(d, stage: int) -> list[Transfer]:
     lay, sh = d.layout, d.shape
     if lay.ep == 1 or lay.tp == 1 or lay.sp:
         return []
-    layers = sum(sh.is_moe(i) for i in d.layers_on(stage))
+    layers = sh.moe_in(d.layers_on(stage))
     tokens = d.micro_batch * d.seq
     act = tokens * sh.hidden * d.element_bytes
     gathers = 3 if d.recompute_mode in ("full", "segments") else 2
