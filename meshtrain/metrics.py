@@ -38,10 +38,13 @@ class ActivationMeter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        fresh = _fresh_results(func)
+        if not any(fresh):
+            return out
         values = out if isinstance(out, tuple) else (out,)
         inputs = None
-        for ret, value in zip(func._schema.returns, values):
-            if ret.alias_info is None:  # a fresh result, not a view or an in-place one
+        for is_fresh, value in zip(fresh, values):
+            if is_fresh:  # a fresh result, not a view or an in-place one
                 for t in value if isinstance(value, (list, tuple)) else (value,):
                     if isinstance(t, torch.Tensor):
                         # Collectives (c10d's in-place ops) return their inputs without saying
@@ -117,9 +120,35 @@ def _storage_key(t: torch.Tensor):
         return None
 
 
+_FRESH_RESULTS: dict = {}  # an operator -> whether each of its results is fresh by its schema
+
+
+def _fresh_results(func) -> tuple[bool, ...]:
+    """Which of `func`'s results its schema declares fresh (no alias of an input): read once
+    per operator, as the meters see thousands of calls of each."""
+    fresh = _FRESH_RESULTS.get(func)
+    if fresh is None:
+        fresh = _FRESH_RESULTS[func] = tuple(ret.alias_info is None for ret in func._schema.returns)
+    return fresh
+
+
 def _storages(args, kwargs) -> set:
-    from torch.utils._pytree import tree_leaves
-    return {_storage_key(t) for t in tree_leaves((args, kwargs or {})) if isinstance(t, torch.Tensor)} - {None}
+    """The storages of an operator's tensor arguments (a schema nests them in lists at most)."""
+    keys = set()
+    for a in (*args, *(kwargs or {}).values()):
+        for t in _tensors_in(a):
+            key = _storage_key(t)
+            if key is not None:
+                keys.add(key)
+    return keys
+
+
+def _tensors_in(a):
+    if isinstance(a, torch.Tensor):
+        yield a
+    elif isinstance(a, (list, tuple)):
+        for x in a:
+            yield from _tensors_in(x)
 
 
 class LayerProbe:
