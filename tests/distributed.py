@@ -34,11 +34,15 @@ ATTEMPTS = 3
 # module a rank function lives in imports (0.1 s per rank, ~80 s over the suite); the digits'
 # sklearn (1.5 s per rank); what `compile=True` imports at its first graph (1.4 s per rank);
 # the tokenizer and transformers of the Hugging Face tests; the tests' presets (presets.py);
-# matplotlib, which every forked `train` command's rank 0 imports for its loss curve (0.7 s).
+# matplotlib, which every forked `train` command's rank 0 imports for its loss curve (0.7 s);
+# and what torch imports on first use in a rank: at the first torch.save/load (all_gather_object
+# is one), the first optimizer step (the profiler's hook), and dynamo's first graphs (sympy's
+# tensors, DTensor's experimental ops).
 PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "meshtrain.launch", "meshtrain.mesh", "meshtrain.train",
            "meshtrain.verifier", "meshtrain.bench", "distributed", "presets", "pytest", "sklearn.datasets",
            "torch._functorch.aot_autograd", "torch._inductor.pattern_matcher", "tokenizers", "transformers",
-           "matplotlib.pyplot"]
+           "matplotlib.pyplot", "torch.utils.serialization.config", "torch.profiler._cupti_monitor",
+           "sympy.tensor.tensor", "torch.distributed.tensor.experimental"]
 
 
 def _context():

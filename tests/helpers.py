@@ -147,10 +147,15 @@ def train_in_ranks(cfg, timeout: float = 600) -> list:
     return on_the_layout(_train, cfg, timeout=timeout)[0]
 
 
-# The commands that import torch, its compiler and meshtrain's trainer whatever they are asked:
-# `run_cli` forks them from the tests' preloaded server (`distributed.run_command`), which
-# spares each ~3 s of CPU importing, unless `fresh` says the interpreter's start is the subject.
+# The commands that import torch, its compiler and meshtrain's trainer whatever they are asked
+# (and `plan --measure`, which trains): `run_cli` forks them from the tests' preloaded server
+# (`distributed.run_command`), which spares each ~3 s of CPU importing, unless `fresh` says the
+# interpreter's start is the subject.
 FORKED_COMMANDS = ("train", "verify", "bench")
+
+
+def _forked(argv: list[str]) -> bool:
+    return bool(argv) and (argv[0] in FORKED_COMMANDS or argv[0] == "plan" and "--measure" in argv)
 
 
 def run_cli(*args, timeout=300, env=None, launcher=("-m", "meshtrain"), fresh=False):
@@ -158,7 +163,7 @@ def run_cli(*args, timeout=300, env=None, launcher=("-m", "meshtrain"), fresh=Fa
     interpreter, or for FORKED_COMMANDS one forked from the tests' preloaded server); another
     `launcher` (torchrun, a script) is always a fresh interpreter."""
     argv, env = [str(a) for a in args], {**os.environ, **(env or {})}
-    if launcher == ("-m", "meshtrain") and argv[:1] and argv[0] in FORKED_COMMANDS and not fresh:
+    if launcher == ("-m", "meshtrain") and _forked(argv) and not fresh:
         from distributed import run_command
         return run_command(argv, env, timeout)
     return subprocess.run([sys.executable, *launcher, *argv], capture_output=True, text=True, timeout=timeout,

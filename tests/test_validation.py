@@ -40,10 +40,13 @@ def test_training_never_samples_the_held_out_tail():
 
 
 def _find(haystack: torch.Tensor, needle: torch.Tensor):
-    """Where `needle` occurs in `haystack` (None: nowhere)."""
-    windows = haystack.unfold(0, len(needle), 1)
-    hits = (windows == needle).all(dim=1).nonzero()
-    return int(hits[0]) if len(hits) else None
+    """Where `needle` first occurs in `haystack` (None: nowhere): each place its first token
+    is, compared whole."""
+    n = len(needle)
+    for start in (haystack[:len(haystack) - n + 1] == needle[0]).nonzero().flatten().tolist():
+        if torch.equal(haystack[start:start + n], needle):
+            return start
+    return None
 
 
 def _cfg(layout: dict) -> Config:
