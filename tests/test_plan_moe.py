@@ -311,3 +311,16 @@ def test_expert_memory_per_rank_is_one_ep_th():
     one, split = _device(_config("moe-wide", dp=2)), _device(_config("moe-wide", dp=2, ep=2))
     assert split.expert_params_on(0) * 2 == one.expert_params_on(0) > 0
     assert one.params_on(0) - split.params_on(0) == one.expert_params_on(0) // 2
+
+
+@pytest.mark.parametrize("name, dense", [("moe-small", ()), ("moe-small", (0, 2)), ("gpt-small", ())])
+def test_a_shapes_kept_moe_flags_answer_as_its_rule(name, dense):
+    """The flags a search reads millions of times (`Shape.is_moe`, `moe_in`, the first MoE and
+    dense blocks, `moe_layers`) say what `kind` and `dense_layers` say, block by block."""
+    shape = dataclasses.replace(shape_of(name), dense_layers=dense)
+    rule = [shape.kind == "moe" and i not in dense for i in range(shape.layers)]
+    assert [shape.is_moe(i) for i in range(-2, shape.layers + 2)] == [shape.kind == "moe"] * 2 + rule + \
+        [shape.kind == "moe"] * 2
+    assert shape.moe_layers == sum(rule) and shape.moe_in(range(1, shape.layers, 2)) == sum(rule[1::2])
+    assert shape.first_moe_layer == (rule.index(True) if any(rule) else 0)
+    assert shape.first_dense_layer == (rule.index(False) if not all(rule) else None)

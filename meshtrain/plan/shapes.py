@@ -64,7 +64,10 @@ class Shape:
     def is_moe(self, layer: int) -> bool:
         """Whether block `layer` has a mixture of experts (else a dense MLP)."""
         flags = self._moe_flags
-        return flags[layer] if 0 <= layer < len(flags) else self.kind == "moe" and layer not in self.dense_layers
+        return flags[layer] if 0 <= layer < len(flags) else self._has_experts(layer)
+
+    def _has_experts(self, layer: int) -> bool:
+        return self.kind == "moe" and layer not in self.dense_layers
 
     @cached_property
     def first_moe_layer(self) -> int:
@@ -77,7 +80,7 @@ class Shape:
 
     @cached_property  # asked for millions of times in a search
     def _moe_flags(self) -> tuple[bool, ...]:
-        return tuple(self.kind == "moe" and i not in self.dense_layers for i in range(self.layers))
+        return tuple(map(self._has_experts, range(self.layers)))
 
     @cached_property
     def first_dense_layer(self) -> int | None:
