@@ -18,6 +18,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import pickle
+import signal
 import socket
 import subprocess
 import sys
@@ -152,21 +153,52 @@ def _command_main(argv: list[str], env: dict[str, str], cwd: str, out_path: str,
         os._exit(code or 0)
 
 
+class Command:
+    """`python -m meshtrain ARGV` started as a process forked from the preloaded server (what
+    a fresh interpreter would run, without its seconds of imports), as `subprocess.Popen`
+    is used here: its `pid`, signals, `wait` and `returncode` (negative: the signal that
+    ended it). Its standard output and error go to the files `stdout` and `stderr`."""
+
+    def __init__(self, argv: list[str], env: dict[str, str], stdout: Path, stderr: Path):
+        self.argv, self.stdout, self.stderr = ["meshtrain", *argv], stdout, stderr
+        self._proc = _context().Process(target=_command_main, args=(argv, env, os.getcwd(), str(stdout), str(stderr)))
+        self._proc.start()
+        self.pid = self._proc.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self._proc.exitcode
+
+    def send_signal(self, sig: int) -> None:
+        if self._proc.exitcode is None:
+            os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)  # its ranks watch it, and leave with it
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Its exit code; raises subprocess.TimeoutExpired, the command still running, after
+        `timeout` seconds."""
+        self._proc.join(timeout)
+        if self._proc.exitcode is None:
+            raise subprocess.TimeoutExpired(self.argv, timeout)
+        return self._proc.exitcode
+
+
 def run_command(argv: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
-    """`python -m meshtrain ARGV` as a process forked from the preloaded server (what a fresh
-    interpreter would run, without its seconds of imports): its exit code and its output.
-    Raises subprocess.TimeoutExpired, the command stopped, after `timeout` seconds."""
+    """`Command(ARGV)` run to its end: its exit code and its output. Raises
+    subprocess.TimeoutExpired, the command stopped, after `timeout` seconds."""
     with tempfile.TemporaryDirectory() as out_dir:
         out, err = Path(out_dir, "stdout"), Path(out_dir, "stderr")
-        proc = _context().Process(target=_command_main, args=(argv, env, os.getcwd(), str(out), str(err)))
-        proc.start()
-        proc.join(timeout)
-        if proc.is_alive():
-            proc.kill()  # its ranks watch it, and leave with it
-            proc.join(10)
-            raise subprocess.TimeoutExpired(["meshtrain", *argv], timeout, out.read_bytes(), err.read_bytes())
-        return subprocess.CompletedProcess(["meshtrain", *argv], proc.exitcode,
-                                           out.read_text(errors="replace"), err.read_text(errors="replace"))
+        command = Command(argv, env, out, err)
+        try:
+            command.wait(timeout)
+        except subprocess.TimeoutExpired:
+            command.kill()
+            command.wait(10)
+            raise subprocess.TimeoutExpired(command.argv, timeout, out.read_bytes(), err.read_bytes()) from None
+        return subprocess.CompletedProcess(command.argv, command.returncode, out.read_text(errors="replace"),
+                                           err.read_text(errors="replace"))
 
 
 def run_ranks(fn, world: int, *args, pp: int = 1, tp: int = 1, cp: int = 1, ep: int = 1,

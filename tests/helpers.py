@@ -170,6 +170,19 @@ def run_cli(*args, timeout=300, env=None, launcher=("-m", "meshtrain"), fresh=Fa
                           env=env)
 
 
+def start_cli(*args, stdout: Path, stderr: Path, env=None):
+    """`python -m meshtrain ARGS` started, not waited for, as `run_cli` runs it (for
+    FORKED_COMMANDS a process forked from the tests' preloaded server: `distributed.Command`),
+    its output in the files `stdout` and `stderr`: for the tests that signal or kill a running
+    command. Returns a handle with Popen's `pid`, `send_signal`, `kill`, `wait`, `returncode`."""
+    argv, env = [str(a) for a in args], {**os.environ, **(env or {})}
+    if _forked(argv):
+        from distributed import Command
+        return Command(argv, env, stdout, stderr)
+    with open(stdout, "w") as out, open(stderr, "w") as err:
+        return subprocess.Popen([sys.executable, "-m", "meshtrain", *argv], stdout=out, stderr=err, env=env)
+
+
 @dataclass
 class Ran:
     returncode: int

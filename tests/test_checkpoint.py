@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 from distributed import run_ranks
-from helpers import TINY, last_json, run_cli, run_main
+from helpers import TINY, last_json, run_cli, run_main, start_cli
 from presets import GPT_TEST_4
 
 from meshtrain.checkpoint import folders
@@ -472,18 +472,20 @@ def test_sigterm_to_the_launcher_saves_the_current_step(tmp_path):
     """A scheduler's SIGTERM reaches meshtrain's own launcher: it passes it to the ranks,
     which save the step they are at, and the job exits 0."""
     import signal
-    import subprocess
-    import sys
     import time
-    cmd = [sys.executable, "-m", "meshtrain", "train", *TINY, "--dp", "2", "--steps", "5000", "--save-every", "4000",
-           "--out", str(tmp_path)]
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    err_file = tmp_path.parent / f"{tmp_path.name}-stderr.txt"  # not in --out, which the run claims
+    proc = start_cli("train", *TINY, "--dp", "2", "--steps", "5000", "--save-every", "4000", "--out", tmp_path,
+                     stdout=os.devnull, stderr=err_file)
     metrics = tmp_path / "metrics.jsonl"
     deadline = time.time() + 120
     while time.time() < deadline and not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 3):
         time.sleep(0.2)
     proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=120)
+    try:
+        proc.wait(timeout=120)
+    finally:
+        proc.kill()
+    err = err_file.read_text()
     assert proc.returncode == 0, err  # a clean stop, as the docs say (it was 143)
     saved = folders.steps_in_local(tmp_path)
     assert len(saved) == 1 and saved[0] >= 3, err

@@ -10,7 +10,7 @@ import time
 import pytest
 from distributed import free_port
 from helpers import (TINY, cli_config, last_json, on_the_layout, parent_of, process_name, ranks_of, run_cli, run_main,
-                     verify_in_ranks)
+                     start_cli, verify_in_ranks)
 
 from meshtrain.cli import forked_ranks
 
@@ -163,25 +163,24 @@ def test_a_killed_rank_ends_the_job_naming_that_rank_and_signal(tmp_path):
     """kill -9 of rank 1 mid-training: the job ends within 30 s, the message names rank 1 and
     SIGKILL (not the survivor the engine stopped), and no survivor's traceback is shown."""
     err_file = tmp_path / "stderr.txt"
-    with open(err_file, "w") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "meshtrain", "train", *TINY, "--dp", "2", "--steps", "100000",
-                                 "--out", str(tmp_path / "run")], stdout=subprocess.DEVNULL, stderr=err)
-        metrics = tmp_path / "run" / "metrics.jsonl"
-        deadline = time.time() + 120
-        while time.time() < deadline and not (metrics.exists() and metrics.read_text().count("\n") >= 3):
-            time.sleep(0.2)
-        try:
-            victim = ranks_of(proc.pid).get(1)
-            assert victim, "rank 1 never started training"
-            # forked from the launcher's fork server (cli/forked_ranks.py), itself the launcher's fork
-            server = parent_of(victim)
-            assert process_name(server) == forked_ranks.SERVER_NAME and parent_of(server) == proc.pid
-            os.kill(victim, signal.SIGKILL)
-            killed_at = time.time()
-            proc.wait(timeout=60)
-            elapsed = time.time() - killed_at
-        finally:
-            proc.kill()  # a job the test failed to end must not train on
+    proc = start_cli("train", *TINY, "--dp", "2", "--steps", "100000", "--out", tmp_path / "run",
+                     stdout=tmp_path / "stdout.txt", stderr=err_file)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and not (metrics.exists() and metrics.read_text().count("\n") >= 3):
+        time.sleep(0.2)
+    try:
+        victim = ranks_of(proc.pid).get(1)
+        assert victim, "rank 1 never started training"
+        # forked from the launcher's fork server (cli/forked_ranks.py), itself the launcher's fork
+        server = parent_of(victim)
+        assert process_name(server) == forked_ranks.SERVER_NAME and parent_of(server) == proc.pid
+        os.kill(victim, signal.SIGKILL)
+        killed_at = time.time()
+        proc.wait(timeout=60)
+        elapsed = time.time() - killed_at
+    finally:
+        proc.kill()  # a job the test failed to end must not train on
     text = err_file.read_text()
     assert proc.returncode != 0
     assert elapsed < 30, f"the job took {elapsed:.0f} s to end"

@@ -6,14 +6,12 @@ import json
 import os
 import shutil
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from helpers import TINY, ranks_of, run_cli, run_main
+from helpers import TINY, ranks_of, run_cli, run_main, start_cli
 
 from meshtrain.faults import FAULT_ENV
 
@@ -103,9 +101,8 @@ def _alive(pid: int) -> bool:
 
 def test_one_job_per_out_and_a_killed_launchers_lock_and_ranks(tmp_path):
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "meshtrain", "train", *TINY, "--dp", "2", "--steps", "5000", "--save-every", "4000",
-           "--out", str(out)]
-    launcher = subprocess.Popen(cmd, stderr=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+    launcher = start_cli("train", *TINY, "--dp", "2", "--steps", "5000", "--save-every", "4000", "--out", out,
+                         stdout=os.devnull, stderr=os.devnull)
     metrics = out / "metrics.jsonl"
     deadline = time.time() + 120
     while time.time() < deadline and not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 2):
