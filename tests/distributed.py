@@ -160,7 +160,7 @@ class Command:
     ended it). Its standard output and error go to the files `stdout` and `stderr`."""
 
     def __init__(self, argv: list[str], env: dict[str, str], stdout: Path, stderr: Path):
-        self.argv, self.stdout, self.stderr = ["meshtrain", *argv], stdout, stderr
+        self.argv = ["meshtrain", *argv]
         self._proc = _context().Process(target=_command_main, args=(argv, env, os.getcwd(), str(stdout), str(stderr)))
         self._proc.start()
         self.pid = self._proc.pid

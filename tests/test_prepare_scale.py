@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import run_cli, run_main
+from helpers import is_running, run_cli, run_main
 from llama3_folder import documents, llama3_tokenizer, write_tokenizer
 
 WORDS = ("the king is dead long live the king now is the winter of our discontent made glorious summer by this "
@@ -136,13 +136,6 @@ def _children(pid: int) -> list[int]:
     return [int(c) for t in Path(f"/proc/{pid}/task").iterdir() for c in (t / "children").read_text().split()]
 
 
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 def _start_until_tokens_are_written(data, out: Path) -> tuple[subprocess.Popen, Path, list[int]]:
     """`prepare --workers 2` started and watched until its building folder holds ids (half
     done): (the process, that folder, its worker processes)."""
@@ -162,9 +155,9 @@ def _start_until_tokens_are_written(data, out: Path) -> tuple[subprocess.Popen, 
 
 def _gone(pids: list[int], within: float = 10.0) -> bool:
     deadline = time.time() + within
-    while any(map(_alive, pids)) and time.time() < deadline:
+    while any(map(is_running, pids)) and time.time() < deadline:
         time.sleep(0.05)
-    return not any(map(_alive, pids))
+    return not any(map(is_running, pids))
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import TINY, ranks_of, run_cli, run_main, start_cli
+from helpers import TINY, is_running, ranks_of, run_cli, run_main, start_cli
 
 from meshtrain.faults import FAULT_ENV
 
@@ -91,14 +91,6 @@ def test_the_whole_log_is_plotted_after_a_resume(tmp_path, monkeypatch):
     assert drawn["steps"] == [1, 2, 3, 4, 5, 6]
 
 
-def _alive(pid: int) -> bool:
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return False
-    return fields[0] != "Z"
-
-
 def test_one_job_per_out_and_a_killed_launchers_lock_and_ranks(tmp_path):
     out = tmp_path / "run"
     launcher = start_cli("train", *TINY, "--dp", "2", "--steps", "5000", "--save-every", "4000", "--out", out,
@@ -115,9 +107,9 @@ def test_one_job_per_out_and_a_killed_launchers_lock_and_ranks(tmp_path):
     launcher.send_signal(signal.SIGKILL)
     launcher.wait()
     deadline = time.time() + 60
-    while time.time() < deadline and any(_alive(p) for p in ranks):
+    while time.time() < deadline and any(is_running(p) for p in ranks):
         time.sleep(0.2)
-    assert not any(_alive(p) for p in ranks)  # the ranks ended with their launcher
+    assert not any(is_running(p) for p in ranks)  # the ranks ended with their launcher
     assert (out / ".lock").exists()  # left behind by the kill
     r = _train(out, "--steps", "2", "--overwrite")
     assert r.returncode == 0, r.stderr
