@@ -20,9 +20,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 class ActivationMeter(TorchDispatchMode):
     """The peak of live activation bytes while it is entered (around a step's forward and
     backward passes): every storage an operator freshly allocates counts from its
-    allocation until it is freed (a weakref finalizer on the storage). Parameters, gradient
-    buffers and inputs exist before and are never fresh allocations; views and in-place
-    results share a storage and are not counted again.
+    allocation until it is freed (a weak reference to the storage, whose callback uncounts
+    it). Parameters, gradient buffers and inputs exist before and are never fresh
+    allocations; views and in-place results share a storage and are not counted again.
 
     Unlike `saved_tensors_hooks`, this sees inside activation checkpointing, counts the
     temporaries of backward, and sees storages die, so several micro-batches in flight (a
@@ -34,45 +34,52 @@ class ActivationMeter(TorchDispatchMode):
         self.peak = 0
         self._live = 0
         self._count = 0  # storages counted so far: a storage's number orders its allocation
-        self._tracked: dict[int, tuple[int, int]] = {}  # id of a live counted storage -> (number, bytes)
+        self._tracked: dict[int, _Held] = {}  # id of a live counted storage -> its reference
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        fresh = _fresh_results(func)
-        if not any(fresh):
+        try:
+            rule = _RULES[func]
+        except KeyError:
+            rule = _rule_of(func)
+        if rule is None:  # no fresh result: a view, an in-place op
             return out
-        values = out if isinstance(out, tuple) else (out,)
+        fresh, check_inputs = rule
         inputs = None
-        for is_fresh, value in zip(fresh, values):
-            if is_fresh:  # a fresh result, not a view or an in-place one
-                for t in value if isinstance(value, (list, tuple)) else (value,):
-                    if isinstance(t, torch.Tensor):
-                        # Collectives (c10d's in-place ops) return their inputs without saying
-                        # so in their schema: a result on an input's storage is not fresh.
+        for is_fresh, value in zip(fresh, out if isinstance(out, tuple) else (out,)):
+            if not is_fresh:
+                continue
+            for t in value if isinstance(value, (list, tuple)) else (value,):
+                if isinstance(t, torch.Tensor) and not t.is_meta:  # a meta tensor: a shape without memory
+                    if check_inputs:
                         inputs = _storages(args, kwargs) if inputs is None else inputs
-                        if _storage_key(t) not in inputs:
-                            self._track(t)
+                        if _storage_key(t) in inputs:
+                            continue
+                    self._track(t)
         return out
 
     def _track(self, t: torch.Tensor) -> None:
-        # Some operators declare a fresh result that is a view (`_unsafe_view`): a storage
-        # already counted is not counted again. (PyTorch keeps a storage's Python object alive
-        # as long as the storage, so its id names it until the finalizer runs.)
-        if t.is_meta:  # a shape without memory
-            return
+        # A storage already counted is not counted again (a buffer noted twice, an operator's
+        # result on a counted storage). PyTorch keeps a storage's Python object alive as long
+        # as the storage, so its id names it until the reference's callback runs.
         storage = t.untyped_storage()
-        nbytes = storage.nbytes()
-        if nbytes == 0 or id(storage) in self._tracked:
+        key = id(storage)
+        if key in self._tracked:
             return
-        self._tracked[id(storage)] = (self._count, nbytes)
+        nbytes = storage.nbytes()
+        if nbytes == 0:
+            return
+        held = _Held(storage, self._free)
+        held.key, held.number, held.nbytes = key, self._count, nbytes
+        self._tracked[key] = held
         self._count += 1
         self._live += nbytes
-        self.peak = max(self.peak, self._live)
-        weakref.finalize(storage, self._free, id(storage))
+        if self._live > self.peak:
+            self.peak = self._live
 
-    def _free(self, key: int) -> None:
-        _, nbytes = self._tracked.pop(key)
-        self._live -= nbytes
+    def _free(self, held: "_Held") -> None:
+        del self._tracked[held.key]
+        self._live -= held.nbytes
 
     @property
     def live(self) -> int:
@@ -86,7 +93,7 @@ class ActivationMeter(TorchDispatchMode):
 
     def live_since(self, mark: int) -> int:
         """Bytes alive now of the storages counted after `mark` (= `count` at some moment)."""
-        return sum(nbytes for number, nbytes in self._tracked.values() if number >= mark)
+        return sum(held.nbytes for held in self._tracked.values() if held.number >= mark)
 
 
 _BUILD_METERS: list["BuildMeter"] = []  # entered build meters, which also hear of buffers made outside modes
@@ -108,8 +115,9 @@ class BuildMeter(ActivationMeter):
 
 def note_buffer(t: torch.Tensor) -> torch.Tensor:
     """Count a buffer allocated outside dispatch modes in any build meter that is entered."""
-    for meter in _BUILD_METERS:
-        meter._track(t)
+    if not t.is_meta:
+        for meter in _BUILD_METERS:
+            meter._track(t)
     return t
 
 
@@ -120,16 +128,29 @@ def _storage_key(t: torch.Tensor):
         return None
 
 
-_FRESH_RESULTS: dict = {}  # an operator -> whether each of its results is fresh by its schema
+class _Held(weakref.ref):
+    """A counted storage: a weak reference (cheaper than `weakref.finalize`, which the meters
+    would pay on every allocation) whose callback uncounts it when the storage is freed."""
+    __slots__ = ("key", "number", "nbytes")
 
 
-def _fresh_results(func) -> tuple[bool, ...]:
-    """Which of `func`'s results its schema declares fresh (no alias of an input): read once
-    per operator, as the meters see thousands of calls of each."""
-    fresh = _FRESH_RESULTS.get(func)
-    if fresh is None:
-        fresh = _FRESH_RESULTS[func] = tuple(ret.alias_info is None for ret in func._schema.returns)
-    return fresh
+_RULES: dict = {}  # an operator -> None, or (whether each result is fresh, whether to check its inputs)
+_VIEWS_DECLARED_FRESH = {torch.ops.aten._unsafe_view.default}
+
+
+def _rule_of(func):
+    """What the meters do with `func`'s results, read once per operator from its schema (they
+    see thousands of calls of each): nothing when no result is fresh (no alias of an input);
+    else count the fresh ones, after checking they are not on an input's storage where the
+    schema cannot be trusted. ATen's schemas can, but `_unsafe_view`'s, which declares a fresh
+    result that is a view of its input (for autograd's sake): its results are never counted.
+    Collectives (c10d's in-place ops) return their inputs without saying so, and so may any
+    other namespace's operators: their results are checked."""
+    fresh = tuple(ret.alias_info is None for ret in func._schema.returns)
+    if func in _VIEWS_DECLARED_FRESH:
+        fresh = (False,) * len(fresh)
+    rule = _RULES[func] = (fresh, func.namespace != "aten") if any(fresh) else None
+    return rule
 
 
 def _storages(args, kwargs) -> set:

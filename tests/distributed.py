@@ -11,7 +11,8 @@ test did in pytest's process reaches it), so the ranks are as isolated as spawne
 parent's patches never reach them, and each test's mutants patch inside its ranks. The
 command-line tests' `train`, `verify` and `bench` are forked from it too (`run_command`):
 a process of its own, with its own exit code, output, signals and ranks, that skips the
-interpreter's start."""
+interpreter's start; and so are the example scripts' ranks (`run_script_ranks`), given the
+environment torchrun gives its ranks."""
 
 from __future__ import annotations
 
@@ -123,26 +124,31 @@ def load_result(path: Path):
         return pickle.load(f)
 
 
-def _command_main(argv: list[str], env: dict[str, str], cwd: str, out_path: str, err_path: str) -> None:
-    """`python -m meshtrain ARGV` in this forked process: its environment, working folder,
-    PYTHONPATH and standard streams set as a fresh interpreter's would be, `main(ARGV)` run,
-    and the process left as the interpreter leaves (non-daemon threads joined, atexit
-    handlers run) with main's exit code."""
+def _command_main(argv: list[str], env: dict[str, str], cwd: str, out_path: str, err_path: str,
+                  script: str | None = None) -> None:
+    """`python -m meshtrain ARGV` (or `python SCRIPT ARGV`) in this forked process: its
+    environment, working folder, import path and standard streams set as a fresh
+    interpreter's would be, `main(ARGV)` (the script as `__main__`) run, and the process left
+    as the interpreter leaves (non-daemon threads joined, atexit handlers run) with its exit
+    code."""
     import atexit
     import threading
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)
     sys.path[:0] = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    sys.argv = ["meshtrain", *argv]
+    sys.argv = [script or "meshtrain", *argv]
     for fd, path in ((1, out_path), (2, err_path)):
         target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         os.dup2(target, fd)
         os.close(target)
     code = 1
     try:
-        from meshtrain.cli import exit_code
-        code = exit_code(argv)
+        if script is None:
+            from meshtrain.cli import exit_code
+            code = exit_code(argv)
+        else:
+            code = _run_script(script)
     except BaseException:
         traceback.print_exc()
     finally:
@@ -153,15 +159,30 @@ def _command_main(argv: list[str], env: dict[str, str], cwd: str, out_path: str,
         os._exit(code or 0)
 
 
+def _run_script(script: str) -> int:
+    """`script` run as `python SCRIPT` runs it (its folder first on the import path), and the
+    exit code it leaves with."""
+    import runpy
+    sys.path.insert(0, str(Path(script).resolve().parent))
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    return 0
+
+
 class Command:
-    """`python -m meshtrain ARGV` started as a process forked from the preloaded server (what
-    a fresh interpreter would run, without its seconds of imports), as `subprocess.Popen`
+    """`python -m meshtrain ARGV` (or `python SCRIPT ARGV`) started as a process forked from
+    the preloaded server (what a fresh interpreter would run, without its seconds of
+    imports), as `subprocess.Popen`
     is used here: its `pid`, signals, `wait` and `returncode` (negative: the signal that
     ended it). Its standard output and error go to the files `stdout` and `stderr`."""
 
-    def __init__(self, argv: list[str], env: dict[str, str], stdout: Path, stderr: Path):
-        self.argv = ["meshtrain", *argv]
-        self._proc = _context().Process(target=_command_main, args=(argv, env, os.getcwd(), str(stdout), str(stderr)))
+    def __init__(self, argv: list[str], env: dict[str, str], stdout: Path, stderr: Path, *,
+                 script: str | None = None):
+        self.argv = [script or "meshtrain", *argv]
+        self._proc = _context().Process(target=_command_main,
+                                        args=(argv, env, os.getcwd(), str(stdout), str(stderr), script))
         self._proc.start()
         self.pid = self._proc.pid
 
@@ -199,6 +220,36 @@ def run_command(argv: list[str], env: dict[str, str], timeout: float) -> subproc
             raise subprocess.TimeoutExpired(command.argv, timeout, out.read_bytes(), err.read_bytes()) from None
         return subprocess.CompletedProcess(command.argv, command.returncode, out.read_text(errors="replace"),
                                            err.read_text(errors="replace"))
+
+
+def run_script_ranks(script: str, argv: list[str], world: int, env: dict[str, str],
+                     timeout: float) -> subprocess.CompletedProcess:
+    """`torchrun --nproc-per-node WORLD SCRIPT ARGV` without torchrun's and the ranks' fresh
+    interpreters: `world` processes forked from the preloaded server, each given the
+    environment torchrun gives a rank (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, ...) and
+    running the script as `python SCRIPT` would. Its exit code is the first rank's that is
+    not 0; its output, every rank's in rank order, as torchrun prints them."""
+    for attempt in range(ATTEMPTS):
+        with tempfile.TemporaryDirectory() as out_dir:
+            port, ranks = free_port(), []
+            for r in range(world):
+                rank_env = {**env, "RANK": str(r), "LOCAL_RANK": str(r), "GROUP_RANK": "0", "WORLD_SIZE": str(world),
+                            "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+                ranks.append(Command(argv, rank_env, Path(out_dir, f"out{r}"), Path(out_dir, f"err{r}"), script=script))
+            codes = []
+            for command in ranks:
+                try:
+                    codes.append(command.wait(timeout))
+                except subprocess.TimeoutExpired:
+                    for other in ranks:
+                        other.kill()
+                    raise
+            out = "".join(Path(out_dir, f"out{r}").read_text(errors="replace") for r in range(world))
+            err = "".join(Path(out_dir, f"err{r}").read_text(errors="replace") for r in range(world))
+        if any(codes) and "address already in use" in err.lower() and attempt + 1 < ATTEMPTS:
+            continue  # the port was taken: try another
+        return subprocess.CompletedProcess([script, *argv], next((c for c in codes if c), 0), out, err)
+    raise AssertionError("could not find a free port")
 
 
 def run_ranks(fn, world: int, *args, pp: int = 1, tp: int = 1, cp: int = 1, ep: int = 1,

@@ -82,17 +82,19 @@ def test_verify_under_torchrun_joins_its_processes():
                "SLURM_STEP_NUM_NODES": "1", "SLURM_STEP_NODELIST": "localhost", "SLURM_JOB_ID": "1"},
 ], ids=["mpirun", "srun"])
 def test_joins_ranks_started_by_mpirun_or_srun(tmp_path, launcher_env):
-    """Two processes with the variables mpirun/srun set, as those launchers would start them."""
+    """Two processes with the variables mpirun/srun set, as those launchers would start them
+    (forked from the tests' preloaded server, as `start_cli` starts a `train`)."""
     port = str(free_port())
-    procs = [subprocess.Popen([sys.executable, "-m", "meshtrain", "train", *TINY, "--dp", "2", "--steps", "2",
-                               "--out", tmp_path, "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True, env={**os.environ, **launcher_env(r), "MASTER_PORT": port})
+    out = [(tmp_path / f"out{r}", tmp_path / f"err{r}") for r in range(2)]
+    procs = [start_cli("train", *TINY, "--dp", "2", "--steps", "2", "--out", tmp_path / "run", "--json",
+                       stdout=out[r][0], stderr=out[r][1], env={**launcher_env(r), "MASTER_PORT": port})
              for r in range(2)]
-    outs = [p.communicate(timeout=300) for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], outs[0][1] + outs[1][1]
-    j = last_json(outs[0][0])
+    codes = [p.wait(300) for p in procs]
+    stdout, stderr = [o.read_text() for o, _ in out], [e.read_text() for _, e in out]
+    assert codes == [0, 0], stderr[0] + stderr[1]
+    j = last_json(stdout[0])
     assert j["layout"]["dp"] == 2 and len(j["model_state_bytes_per_rank"]) == 2
-    assert outs[1][0].strip() == ""  # only rank 0 reports
+    assert stdout[1].strip() == ""  # only rank 0 reports
 
 
 def test_bench_vs_ddp_smoke():

@@ -1,6 +1,8 @@
-"""The examples as a user runs them from a fresh clone: under torchrun (each trains and then
-checks itself with `meshtrain.verify`), and through `meshtrain verify --model
-examples.<name>:factory`. Two ranks here; four are marked slow."""
+"""The examples as a user runs them from a fresh clone: as scripts on ranks that torchrun
+started (each trains and then checks itself with `meshtrain.verify`), and through
+`meshtrain verify --model examples.<name>:factory`. Two ranks here, one example under torchrun
+itself and the others on ranks given torchrun's environment; all three under torchrun on
+four ranks are marked slow."""
 
 import os
 import sys
@@ -20,21 +22,30 @@ def _torchrun(example: str, ranks: int, steps: int):
                            f"--steps={steps}"], cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
 
 
+def _as_torchrun_ranks(example: str, ranks: int, steps: int):
+    """The script on `ranks` processes forked from the tests' preloaded server, each with the
+    environment torchrun gives its ranks: what `_torchrun` runs, without its fresh
+    interpreters (torchrun's own, then one per rank: ~4 s each here)."""
+    from distributed import run_script_ranks
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    return run_script_ranks(str(ROOT / "examples" / f"{example}.py"), [f"--steps={steps}"], ranks, env, timeout=600)
+
+
 def _port() -> int:
     from distributed import free_port
     return free_port()
 
 
-@pytest.mark.parametrize("example, steps, says", [
-    ("cnn_digits", 40, "verify (dp=2, ZeRO-3): PASS"),
-    ("transformer", 5, "{'pp': 2}: loss after 5 steps"),
-    ("hf_style", 10, "bf16 + full recompute, against fp32 one process): PASS"),
-])
-def test_examples_run_under_torchrun_and_pass_their_verify(example, steps, says):
-    run = _torchrun(example, 2, steps)
-    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
-    assert says in run.stdout, run.stdout
-    assert "FAIL" not in run.stdout
+@pytest.mark.parametrize("example, steps, says, run", [
+    ("cnn_digits", 40, "verify (dp=2, ZeRO-3): PASS", _as_torchrun_ranks),
+    ("transformer", 5, "{'pp': 2}: loss after 5 steps", _as_torchrun_ranks),
+    ("hf_style", 10, "bf16 + full recompute, against fp32 one process): PASS", _torchrun),
+], ids=["cnn_digits", "transformer", "hf_style-under-torchrun"])
+def test_examples_run_on_two_ranks_and_pass_their_verify(example, steps, says, run):
+    ran = run(example, 2, steps)
+    assert ran.returncode == 0, ran.stdout[-2000:] + ran.stderr[-3000:]
+    assert says in ran.stdout, ran.stdout
+    assert "FAIL" not in ran.stdout
 
 
 @pytest.mark.slow

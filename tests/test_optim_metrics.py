@@ -130,6 +130,32 @@ def test_activation_meter_sees_inside_checkpointing_and_micro_batches_in_flight(
     assert _peak(two_in_flight) == pytest.approx(2 * plain, rel=0.1)
 
 
+def _what_the_meter_counts(mesh):
+    """Readings of one meter: a fresh allocation; a view, an in-place op, `_unsafe_view` (a
+    view its schema calls fresh) of a parameter; a collective's result (its input); the
+    fresh storage again through a view; after the fresh storage is freed."""
+    param = torch.nn.Parameter(torch.zeros(64))
+    grad = torch.ones(32)
+    with ActivationMeter() as meter:
+        fresh = torch.ones(1000)  # 4,000 bytes
+        readings = [meter.live]
+        param.view(8, 8)
+        grad.mul_(2)
+        torch.ops.aten._unsafe_view(param, [8, 8])
+        Comm(mesh).all_reduce(grad, "dp")
+        torch.ops.aten._unsafe_view(fresh, [10, 100])
+        readings.append(meter.live)
+        del fresh
+        readings += [meter.live, meter.peak]
+    return readings
+
+
+def test_the_meter_counts_each_fresh_storage_once_and_no_input_s():
+    """Fresh storages count until freed; views, in-place results, `_unsafe_view` of an input
+    and a collective's result (its input, though its schema does not say so) never count."""
+    assert run_ranks(_what_the_meter_counts, 2) == [[4000, 4000, 0, 4000]] * 2
+
+
 def test_gpt_flops_formula_matches_a_count_of_every_matmul():
     """72·B·s·l·h²·(1 + s/6h + V/12lh) against torch's FLOP counter on a real step (the math
     attention path, whose matmuls the counter sees)."""
