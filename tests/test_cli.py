@@ -254,7 +254,7 @@ def test_max_restarts_is_said_to_be_ignored_only_under_an_outside_launcher(ours,
     lock = OutLock(tmp_path, log=print).acquire()
     try:
         r = run_cli("train", *TINY, "--dp", "1", "--max-restarts", "1", "--out", tmp_path, env=env, timeout=120,
-                    fresh=True)  # a rank of the launcher named in its environment: its child
+                    fresh=ours)  # a rank of the launcher named in its environment: its child
     finally:
         lock.release()
     assert r.returncode == 2 and "is in use by another meshtrain job" in r.stderr, r.stderr
