@@ -174,9 +174,9 @@ def _run_script(script: str) -> int:
 class Command:
     """`python -m meshtrain ARGV` (or `python SCRIPT ARGV`) started as a process forked from
     the preloaded server (what a fresh interpreter would run, without its seconds of
-    imports), as `subprocess.Popen`
-    is used here: its `pid`, signals, `wait` and `returncode` (negative: the signal that
-    ended it). Its standard output and error go to the files `stdout` and `stderr`."""
+    imports), as `subprocess.Popen` is used here: its `pid`, signals, `wait` and
+    `returncode` (negative: the signal that ended it). Its standard output and error go to
+    the files `stdout` and `stderr`."""
 
     def __init__(self, argv: list[str], env: dict[str, str], stdout: Path, stderr: Path, *,
                  script: str | None = None):

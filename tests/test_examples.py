@@ -15,11 +15,15 @@ ROOT = Path(__file__).resolve().parents[1]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node"]
 
 
+def _env() -> dict[str, str]:
+    """A user's shell in a fresh clone: the repository on the import path, a thread per rank."""
+    return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+
+
 def _torchrun(example: str, ranks: int, steps: int):
     import subprocess
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     return subprocess.run([*TORCHRUN, str(ranks), "--master-port", str(_port()), f"examples/{example}.py",
-                           f"--steps={steps}"], cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+                           f"--steps={steps}"], cwd=ROOT, capture_output=True, text=True, timeout=600, env=_env())
 
 
 def _as_torchrun_ranks(example: str, ranks: int, steps: int):
@@ -27,8 +31,8 @@ def _as_torchrun_ranks(example: str, ranks: int, steps: int):
     environment torchrun gives its ranks: what `_torchrun` runs, without its fresh
     interpreters (torchrun's own, then one per rank: ~4 s each here)."""
     from distributed import run_script_ranks
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    return run_script_ranks(str(ROOT / "examples" / f"{example}.py"), [f"--steps={steps}"], ranks, env, timeout=600)
+    return run_script_ranks(str(ROOT / "examples" / f"{example}.py"), [f"--steps={steps}"], ranks, _env(),
+                            timeout=600)
 
 
 def _port() -> int:
