@@ -31,8 +31,10 @@ def test_initial_weights_are_a_function_of_seed_and_name():
 
 
 def test_the_seed_hash_is_stable_across_processes():
-    """Not Python's `hash()`, which is salted per process."""
-    code = "from meshtrain.parallel.materialize import stable_seed; print(stable_seed(0, 'blocks.0.attn.q.weight'))"
+    """Not Python's `hash()`, which is salted per process: the function's own source run by
+    interpreters of two salts (without importing torch, 3 s each, which it does not use)."""
+    import inspect
+    code = f"import hashlib\n{inspect.getsource(stable_seed)}\nprint(stable_seed(0, 'blocks.0.attn.q.weight'))"
     outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                            env={"PYTHONHASHSEED": str(salt)}).stdout.strip() for salt in (1, 2)}
     assert outs == {str(stable_seed(0, "blocks.0.attn.q.weight"))}
