@@ -24,6 +24,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 import traceback
 from pathlib import Path
 
@@ -184,7 +185,7 @@ class Command:
         self._proc = _context().Process(target=_command_main,
                                         args=(argv, env, os.getcwd(), str(stdout), str(stderr), script))
         self._proc.start()
-        self.pid = self._proc.pid
+        self.pid, self.sentinel = self._proc.pid, self._proc.sentinel  # the sentinel: ready when it ends
 
     @property
     def returncode(self) -> int | None:
@@ -227,8 +228,9 @@ def run_script_ranks(script: str, argv: list[str], world: int, env: dict[str, st
     """`torchrun --nproc-per-node WORLD SCRIPT ARGV` without torchrun's and the ranks' fresh
     interpreters: `world` processes forked from the preloaded server, each given the
     environment torchrun gives a rank (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, ...) and
-    running the script as `python SCRIPT` would. Its exit code is the first rank's that is
-    not 0; its output, every rank's in rank order, as torchrun prints them."""
+    running the script as `python SCRIPT` would. Its exit code is that of the first rank to
+    fail (the others then stopped, as torchrun stops them); its output, every rank's in rank
+    order."""
     for attempt in range(ATTEMPTS):
         with tempfile.TemporaryDirectory() as out_dir:
             port, ranks = free_port(), []
@@ -236,20 +238,34 @@ def run_script_ranks(script: str, argv: list[str], world: int, env: dict[str, st
                 rank_env = {**env, "RANK": str(r), "LOCAL_RANK": str(r), "GROUP_RANK": "0", "WORLD_SIZE": str(world),
                             "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
                 ranks.append(Command(argv, rank_env, Path(out_dir, f"out{r}"), Path(out_dir, f"err{r}"), script=script))
-            codes = []
-            for command in ranks:
-                try:
-                    codes.append(command.wait(timeout))
-                except subprocess.TimeoutExpired:
-                    for other in ranks:
-                        other.kill()
-                    raise
+            code = _wait_as_torchrun(ranks, timeout)
             out = "".join(Path(out_dir, f"out{r}").read_text(errors="replace") for r in range(world))
             err = "".join(Path(out_dir, f"err{r}").read_text(errors="replace") for r in range(world))
-        if any(codes) and "address already in use" in err.lower() and attempt + 1 < ATTEMPTS:
+        if code and "address already in use" in err.lower() and attempt + 1 < ATTEMPTS:
             continue  # the port was taken: try another
-        return subprocess.CompletedProcess([script, *argv], next((c for c in codes if c), 0), out, err)
+        return subprocess.CompletedProcess([script, *argv], code, out, err)
     raise AssertionError("could not find a free port")
+
+
+def _wait_as_torchrun(ranks: list[Command], timeout: float) -> int:
+    """The exit code of the first rank that fails (0 if none does), its peers stopped as
+    torchrun stops them (they would wait on it in a collective until their timeout); raises
+    subprocess.TimeoutExpired, every rank stopped, after `timeout` seconds."""
+    from multiprocessing.connection import wait
+    deadline = time.monotonic() + timeout
+    while True:
+        codes = [r.returncode for r in ranks]
+        failure = next((c for c in codes if c not in (None, 0)), None)
+        if failure is None and None not in codes:
+            return 0
+        if failure is not None or time.monotonic() > deadline:
+            for r in ranks:
+                r.kill()
+                r.wait(10)
+            if failure is None:
+                raise subprocess.TimeoutExpired(ranks[0].argv, timeout)
+            return failure
+        wait([r.sentinel for r, c in zip(ranks, codes) if c is None], 0.5)
 
 
 def run_ranks(fn, world: int, *args, pp: int = 1, tp: int = 1, cp: int = 1, ep: int = 1,
