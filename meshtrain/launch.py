@@ -352,6 +352,33 @@ def die_with(pid: int, sig: int) -> None:
     threading.Thread(target=watch, name="meshtrain-launcher-watch", daemon=True).start()
 
 
+def kill_descendants(sig: int = signal.SIGKILL) -> None:
+    """Send `sig` to every process started under this one, however deep (its ranks, their
+    fork server): from /proc's parent links (Linux; elsewhere nothing is found)."""
+    children: dict[int, list[int]] = {}
+    try:
+        entries = [e for e in os.listdir("/proc") if e.isdigit()]
+    except OSError:
+        return
+    for entry in entries:
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(parent, []).append(int(entry))
+    todo, found = [os.getpid()], []
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    for pid in found:
+        try:
+            os.kill(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
 def _is_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

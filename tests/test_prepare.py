@@ -211,3 +211,22 @@ def test_a_prompt_is_encoded_as_transformers_encodes_it(llama3):
     ours = BPETokenizer.load(hf / "tokenizer.json").encode_prompt("ROMEO.\n\nWhat light")
     assert ours == tok.encode("ROMEO.\n\nWhat light", add_special_tokens=True).ids
     assert ours[0] == tok.token_to_id(BOS)
+
+
+@pytest.mark.parametrize("where", ["dot-dot", "absolute"])
+def test_a_meta_json_naming_a_file_outside_its_folder_is_refused_before_any_rank_starts(llama3, tmp_path, where):
+    """A prepared folder's shards are its own files: a meta.json naming `../x` or an absolute
+    path (a file of the right size there) is refused in one line, exit 2, as a checkpoint's
+    index naming a path is, and that file is never read as tokens."""
+    _, text, _, _ = llama3
+    prepare_folder(str(text), tmp_path / "p", 256, log=lambda m: None)
+    meta = json.loads((tmp_path / "p" / "meta.json").read_text())
+    outside = tmp_path / "outside.bin"
+    shutil.copy(tmp_path / "p" / meta["shards"][0]["tokens"], outside)
+    name = "../outside.bin" if where == "dot-dot" else str(outside)
+    meta["shards"][0]["tokens"] = name
+    (tmp_path / "p" / "meta.json").write_text(json.dumps(meta))
+    r = run_main("train", "--data", tmp_path / "p", "--model", "gpt-test", "--seq-len", "16", "--batch-size", "2",
+                 "--steps", "1", "--device", "cpu", "--dp", "1", "--out", tmp_path / "run")
+    _one_line_refusal(r, f"meta.json names {name!r}, which is not a file in the folder", "prepare it again")
+    assert not (tmp_path / "run").exists() or not any((tmp_path / "run").iterdir())

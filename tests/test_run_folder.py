@@ -17,11 +17,14 @@ from meshtrain.faults import FAULT_ENV
 
 from meshtrain import report
 from meshtrain.checkpoint import folders, owner
+from meshtrain.checkpoint.lock import is_lock_file
 
 
 def _snapshot(out: Path) -> dict:
-    """Every file under `out` with its bytes: what must not change."""
-    return {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
+    """Every file under `out` with its bytes: what must not change (the lease aside: each job
+    that holds the folder, refused or not, takes the next one)."""
+    return {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()
+            and not is_lock_file(p.name)}
 
 
 def _train(out, *flags, **kw):
@@ -110,11 +113,18 @@ def test_one_job_per_out_and_a_killed_launchers_lock_and_ranks(tmp_path):
     while time.time() < deadline and any(is_running(p) for p in ranks):
         time.sleep(0.2)
     assert not any(is_running(p) for p in ranks)  # the ranks ended with their launcher
-    assert (out / ".lock").exists()  # left behind by the kill
+    assert not _lease(out)["released"]  # left held by the kill
     r = _train(out, "--steps", "2", "--overwrite")
     assert r.returncode == 0, r.stderr
     assert f"took over the lock of a run that is gone (host {os.uname().nodename}, pid {launcher.pid}" in r.stderr
-    assert not (out / ".lock").exists()
+    assert _lease(out)["released"]  # the newest lease, the second run's, given back at its end
+
+
+def _lease(out: Path) -> dict:
+    """The one lease file of `out` (earlier ones are removed by the job that takes the next)."""
+    leases = [p for p in out.iterdir() if p.name.startswith(".lock.")]
+    assert len(leases) == 1, leases
+    return {"released": False, **json.loads(leases[0].read_text())}
 
 
 def _logged_steps(out: Path) -> list[int]:

@@ -26,7 +26,7 @@ from typing import Callable, Iterator
 
 from meshtrain.checkpoint.aside import ASIDE_PREFIX, move_into_aside
 from meshtrain.checkpoint.folders import COMPLETE, STATE, STEP_DIR
-from meshtrain.checkpoint.lock import LOCK_FILE, OutLock
+from meshtrain.checkpoint.lock import OutLock, is_lock_file
 from meshtrain.checkpoint.owner import METRICS_FILE, RUN_FILE, read_run
 
 
@@ -55,7 +55,7 @@ def writing_into(out: Path, ckpt: Path, *, overwrite: bool, log: Callable[[str],
         yield ready
     finally:
         if lock is not None:
-            lock.release()
+            lock.release(remove=True)
 
 
 def _within(path: Path, folder: Path) -> bool:
@@ -104,7 +104,7 @@ def _files_to_move(out: Path, overwrite: bool) -> list[str]:
     if run:
         raise OutRefused(f"--out {out} {run}: an export never writes over a run's files nor moves them aside, even "
                          f"with --overwrite (--resume and --keep follow them); choose another --out")
-    names = sorted(p.name for p in out.iterdir() if p.name != LOCK_FILE and not p.name.startswith(ASIDE_PREFIX))
+    names = sorted(p.name for p in out.iterdir() if not is_lock_file(p.name) and not p.name.startswith(ASIDE_PREFIX))
     if names and not overwrite:
         shown = names[0] + (f" and {len(names) - 1} more" if len(names) > 1 else "")
         raise OutRefused(f"--out {out} is not empty ({shown}); choose another --out, or pass --overwrite to move "

@@ -19,7 +19,7 @@ from pathlib import Path
 from meshtrain import board, faults, launch
 from meshtrain.checkpoint import lineage, owner
 from meshtrain.checkpoint.folders import COMPLETE, steps_in_local
-from meshtrain.checkpoint.lock import OutLock, OutLocked
+from meshtrain.checkpoint.lock import OutLock, OutLocked, heartbeat_of_environment
 from meshtrain.checkpoint.owner import OwnerError, RUN_ID_ENV, read_run
 import meshtrain.cli.config as C
 from meshtrain.cli.log import log
@@ -225,17 +225,30 @@ def _own_out(cfg: C.Config, renv):
     if renv is not None and (renv.rank != 0 or os.environ.get(owner.RUN_ID_ENV)):
         return None
     tr = cfg.train
-    lock = OutLock(Path(tr.out), log).acquire()
+    if renv is None:  # meshtrain's own launcher: one id for this launch, which its restarts share (the lock's)
+        os.environ[lineage.JOB_ENV] = lineage.new_job_id()
+    heartbeat_s, stale_s = heartbeat_of_environment()
+    lock = OutLock(Path(tr.out), log, heartbeat_s=heartbeat_s, stale_s=stale_s, on_lost=_stop_the_job)
     try:
+        lock.acquire()
         run = owner.claim(Path(tr.out), resume=tr.resume, resume_from=tr.resume_from, overwrite=tr.overwrite,
                           log=log, restarted=faults.restart_count() > 0)
-    except owner.OwnerError:
+    except BaseException:
         lock.release()
+        if renv is None:
+            os.environ.pop(lineage.JOB_ENV, None)
         raise
     os.environ[owner.RUN_ID_ENV] = run
-    if renv is None:  # meshtrain's own launcher: one id for this launch, which its restarts share
-        os.environ[lineage.JOB_ENV] = lineage.new_job_id()
     return lock
+
+
+def _stop_the_job(line: str) -> None:
+    """The lock was taken over (this job's heartbeat seemed stopped to another job): say so,
+    and stop every rank under this process at once, so that none writes into --out again (a
+    SIGTERM would have them save), then this process."""
+    launch.kill_descendants(signal.SIGKILL)
+    print(f"\nmeshtrain: error: {line}", file=sys.stderr, flush=True)  # after a rank's progress bar
+    os._exit(2)
 
 
 def _release(out_lock) -> None:

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
+from meshtrain.atomic import plain_name
 from meshtrain.data.corpus import DataError
 
 FORMAT = "meshtrain-tokens"
@@ -171,6 +172,9 @@ def read_meta(folder: Path) -> dict:
     for shard in meta["shards"]:
         for name, size in ((shard["tokens"], shard["n_tokens"] * itemsize),
                            (shard["documents"], (shard["n_documents"] + 1) * 8)):
+            if not plain_name(name):
+                raise DataError(f"--data {folder}: {META_FILE} names {name!r}, which is not a file in the folder "
+                                f"(a path or '..'); only the folder's own files are read: prepare it again")
             path = folder / name
             if not path.is_file() or path.stat().st_size != size:
                 have = f"{path.stat().st_size} bytes" if path.is_file() else "missing"
