@@ -35,6 +35,7 @@ runs once per step, and each micro-batch gathers only its own B/m rows."""
 
 from __future__ import annotations
 
+import pickle
 from collections import defaultdict
 from typing import TYPE_CHECKING
 
@@ -201,12 +202,17 @@ class Comm:
     def any_rank(self, flag: bool) -> bool:
         """Whether `flag` is true on any rank of the whole mesh (a one-element all-reduce,
         counted under metrics)."""
+        return self.any_ranks([flag])[0]
+
+    def any_ranks(self, flags: list[bool]) -> list[bool]:
+        """Whether each of `flags` is true on any rank of the whole mesh (one all-reduce of a
+        number each, counted under metrics): a verdict whose size does not grow with the world."""
         if self.mesh.world_size == 1:
-            return flag
-        t = torch.tensor([1.0 if flag else 0.0], device=self.mesh.device)
+            return [bool(f) for f in flags]
+        t = torch.tensor([1.0 if f else 0.0 for f in flags], device=self.mesh.device)
         self._count(METRICS, "all_reduce", all_reduce_bytes(_nbytes(t), self.mesh.world_size))
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return bool(t.item())
+        return [v > 0 for v in t.tolist()]
 
     def all_gather_object(self, obj, axis: str | None = None) -> list:
         """A picklable object from every rank of the whole mesh, or of `axis` (reporting and
@@ -217,6 +223,46 @@ class Comm:
         out = [None] * n
         dist.all_gather_object(out, obj, group=None if axis is None else self.mesh.group(axis))
         return out
+
+    def gather_object(self, obj) -> list | None:
+        """Every rank's picklable `obj` on rank 0, in rank order; None on the other ranks (what
+        only rank 0 writes: what they receive does not grow with the world; `gather_to_rank_0`).
+        Not counted."""
+        if self.mesh.world_size == 1:
+            return [obj]
+        return gather_to_rank_0(obj, None, self.mesh.device)
+
+    def broadcast_object(self, obj):
+        """Rank 0's picklable `obj` on every rank (the others' `obj` is ignored). Not counted."""
+        if self.mesh.world_size == 1:
+            return obj
+        return broadcast_from_rank_0(obj, None, self.mesh.device)
+
+
+def gather_to_rank_0(obj, group, device: torch.device) -> list | None:
+    """Collective over `group`, which holds every rank (None: the default group): each rank's
+    picklable `obj` on rank 0, in rank order; None elsewhere. The pickles are padded to the
+    largest (pickle ignores what follows), whose size one all-reduce finds: a rank other than
+    0 receives that one number. torch's `gather_object` all-gathers every rank's size instead,
+    8 bytes a rank to every rank. `device`: where the group's backend moves tensors."""
+    data = pickle.dumps(obj)
+    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    dist.all_reduce(size, op=dist.ReduceOp.MAX, group=group)
+    mine = torch.zeros(int(size.item()), dtype=torch.uint8)
+    mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    mine = mine.to(device)
+    root = dist.get_rank() == 0
+    out = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))] if root else None
+    dist.gather(mine, out, dst=0, group=group)
+    return [pickle.loads(t.cpu().numpy().tobytes()) for t in out] if root else None
+
+
+def broadcast_from_rank_0(obj, group, device: torch.device):
+    """Collective over `group`, which holds every rank (None: the default group): rank 0's
+    picklable `obj` on every rank (its size, then its bytes)."""
+    box = [obj]
+    dist.broadcast_object_list(box, src=0, group=group, device=device)
+    return box[0]
 
 
 def _row_elements(t: torch.Tensor) -> int:

@@ -208,9 +208,8 @@ def start_lineage(comm: Comm, out: Path, run_id: str, start: int, resumed_from: 
 
 def _on_rank_0_value(comm: Comm, decide):
     """Collective: what `decide()` returns on rank 0, on every rank (one decision, so every rank
-    reads the same checkpoints)."""
-    value = decide() if comm.mesh.is_main else None
-    return comm.all_gather_object(value)[0] if comm.mesh.world_size > 1 else value
+    reads the same checkpoints; broadcast: what a rank receives does not grow with the world)."""
+    return comm.broadcast_object(decide() if comm.mesh.is_main else None)
 
 
 def _checked_load(job: Job, cfg: Config, folder: Path) -> dict:

@@ -27,23 +27,24 @@ from meshtrain.checkpoint import folders
 from meshtrain.checkpoint.boxes import Box
 from meshtrain.checkpoint.dcp import Boxed
 from meshtrain.checkpoint.sharded import Snapshot, write_snapshot
+from meshtrain.comm import broadcast_from_rank_0, gather_to_rank_0
 
 
 class SideComm:
     """What `folders.write`, `folders.prune` and DCP need of a communicator, on a gloo group of
-    every rank that only the save thread uses: `mesh` (this rank) and `all_gather_object`."""
+    every rank that only the save thread uses: `mesh` (this rank), `gather_object` and
+    `broadcast_object` (as `Comm`'s, over this group)."""
 
     def __init__(self, mesh):
         self.mesh = mesh
         distributed = mesh.world_size > 1 and dist.is_available() and dist.is_initialized()
         self.group = dist.new_group(backend="gloo") if distributed else None  # collective: every rank
 
-    def all_gather_object(self, obj) -> list:
-        if self.group is None:
-            return [obj]
-        out = [None] * self.mesh.world_size
-        dist.all_gather_object(out, obj, group=self.group)
-        return out
+    def gather_object(self, obj) -> list | None:
+        return [obj] if self.group is None else gather_to_rank_0(obj, self.group, torch.device("cpu"))
+
+    def broadcast_object(self, obj):
+        return obj if self.group is None else broadcast_from_rank_0(obj, self.group, torch.device("cpu"))
 
 
 class Stager:

@@ -4,8 +4,9 @@ rank writes into `NAME.tmp/`, each file is synced, the checksums of all files go
 checkpoint is good when its marker lists every file with the right size and checksum.
 
 Every decision about what exists or is good is collective: each rank checks its share of the
-files and the verdicts are gathered, so all ranks choose the same folder or fail together
-(a rank never decides alone while the others wait in a collective)."""
+files and the verdicts are gathered to rank 0, which broadcasts the decision, so all ranks
+choose the same folder or fail together (a rank never decides alone while the others wait in
+a collective), and what a rank other than 0 receives does not grow with the world."""
 
 from __future__ import annotations
 
@@ -178,17 +179,27 @@ def recover(out: Path) -> list[str]:
     return done
 
 
-def decide(comm, error: BaseException | None, doing: str, value=None) -> list:
-    """Collective: every rank's `value`, once every rank has said whether its step failed
-    (`error`). If any did, every rank raises: the failing rank its own error, the others a
-    `CheckpointError` naming the first rank that failed and its reason, in one line."""
-    parts = comm.all_gather_object((None if error is None else one_line(error), None if error is not None else value))
+def decide(comm, error: BaseException | None, doing: str, value=None) -> list | None:
+    """Collective: every rank's `value` on rank 0 (None on the others: what they make, only
+    rank 0 writes), once every rank has said whether its step failed (`error`). If any did,
+    every rank raises: the failing rank its own error, the others a `CheckpointError` naming
+    the first rank that failed and its reason, in one line. Gathered to rank 0, which
+    broadcasts the verdict: what another rank receives does not grow with the world."""
+    parts = comm.gather_object((None if error is None else one_line(error), None if error is not None else value))
+    failed = comm.broadcast_object(
+        None if parts is None else next(((rank, why) for rank, (why, _) in enumerate(parts) if why is not None), None))
     if error is not None:
         raise error
-    failed = next(((rank, why) for rank, (why, _) in enumerate(parts) if why is not None), None)
     if failed is not None:
         raise CheckpointError(f"{doing}: rank {failed[0]} failed ({failed[1]})")
-    return [v for _, v in parts]
+    return None if parts is None else [v for _, v in parts]
+
+
+def first_problem(comm, problem: str | None) -> str | None:
+    """Collective: the lowest rank's `problem` that is not None (None if every rank's is), on
+    every rank: gathered to rank 0, which broadcasts the one."""
+    every = comm.gather_object(problem)
+    return comm.broadcast_object(None if every is None else next((p for p in every if p is not None), None))
 
 
 def one_line(error: BaseException) -> str:
@@ -221,8 +232,7 @@ def check(folder: Path, comm) -> str | None:
                 problem = f"{name} fails its checksum (corrupted)"
             if problem:
                 break
-    verdicts = [v for v in comm.all_gather_object(problem) if v]
-    return verdicts[0] if verdicts else None
+    return first_problem(comm, problem)
 
 
 def _marker_problem(folder: Path) -> str | None:
@@ -244,10 +254,8 @@ def _marker_problem(folder: Path) -> str | None:
 def steps_in(out: Path, comm, run: str | None = None) -> list[int]:
     """Collective: the steps of the `step-N` folders with a marker that every rank sees (of
     run `run` only, when given), newest first."""
-    seen = set(steps_in_local(out, run))
-    for other in comm.all_gather_object(seen):
-        seen &= other
-    return sorted(seen, reverse=True)
+    every = comm.gather_object(set(steps_in_local(out, run)))
+    return comm.broadcast_object(None if every is None else sorted(set.intersection(*every), reverse=True))
 
 
 def prune(out: Path, keep: int, comm, run: str | None = None, upto: int | None = None) -> None:

@@ -27,7 +27,7 @@ import torch
 from meshtrain.checkpoint import dcp, folders
 from meshtrain.checkpoint.boxes import Box, boxes
 from meshtrain.checkpoint.dcp import Boxed
-from meshtrain.checkpoint.folders import CheckpointError, CorruptCheckpoint, decide
+from meshtrain.checkpoint.folders import CheckpointError, CorruptCheckpoint, decide, first_problem
 from meshtrain.parallel.state import persistent_buffers
 
 STATE = "state.json"
@@ -220,7 +220,7 @@ def _load(parallel, folder: Path, reads: list | None = None) -> dict:
     reader = dcp.load(state, folder, distributed=comm.mesh.world_size > 1, metadata=index)
     if reads is not None:
         reads += reader.reads
-    problem = next((p for p in comm.all_gather_object(reader.problem) if p is not None), None)
+    problem = first_problem(comm, reader.problem)
     if problem is not None:  # on every rank alike: the caller may try an older checkpoint
         raise CorruptCheckpoint(f"{folder}: {problem}")
     parallel.holdings.finish_load()
@@ -315,22 +315,39 @@ def _optimizer_targets(h, saved: list[tuple[object, str, object]], existing: dic
 
 
 def _check_same_model(parallel, metadata, restored, folder: Path) -> None:
-    """Collective: the checkpoint holds exactly this model's tensors, at its shapes."""
+    """Collective: the checkpoint holds exactly this model's tensors, at its shapes. Every rank
+    reads the same index, so each checks its own tensors against it and marks the saved ones
+    it holds; one all-reduce of a number per saved tensor and one flag (`Comm.any_ranks`)
+    gives every rank the verdict: a size that does not grow with the world. Only a refusal
+    gathers the ranks' names to rank 0, which words it (`_another_model`) and broadcasts it."""
+    comm = parallel.comm
     mine = {h.name: tuple(h.shape) for h in restored}
     mine.update({name: tuple(b.shape) for name, b in persistent_buffers(parallel.module)})
-    wanted: dict[str, tuple] = {}
-    for part in parallel.comm.all_gather_object(mine):
-        wanted.update(part)
     saved = {fqn.split("/", 1)[1]: tuple(md.size) for fqn, md in metadata.items()
              if fqn.startswith(("model/", "buffer/"))}
+    *held, differs = comm.any_ranks([name in mine for name in sorted(saved)]
+                                    + [any(saved.get(name) != shape for name, shape in mine.items())])
+    if all(held) and not differs:
+        return
+    every = comm.gather_object(mine)
+    raise CheckpointError(comm.broadcast_object(None if every is None else _another_model(every, saved, folder)))
+
+
+def _another_model(every: list[dict[str, tuple]], saved: dict[str, tuple], folder: Path) -> str:
+    """The one line refusing a checkpoint whose tensors (`saved`: name -> shape) are not
+    those every rank holds (`every`: each rank's), naming the first name that differs."""
+    wanted: dict[str, tuple] = {}
+    for part in every:
+        for name, shape in part.items():
+            if wanted.get(name, saved.get(name)) == saved.get(name):  # a shape that differs is kept
+                wanted[name] = shape
     missing = sorted(set(wanted) - set(saved))
     extra = sorted(set(saved) - set(wanted))
     wrong = sorted(n for n in set(wanted) & set(saved) if wanted[n] != saved[n])
-    if missing or extra or wrong:
-        what = (f"{wrong[0]} is {list(saved[wrong[0]])} there, {list(wanted[wrong[0]])} here" if wrong else
-                f"it lacks {missing[0]}" if missing else f"it has {extra[0]}, which this model lacks")
-        raise CheckpointError(f"{folder} holds another model's weights ({what}; {len(missing)} missing, "
-                              f"{len(extra)} extra, {len(wrong)} of another shape)")
+    what = (f"{wrong[0]} is {list(saved[wrong[0]])} there, {list(wanted[wrong[0]])} here" if wrong else
+            f"it lacks {missing[0]}" if missing else f"it has {extra[0]}, which this model lacks")
+    return (f"{folder} holds another model's weights ({what}; {len(missing)} missing, "
+            f"{len(extra)} extra, {len(wrong)} of another shape)")
 
 
 def _layout_of(parallel) -> dict:
