@@ -207,12 +207,20 @@ class Comm:
     def any_ranks(self, flags: list[bool]) -> list[bool]:
         """Whether each of `flags` is true on any rank of the whole mesh (one all-reduce of a
         number each, counted under metrics): a verdict whose size does not grow with the world."""
+        return [v > 0 for v in self._max_over_ranks([1.0 if f else 0.0 for f in flags], torch.float32)]
+
+    def largest(self, values: list[int]) -> list[int]:
+        """Each of `values`' largest over every rank of the whole mesh (one all-reduce of an
+        integer each, counted under metrics)."""
+        return [int(v) for v in self._max_over_ranks(values, torch.int64)]
+
+    def _max_over_ranks(self, values: list, dtype: torch.dtype) -> list:
         if self.mesh.world_size == 1:
-            return [bool(f) for f in flags]
-        t = torch.tensor([1.0 if f else 0.0 for f in flags], device=self.mesh.device)
+            return list(values)
+        t = torch.tensor(values, dtype=dtype, device=self.mesh.device)
         self._count(METRICS, "all_reduce", all_reduce_bytes(_nbytes(t), self.mesh.world_size))
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return [v > 0 for v in t.tolist()]
+        return t.tolist()
 
     def all_gather_object(self, obj, axis: str | None = None) -> list:
         """A picklable object from every rank of the whole mesh, or of `axis` (reporting and

@@ -58,6 +58,7 @@ class RunResult:
     val_losses: list[tuple[int, float]] = field(default_factory=list)  # (step, held-out loss), with --eval-every
     # a mixture of experts: each reported step's busiest-expert/mean load of each router
     expert_load_max_over_mean: list[list[float]] = field(default_factory=list)
+    job: Job | None = None  # the trained job (the command line samples its text with it)
 
 
 class NonFinite(RuntimeError):
@@ -370,7 +371,7 @@ def train(cfg: Config, comm: Comm, *, observer: StepObserver | None = None, prog
                          activation_bytes_per_layer=probe.bytes if probe else None,
                          comm_per_step=comm_per_step, parallel=p, data=data, skipped_steps=skipped, trace=traced,
                          comm_detail_per_step=comm_detail, val_losses=val_losses,
-                         expert_load_max_over_mean=expert_load_ratios)
+                         expert_load_max_over_mean=expert_load_ratios, job=job)
     finally:
         if preemption is not None:
             preemption.restore()

@@ -10,24 +10,26 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Callable
 
 import torch
 
 from meshtrain.atomic import atomic_write
 from meshtrain.checkpoint.owner import RUN_FILE, read_run
 from meshtrain.data.tokenizer import TOKENIZER_FILE, ByteTokenizer
+from meshtrain.checkpoint.safetensors_files import write_safetensors
 from meshtrain.checkpoint.weight_files import SHARD_INDEX
 
 WEIGHTS_FILE = "model.safetensors"
 
 
-def save_weights(out: Path, state: dict[str, torch.Tensor], record: dict, data) -> None:
-    """The weights `state` in OUT/model.safetensors, `record` (JSON-able) in OUT/run.json
-    beside the run's own record (its id), and `data`'s tokenizer: the model's embedding
-    rows as `vocab_size` (an imported tokenizer may have fewer tokens) and its tokenizer.json
-    unless it is the byte tokenizer."""
-    from safetensors.torch import save_file
-
+def save_weights(out: Path, tensors: dict[str, tuple[tuple[int, ...], torch.dtype]],
+                 read: Callable[[str], torch.Tensor], record: dict, data) -> None:
+    """The weights (`tensors`: shape and dtype by name, in order; `read(name)` gives each in
+    turn, so one at a time is held: `write_safetensors`) in OUT/model.safetensors, `record`
+    (JSON-able) in OUT/run.json beside the run's own record (its id), and `data`'s
+    tokenizer: the model's embedding rows as `vocab_size` (an imported tokenizer may have
+    fewer tokens) and its tokenizer.json unless it is the byte tokenizer."""
     out.mkdir(parents=True, exist_ok=True)
     meta = {**read_run(out), **record}
     tokenizer = getattr(data, "tokenizer", None)
@@ -36,7 +38,7 @@ def save_weights(out: Path, state: dict[str, torch.Tensor], record: dict, data) 
         folder = getattr(data, "folder", None)
         if tokenizer.vocab_size != ByteTokenizer.vocab_size and folder is not None:
             atomic_write(out / TOKENIZER_FILE, lambda p: shutil.copyfile(folder / TOKENIZER_FILE, p))
-    atomic_write(out / WEIGHTS_FILE, lambda p: save_file({k: v.contiguous() for k, v in state.items()}, str(p)))
+    atomic_write(out / WEIGHTS_FILE, lambda p: write_safetensors(p, tensors, read))
     atomic_write(out / RUN_FILE, lambda p: p.write_text(json.dumps(meta, indent=2)))
 
 

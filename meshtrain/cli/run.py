@@ -371,7 +371,7 @@ def _train(cfg, comm, args):
     result = train(cfg, comm, progress="train", step_log=step_log, trace=bool(args.trace))
     if step_log:
         step_log.close()
-    gathered = report.gather(result, comm)
+    gathered = report.gather(cfg, result, comm)
     if not comm.mesh.is_main:
         return lambda: 0
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -22,10 +23,28 @@ from meshtrain.recipes import PUBLISHED, family_of, is_preset, is_published, spe
 from meshtrain.parallel.state import persistent_buffers
 
 
-def save_model(out: Path, state: dict[str, torch.Tensor], cfg: Config, data) -> None:
-    """The run's final weights in `out`, its configuration (and what it keeps of an
-    --init-from folder, `imported_record`) in run.json beside the run's own record."""
-    save_weights(out, state, {"config": cfg.to_dict(), **imported_record(cfg)}, data)
+def save_model(out: Path, parallel, cfg: Config, data) -> None:
+    """Collective: the run's final weights in `out`, streamed to rank 0 one tensor at a time
+    as it writes them (`Parallelized.stream_to_main`: no host holds more than one full
+    tensor beyond its own shard), its configuration (and what it keeps of an --init-from
+    folder, `imported_record`) in run.json beside the run's own record. Whatever happens to
+    rank 0's writing, every rank's collectives run to their end before it is raised."""
+    entries = parallel.entries_of("model")
+    stream = parallel.stream_to_main("model", entries)
+    try:
+        if parallel.comm.mesh.is_main:
+            save_weights(out, {e.name: (e.shape, e.dtype) for stage in entries for e in stage},
+                         partial(_next_of, stream), {"config": cfg.to_dict(), **imported_record(cfg)}, data)
+    finally:
+        for _ in stream:
+            pass
+
+
+def _next_of(stream, name: str) -> torch.Tensor:
+    entry, full = next(stream)
+    if entry.name != name:
+        raise RuntimeError(f"the final weights came as {entry.name} where {name} was expected")
+    return full
 
 
 @dataclass

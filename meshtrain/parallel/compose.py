@@ -15,7 +15,7 @@ from __future__ import annotations
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 import torch.nn as nn
@@ -39,7 +39,8 @@ from meshtrain.parallel.compile import compile_blocks
 from meshtrain.parallel.context import apply_context_parallel
 from meshtrain.parallel.recompute import apply_recompute
 from meshtrain.parallel.runner import PlainRunner
-from meshtrain.parallel.state import ParamHoldings, Piece, full_shape, is_collector, persistent_buffers, shard_index
+from meshtrain.parallel.state import (Entry, ParamHoldings, Piece, full_shape, is_collector, persistent_buffers,
+                                      shard_index)
 from meshtrain.parallel.tensor import TensorParallelSync, TensorPlan, apply_plan, vocab_parallel_cross_entropy_sum
 from meshtrain.parallel.zero import Zero
 from meshtrain.parallel.zero_holdings import SplitHoldings, ZeroHoldings
@@ -157,29 +158,39 @@ class Parallelized:
 
     def to_main(self, kind: str) -> dict[tuple[str, str | None], torch.Tensor]:
         """Collective: the full tensors of `kind` ("model", "grads", "optim") by (name, state
-        key), on rank 0's CPU. Each stage assembles one tensor at a time on its collector
-        (dp and tp coordinate 0; `holdings.stream`), which sends it to rank 0 and lets it go
-        before the next: no rank but rank 0 ever holds more than one full tensor, and rank 0
-        holds the state it returns. Only the entries' names, shapes and dtypes go to every
-        stage (objects, over pp)."""
+        key), on rank 0's CPU (`stream_to_main`, kept): rank 0 holds the state it returns."""
+        return {(entry.name, entry.key): full for entry, full in self.stream_to_main(kind, self.entries_of(kind))
+                if full is not None}
+
+    def entries_of(self, kind: str) -> list[list[Entry]]:
+        """Collective over pp: each stage's entries of `kind` (names, shapes, dtypes), in the
+        order `stream_to_main` moves them."""
+        return self.comm.all_gather_object(self.holdings.entries(kind), axis="pp")
+
+    def stream_to_main(self, kind: str, entries: list[list[Entry]]) -> Iterator[tuple[Entry, torch.Tensor | None]]:
+        """Collective, to be run to its end on every rank: (entry, its full tensor) one at a
+        time, the tensor on rank 0's CPU (None on the other ranks). Each stage assembles one
+        tensor at a time on its collector (dp and tp coordinate 0; `holdings.stream`), which
+        sends it to rank 0 and lets it go before the next: no rank holds more than one full
+        tensor, nor does rank 0 unless its consumer keeps them. Only the entries' names,
+        shapes and dtypes went to every stage (`entries_of`, objects over pp)."""
         mesh, stage = self.comm.mesh, self.comm.mesh.coord("pp")
-        entries = self.comm.all_gather_object(self.holdings.entries(kind), axis="pp")
-        collector, out = is_collector(self.comm), {}
+        collector = is_collector(self.comm)
         for s in range(mesh.size("pp")):
             if s == stage:
                 for entry, full in self.holdings.stream(kind):
-                    if collector and s == 0:
-                        out[(entry.name, entry.key)] = full
-                    elif collector:
+                    if collector and s != 0:
                         for work in self.comm.exchange([(True, full.to(mesh.device), -s, 0)], "pp", purpose=METRICS):
                             work.wait()
+                    yield entry, full if collector and s == 0 else None
+                    del full
             elif stage == 0 and collector:
                 for entry in entries[s]:
                     into = torch.empty(entry.shape, dtype=entry.dtype, device=mesh.device)
                     for work in self.comm.exchange([(False, into, s, 0)], "pp", purpose=METRICS):
                         work.wait()
-                    out[(entry.name, entry.key)] = into.to("cpu")
-        return out
+                    yield entry, into.to("cpu")
+                    del into
 
     def load_full_state_dict(self, state: dict) -> None:
         """Take weights and optimizer state from a full state (each rank keeps its part)."""

@@ -98,17 +98,20 @@ def is_collector(comm: Comm) -> bool:
     return comm.mesh.coord("dp") == 0 and comm.mesh.coord("tp") == 0
 
 
-def assemble_split(local: torch.Tensor, spec: tuple[str, int] | None, comm: Comm) -> torch.Tensor | None:
+def assemble_split(local: torch.Tensor, spec: tuple[str, int] | None, comm: Comm, *,
+                   fresh: bool = False) -> torch.Tensor | None:
     """Collective among the ranks that assemble (coordinate 0 on the axes other than pp and
     the spec's): the full tensor, a CPU copy on the collector, None elsewhere. A replica is
-    copied by the collector alone; a split tensor is gathered over its axis."""
+    copied by the collector alone (`fresh`: `local` is the caller's own, not a parameter,
+    and is not copied again where it is on the CPU already); a split tensor is gathered
+    over its axis."""
     mesh = comm.mesh
     axis = spec[0] if spec is not None and mesh.size(spec[0]) > 1 else None
     others = ("edp",) if axis == "ep" else ("dp", "tp")  # an expert chunk's replicas lie along edp
     if any(mesh.coord(a) != 0 for a in others if a != axis):
         return None
     if axis is None:
-        return cpu_copy(local) if is_collector(comm) else None
+        return (local.to("cpu") if fresh else cpu_copy(local)) if is_collector(comm) else None
     full = gather_full(local, spec, comm)  # a new tensor
     return full if is_collector(comm) else None
 

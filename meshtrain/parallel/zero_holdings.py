@@ -137,7 +137,8 @@ class ZeroHoldings:
                 recvs = [(False, local[a:b], r, 0) for r, (a, b) in held.items() if r > 0]
                 for work in comm.exchange(recvs, z.axis, purpose=METRICS):
                     work.wait()
-                yield entry, assemble_split(local.view(g.shapes[i]), getattr(g.params[i], SHARD, None), comm)
+                spec = getattr(g.params[i], SHARD, None)
+                yield entry, assemble_split(local.view(g.shapes[i]), spec, comm, fresh=True)
             else:
                 if piece is not None:
                     for work in comm.exchange([(True, piece, -me, 0)], z.axis, purpose=METRICS):

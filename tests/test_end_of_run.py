@@ -1,0 +1,84 @@
+"""The end of a command-line run (`report.gather`) in every layout family: the final weights
+stream to rank 0 one tensor at a time as it writes model.safetensors, and the sharded job
+samples the text itself, so no host holds more than one full tensor beyond its own shard
+(the live-storage meter; the old end gathered the whole model to rank 0 and built a second
+one there). The file holds the full state bit for bit, and the sample is the one the whole
+model, loaded from that file in one process, samples."""
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from distributed import run_ranks
+from helpers import cli_config
+from safetensors.torch import load_file
+
+SMALL = ("--vocab-size", "256", "--seq-len", "32", "--batch-size", "8", "--device", "cpu", "--steps", "2")
+LAYOUTS = {"dp2": ("gpt-test", ["--dp", "2"], {}),
+           "dp2-zero3": ("llama-test", ["--dp", "2", "--zero", "3"], {}),
+           "pp2": ("gpt-test", ["--pp", "2", "--microbatches", "2"], {"pp": 2}),
+           "tp2-sp": ("llama-test", ["--tp", "2", "--sp"], {"tp": 2}),
+           "cp2": ("gpt-test", ["--cp", "2"], {"cp": 2})}
+SAMPLE_TOKENS = 24
+
+
+def _end_of_run(mesh, cfg):
+    from meshtrain import report
+    from meshtrain.cli.run_model import save_model
+    from meshtrain.comm import Comm
+    from meshtrain.metrics import ActivationMeter
+    from meshtrain.train import train
+
+    comm = Comm(mesh)
+    result = train(cfg, comm, measure_memory=False)
+    sizes = [math.prod(e.shape) * e.dtype.itemsize for stage in result.parallel.entries_of("model") for e in stage]
+    state = result.parallel.full_state_dict(with_optimizer=False)["model"]  # what the file must hold
+    with ActivationMeter() as streaming:
+        save_model(Path(cfg.train.out), result.parallel, cfg, result.data)
+    with ActivationMeter() as sampling:
+        text = report.sample_text(cfg, result)
+    with ActivationMeter() as one_forward:  # one row of the trained length, as the sampler runs
+        result.job.forward(torch.zeros(1, cfg.train.seq_len, dtype=torch.long))
+    return {"streaming": streaming.peak, "sampling": sampling.peak, "one_forward": one_forward.peak,
+            "largest": max(sizes), "total": sum(sizes), "text": text, "state": state if mesh.is_main else None}
+
+
+@pytest.fixture(scope="module")
+def ends(tmp_path_factory):
+    found = {}
+    for name, (model, flags, axes) in LAYOUTS.items():
+        out = tmp_path_factory.mktemp(name)
+        cfg = cli_config("train", "--model", model, *SMALL, *flags, "--out", out)
+        cfg.train.sample_tokens = SAMPLE_TOKENS
+        found[name] = (cfg, run_ranks(_end_of_run, 2, cfg, **axes))
+    return found
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_no_host_holds_more_than_one_tensor_beyond_its_shard(ends, layout):
+    """Streaming the weights holds less than two full tensors on any rank (the largest, and
+    a piece being gathered), where the model is many times that; sampling holds what one
+    forward of one row holds, and its logits."""
+    cfg, ranks = ends[layout]
+    for rank, r in enumerate(ranks):
+        assert r["total"] > 8 * r["largest"], r  # a bound that tells one tensor from the model
+        assert r["streaming"] < 2 * r["largest"], (rank, r["streaming"], r["largest"])
+        assert r["sampling"] <= r["one_forward"] + 4 * cfg.train.vocab_size * 4, (rank, r["sampling"], r["one_forward"])
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_the_file_holds_the_full_state_and_the_job_samples_what_the_whole_model_samples(ends, layout):
+    from meshtrain.cli.run_model import load_model
+    from meshtrain.generate import sample
+
+    cfg, ranks = ends[layout]
+    saved = load_file(str(Path(cfg.train.out) / "model.safetensors"))
+    state = ranks[0]["state"]
+    assert saved.keys() == state.keys()
+    assert all(torch.equal(saved[k], state[k]) for k in state)
+    model, tokenizer, _ = load_model(Path(cfg.train.out))
+    prompt = [int(i) for i in tokenizer.encode("\n")]
+    whole = tokenizer.decode(sample(model, prompt, SAMPLE_TOKENS, cfg.train.seq_len, seed=cfg.train.seed))
+    assert ranks[0]["text"] == whole
+    assert all(r["text"] is None for r in ranks[1:])
