@@ -149,6 +149,7 @@ class Comm:
         chunk = x.movedim(dim, 0).contiguous()
         full = chunk.new_empty((chunk.shape[0] * self.mesh.size(axis), *chunk.shape[1:]))
         self.all_gather(full, chunk, axis, purpose=purpose)
+        del chunk  # a copy when dim > 0: gone before the result's, so at most two full tensors are held
         return full.movedim(0, dim).contiguous()
 
     def reduce_scatter_along(self, x: torch.Tensor, axis: str, dim: int) -> torch.Tensor:

@@ -264,20 +264,23 @@ class Job:
         if self.lr_scheduler is not None and "lr_scheduler" in state:
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])
 
-    def save(self, directory, *, files=(), background: bool = False, then=None, **meta) -> float:
+    def save(self, directory, *, files=(), background: bool = False, then=None, pinned: bool | None = None,
+             **meta) -> float:
         """Collective: a sharded checkpoint in `directory` (every rank writes what it owns;
         written whole or not at all; `checkpoint.sharded`). `meta`: JSON-able facts to keep
         beside the state (read back by `load`); `files`: paths copied in beside it (a tokenizer).
         `background`: return once the state is copied aside, and write it in a thread
         (`checkpoint.background`; `wait_for_saves` joins it, the next save waits for it), then
-        run `then(comm)` there with the save's own communicator (a prune). Returns the seconds
-        the call blocked."""
+        run `then(comm)` there with the save's own communicator (a prune); the copy goes to one
+        host arena per rank, `pinned` (None: when the state is on a GPU; False: pageable, for a
+        host short of pinnable memory), fixed at the first background save. Returns the
+        seconds the call blocked."""
         from meshtrain.checkpoint.sharded import save_checkpoint
         t0 = time.perf_counter()
         self.wait_for_saves()  # one save at a time: the previous one committed first
         if background and self._saver is None:
             from meshtrain.checkpoint.background import BackgroundSaver
-            self._saver = BackgroundSaver(self.parallel.comm)
+            self._saver = BackgroundSaver(self.parallel.comm, pin=pinned)
         save_checkpoint(self.parallel, Path(directory), {**meta, "steps": self.steps}, files=files,
                         lr_scheduler=self.lr_scheduler, saver=self._saver if background else None, then=then)
         return time.perf_counter() - t0

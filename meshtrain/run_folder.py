@@ -126,7 +126,7 @@ def save(job: Job, cfg: Config, data, step: int, run_id: str, background: bool =
     blocked = job.save(folder, run=run_identity(cfg), run_id=run_id, layout_flags=cfg.layout.short(),
                        config=cfg.to_dict(), vocab_size=getattr(data, "vocab_size", None),
                        files=[tokenizer] if tokenizer.is_file() else [], background=background, then=then,
-                       **imported_record(cfg))
+                       pinned=False if cfg.train.async_pageable else None, **imported_record(cfg))
     if background and main:
         print(f"meshtrain: saving {folder} in the background (the step blocked {blocked:.2f} s)", file=sys.stderr)
 

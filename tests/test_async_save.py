@@ -7,8 +7,12 @@ uninterrupted run."""
 import json
 from pathlib import Path
 
+import torch
 from helpers import TINY, last_json, run_cli
 from meshtrain.checkpoint import dcp, folders
+from meshtrain.checkpoint.background import Stager
+from meshtrain.checkpoint.boxes import Box
+from meshtrain.metrics import ActivationMeter
 from meshtrain.faults import FAULT_ENV
 
 
@@ -30,7 +34,7 @@ def _stored(folder: Path) -> dict[tuple, bytes]:
 
 def test_an_async_save_writes_the_synchronous_bytes_and_a_kill_during_it_falls_back(tmp_path):
     sync, _ = _run(tmp_path / "sync")
-    in_background, err = _run(tmp_path / "async", "--async-save")
+    in_background, err = _run(tmp_path / "async", "--async-save", "--async-save-pageable")
     assert "in the background (the step blocked" in err and "saved" in err
     assert in_background["losses"] == sync["losses"]
     assert folders.steps_in_local(tmp_path / "async") == [6, 4]  # --keep 2, pruned after each commit
@@ -91,3 +95,42 @@ def test_a_background_save_of_a_user_s_model_holds_the_state_of_its_moment(tmp_p
         assert torch.equal(got["model"][name], value), name
     assert any(not torch.equal(later["model"][n], v) for n, v in at_save["model"].items())  # it did move on
     assert all(torch.equal(got["optim"][n][k], v) for n, entry in at_save["optim"].items() for k, v in entry.items())
+
+
+def _boxed(views: dict[str, torch.Tensor]) -> dict:
+    return {name: dcp.Boxed(tuple(v.shape), v.dtype, [Box((0,) * v.dim(), tuple(v.shape), v)])
+            for name, v in views.items()}
+
+
+def test_the_stager_keeps_one_arena_sized_to_the_state_and_allocates_nothing_after_the_first_save():
+    """The async save's staging memory is one allocation per rank, sized to the boxes it
+    holds (each at a 64-byte-aligned offset), reused save after save — not a block per box,
+    each of which the caching host allocator may round up to a power of two — and allocated
+    again only when the state's boxes change. (Pinned on a GPU: `Stager(pin=...)`; pageable
+    here.)"""
+    views = {"w": torch.randn(33, 7), "h": torch.randn(5, 3).to(torch.bfloat16), "step": torch.tensor(3),
+             "ids": torch.arange(11), "e": torch.empty(0)}
+    state = _boxed(views)
+    stager = Stager()
+    for save in range(3):
+        for v in views.values():
+            v.add_(1)  # a step between saves
+        with ActivationMeter() as meter:
+            staged = stager.stage(state)
+        assert stager.allocations == 1 and (meter.peak == 0) == (save > 0), (save, meter.peak)
+        for name, v in views.items():
+            copy = staged[name].boxes[0].view
+            assert torch.equal(copy, v)
+            if v.numel():  # (an empty tensor has no address)
+                assert copy.untyped_storage().data_ptr() == stager._arena.untyped_storage().data_ptr()
+    sizes = [v.numel() * v.element_size() for v in views.values()]
+    assert stager.bytes == sum(-(-n // 64) * 64 for n in sizes) < sum(sizes) + 64 * len(sizes)
+    spans = sorted((b.view.data_ptr(), b.view.data_ptr() + b.view.numel() * b.view.element_size())
+                   for e in staged.values() for b in e.boxes if b.view.numel())
+    assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))  # no two boxes share a byte
+    assert all(start % 64 == spans[0][0] % 64 for start, _ in spans)
+    assert not stager._arena.is_pinned()  # the boxes are on the CPU: nothing to copy from a GPU fast
+    grown = {**views, "w": torch.randn(50, 7)}
+    stager.stage(_boxed(grown))  # the state changed: one arena again, the old one gone
+    assert stager.allocations == 2
+    assert stager.bytes == sum(-(-v.numel() * v.element_size() // 64) * 64 for v in grown.values())

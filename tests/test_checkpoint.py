@@ -344,8 +344,9 @@ def test_export_of_a_zero3_checkpoint_is_the_one_process_state_in_shards(tmp_pat
     (["export", "--hf", "--ckpt", "{tmp}", "--out", "{tmp}/x"], "no model.safetensors and run.json there"),
     (["train", "--save-every", "2", "--async-save", "--keep", "1"], "--async-save with --keep 1"),
     (["train", "--async-save"], "--async-save without --save-every"),
+    (["train", "--save-every", "2", "--async-save-pageable"], "--async-save-pageable without --async-save"),
 ], ids=["save-every-0", "keep-0", "resume-nothing", "resume-from-not-a-checkpoint", "both", "export-not-a-checkpoint",
-        "export-hf", "async-keep-1", "async-without-save-every"])
+        "export-hf", "async-keep-1", "async-without-save-every", "pageable-without-async"])
 def test_bad_checkpoint_flags_are_refused_in_one_line_before_ranks_start(args, message, tmp_path):
     """Through the command line's `main` in this process (test_config runs refusals from a shell)."""
     out = ["--out", tmp_path] if args[0] == "train" else []

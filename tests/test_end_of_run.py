@@ -23,13 +23,17 @@ LAYOUTS = {"dp2": ("gpt-test", ["--dp", "2"], {}),
 SAMPLE_TOKENS = 24
 
 
-def _end_of_run(mesh, cfg):
+def _end_of_run(mesh, cfg, presets=()):
+    """`presets`: (name, spec) to add in the ranks first (`benchmarks/end_of_run.py`'s model)."""
     from meshtrain import report
+    from meshtrain.recipes import add_preset
     from meshtrain.cli.run_model import save_model
     from meshtrain.comm import Comm
     from meshtrain.metrics import ActivationMeter
     from meshtrain.train import train
 
+    for name, spec in presets:
+        add_preset(name, spec)
     comm = Comm(mesh)
     result = train(cfg, comm, measure_memory=False)
     sizes = [math.prod(e.shape) * e.dtype.itemsize for stage in result.parallel.entries_of("model") for e in stage]

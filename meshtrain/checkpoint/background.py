@@ -1,6 +1,6 @@
 """Asynchronous saves (`--async-save`, `job.save(..., background=True)`): the step blocks only
-while this rank's boxes are copied aside (`Stager`: host memory, pinned when the boxes are on
-a GPU, kept and reused save after save); a thread writes the copy through DCP on a gloo
+while this rank's boxes are copied aside (`Stager`: one host arena per rank, pinned when the
+boxes are on a GPU, kept and reused save after save); a thread writes the copy through DCP on a gloo
 process group of its own and then commits it collectively over that group exactly as a
 synchronous save does (`folders.write`: every rank's files synced, the checksums and
 `COMPLETE` written, the folder renamed; then the caller's prune). A checkpoint is therefore
@@ -48,24 +48,33 @@ class SideComm:
 
 
 class Stager:
-    """Host copies of a snapshot's boxes, one buffer per box, kept from save to save (the
-    staging memory is the bytes of every box this rank holds: its share of the weights and
-    optimizer state; pinned when they are on a GPU, so the copy runs at the link's speed)."""
+    """Host copies of a snapshot's boxes, kept from save to save, in one arena per rank: one
+    allocation sized to every box this rank holds (its share of the weights and optimizer
+    state, each box at a 64-byte-aligned offset), pinned when the boxes are on a GPU (so the
+    copy runs at the link's speed; `pin=False`: pageable). One buffer per box would pin a
+    block per box and keep them all, each rounded up by the caching host allocator (to a
+    power of two); the arena is allocated again only when the state's boxes change."""
 
-    def __init__(self):
-        self._buffers: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
+    ALIGN = 64  # bytes: every dtype's alignment, and a cache line
+
+    def __init__(self, pin: bool | None = None):
+        self.pin = pin  # None: pinned when the boxes are on an accelerator
+        self._arena: torch.Tensor | None = None
+        self._layout: dict[tuple[str, tuple[int, ...]], tuple[int, torch.Size, torch.dtype]] = {}
+        self.allocations = 0  # arenas allocated so far (one, while the state's boxes stay the same)
 
     @property
     def bytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self._buffers.values())
+        return 0 if self._arena is None else self._arena.numel()
 
     def stage(self, state: dict[str, Boxed]) -> dict[str, Boxed]:
-        """`state` with each box's view replaced by its copy, made now."""
+        """`state` with each box's view replaced by its copy in the arena, made now."""
+        self._fit(state)
         out, devices = {}, set()
         for fqn, entry in state.items():
             staged = []
             for b in entry.boxes:
-                buf = self._buffer((fqn, b.offsets), b.view)
+                buf = self._view((fqn, b.offsets))
                 buf.copy_(b.view, non_blocking=True)
                 devices.add(b.view.device.type)
                 staged.append(Box(b.offsets, b.sizes, buf))
@@ -74,12 +83,26 @@ class Stager:
             torch.accelerator.synchronize()  # the copies are on the host before the thread reads them
         return out
 
-    def _buffer(self, key, view: torch.Tensor) -> torch.Tensor:
-        buf = self._buffers.get(key)
-        if buf is None or buf.shape != view.shape or buf.dtype != view.dtype:
-            buf = torch.empty(view.shape, dtype=view.dtype, pin_memory=view.device.type != "cpu")
-            self._buffers[key] = buf
-        return buf
+    def _fit(self, state: dict[str, Boxed]) -> None:
+        """Lay the boxes out in the arena; allocate it again only when they changed."""
+        layout, at, on_device = {}, 0, False
+        for fqn, entry in state.items():
+            for b in entry.boxes:
+                layout[(fqn, b.offsets)] = (at, b.view.shape, b.view.dtype)
+                at += -(-b.view.numel() * b.view.element_size() // self.ALIGN) * self.ALIGN
+                on_device |= b.view.device.type != "cpu"
+        if layout == self._layout and self._arena is not None:
+            return
+        self._arena = None  # the old one goes first: never two arenas at once
+        pin = on_device if self.pin is None else self.pin
+        self._arena = torch.empty(at, dtype=torch.uint8, pin_memory=pin)
+        self._layout = layout
+        self.allocations += 1
+
+    def _view(self, key) -> torch.Tensor:
+        at, shape, dtype = self._layout[key]
+        n = shape.numel() * dtype.itemsize
+        return self._arena[at:at + n].view(dtype).view(shape)
 
 
 class BackgroundSaver:
@@ -87,9 +110,9 @@ class BackgroundSaver:
     `wait` joins the one in flight and raises its failure (on every rank alike: the commit
     decides collectively)."""
 
-    def __init__(self, comm):
+    def __init__(self, comm, pin: bool | None = None):
         self.comm = comm
-        self.stager = Stager()
+        self.stager = Stager(pin)
         self._side: SideComm | None = None
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None

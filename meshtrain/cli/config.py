@@ -79,6 +79,7 @@ class TrainConfig:
     save_every: int | None = None  # a sharded checkpoint every N steps (and at the end)
     keep: int | None = None  # the newest K checkpoints kept (None: all)
     async_save: bool = False  # checkpoints written by a thread while training goes on
+    async_pageable: bool = False  # --async-save's staging in pageable host memory, not pinned
     skip_nonfinite: bool = False  # a non-finite loss or gradient norm skips the step (default: stops the run)
     max_restarts: int = 0  # meshtrain's own launch: restart the ranks after one fails, resuming
     eval_every: int | None = None  # the held-out loss every N steps (and at the end)
@@ -201,6 +202,8 @@ FLAGS = [
     ("--async-save", "train", "async_save", bool, "write each checkpoint in the background: the step blocks only "
      "while the state is copied aside (host memory the size of each rank's state; pinned on a GPU); needs "
      "--save-every, and --keep 2 or more"),
+    ("--async-save-pageable", "train", "async_pageable", bool, "--async-save's copy in pageable host memory "
+     "instead of pinned (a host short of pinnable memory; the copy from a GPU is then slower)"),
     ("--max-restarts", "train", "max_restarts", int, "when a rank dies, restart all ranks up to N times, each "
      "resuming from the latest good checkpoint (under an outside torchrun, use torchrun's own --max-restarts)"),
     ("--eval-every", "train", "eval_every", int, "the loss on the held-out split (the last 1%% of the data, never "

@@ -104,6 +104,9 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         raise ConfigError(f"--max-restarts {tr.max_restarts}: must not be negative")
     if tr.async_save and not tr.save_every:
         raise ConfigError("--async-save without --save-every: there is no checkpoint to write; add --save-every N")
+    if tr.async_pageable and not tr.async_save:
+        raise ConfigError("--async-save-pageable without --async-save: it says where --async-save copies the state; "
+                          "add --async-save")
     if tr.async_save and tr.keep == 1:
         raise ConfigError("--async-save with --keep 1: the previous checkpoint is what a run falls back on while the "
                           "next is written in the background (or should it prove damaged); use --keep 2 or more")
