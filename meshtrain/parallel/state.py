@@ -54,18 +54,28 @@ def shard_index(p: torch.Tensor, comm: Comm, shape: torch.Size | None = None) ->
     return (slice(None),) * dim + (shard_positions(spec, n, comm.mesh.coord(axis), comm.mesh.size(axis)),)
 
 
-def gather_full(local: torch.Tensor, spec: tuple | None, comm: Comm) -> torch.Tensor:
-    """Collective over the spec's axis: the full tensor (a CPU copy) from every rank's chunk."""
+def gather_full(local: torch.Tensor, spec: tuple | None, comm: Comm, *, keep: bool = True) -> torch.Tensor | None:
+    """Collective over the spec's axis: the full tensor (a CPU copy) from every rank's chunk
+    (`keep=False`: this rank only passes its chunk on, and gets None). The chunks come one
+    rank at a time (a broadcast each) straight into their places, so a rank holds the full
+    tensor and one chunk at most — an all-gather would hold the gathered chunks and the
+    tensor laid out from them, twice the tensor, for any split but along the first dimension."""
     if spec is None or comm.mesh.size(spec[0]) == 1:
-        return cpu_copy(local)
+        return cpu_copy(local) if keep else None
     axis, dim = spec[0], spec[1]
-    # reading state is not the model's traffic: counted under metrics
-    gathered = comm.gather_along(local.detach(), axis, dim, purpose=METRICS).to("cpu")
-    if len(spec) < 3:
-        return gathered
-    size, n = comm.mesh.size(axis), local.shape[dim]
-    order = [i for r in range(size) for i in shard_positions(spec, n, r, size)]  # rank-major, as gathered
-    return torch.empty_like(gathered).index_copy_(dim, torch.tensor(order), gathered)
+    size, me, n = comm.mesh.size(axis), comm.mesh.coord(axis), local.shape[dim]
+    full = torch.empty(local.shape[:dim] + (n * size,) + local.shape[dim + 1:], dtype=local.dtype) if keep else None
+    for r in range(size):
+        chunk = local.detach().contiguous() if r == me else torch.empty(local.shape, dtype=local.dtype,
+                                                                        device=local.device)
+        comm.broadcast(chunk, axis, src_coord=r, purpose=METRICS)  # reading state is not the model's traffic
+        at = shard_positions(spec, n, r, size) if full is not None else None
+        if isinstance(at, slice):
+            full.narrow(dim, at.start, n).copy_(chunk)
+        elif at is not None:
+            full.index_copy_(dim, torch.tensor(at), chunk.to("cpu"))
+        del chunk
+    return full
 
 
 def cpu_copy(t: torch.Tensor) -> torch.Tensor:
@@ -112,8 +122,7 @@ def assemble_split(local: torch.Tensor, spec: tuple[str, int] | None, comm: Comm
         return None
     if axis is None:
         return (local.to("cpu") if fresh else cpu_copy(local)) if is_collector(comm) else None
-    full = gather_full(local, spec, comm)  # a new tensor
-    return full if is_collector(comm) else None
+    return gather_full(local, spec, comm, keep=is_collector(comm))  # a new tensor
 
 
 def persistent_buffers(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
