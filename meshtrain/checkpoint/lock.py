@@ -241,7 +241,10 @@ class OutLock:
 
     def _heartbeat(self) -> None:
         while not self._stop.wait(self.heartbeat_s):
-            taker = self._taken_by()
+            try:
+                taker = self._taken_by()
+            except OSError:
+                continue  # a file system hiccup: the next beat looks again
             if taker is not None:
                 whose = f"another job took over this run's lock ({holder_line(taker)})" if taker else \
                     f"this run's lock {self._path(self.number)} was removed"
@@ -271,14 +274,14 @@ class OutLock:
         self._stop.set()
         if self._beat is not None and self._beat is not threading.current_thread():
             self._beat.join()
-        if self.lost is None and self._taken_by() is None:
-            self._me["released"] = True
-            try:
+        try:
+            if self.lost is None and self._taken_by() is None:
+                self._me["released"] = True
                 self._write()
                 if remove:
                     os.unlink(self._path(self.number))
-            except OSError:
-                pass
+        except OSError:
+            pass  # the folder is gone or unwritable: nothing to give back
         os.close(self._fd)  # drops the flock
         self._fd = None
 

@@ -56,15 +56,21 @@ def shard_index(p: torch.Tensor, comm: Comm, shape: torch.Size | None = None) ->
 
 def gather_full(local: torch.Tensor, spec: tuple | None, comm: Comm, *, keep: bool = True) -> torch.Tensor | None:
     """Collective over the spec's axis: the full tensor (a CPU copy) from every rank's chunk
-    (`keep=False`: this rank only passes its chunk on, and gets None). The chunks come one
-    rank at a time (a broadcast each) straight into their places, so a rank holds the full
-    tensor and one chunk at most — an all-gather would hold the gathered chunks and the
-    tensor laid out from them, twice the tensor, for any split but along the first dimension."""
+    (`keep=False`: this rank only passes its chunk on, and gets None). Split along the first
+    dimension, the chunks lie end to end and one all-gather fills the tensor; otherwise they
+    come one rank at a time (a broadcast each) straight into their places, so a rank holds
+    the full tensor and one chunk at most — an all-gather would hold the gathered chunks and
+    the tensor laid out from them, twice the tensor."""
     if spec is None or comm.mesh.size(spec[0]) == 1:
         return cpu_copy(local) if keep else None
     axis, dim = spec[0], spec[1]
     size, me, n = comm.mesh.size(axis), comm.mesh.coord(axis), local.shape[dim]
-    full = torch.empty(local.shape[:dim] + (n * size,) + local.shape[dim + 1:], dtype=local.dtype) if keep else None
+    shape = local.shape[:dim] + (n * size,) + local.shape[dim + 1:]
+    if dim == 0 and len(spec) < 3:  # the chunks lie end to end: one all-gather straight into the tensor
+        full = local.new_empty(shape)
+        comm.all_gather(full, local.detach().contiguous(), axis, purpose=METRICS)  # reading state: not the model's
+        return full.to("cpu") if keep else None
+    full = torch.empty(shape, dtype=local.dtype) if keep else None
     for r in range(size):
         chunk = local.detach().contiguous() if r == me else torch.empty(local.shape, dtype=local.dtype,
                                                                         device=local.device)
