@@ -88,3 +88,28 @@ def test_the_file_holds_the_full_state_and_the_job_samples_what_the_whole_model_
     whole = tokenizer.decode(sample(model, prompt, SAMPLE_TOKENS, cfg.train.seq_len, seed=cfg.train.seed))
     assert ranks[0]["text"] == whole
     assert all(r["text"] is None for r in ranks[1:])
+
+
+def _gathered_in_blocks(mesh):
+    from meshtrain.comm import Comm
+    from meshtrain.parallel import state
+    state.PIECE_BYTES = 3 * 8 * 4  # three rows of a [12, 8] fp32 chunk at a time: four blocks a rank
+    comm, r = Comm(mesh), mesh.coord("tp")
+    full = torch.arange(12 * 16, dtype=torch.float32).view(12, 16)
+    fused = ("tp", 1, (6, 10))  # two sections along dim 1, each split over tp
+    mine = full[:, state.shard_positions(fused, 8, r, 2)].clone()
+    return {"columns": state.gather_full(full[:, r * 8:(r + 1) * 8].clone(), ("tp", 1), comm),
+            "sections": state.gather_full(mine, fused, comm),
+            "passed on": state.gather_full(full[:, r * 8:(r + 1) * 8].clone(), ("tp", 1), comm, keep=False),
+            "rows": state.gather_full(full[r * 6:(r + 1) * 6].clone(), ("tp", 0), comm)}
+
+
+def test_a_chunk_too_large_to_move_at_once_arrives_in_blocks_into_its_place():
+    """A tensor split along a dimension other than the first reaches the collector in blocks
+    of at most `state.PIECE_BYTES` (so a rank never holds more than the tensor and a block),
+    each straight into its place — fused sections too; a rank that does not keep it only
+    passes its chunk on."""
+    full = torch.arange(12 * 16, dtype=torch.float32).view(12, 16)
+    for out in run_ranks(_gathered_in_blocks, 2, tp=2):
+        assert torch.equal(out["columns"], full) and torch.equal(out["sections"], full)
+        assert torch.equal(out["rows"], full) and out["passed on"] is None

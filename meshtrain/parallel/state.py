@@ -21,6 +21,7 @@ from meshtrain.optim import SHARDED_OVER, local_tensor
 from meshtrain.parallel.precision import grad_holder, grad_of, master_bytes, master_of
 
 SHARD = "meshtrain_shard"
+PIECE_BYTES = 1 << 20  # the most of a chunk `gather_full` moves at once when it cannot land in place
 
 
 def set_shard(p: nn.Parameter, axis: str, dim: int, sections: tuple[int, ...] | None = None) -> None:
@@ -58,9 +59,9 @@ def gather_full(local: torch.Tensor, spec: tuple | None, comm: Comm, *, keep: bo
     """Collective over the spec's axis: the full tensor (a CPU copy) from every rank's chunk
     (`keep=False`: this rank only passes its chunk on, and gets None). Split along the first
     dimension, the chunks lie end to end and one all-gather fills the tensor; otherwise they
-    come one rank at a time (a broadcast each) straight into their places, so a rank holds
-    the full tensor and one chunk at most — an all-gather would hold the gathered chunks and
-    the tensor laid out from them, twice the tensor."""
+    come one rank at a time, in blocks of at most `PIECE_BYTES` (a broadcast each), straight
+    into their places, so a rank holds the full tensor and one block at most — an all-gather
+    would hold the gathered chunks and the tensor laid out from them, twice the tensor."""
     if spec is None or comm.mesh.size(spec[0]) == 1:
         return cpu_copy(local) if keep else None
     axis, dim = spec[0], spec[1]
@@ -71,16 +72,21 @@ def gather_full(local: torch.Tensor, spec: tuple | None, comm: Comm, *, keep: bo
         comm.all_gather(full, local.detach().contiguous(), axis, purpose=METRICS)  # reading state: not the model's
         return full.to("cpu") if keep else None
     full = torch.empty(shape, dtype=local.dtype) if keep else None
+    rows = local.shape[0]  # split along another dimension: a chunk goes in blocks of its first one's rows
+    block = rows if dim == 0 else max(1, PIECE_BYTES // max(1, local[0].numel() * local.element_size()))
     for r in range(size):
-        chunk = local.detach().contiguous() if r == me else torch.empty(local.shape, dtype=local.dtype,
-                                                                        device=local.device)
-        comm.broadcast(chunk, axis, src_coord=r, purpose=METRICS)  # reading state is not the model's traffic
         at = shard_positions(spec, n, r, size) if full is not None else None
-        if isinstance(at, slice):
-            full.narrow(dim, at.start, n).copy_(chunk)
-        elif at is not None:
-            full.index_copy_(dim, torch.tensor(at), chunk.to("cpu"))
-        del chunk
+        for a in range(0, rows, block):
+            b = min(rows, a + block)
+            piece = local.detach()[a:b].contiguous() if r == me else torch.empty(
+                (b - a, *local.shape[1:]), dtype=local.dtype, device=local.device)
+            comm.broadcast(piece, axis, src_coord=r, purpose=METRICS)  # reading state is not the model's traffic
+            into = full if dim == 0 else full[a:b] if full is not None else None
+            if isinstance(at, slice):
+                into.narrow(dim, at.start, n).copy_(piece)
+            elif at is not None:
+                into.index_copy_(dim, torch.tensor(at), piece.to("cpu"))
+            del piece
     return full
 
 
