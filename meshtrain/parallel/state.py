@@ -75,17 +75,18 @@ def gather_full(local: torch.Tensor, spec: tuple | None, comm: Comm, *, keep: bo
     rows = local.shape[0]  # split along another dimension: a chunk goes in blocks of its first one's rows
     block = rows if dim == 0 else max(1, PIECE_BYTES // max(1, local[0].numel() * local.element_size()))
     for r in range(size):
-        at = shard_positions(spec, n, r, size) if full is not None else None
+        at = shard_positions(spec, n, r, size)
         for a in range(0, rows, block):
             b = min(rows, a + block)
             piece = local.detach()[a:b].contiguous() if r == me else torch.empty(
                 (b - a, *local.shape[1:]), dtype=local.dtype, device=local.device)
             comm.broadcast(piece, axis, src_coord=r, purpose=METRICS)  # reading state is not the model's traffic
-            into = full if dim == 0 else full[a:b] if full is not None else None
-            if isinstance(at, slice):
-                into.narrow(dim, at.start, n).copy_(piece)
-            elif at is not None:
-                into.index_copy_(dim, torch.tensor(at), piece.to("cpu"))
+            if full is not None:
+                into = full if dim == 0 else full[a:b]  # the block's rows of the tensor
+                if isinstance(at, slice):
+                    into.narrow(dim, at.start, n).copy_(piece)
+                else:
+                    into.index_copy_(dim, torch.tensor(at), piece.to("cpu"))
             del piece
     return full
 
