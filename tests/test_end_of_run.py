@@ -113,3 +113,32 @@ def test_a_chunk_too_large_to_move_at_once_arrives_in_blocks_into_its_place():
     for out in run_ranks(_gathered_in_blocks, 2, tp=2):
         assert torch.equal(out["columns"], full) and torch.equal(out["sections"], full)
         assert torch.equal(out["rows"], full) and out["passed on"] is None
+
+
+def _batched_and_one_at_a_time(mesh, cfg):
+    from meshtrain.comm import Comm
+    from meshtrain.train import train
+
+    p = train(cfg, Comm(mesh), measure_memory=False).parallel
+    out = {}
+    for kind in ("model", "optim"):
+        entries = p.entries_of(kind)
+        one = {(e.name, e.key): t for e, t in p.stream_to_main(kind, entries) if t is not None}
+        out[kind] = (p.to_main(kind), one)
+    return out if mesh.is_main else None
+
+
+@pytest.mark.parametrize("flags, axes", [(["--tp", "2", "--pp", "2", "--microbatches", "2"], {"tp": 2, "pp": 2}),
+                                         (["--dp", "2", "--tp", "2", "--sp", "--precision", "bf16"], {"tp": 2})],
+                         ids=["tp2-pp2", "dp2-tp2-sp-bf16"])
+def test_the_small_tensors_moved_in_batches_are_the_ones_moved_one_at_a_time(flags, axes):
+    """What verify reads (`to_main`: consecutive small tensors gathered over tp, and sent
+    from a stage to rank 0, a batch of up to `PIECE_BYTES` a message) is, bit for bit and
+    key for key, what the one-at-a-time stream gives: fused and row- and column-split
+    tensors, tensors whole between them, bf16 beside fp32 masters, every stage's."""
+    cfg = cli_config("train", "--model", "llama-test", *SMALL, *flags, "--out", "unused")
+    found = run_ranks(_batched_and_one_at_a_time, 4, cfg, **axes)[0]
+    for kind, (batched, one) in found.items():
+        assert list(batched) == list(one) and len(one) > 10, kind
+        for key in one:
+            assert batched[key].dtype == one[key].dtype and torch.equal(batched[key], one[key]), (kind, key)

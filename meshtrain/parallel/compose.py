@@ -12,6 +12,7 @@ user's own loop go through it alike."""
 
 from __future__ import annotations
 
+import math
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from functools import partial
@@ -39,8 +40,8 @@ from meshtrain.parallel.compile import compile_blocks
 from meshtrain.parallel.context import apply_context_parallel
 from meshtrain.parallel.recompute import apply_recompute
 from meshtrain.parallel.runner import PlainRunner
-from meshtrain.parallel.state import (Entry, ParamHoldings, Piece, full_shape, is_collector, persistent_buffers,
-                                      shard_index)
+from meshtrain.parallel.state import (PIECE_BYTES, Entry, ParamHoldings, Piece, batches_of, full_shape, is_collector,
+                                      persistent_buffers, shard_index)
 from meshtrain.parallel.tensor import TensorParallelSync, TensorPlan, apply_plan, vocab_parallel_cross_entropy_sum
 from meshtrain.parallel.zero import Zero
 from meshtrain.parallel.zero_holdings import SplitHoldings, ZeroHoldings
@@ -158,8 +159,10 @@ class Parallelized:
 
     def to_main(self, kind: str) -> dict[tuple[str, str | None], torch.Tensor]:
         """Collective: the full tensors of `kind` ("model", "grads", "optim") by (name, state
-        key), on rank 0's CPU (`stream_to_main`, kept): rank 0 holds the state it returns."""
-        return {(entry.name, entry.key): full for entry, full in self.stream_to_main(kind, self.entries_of(kind))
+        key), on rank 0's CPU (`stream_to_main`, kept): rank 0 holds the state it returns, so
+        the small tensors move a batch of up to `PIECE_BYTES` at a time, not one message each."""
+        return {(entry.name, entry.key): full
+                for entry, full in self.stream_to_main(kind, self.entries_of(kind), batch_bytes=PIECE_BYTES)
                 if full is not None}
 
     def entries_of(self, kind: str) -> list[list[Entry]]:
@@ -167,30 +170,49 @@ class Parallelized:
         order `stream_to_main` moves them."""
         return self.comm.all_gather_object(self.holdings.entries(kind), axis="pp")
 
-    def stream_to_main(self, kind: str, entries: list[list[Entry]]) -> Iterator[tuple[Entry, torch.Tensor | None]]:
+    def stream_to_main(self, kind: str, entries: list[list[Entry]],
+                       batch_bytes: int = 0) -> Iterator[tuple[Entry, torch.Tensor | None]]:
         """Collective, to be run to its end on every rank: (entry, its full tensor) one at a
         time, the tensor on rank 0's CPU (None on the other ranks). Each stage assembles one
         tensor at a time on its collector (dp and tp coordinate 0; `holdings.stream`), which
         sends it to rank 0 and lets it go before the next: no rank holds more than one full
         tensor, nor does rank 0 unless its consumer keeps them. Only the entries' names,
-        shapes and dtypes went to every stage (`entries_of`, objects over pp)."""
+        shapes and dtypes went to every stage (`entries_of`, objects over pp). With
+        `batch_bytes`, consecutive small tensors are assembled and sent together, up to that
+        many bytes a message (`state.batches_of`): for a consumer that keeps them all."""
         mesh, stage = self.comm.mesh, self.comm.mesh.coord("pp")
         collector = is_collector(self.comm)
         for s in range(mesh.size("pp")):
             if s == stage:
-                for entry, full in self.holdings.stream(kind):
-                    if collector and s != 0:
-                        for work in self.comm.exchange([(True, full.to(mesh.device), -s, 0)], "pp", purpose=METRICS):
-                            work.wait()
-                    yield entry, full if collector and s == 0 else None
-                    del full
+                stream = self.holdings.stream(kind, batch_bytes)
+                if not collector or s == 0:
+                    for entry, full in stream:
+                        yield entry, full if collector else None
+                    continue
+                for run in batches_of(entries[s], batch_bytes):
+                    sent = [next(stream) for _ in run]
+                    flat = (sent[0][1].reshape(-1) if len(sent) == 1 else
+                            torch.cat([full.reshape(-1) for _, full in sent])).to(mesh.device)
+                    for work in self.comm.exchange([(True, flat, -s, 0)], "pp", purpose=METRICS):
+                        work.wait()
+                    del flat
+                    for entry, _ in sent:
+                        yield entry, None
+                    del sent
+                if list(stream):  # run to its end (a ZeRO stream starts with a collective, entries or none)
+                    raise RuntimeError(f"stage {s} streamed more {kind} tensors than its entries name")
             elif stage == 0 and collector:
-                for entry in entries[s]:
-                    into = torch.empty(entry.shape, dtype=entry.dtype, device=mesh.device)
+                for run in batches_of(entries[s], batch_bytes):
+                    run_entries = [entries[s][i] for i in run]
+                    sizes = [math.prod(e.shape) for e in run_entries]
+                    into = torch.empty(sum(sizes), dtype=run_entries[0].dtype, device=mesh.device)
                     for work in self.comm.exchange([(False, into, s, 0)], "pp", purpose=METRICS):
                         work.wait()
-                    yield entry, into.to("cpu")
+                    received = into.to("cpu")
                     del into
+                    for entry, piece in zip(run_entries, received.split(sizes)):
+                        yield entry, piece.view(entry.shape).clone() if len(run) > 1 else piece.view(entry.shape)
+                    del received
 
     def load_full_state_dict(self, state: dict) -> None:
         """Take weights and optimizer state from a full state (each rank keeps its part)."""

@@ -11,6 +11,8 @@ collective over that axis."""
 from __future__ import annotations
 
 import hashlib
+import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -136,6 +138,92 @@ def assemble_split(local: torch.Tensor, spec: tuple[str, int] | None, comm: Comm
     if axis is None:
         return (local.to("cpu") if fresh else cpu_copy(local)) if is_collector(comm) else None
     return gather_full(local, spec, comm, keep=is_collector(comm))  # a new tensor
+
+
+def _gathered_over(local: torch.Tensor, spec: tuple | None, comm: Comm) -> str | None:
+    """The axis a tensor's assembly gathers over (None: it is whole here, no collective)."""
+    return spec[0] if spec is not None and comm.mesh.size(spec[0]) > 1 else None
+
+
+def assemble_batched(items: list[tuple[torch.Tensor, tuple | None]], comm: Comm,
+                     batch_bytes: int) -> Iterator[torch.Tensor | None]:
+    """Collective: `assemble_split` of each (local, spec) of `items` in turn, but the
+    consecutive tensors split over one axis (those whole here between them passed by) are
+    gathered together, one all-gather for as many as fit in `batch_bytes` gathered — a
+    model's many small tensors each cost a collective otherwise. A consumer that keeps what
+    it reads (verify's full state) holds one batch more; `batch_bytes` 0 gathers one at a time."""
+    i = 0
+    while i < len(items):
+        axis = _gathered_over(*items[i], comm)
+        batch, total, j = [], 0, i
+        while axis is not None and j < len(items):
+            local, spec = items[j]
+            there = _gathered_over(local, spec, comm)
+            if there is None:
+                j += 1
+                continue
+            nbytes = local.numel() * local.element_size() * comm.mesh.size(there)
+            if there != axis or local.dtype != items[i][0].dtype or total + nbytes > batch_bytes:
+                break
+            batch.append(j)
+            total += nbytes
+            j += 1
+        if len(batch) < 2:
+            yield assemble_split(*items[i], comm)
+            i += 1
+            continue
+        gathered = _gather_batch([items[k] for k in batch], axis, comm)
+        for k in range(i, j):
+            yield next(gathered) if k in batch else assemble_split(*items[k], comm)
+        i = j
+
+
+def _gather_batch(items: list[tuple[torch.Tensor, tuple]], axis: str, comm: Comm) -> Iterator[torch.Tensor | None]:
+    """Collective over `axis`: the full tensors of `items` (all split over it, one dtype)
+    from one all-gather of every rank's chunks laid end to end; CPU copies on the collector,
+    None elsewhere (and None on the ranks that take no part: `assemble_split`'s)."""
+    mesh = comm.mesh
+    others = ("edp",) if axis == "ep" else ("dp", "tp")
+    if any(mesh.coord(a) != 0 for a in others if a != axis):
+        yield from (None for _ in items)
+        return
+    flat = torch.cat([local.detach().reshape(-1) for local, _ in items])
+    size = mesh.size(axis)
+    out = flat.new_empty(size * flat.numel())
+    comm.all_gather(out, flat, axis, purpose=METRICS)  # reading state: not the model's traffic
+    if not is_collector(comm):
+        yield from (None for _ in items)
+        return
+    chunks, start = out.to("cpu").view(size, -1), 0
+    for local, spec in items:
+        dim = spec[1]
+        n = local.shape[dim]
+        full = torch.empty(local.shape[:dim] + (n * size,) + local.shape[dim + 1:], dtype=local.dtype)
+        for r in range(size):
+            chunk = chunks[r, start:start + local.numel()].view(local.shape)
+            at = shard_positions(spec, n, r, size)
+            if isinstance(at, slice):
+                full.narrow(dim, at.start, n).copy_(chunk)
+            else:
+                full.index_copy_(dim, torch.tensor(at), chunk)
+        start += local.numel()
+        yield full
+
+
+def batches_of(entries: list[Entry], batch_bytes: int) -> list[list[int]]:
+    """`entries` cut into runs of consecutive ones of one dtype, at most `batch_bytes` each
+    (one alone where it is larger): what one message carries (`batch_bytes` 0: one each)."""
+    runs: list[list[int]] = []
+    total = 0
+    for i, e in enumerate(entries):
+        nbytes = math.prod(e.shape) * e.dtype.itemsize
+        if runs and entries[runs[-1][0]].dtype == e.dtype and total + nbytes <= batch_bytes:
+            runs[-1].append(i)
+            total += nbytes
+        else:
+            runs.append([i])
+            total = nbytes
+    return runs
 
 
 def persistent_buffers(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -269,11 +357,14 @@ class ParamHoldings:
     def entries(self, kind: str) -> list[Entry]:
         return [entry for entry, _, _ in self._locals(kind)]
 
-    def stream(self, kind: str):
+    def stream(self, kind: str, batch_bytes: int = 0):
         """Collective within the stage: each entry's full tensor in turn (`entries` order), a
-        CPU copy on the collector, None elsewhere; only one is ever assembled at a time."""
-        for entry, local, spec in self._locals(kind):
-            yield entry, assemble_split(local, spec, self.comm)
+        CPU copy on the collector, None elsewhere; only one is ever assembled at a time, or
+        with `batch_bytes` the small ones a batch at a time (`assemble_batched`)."""
+        found = self._locals(kind)
+        fulls = assemble_batched([(local, spec) for _, local, spec in found], self.comm, batch_bytes)
+        for (entry, _, _), full in zip(found, fulls):
+            yield entry, full
 
     def checkpointed(self) -> list[Held]:
         """What a checkpoint records of this rank: the tensors the optimizer steps (fp32

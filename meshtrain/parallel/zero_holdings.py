@@ -104,12 +104,12 @@ class ZeroHoldings:
             entries += [entry for entry, _ in buffer_entries(self.module)]
         return entries
 
-    def stream(self, kind: str):
+    def stream(self, kind: str, batch_bytes: int = 0):
         """Collective within the stage: each entry's full tensor in turn (`entries` order), a
         CPU copy on the collector, None elsewhere. A parameter's flat pieces go from the dp
         ranks that hold them to dp coordinate 0, by point-to-point (counted under metrics),
         which assembles the tensor-parallel part and gathers it over tp if split: one
-        parameter at a time, never a whole group."""
+        parameter at a time, never a whole group (`batch_bytes` is not used)."""
         comm, z = self.comm, self.zero
         me = comm.mesh.coord(z.axis)
         # Where every dp rank's pieces sit in their parameters, as each says (small objects).
@@ -205,9 +205,9 @@ class SplitHoldings:
     def entries(self, kind: str):
         return self._all("entries", kind)
 
-    def stream(self, kind: str):
+    def stream(self, kind: str, batch_bytes: int = 0):
         for part in self.parts:
-            yield from part.stream(kind)
+            yield from part.stream(kind, batch_bytes)
 
     def checkpointed(self):
         return self._all("checkpointed")
