@@ -129,13 +129,15 @@ def _batched_and_one_at_a_time(mesh, cfg):
 
 
 @pytest.mark.parametrize("flags, axes", [(["--tp", "2", "--pp", "2", "--microbatches", "2"], {"tp": 2, "pp": 2}),
-                                         (["--dp", "2", "--tp", "2", "--sp", "--precision", "bf16"], {"tp": 2})],
-                         ids=["tp2-pp2", "dp2-tp2-sp-bf16"])
+                                         (["--dp", "2", "--tp", "2", "--sp", "--zero", "3", "--precision", "bf16"],
+                                          {"tp": 2})],
+                         ids=["tp2-pp2", "dp2-tp2-sp-zero3-bf16"])
 def test_the_small_tensors_moved_in_batches_are_the_ones_moved_one_at_a_time(flags, axes):
     """What verify reads (`to_main`: consecutive small tensors gathered over tp, and sent
-    from a stage to rank 0, a batch of up to `PIECE_BYTES` a message) is, bit for bit and
-    key for key, what the one-at-a-time stream gives: fused and row- and column-split
-    tensors, tensors whole between them, bf16 beside fp32 masters, every stage's."""
+    from a stage to rank 0, ZeRO's pieces from each dp rank, a batch of up to `PIECE_BYTES`
+    a message) is, bit for bit and key for key, what the one-at-a-time stream gives: fused
+    and row- and column-split tensors, tensors whole between them, ZeRO-3's pieces with
+    fp32 masters, every stage's."""
     cfg = cli_config("train", "--model", "llama-test", *SMALL, *flags, "--out", "unused")
     found = run_ranks(_batched_and_one_at_a_time, 4, cfg, **axes)[0]
     for kind, (batched, one) in found.items():

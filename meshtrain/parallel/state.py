@@ -145,13 +145,14 @@ def _gathered_over(local: torch.Tensor, spec: tuple | None, comm: Comm) -> str |
     return spec[0] if spec is not None and comm.mesh.size(spec[0]) > 1 else None
 
 
-def assemble_batched(items: list[tuple[torch.Tensor, tuple | None]], comm: Comm,
-                     batch_bytes: int) -> Iterator[torch.Tensor | None]:
+def assemble_batched(items: list[tuple[torch.Tensor, tuple | None]], comm: Comm, batch_bytes: int, *,
+                     fresh: bool = False) -> Iterator[torch.Tensor | None]:
     """Collective: `assemble_split` of each (local, spec) of `items` in turn, but the
     consecutive tensors split over one axis (those whole here between them passed by) are
     gathered together, one all-gather for as many as fit in `batch_bytes` gathered — a
     model's many small tensors each cost a collective otherwise. A consumer that keeps what
-    it reads (verify's full state) holds one batch more; `batch_bytes` 0 gathers one at a time."""
+    it reads (verify's full state) holds one batch more; `batch_bytes` 0 gathers one at a time.
+    `fresh`: as `assemble_split`'s."""
     i = 0
     while i < len(items):
         axis = _gathered_over(*items[i], comm)
@@ -169,12 +170,12 @@ def assemble_batched(items: list[tuple[torch.Tensor, tuple | None]], comm: Comm,
             total += nbytes
             j += 1
         if len(batch) < 2:
-            yield assemble_split(*items[i], comm)
+            yield assemble_split(*items[i], comm, fresh=fresh)
             i += 1
             continue
         gathered = _gather_batch([items[k] for k in batch], axis, comm)
         for k in range(i, j):
-            yield next(gathered) if k in batch else assemble_split(*items[k], comm)
+            yield next(gathered) if k in batch else assemble_split(*items[k], comm, fresh=fresh)
         i = j
 
 

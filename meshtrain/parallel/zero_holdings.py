@@ -10,8 +10,8 @@ import torch.nn as nn
 from meshtrain.comm import METRICS, Comm
 from meshtrain.parallel.precision import grad_holder, grad_of, master_bytes, master_of
 from meshtrain.optim import full_shape as optimizer_full_shape
-from meshtrain.parallel.state import (SHARD, Entry, Held, Piece, Where, assemble_split, buffer_entries, cpu_copy,
-                                      full_shape, is_collector, masters_of, model_state_bytes, params_held,
+from meshtrain.parallel.state import (SHARD, Entry, Held, Piece, Where, assemble_batched, batches_of, buffer_entries,
+                                      cpu_copy, full_shape, is_collector, masters_of, model_state_bytes, params_held,
                                       shard_index)
 from meshtrain.parallel.zero import FlatGroup, Zero
 
@@ -87,13 +87,14 @@ class ZeroHoldings:
         """Each entry of `kind`, with its group, its parameter's number and the state key."""
         masters = getattr(self.optimizer, "masters", None) is not None
         value_dtype = {"model": torch.float32 if masters else None, "grads": self.zero.grad_dtype}.get(kind)
+        keys = self._keys() if kind == "optim" else []
         out = []
         for g in self.zero.groups:
             for i, (name, p, shape) in enumerate(zip(g.names, g.params, g.shapes)):
                 full = full_shape(p, self.comm, shape)
                 if kind == "optim":
                     out += [(Entry(name, key, full if own is None else own, dtype), g, i, key)
-                            for key, own, dtype in self._keys()]
+                            for key, own, dtype in keys]
                 else:
                     out.append((Entry(name, None, full, value_dtype or g.shard.dtype), g, i, None))
         return out
@@ -109,7 +110,9 @@ class ZeroHoldings:
         CPU copy on the collector, None elsewhere. A parameter's flat pieces go from the dp
         ranks that hold them to dp coordinate 0, by point-to-point (counted under metrics),
         which assembles the tensor-parallel part and gathers it over tp if split: one
-        parameter at a time, never a whole group (`batch_bytes` is not used)."""
+        parameter at a time, never a whole group — or, with `batch_bytes`, a run of
+        consecutive small ones at a time (`batches_of`: one message from each dp rank, one
+        gather over tp: `assemble_batched`)."""
         comm, z = self.comm, self.zero
         me = comm.mesh.coord(z.axis)
         # Where every dp rank's pieces sit in their parameters, as each says (small objects).
@@ -118,35 +121,62 @@ class ZeroHoldings:
                                                           for i, where, _ in g.pieces], axis=z.axis)):
             for group, i, flat in pieces:
                 claims.setdefault((group, i), {})[r] = flat
-        for entry, g, i, key in self._plan(kind):
-            if entry.shape == ():  # Adam's step counter: the same everywhere
-                yield entry, cpu_copy(self._first_step()) if is_collector(comm) else None
-                continue
-            held = claims.get((g.index, i), {})
-            piece = None
-            if me in held:
-                value = next(v for (j, _, _), v in zip(g.pieces, g.values) if j == i)
-                a, b = held[me]
-                piece = self._piece_tensor(value, kind, key)
-                piece = torch.zeros(b - a, dtype=entry.dtype, device=g.shard.device) if piece is None else \
-                    piece.to(entry.dtype)
-            if me == 0:
-                local = torch.zeros(g.shapes[i].numel(), dtype=entry.dtype, device=g.shard.device)
-                if piece is not None:
-                    local[held[0][0]:held[0][1]] = piece
-                recvs = [(False, local[a:b], r, 0) for r, (a, b) in held.items() if r > 0]
-                for work in comm.exchange(recvs, z.axis, purpose=METRICS):
-                    work.wait()
-                spec = getattr(g.params[i], SHARD, None)
-                yield entry, assemble_split(local.view(g.shapes[i]), spec, comm, fresh=True)
-            else:
-                if piece is not None:
-                    for work in comm.exchange([(True, piece, -me, 0)], z.axis, purpose=METRICS):
-                        work.wait()
-                yield entry, None
+        plan = self._plan(kind)
+        for run in batches_of([entry for entry, _, _, _ in plan], batch_bytes):
+            yield from self._stream_run(kind, [plan[k] for k in run], claims, me, batch_bytes)
         if kind == "model" and self.buffers:
             for entry, b in buffer_entries(self.module):
                 yield entry, cpu_copy(b) if is_collector(comm) else None
+
+    def _stream_run(self, kind: str, run: list, claims: dict, me: int, batch_bytes: int):
+        """One run of `stream`: every dp rank's pieces of it in one message to dp
+        coordinate 0, which lays them into the parameters' flat tensors and assembles them."""
+        comm, z = self.comm, self.zero
+        held_of = [claims.get((g.index, i), {}) for _, g, i, _ in run]
+        mine = []  # this rank's pieces, in the run's order
+        for (entry, g, i, key), held in zip(run, held_of):
+            if entry.shape != () and me in held:
+                value = next(v for (j, _, _), v in zip(g.pieces, g.values) if j == i)
+                a, b = held[me]
+                piece = self._piece_tensor(value, kind, key)
+                mine.append(torch.zeros(b - a, dtype=entry.dtype, device=g.shard.device) if piece is None else
+                            piece.to(entry.dtype))
+        if me != 0:
+            if sum(piece.numel() for piece in mine):
+                for work in comm.exchange([(True, torch.cat(mine) if len(mine) > 1 else mine[0], -me, 0)], z.axis,
+                                          purpose=METRICS):
+                    work.wait()
+            for entry, _, _, _ in run:
+                yield entry, None
+            return
+        device, dtype = run[0][1].shard.device, run[0][0].dtype
+        own, flats, lands = iter(mine), [], {}  # lands: where each dp rank's message goes, in its order
+        for (entry, g, i, _), held in zip(run, held_of):
+            if entry.shape == ():  # Adam's step counter: the same everywhere
+                continue
+            local = torch.zeros(g.shapes[i].numel(), dtype=entry.dtype, device=device)
+            for r, (a, b) in held.items():
+                if r == 0:
+                    local[a:b] = next(own)
+                elif b > a:
+                    lands.setdefault(r, []).append(local[a:b])
+            flats.append((local.view(g.shapes[i]), getattr(g.params[i], SHARD, None)))
+        # One parameter's pieces land straight in place; a run's come in one buffer per rank.
+        received = {r: into[0] if len(into) == 1 else torch.empty(sum(t.numel() for t in into), dtype=dtype,
+                                                                   device=device) for r, into in lands.items()}
+        for work in comm.exchange([(False, buf, r, 0) for r, buf in received.items()], z.axis, purpose=METRICS):
+            work.wait()
+        for r, into in lands.items():
+            if len(into) > 1:
+                for t, part in zip(into, received[r].split([t.numel() for t in into])):
+                    t.copy_(part)
+        del received
+        fulls = assemble_batched(flats, comm, batch_bytes, fresh=True)
+        for entry, _, _, _ in run:
+            if entry.shape == ():
+                yield entry, cpu_copy(self._first_step()) if is_collector(comm) else None
+            else:
+                yield entry, next(fulls)
 
     def _first_step(self) -> torch.Tensor:
         return next(iter(self.optimizer.state.values()))["step"]
