@@ -161,8 +161,10 @@ class Parallelized:
         """Collective: the full tensors of `kind` ("model", "grads", "optim") by (name, state
         key), on rank 0's CPU (`stream_to_main`, kept): rank 0 holds the state it returns, so
         the small tensors move a batch of up to `PIECE_BYTES` at a time, not one message each."""
-        return {(entry.name, entry.key): full
-                for entry, full in self.stream_to_main(kind, self.entries_of(kind), batch_bytes=PIECE_BYTES)
+        entries = self.entries_of(kind)
+        largest = max((math.prod(e.shape) * e.dtype.itemsize for stage in entries for e in stage), default=0)
+        batch = min(PIECE_BYTES, largest)  # a batch held beside the tensors is no larger than one of them
+        return {(entry.name, entry.key): full for entry, full in self.stream_to_main(kind, entries, batch_bytes=batch)
                 if full is not None}
 
     def entries_of(self, kind: str) -> list[list[Entry]]:
@@ -190,15 +192,21 @@ class Parallelized:
                         yield entry, full if collector else None
                     continue
                 for run in batches_of(entries[s], batch_bytes):
-                    sent = [next(stream) for _ in run]
-                    flat = (sent[0][1].reshape(-1) if len(sent) == 1 else
-                            torch.cat([full.reshape(-1) for _, full in sent])).to(mesh.device)
+                    if len(run) == 1:
+                        entry, flat = next(stream)
+                        flat = flat.to(mesh.device)
+                    else:  # each tensor copied into the message as it comes, and let go
+                        sizes = [math.prod(entries[s][i].shape) for i in run]
+                        flat = torch.empty(sum(sizes), dtype=entries[s][run[0]].dtype, device=mesh.device)
+                        for into in flat.split(sizes):
+                            entry, full = next(stream)
+                            into.copy_(full.reshape(-1))
+                            del full
                     for work in self.comm.exchange([(True, flat, -s, 0)], "pp", purpose=METRICS):
                         work.wait()
                     del flat
-                    for entry, _ in sent:
-                        yield entry, None
-                    del sent
+                    for i in run:
+                        yield entries[s][i], None
                 if list(stream):  # run to its end (a ZeRO stream starts with a collective, entries or none)
                     raise RuntimeError(f"stage {s} streamed more {kind} tensors than its entries name")
             elif stage == 0 and collector:

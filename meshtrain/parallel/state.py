@@ -192,6 +192,7 @@ def _gather_batch(items: list[tuple[torch.Tensor, tuple]], axis: str, comm: Comm
     size = mesh.size(axis)
     out = flat.new_empty(size * flat.numel())
     comm.all_gather(out, flat, axis, purpose=METRICS)  # reading state: not the model's traffic
+    del flat
     if not is_collector(comm):
         yield from (None for _ in items)
         return
