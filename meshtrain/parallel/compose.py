@@ -163,7 +163,9 @@ class Parallelized:
         the small tensors move a batch of up to `PIECE_BYTES` at a time, not one message each."""
         entries = self.entries_of(kind)
         largest = max((math.prod(e.shape) * e.dtype.itemsize for stage in entries for e in stage), default=0)
-        batch = min(PIECE_BYTES, largest)  # a batch held beside the tensors is no larger than one of them
+        # A stage that forwards a batch holds it gathered, the message and a tensor: half the
+        # largest tensor a batch keeps that within the two tensors a gather may hold.
+        batch = min(PIECE_BYTES, largest // 2)
         return {(entry.name, entry.key): full for entry, full in self.stream_to_main(kind, entries, batch_bytes=batch)
                 if full is not None}
 

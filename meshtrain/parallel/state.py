@@ -123,6 +123,18 @@ def is_collector(comm: Comm) -> bool:
     return comm.mesh.coord("dp") == 0 and comm.mesh.coord("tp") == 0
 
 
+def _gathered_over(local: torch.Tensor, spec: tuple | None, comm: Comm) -> str | None:
+    """The axis a tensor's assembly gathers over (None: it is whole here, no collective)."""
+    return spec[0] if spec is not None and comm.mesh.size(spec[0]) > 1 else None
+
+
+def _assembles(axis: str | None, comm: Comm) -> bool:
+    """Whether this rank takes part in assembling a tensor gathered over `axis` (None: a
+    replica): coordinate 0 on the other axes that hold replicas of it."""
+    others = ("edp",) if axis == "ep" else ("dp", "tp")  # an expert chunk's replicas lie along edp
+    return all(comm.mesh.coord(a) == 0 for a in others if a != axis)
+
+
 def assemble_split(local: torch.Tensor, spec: tuple[str, int] | None, comm: Comm, *,
                    fresh: bool = False) -> torch.Tensor | None:
     """Collective among the ranks that assemble (coordinate 0 on the axes other than pp and
@@ -130,19 +142,13 @@ def assemble_split(local: torch.Tensor, spec: tuple[str, int] | None, comm: Comm
     copied by the collector alone (`fresh`: `local` is the caller's own, not a parameter,
     and is not copied again where it is on the CPU already); a split tensor is gathered
     over its axis."""
-    mesh = comm.mesh
-    axis = spec[0] if spec is not None and mesh.size(spec[0]) > 1 else None
-    others = ("edp",) if axis == "ep" else ("dp", "tp")  # an expert chunk's replicas lie along edp
-    if any(mesh.coord(a) != 0 for a in others if a != axis):
+    axis = _gathered_over(local, spec, comm)
+    if not _assembles(axis, comm):
         return None
     if axis is None:
         return (local.to("cpu") if fresh else cpu_copy(local)) if is_collector(comm) else None
     return gather_full(local, spec, comm, keep=is_collector(comm))  # a new tensor
 
-
-def _gathered_over(local: torch.Tensor, spec: tuple | None, comm: Comm) -> str | None:
-    """The axis a tensor's assembly gathers over (None: it is whole here, no collective)."""
-    return spec[0] if spec is not None and comm.mesh.size(spec[0]) > 1 else None
 
 
 def assemble_batched(items: list[tuple[torch.Tensor, tuple | None]], comm: Comm, batch_bytes: int, *,
@@ -184,8 +190,7 @@ def _gather_batch(items: list[tuple[torch.Tensor, tuple]], axis: str, comm: Comm
     from one all-gather of every rank's chunks laid end to end; CPU copies on the collector,
     None elsewhere (and None on the ranks that take no part: `assemble_split`'s)."""
     mesh = comm.mesh
-    others = ("edp",) if axis == "ep" else ("dp", "tp")
-    if any(mesh.coord(a) != 0 for a in others if a != axis):
+    if not _assembles(axis, comm):
         yield from (None for _ in items)
         return
     flat = torch.cat([local.detach().reshape(-1) for local, _ in items])
