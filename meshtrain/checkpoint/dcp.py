@@ -45,7 +45,8 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from meshtrain.checkpoint.boxes import Box
-from meshtrain.checkpoint.folders import CheckpointError, plain_name, write_synced
+from meshtrain.atomic import plain_name
+from meshtrain.checkpoint.folders import CheckpointError, write_synced
 
 INDEX = "index.json"
 FORMAT = "meshtrain-dcp-2"  # 2: raw bytes, a CRC-32 per box; 1: a torch.save record per box

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Callable
 
 from meshtrain import faults
+from meshtrain.atomic import plain_name
 
 COMPLETE = "COMPLETE"
 STATE = "state.json"  # the checkpoint's JSON facts (`sharded.py` writes it)
@@ -205,13 +206,6 @@ def first_problem(comm, problem: str | None) -> str | None:
 def one_line(error: BaseException) -> str:
     text = str(error).strip().splitlines()
     return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__
-
-
-def plain_name(name) -> bool:
-    """Whether `name` (read from a checkpoint's index or marker) names a file inside the
-    checkpoint's folder: a plain file name, not a path (no separator, not `..`)."""
-    return (isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\\" not in name
-            and "\0" not in name)
 
 
 def check(folder: Path, comm) -> str | None:

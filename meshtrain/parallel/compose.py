@@ -195,13 +195,12 @@ class Parallelized:
                     continue
                 for run in batches_of(entries[s], batch_bytes):
                     if len(run) == 1:
-                        entry, flat = next(stream)
-                        flat = flat.to(mesh.device)
+                        flat = next(stream)[1].to(mesh.device)
                     else:  # each tensor copied into the message as it comes, and let go
                         sizes = [math.prod(entries[s][i].shape) for i in run]
                         flat = torch.empty(sum(sizes), dtype=entries[s][run[0]].dtype, device=mesh.device)
                         for into in flat.split(sizes):
-                            entry, full = next(stream)
+                            full = next(stream)[1]
                             into.copy_(full.reshape(-1))
                             del full
                     for work in self.comm.exchange([(True, flat, -s, 0)], "pp", purpose=METRICS):

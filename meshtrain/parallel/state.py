@@ -123,7 +123,7 @@ def is_collector(comm: Comm) -> bool:
     return comm.mesh.coord("dp") == 0 and comm.mesh.coord("tp") == 0
 
 
-def _gathered_over(local: torch.Tensor, spec: tuple | None, comm: Comm) -> str | None:
+def _gathered_over(spec: tuple | None, comm: Comm) -> str | None:
     """The axis a tensor's assembly gathers over (None: it is whole here, no collective)."""
     return spec[0] if spec is not None and comm.mesh.size(spec[0]) > 1 else None
 
@@ -142,7 +142,7 @@ def assemble_split(local: torch.Tensor, spec: tuple[str, int] | None, comm: Comm
     copied by the collector alone (`fresh`: `local` is the caller's own, not a parameter,
     and is not copied again where it is on the CPU already); a split tensor is gathered
     over its axis."""
-    axis = _gathered_over(local, spec, comm)
+    axis = _gathered_over(spec, comm)
     if not _assembles(axis, comm):
         return None
     if axis is None:
@@ -161,11 +161,11 @@ def assemble_batched(items: list[tuple[torch.Tensor, tuple | None]], comm: Comm,
     `fresh`: as `assemble_split`'s."""
     i = 0
     while i < len(items):
-        axis = _gathered_over(*items[i], comm)
+        axis = _gathered_over(items[i][1], comm)
         batch, total, j = [], 0, i
         while axis is not None and j < len(items):
             local, spec = items[j]
-            there = _gathered_over(local, spec, comm)
+            there = _gathered_over(spec, comm)
             if there is None:
                 j += 1
                 continue
