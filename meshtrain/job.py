@@ -219,7 +219,9 @@ class Job:
 
     def _output(self, x):
         """The module's output in evaluation mode on this rank's tokens of `x` (on the
-        device; its cp shard taken here); None on pipeline stages but the last."""
+        device; its cp shard taken here); None on pipeline stages but the last. Compiled
+        blocks run eagerly here: their graphs were traced with gradients on, and a forward
+        without them would make dynamo compile every block again (docs/compile.md)."""
         if isinstance(x, dict) and self.mesh.size("pp") > 1:
             raise ValueError("a batch dict under pipeline parallelism; pass the input tensor")
         if self.mesh.size("cp") > 1:
@@ -227,11 +229,12 @@ class Job:
         module, was_training = self.module, self.module.training
         module.eval()
         try:
-            if self.mesh.size("pp") > 1:  # each virtual stage in turn
-                seq = x.shape[1] if x.dim() > 1 else 1
-                seq = seq // self.mesh.size("tp") if self.options.sp else seq
-                return self.parallel.runner.forward_only(x, self._pipeline.activation_shape(x.shape[0], seq))
-            return module(**x) if isinstance(x, dict) else module(x)
+            with eager_while(self.parallel.compiled):
+                if self.mesh.size("pp") > 1:  # each virtual stage in turn
+                    seq = x.shape[1] if x.dim() > 1 else 1
+                    seq = seq // self.mesh.size("tp") if self.options.sp else seq
+                    return self.parallel.runner.forward_only(x, self._pipeline.activation_shape(x.shape[0], seq))
+                return module(**x) if isinstance(x, dict) else module(x)
         finally:
             module.train(was_training)
 

@@ -48,10 +48,10 @@ def gather(cfg: Config, result: RunResult, comm: Comm) -> dict | None:
 def sample_text(cfg: Config, result: RunResult) -> str | None:
     """Collective: the run's text sample (rank 0; None elsewhere, and for data that is no
     text or a user's own model), from the sharded job: every rank runs the same loop, each
-    window right-padded to the next length the layout cuts evenly (the trained length under
-    --compile, whose graphs were traced for it; the model is causal, so the padding changes
-    no logit before it), and the token chosen where the output is (a pipeline's last stage)
-    is every rank's."""
+    window right-padded to the next length the layout cuts evenly (the model is causal, so
+    the padding changes no logit before it; compiled blocks run eagerly in `job.forward`, so
+    no length compiles a graph), and the token chosen where the output is (a pipeline's last
+    stage) is every rank's."""
     job, data = result.job, result.data
     if job is None or not hasattr(data, "decode") or is_user_model(cfg.model.name):
         return None
@@ -59,7 +59,7 @@ def sample_text(cfg: Config, result: RunResult) -> str | None:
     step = (2 * lay.cp if lay.cp > 1 else 1) * (lay.tp if lay.sp or lay.ep > 1 else 1)  # `validate`'s cuts
 
     def next_logits(window: list[int]) -> torch.Tensor | None:
-        length = seq_len if job.parallel.compiled else min(seq_len, -(-len(window) // step) * step)
+        length = min(seq_len, -(-len(window) // step) * step)
         x = torch.zeros(1, length, dtype=torch.long)
         x[0, :len(window)] = torch.tensor(window)
         out = job.forward(x)

@@ -89,7 +89,8 @@ def test_blocks_without_collectives_compile_whole():
 def _graphs_after_each_step(mesh, cfg):
     from meshtrain.comm import Comm
     from meshtrain.parallel.compile import compile_stats
-    from meshtrain.train import StepObserver, train
+    from meshtrain.report import sample_text
+    from meshtrain.train import StepObserver, held_out_loss, train
 
     class Graphs(StepObserver):
         def __init__(self):
@@ -98,8 +99,10 @@ def _graphs_after_each_step(mesh, cfg):
         def after_step(self, p, step, loss):
             self.counts.append(compile_stats()["graphs"])
     graphs = Graphs()
-    train(cfg, Comm(mesh), observer=graphs, measure_memory=False)
-    return graphs.counts
+    result = train(cfg, Comm(mesh), observer=graphs, measure_memory=False)
+    held_out_loss(result.job, result.data, cfg)
+    sample_text(cfg, result)
+    return graphs.counts + [compile_stats()["graphs"]]
 
 
 @pytest.mark.parametrize("model, flags", [("gpt-test", ("--dp", "2", "--zero", "3")),
@@ -108,8 +111,10 @@ def test_training_compiles_its_graphs_once(model, flags):
     """The first step runs under the mode that keys functional dropout (until it shows the
     model makes no such call); compiled blocks keep that mode, so the graphs dynamo traced
     under it at step 1 serve every later step: nothing compiles again at step 2 (which would
-    double the compile time, minutes under inductor)."""
+    double the compile time, minutes under inductor). Nor does a held-out evaluation or the
+    end of a run's text sample (forwards without gradients, which run the blocks eagerly)."""
     cfg = cli_config("train", "--model", model, *flags, *SMALL, "--compile", "--compile-backend", "aot_eager")
+    cfg.train.sample_tokens = 4
     for counts in on_the_layout(_graphs_after_each_step, cfg, timeout=600):
         assert counts[0] >= 1 and counts == [counts[0]] * len(counts), counts
 

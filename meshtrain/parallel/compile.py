@@ -71,7 +71,9 @@ def compiled_first(model: nn.Module) -> str | None:
 
 def eager_while(flag: bool):
     """Compiled blocks run eagerly inside (when `flag`): a dispatch mode over the step (the
-    activation meter) would otherwise make dynamo skip their code for good."""
+    activation meter) would otherwise make dynamo skip their code for good, and a forward
+    without gradients (evaluation, the end of a run's sample) would compile every block
+    again: dynamo guards on the grad mode, and those forwards run once in a while."""
     return torch.compiler.set_stance("force_eager") if flag else nullcontext()
 
 
