@@ -93,7 +93,7 @@ def model_spec(name: str, *, mlp_hidden: str = "", dropout: float = 0.0, attenti
                moe: dict | None = None):
     """(family, spec) of a preset or a published shape, with the model flags applied (`moe`:
     a mixture of experts' routing and balancing fields)."""
-    if is_published(name) and not is_preset(name):
+    if name not in PRESETS and is_published(name) and not is_preset(name):  # a built-in preset reads no plugin
         spec = PUBLISHED[name][0]
     else:
         spec = spec_of(name)
