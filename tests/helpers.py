@@ -197,11 +197,14 @@ def run_main(*args) -> Ran:
     at least one real process per command."""
     from meshtrain.cli import exit_code
     out, err = io.StringIO(), io.StringIO()
-    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    # A command's own handlers die with its process: prepare's, a Ctrl-C at the end of a run,
+    # generate's SIGPIPE (set to the default, which this process's later forks would inherit:
+    # a forked command then lost its stderr).
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGPIPE)}
     with redirect_stdout(out), redirect_stderr(err):
         try:
             code = exit_code([str(a) for a in args])
-        finally:  # a command's own handlers (prepare's, a Ctrl-C at the end of a run) die with its process
+        finally:
             for sig, handler in handlers.items():
                 signal.signal(sig, handler)
     return Ran(code, out.getvalue(), err.getvalue())

@@ -168,7 +168,9 @@ def test_the_pinned_torch_runs_forked_ranks():
 def test_the_fork_server_keeps_nothing_of_its_launcher_and_leaves_with_it(tmp_path):
     """The server is a fork of the launcher (it inherits torch), yet like a fresh interpreter
     it holds none of the launcher's files (an --out lock would outlive a killed launcher), runs
-    none of its signal handlers, and leaves when the launcher has gone."""
+    none of its signal handlers, prints where the process's own streams go (not into the
+    launcher's replacements of sys.stdout and sys.stderr: a notebook's, `redirect_stdout`'s),
+    and leaves when the launcher has gone."""
     from helpers import is_running, parent_of, process_name
 
     from meshtrain.cli.forked_ranks import SERVER_NAME
@@ -176,15 +178,23 @@ def test_the_fork_server_keeps_nothing_of_its_launcher_and_leaves_with_it(tmp_pa
     script = ("import signal, sys\n"
               "held = open(sys.argv[1], 'w')\n"
               "signal.signal(signal.SIGTERM, lambda *a: None)\n"
+              "import contextlib, io, multiprocessing\n"
               "from multiprocessing import forkserver\n"
               "from meshtrain.cli import forked_ranks\n"
-              "forked_ranks.start_server()\n"
+              "with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):\n"
+              "    forked_ranks.start_server()\n"
               "print(forkserver._forkserver._forkserver_pid, flush=True)\n"
+              "rank = multiprocessing.get_context('forkserver').Process(target=print, args=('a rank prints',),\n"
+              "                                                         kwargs={'flush': True})\n"
+              "rank.start()\n"
+              "rank.join()\n"
+              "print('joined', flush=True)\n"
               "sys.stdin.read()\n")
     launcher = subprocess.Popen([sys.executable, "-c", script, str(held)], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, text=True)
     try:
         server = int(launcher.stdout.readline())
+        assert launcher.stdout.readline() == "a rank prints\n"  # before the launcher's "joined"
         assert parent_of(server) == launcher.pid
         deadline = time.time() + 60
         while process_name(server) != SERVER_NAME and time.time() < deadline:

@@ -105,8 +105,11 @@ def _as_a_fresh_server(passfds) -> None:
     let go, as a fresh interpreter is started (the launcher's end of the server's pipe
     among them, which tells the server when the launcher has gone) — each replaced by
     /dev/null rather than closed, so that no object of the launcher's later closes a
-    number the server reuses; the launcher's signal handlers back to the defaults; and
-    multiprocessing's lock, which the launcher holds while it starts this server, free."""
+    number the server reuses; the launcher's signal handlers back to the defaults; its
+    standard streams the interpreter's own again (a launcher that replaced them in Python,
+    a notebook's or `contextlib.redirect_stderr`'s, would leave every rank printing into a
+    copy of an object no one reads); and multiprocessing's lock, which the launcher holds
+    while it starts this server, free."""
     import signal
     from multiprocessing import forkserver
 
@@ -120,6 +123,7 @@ def _as_a_fresh_server(passfds) -> None:
             except OSError:  # the listing's own descriptor, closed since
                 pass
     os.close(null)
+    sys.stdin, sys.stdout, sys.stderr = sys.__stdin__, sys.__stdout__, sys.__stderr__
     for sig in signal.valid_signals():
         try:
             handler = signal.getsignal(sig)
