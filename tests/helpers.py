@@ -198,8 +198,7 @@ def run_main(*args) -> Ran:
     from meshtrain.cli import exit_code
     out, err = io.StringIO(), io.StringIO()
     # A command's own handlers die with its process: prepare's, a Ctrl-C at the end of a run,
-    # generate's SIGPIPE (set to the default, which this process's later forks would inherit:
-    # a forked command then lost its stderr).
+    # generate's SIGPIPE (the default: this process would then die on a write to a closed pipe).
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGPIPE)}
     with redirect_stdout(out), redirect_stderr(err):
         try:
