@@ -42,9 +42,13 @@ from meshtrain.parallel.tensor import TensorPlan
 from meshtrain.step_output import StepOutput
 
 
-def _reciprocal(count, loss_scale: float):
-    """loss_scale / count, where count is a number or a 0-dim device tensor (not read)."""
-    return loss_scale / count if not torch.is_tensor(count) else loss_scale / count.to(torch.float32)
+def _reciprocal(count, loss_scale: float, device: torch.device) -> torch.Tensor:
+    """loss_scale / count as a 0-dim fp32 tensor on `device`, where count is a number or a
+    0-dim device tensor (not read). Never a number: compiled MoE blocks read it, and dynamo
+    guards on a number's value (a normalizer that changes each step recompiled each step)."""
+    if torch.is_tensor(count):
+        return loss_scale / count.to(torch.float32)
+    return torch.tensor(loss_scale / count, dtype=torch.float32, device=device)
 
 
 class Job:
@@ -111,7 +115,7 @@ class Job:
                 x, y = self._sequence_shard(x), self._sequence_shard(y)
             return {**x, **extra} if extra else x, (micro if self._loss.kind == "own" else y)
 
-        set_aux_scale(p.module, _reciprocal(count, p.loss_scale))  # a MoE's balancing loss, divided as the loss is
+        set_aux_scale(p.module, _reciprocal(count, p.loss_scale, mesh.device))  # a MoE's balancing loss, as the loss
         with meter if meter is not None else nullcontext(), eager_while(meter is not None and p.compiled):
             total = p.runner.run(p, micro_batch, m, count)  # the command line's activation meter, eagerly
         if p.dropout_keys is not None:

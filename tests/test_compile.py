@@ -158,6 +158,39 @@ def test_a_compiled_users_model_trains_what_a_plain_loop_trains():
             assert (update - ref).norm() / ref.norm() < 1e-3, (name, n)
 
 
+def _graphs_while_the_normalizer_changes(_harness_mesh, steps):
+    """A MoE trained with `loss_reduction="sum"` and a normalizer that returns a different
+    number each step (its targets' count, some of them ignored): dynamo's graphs after each
+    step."""
+    import torch.nn.functional as F
+
+    from meshtrain.parallel.compile import compile_stats
+    from meshtrain.recipes.build import build_model
+
+    def summed(logits, y):
+        return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), reduction="sum", ignore_index=-100)
+    job = meshtrain.parallelize(build_model("moe-test", 0, vocab_size=256), meshtrain.init(),
+                                optimizer=OPTIMIZERS["adamw"], loss_fn=summed, loss_reduction="sum",
+                                normalizer=lambda targets: float((targets != -100).sum()), compile=True,
+                                compile_backend="aot_eager")
+    g, counts = torch.Generator().manual_seed(0), []
+    for _ in range(steps):
+        x, y = (torch.randint(0, 256, (2, 16), generator=g) for _ in range(2))
+        y[torch.rand(y.shape, generator=g) < 0.3] = -100
+        job.step(x, y)
+        counts.append(compile_stats()["graphs"])
+    return counts
+
+
+def test_a_moe_keeps_its_graphs_while_the_loss_normalizer_changes():
+    """The balancing loss's scale follows the step's normalizer; the blocks read it as a
+    device tensor, so a normalizer that changes every step recompiles nothing (as a Python
+    number it was a guard: a recompilation each step until dynamo's limit of 8, then that
+    frame ran eagerly for the rest of the run)."""
+    counts = run_ranks(_graphs_while_the_normalizer_changes, 1, 20, timeout=600)[0]
+    assert counts[0] >= 1 and counts == [counts[0]] * len(counts), counts
+
+
 # ---- refusals --------------------------------------------------------------------------------
 
 def _one_process_job(model, **options):

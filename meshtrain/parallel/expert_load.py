@@ -93,8 +93,9 @@ def max_over_mean(load: torch.Tensor) -> list[float]:
 
 def set_aux_scale(module: nn.Module, scale) -> None:
     """Give each MoE layer's balancing loss the scale the step's loss has (`scale`: the loss
-    scale over the step's normalizer, a number or a 0-dim device tensor: nothing read on the
-    host), so that its per-token terms are divided as the cross-entropy's are."""
+    scale over the step's normalizer, a 0-dim device tensor: nothing read on the host, and
+    no value a compiled block would guard on), so that its per-token terms are divided as
+    the cross-entropy's are."""
     for m in module.modules():
         if hasattr(m, "aux_scale"):
             m.aux_scale = scale
