@@ -67,6 +67,26 @@ def test_a_vocab_size_the_user_gave_is_refused_unless_it_is_the_folders(how, tmp
             assert cfg.train.vocab_size == VOCAB
 
 
+@pytest.mark.parametrize("how", ["flag", "toml"])
+def test_a_model_the_user_named_beside_the_folder_is_refused_unless_it_is_the_folders(how, tmp_path):
+    """--model beside --init-from used to be ignored without a word: the folder's model trained."""
+    folder = _folder(tmp_path / "hf-tiny")
+    for given, refused in (("gpt-test", True), ("llama-test", True), ("hf-tiny", False)):
+        if how == "flag":
+            cfg = _config(folder, "--model", given)
+        else:
+            toml = tmp_path / f"run-{given}.toml"
+            toml.write_text(f'[model]\nname = "{given}"\n')
+            cfg = _config(folder, toml=toml)
+        if refused:
+            with pytest.raises(C.ConfigError, match=rf"^--model {given} with --init-from .*: the model is the "
+                                                    rf"folder's \(hf-tiny\); drop --model$"):
+                validate(cfg)
+        else:
+            validate(cfg)
+            assert cfg.model.name == "hf-tiny"
+
+
 def test_a_config_made_in_code_or_saved_by_a_run_is_adopted_as_before(tmp_path):
     """No flag named: the default vocabulary gives way to the folder's; a saved configuration
     (the folder's vocabulary already in it) reads back; validating twice changes nothing."""

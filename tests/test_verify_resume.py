@@ -82,6 +82,7 @@ def test_verify_resume_at_from_the_shell():
     assert j["resume_at"] == 2 and j["resume_layout"]["tp"] == 2 and j["resume_layout"]["dp"] == 1
     assert j["max_resume_rel_diff"] == 0.0 and j["layout"]["dp"] == 2
     assert "resuming after step 2: starting 2 local ranks" in r.stderr and "resumed in tp=2" in r.stderr
+    assert "starting 2 local ranks (dp=2 tp=1 pp=1 microbatches=1 fp32)" in r.stderr  # every axis (ep, cp) it has
 
 
 # ---- bad input: one line each, before any rank starts -----------------------------------------

@@ -289,8 +289,7 @@ def _forked_ranks_server(rank_function, command: str):
 def _launch_local(cfg: C.Config, args, argv: list[str], rank_function=None) -> int:
     """Start the ranks; for verify, then run the one-process reference here and compare."""
     n = cfg.layout.world_size
-    cp = f", cp={cfg.layout.cp}" if cfg.layout.cp > 1 else ""
-    log(f"starting {n} local ranks (dp={cfg.layout.dp}{cp}, tp={cfg.layout.tp}, pp={cfg.layout.pp})")
+    log(f"starting {n} local ranks ({cfg.layout.short()})")  # every axis, ep and cp included
     if args.command != "verify":
         tr = cfg.train
         return launch.spawn(n, argv, rank_function=rank_function,

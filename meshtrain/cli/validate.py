@@ -48,6 +48,9 @@ def adopt_imported_model(cfg: Config) -> None:
                           f"({vocab:,} tokens, its tokenizer's); drop --vocab-size")
     base = re.sub(r"[^A-Za-z0-9._-]", "_", folder.resolve().name)
     name = "hf-" + re.sub(r"^hf[-_]", "", base, flags=re.IGNORECASE)
+    if ("model", "name") in cfg.given and m.name != name:  # flag or TOML: it would be ignored
+        raise ConfigError(f"--model {m.name} with --init-from {folder}: the model is the folder's ({name}); "
+                          f"drop --model")
     add_preset(name, spec)
     m.name, cfg.train.vocab_size = name, vocab
 
