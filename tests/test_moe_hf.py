@@ -214,6 +214,23 @@ def test_what_meshtrain_cannot_represent_is_refused_in_one_line(case, edit, mess
     assert "\n" not in str(e.value)
 
 
+def test_the_balancing_coefficient_exports_as_the_folder_stated_it():
+    """router_aux_loss_coef → meshtrain's per-layer weight (× top_k / MoE layers) → back: the
+    folder's own number, not one that rounding moved by an ulp (0.03 came back as
+    0.030000000000000002 for 7 MoE layers)."""
+    import dataclasses
+
+    from meshtrain.recipes import PRESETS
+    from meshtrain.recipes.moe_hf import aux_coef_from_hf, config_from_spec
+    for coef in (0.03, 0.001, 0.01, 0.02, 0.07, 0.0001):
+        for top_k in (1, 2, 3, 4):
+            for moe_layers in (3, 4, 7, 48):
+                spec = dataclasses.replace(PRESETS["moe-test"], n_layers=moe_layers + 1, top_k=top_k,
+                                           aux_coef=aux_coef_from_hf(coef, top_k, moe_layers))
+                assert config_from_spec(spec, 256, "float32")["router_aux_loss_coef"] == coef, (coef, top_k,
+                                                                                                moe_layers)
+
+
 def test_a_window_that_is_off_is_read(tmp_path):
     """Qwen3-MoE's sliding_window counts only with use_sliding_window."""
     from meshtrain.hf import spec_from_config

@@ -163,6 +163,7 @@ def config_from_spec(spec: MoESpec, vocab_size: int, dtype: str, special_ids: di
     ids = special_ids or {}
     moe_layers = spec.n_layers - len(spec.dense_layers)
     coef = spec.aux_coef * max(moe_layers, 1) / spec.top_k if spec.balance in ("sequence", "batch") else 0.0
+    coef = float(f"{coef:.12g}")  # the folder's own 0.03 back, not the round trip's 0.030000000000000002
     config = {"architectures": [CLASSES[kind]], "model_type": kind, "dtype": dtype, "torch_dtype": dtype,
               "vocab_size": vocab_size, "hidden_size": spec.d_model, "num_hidden_layers": spec.n_layers,
               "num_attention_heads": spec.n_heads, "num_key_value_heads": spec.kv_heads, "hidden_act": "silu",
