@@ -103,6 +103,32 @@ def test_the_export_is_the_run_s_model_in_its_compute_dtype_and_generate_reads_i
     assert g.stdout.startswith("ROMEO.") and len(g.stdout) > len("ROMEO.\n")
 
 
+def test_generate_ends_its_text_at_the_end_of_text_token(exported, tmp_path):
+    """`meshtrain generate` stops where the model samples an end-of-text id, as transformers'
+    `generate` does (it ran on for --tokens): the id read from a Hugging Face folder's
+    generation config, and from the folder a run imported."""
+    import shutil
+
+    from meshtrain.cli.run_model import end_of_text_ids, load_model
+    from meshtrain.generate import sample
+    _, _, ckpt, out = exported
+    assert end_of_text_ids(out) == end_of_text_ids(ckpt) == {381}
+    model, tokenizer, cfg = load_model(out)
+    prompt = tokenizer.encode_prompt("ROMEO.")
+    free = sample(model, prompt, 8, cfg.train.seq_len)  # generate's defaults: temperature 0.8, top-k 50, seed 0
+    end = next(i for i in range(1, len(free)) if free[i] not in free[:i])
+    ends = tmp_path / "ends"
+    shutil.copytree(out, ends)
+    for name in ("config.json", "generation_config.json"):  # this model's texts end at its token `end`
+        config = json.loads((ends / name).read_text())
+        config["eos_token_id"] = free[end]
+        (ends / name).write_text(json.dumps(config))
+    assert sample(model, prompt, 8, cfg.train.seq_len, stop=end_of_text_ids(ends)) == free[:end + 1]
+    g = run_main("generate", "--ckpt", ends, "--prompt", "ROMEO.", "--tokens", "8", "--device", "cpu")
+    assert g.returncode == 0, g.stderr
+    assert g.stdout == "ROMEO." + tokenizer.decode(free[:end]) + "\n"  # the text, without its end token
+
+
 def _peak_bytes(fn) -> int:
     """The most bytes of CPU memory `fn` held at once above what it started with: every
     allocation and free the profiler saw (its raw records: the event list folds those made

@@ -123,7 +123,8 @@ def build_parser(plan_flags: bool = True) -> argparse.ArgumentParser:
     gen.add_argument("--ckpt", required=True, metavar="DIR", help="the --out folder of a training run, one of its "
                      "checkpoints (OUT/step-N), or an exported folder (`export`'s, or `export --hf`'s)")
     gen.add_argument("--prompt", default="\n", help="text to continue")
-    gen.add_argument("--tokens", type=int, default=200, help="tokens to generate (default 200)")
+    gen.add_argument("--tokens", type=int, default=200, help="the most tokens to generate (default 200); the model's "
+                     "end-of-text token ends the text sooner")
     gen.add_argument("--temperature", type=float, default=0.8, help="softmax temperature > 0 (default 0.8)")
     gen.add_argument("--top-k", type=int, default=50, help="sample among the k likeliest; 0: all (default 50)")
     gen.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")

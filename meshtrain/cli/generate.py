@@ -11,7 +11,7 @@ import meshtrain.cli.config as C
 
 
 def run(args) -> int:
-    from meshtrain.cli.run_model import load_model
+    from meshtrain.cli.run_model import end_of_text_ids, load_model
     from meshtrain.generate import sample
 
     bad = [(args.tokens < 0, f"--tokens {args.tokens}: must not be negative"),
@@ -24,11 +24,12 @@ def run(args) -> int:
                 raise C.ConfigError(message)
         device = launch.choose_device(args.device, 0, 1)
         model, tokenizer, cfg = load_model(Path(args.ckpt), device)
+        stop = end_of_text_ids(Path(args.ckpt))
     except (C.ConfigError, launch.LaunchError, FileNotFoundError, ValueError) as e:
         print(f"meshtrain: error: {e}", file=sys.stderr)
         return 2
     prompt = tokenizer.encode_prompt(args.prompt)
     ids = sample(model, prompt, args.tokens, cfg.train.seq_len, temperature=args.temperature,
-                 top_k=args.top_k, seed=args.seed)
-    print(args.prompt + tokenizer.decode(ids))
+                 top_k=args.top_k, seed=args.seed, stop=stop)
+    print(args.prompt + tokenizer.decode(ids[:-1] if ids and ids[-1] in stop else ids))  # the text, not its end
     return 0

@@ -18,7 +18,7 @@ from meshtrain.checkpoint.owner import RUN_FILE
 from meshtrain.checkpoint.weights import WEIGHTS_FILE, is_hf_export, save_weights
 from meshtrain.cli.config import Config
 from meshtrain.data.tokenizer import TOKENIZER_FILE, ByteTokenizer, load_tokenizer
-from meshtrain.hf import CONFIG, load_hf, side_files, spec_from_config
+from meshtrain.hf import CONFIG, GENERATION_CONFIG, load_hf, side_files, spec_from_config, special_ids
 from meshtrain.recipes import PUBLISHED, family_of, is_preset, is_published, spec_of
 from meshtrain.parallel.state import persistent_buffers
 
@@ -157,6 +157,28 @@ def load_model(ckpt: Path, device="cpu"):
                             attention=cfg.model.attention, moe=cfg.model.moe_options())
         model.load_state_dict({n: read(n, torch.float32) for n in shapes})
     return model.to(device).eval(), load_tokenizer(ckpt, saved.vocab_size), cfg
+
+
+def end_of_text_ids(ckpt: Path) -> frozenset[int]:
+    """The ids that end a generated text, read as transformers' `generate` reads them: the
+    generation config's `eos_token_id` (an id or a list), else the config's, else the
+    tokenizer config's EOS token — of the folder itself (a Hugging Face one) or of the folder
+    a run imported (--init-from); for a run of meshtrain's own BPE, `<|endoftext|>`; none for
+    the byte tokenizer."""
+    from tokenizers import Tokenizer
+
+    ckpt = Path(ckpt)
+    if is_hf_export(ckpt):
+        side, tokenizer = side_files(ckpt), ckpt / TOKENIZER_FILE
+    else:
+        saved = describe(ckpt)
+        side, tokenizer = saved.imported, saved.tokenizer
+    tok = Tokenizer.from_file(str(tokenizer)) if tokenizer is not None and tokenizer.is_file() else None
+    eos = side.get(GENERATION_CONFIG, {}).get("eos_token_id")
+    if eos is None:
+        eos = special_ids(side, tok)["eos"]
+    ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
+    return frozenset(int(i) for i in ids)
 
 
 def _load_hf_export(folder: Path, device):
