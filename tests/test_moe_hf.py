@@ -231,6 +231,21 @@ def test_the_balancing_coefficient_exports_as_the_folder_stated_it():
                                                                                                 moe_layers)
 
 
+@pytest.mark.parametrize("case", CASES)
+def test_the_balancing_loss_is_on_where_transformers_adds_it_and_exports_so(case, tmp_path):
+    """transformers adds the balancing loss to `.loss` only with `output_router_logits` (off by
+    default): meshtrain balances by the loss exactly then, keeps the weight either way, and
+    writes both back as the folder had them (it wrote false, and balanced regardless)."""
+    from meshtrain.hf import config_from_spec, spec_from_config
+    for routed in (True, False, None):
+        edit = {"router_aux_loss_coef": 0.02} | ({} if routed is None else {"output_router_logits": routed})
+        config = json.loads((_config(case, tmp_path / str(routed), **edit) / "config.json").read_text())
+        spec, vocab = spec_from_config(config)
+        assert spec.balance == ("sequence" if routed else "none") and spec.aux_coef > 0, (routed, spec)
+        back = config_from_spec(spec, vocab, "float32")
+        assert back["output_router_logits"] is bool(routed) and back["router_aux_loss_coef"] == 0.02, back
+
+
 def test_a_window_that_is_off_is_read(tmp_path):
     """Qwen3-MoE's sliding_window counts only with use_sliding_window."""
     from meshtrain.hf import spec_from_config

@@ -82,7 +82,8 @@ def spec_from_config(config: dict, where: str = "config.json") -> tuple[MoESpec,
     renormalises its top-k always and has no q/k norm; Qwen3-MoE normalises each head's
     queries and keys and makes a layer dense as its decoder layer does (in `mlp_only_layers`,
     or not a multiple of `decoder_sparse_step`); OLMoE normalises the whole projections. The
-    balancing loss per row (`aux_coef_from_hf`)."""
+    balancing loss per row (`aux_coef_from_hf`), on where transformers adds it to `.loss`
+    (`output_router_logits`; off by default), its weight kept either way."""
     _refuse(config, where)
     kind = config["model_type"]
     defaults = DEFAULTS[kind]
@@ -123,7 +124,8 @@ def spec_from_config(config: dict, where: str = "config.json") -> tuple[MoESpec,
                    max_seq_len=int(config.get("max_position_embeddings", defaults["max_position_embeddings"])),
                    rms_norm_eps=float(config.get("rms_norm_eps", defaults["rms_norm_eps"])),
                    tie_embeddings=bool(config.get("tie_word_embeddings", False)),
-                   balance="sequence" if aux else "none", aux_coef=aux, **rope)
+                   balance="sequence" if aux and config.get("output_router_logits") else "none", aux_coef=aux,
+                   **rope)
     return spec, vocab
 
 
@@ -158,18 +160,20 @@ def architecture(spec: MoESpec) -> str:
 def config_from_spec(spec: MoESpec, vocab_size: int, dtype: str, special_ids: dict | None = None) -> dict:
     """The `config.json` of `spec` as its `architecture`, which transformers loads into a
     model computing meshtrain's logits; the balancing loss's weight mapped back
-    (`aux_coef_from_hf`; 0 where meshtrain balances by a bias or not at all)."""
+    (`aux_coef_from_hf`; 0 where meshtrain balances by a bias), and `output_router_logits`
+    true where the balancing loss is on."""
     kind = architecture(spec)
     ids = special_ids or {}
     moe_layers = spec.n_layers - len(spec.dense_layers)
-    coef = spec.aux_coef * max(moe_layers, 1) / spec.top_k if spec.balance in ("sequence", "batch") else 0.0
+    coef = spec.aux_coef * max(moe_layers, 1) / spec.top_k if spec.balance != "bias" else 0.0
     coef = float(f"{coef:.12g}")  # the folder's own 0.03 back, not the round trip's 0.030000000000000002
+    balanced = spec.balance in ("sequence", "batch") and spec.aux_coef > 0  # transformers' .loss adds it then
     config = {"architectures": [CLASSES[kind]], "model_type": kind, "dtype": dtype, "torch_dtype": dtype,
               "vocab_size": vocab_size, "hidden_size": spec.d_model, "num_hidden_layers": spec.n_layers,
               "num_attention_heads": spec.n_heads, "num_key_value_heads": spec.kv_heads, "hidden_act": "silu",
               "max_position_embeddings": spec.max_seq_len, "rms_norm_eps": spec.rms_norm_eps,
               "tie_word_embeddings": spec.tie_embeddings, "num_experts_per_tok": spec.top_k,
-              "router_aux_loss_coef": coef, "output_router_logits": False, **rope_config(spec),
+              "router_aux_loss_coef": coef, "output_router_logits": balanced, **rope_config(spec),
               **{f"{k}_token_id": ids.get(k) for k in ("bos", "eos", "pad")}}
     if kind == "mixtral":
         config.update(intermediate_size=spec.expert_ffn_dim, num_local_experts=spec.n_experts,

@@ -2,7 +2,9 @@
 NAME`), as meshtrain's MoE spec and vocabulary: each is what `recipes/moe_hf.py` reads from
 the checkpoint's own `config.json` (a test holds the two equal), and its parameter count is
 the checkpoint's (`tests/test_plan_moe.py`). `train` reaches them through `--init-from` a
-folder of their weights. No torch at import."""
+folder of their weights. Each folder says `output_router_logits: false`, so transformers'
+`.loss` has no balancing term and none is on here (`balance="none"`, the weight kept).
+No torch at import."""
 
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ def _mixtral(layers, hidden, heads, kv_heads, ffn, vocab, seq_len, coef=0.02):
     """Mixtral: 8 experts of the dense width, top-2 renormalised, no q/k norm, RoPE 10⁶."""
     return MoESpec(n_layers=layers, n_heads=heads, n_kv_heads=kv_heads, d_model=hidden, head_dim=hidden // heads,
                    ffn_dim=ffn, n_experts=8, top_k=2, expert_ffn_dim=ffn, max_seq_len=seq_len, rope_theta=1e6,
-                   rms_norm_eps=1e-5, aux_coef=_aux(coef, 2, layers)), vocab
+                   rms_norm_eps=1e-5, aux_coef=_aux(coef, 2, layers), balance="none"), vocab
 
 
 def _qwen3(layers, hidden, heads, kv_heads, ffn, expert_ffn, experts, top_k, seq_len=40960):
@@ -27,7 +29,8 @@ def _qwen3(layers, hidden, heads, kv_heads, ffn, expert_ffn, experts, top_k, seq
     (mlp_only_layers [], decoder_sparse_step 1), RoPE 10⁶, vocabulary 151,936."""
     return MoESpec(n_layers=layers, n_heads=heads, n_kv_heads=kv_heads, d_model=hidden, head_dim=128, ffn_dim=ffn,
                    n_experts=experts, top_k=top_k, expert_ffn_dim=expert_ffn, qk_norm="head", max_seq_len=seq_len,
-                   rope_theta=1e6, rms_norm_eps=1e-6, aux_coef=_aux(0.001, top_k, layers)), 151936
+                   rope_theta=1e6, rms_norm_eps=1e-6, aux_coef=_aux(0.001, top_k, layers),
+                   balance="none"), 151936
 
 
 PUBLISHED = {
@@ -41,5 +44,6 @@ PUBLISHED = {
     # not renormalised, RoPE 10⁴
     "olmoe-1b-7b": (MoESpec(n_layers=16, n_heads=16, n_kv_heads=16, d_model=2048, head_dim=128, ffn_dim=1024,
                             n_experts=64, top_k=8, expert_ffn_dim=1024, norm_topk=False, qk_norm="projection",
-                            max_seq_len=4096, rms_norm_eps=1e-5, aux_coef=_aux(0.01, 8, 16)), 50304),
+                            max_seq_len=4096, rms_norm_eps=1e-5, aux_coef=_aux(0.01, 8, 16),
+                            balance="none"), 50304),
 }
