@@ -295,7 +295,7 @@ def load_hf(folder, device="cpu", dtype=None):
     `dtype`), its running state (a router's load counts) at zero."""
     import torch
 
-    from meshtrain.parallel.materialize import keep_state_buffers_fp32
+    from meshtrain.parallel.materialize import cast_keeping_state_fp32
 
     folder = Path(folder)
     config = read_config(folder)
@@ -308,8 +308,7 @@ def load_hf(folder, device="cpu", dtype=None):
     model.to_empty(device=device)
     _retie(model, ties)
     if dtype is not None:
-        model.to(dtype)
-        keep_state_buffers_fp32(model)
+        cast_keeping_state_fp32(model, dtype)
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(weights.full_value(name))

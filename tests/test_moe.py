@@ -183,6 +183,22 @@ def test_the_bias_moves_towards_the_mean_load_and_only_selects():
     assert torch.allclose(weights, scores.gather(1, chosen) / scores.gather(1, chosen).sum(1, keepdim=True))
 
 
+def test_a_bias_the_model_carries_stays_fp32_to_the_bit_under_bf16():
+    """`parallelize(precision="bf16")` casts the model, but a router's bias and load are fp32
+    state: they keep the values the model had (a cast there and back rounded 1/3 to
+    0.3339844, a step of the 1e-3 bias rate)."""
+    import meshtrain
+    model = _model(balance="bias", bias_rate=0.001)
+    carried = torch.tensor([1 / 3, -2 / 7, 1e-4, 0.1], dtype=torch.float32)
+    model.layers[1].mlp.gate.expert_bias.copy_(carried)
+    job = meshtrain.parallelize(model, meshtrain.init(), optimizer=lambda named: torch.optim.AdamW(
+        [p for _, p in named], lr=1e-3), loss_fn=meshtrain.cross_entropy, precision="bf16")
+    router = job.module.get_submodule("layers.1.mlp.gate")
+    assert router.expert_bias.dtype == router.expert_load.dtype == torch.float32
+    assert torch.equal(router.expert_bias, carried)
+    assert job.module.get_submodule("layers.1.mlp.gate").weight.dtype == torch.bfloat16
+
+
 def test_shared_experts_and_sigmoid_scores():
     """DeepSeek's shape: sigmoid scores (the weights renormalised over the chosen), shared
     experts every token passes through, added to the routed ones."""

@@ -26,7 +26,7 @@ from meshtrain.loss import cross_entropy_sum
 from meshtrain.parallel.modules import find_block_list
 from meshtrain.parallel.expert_load import expert_routers, sum_sequences_over
 from meshtrain.parallel.experts import apply_expert_parallel
-from meshtrain.parallel.materialize import InitSpec, keep_state_buffers_fp32, materialize, to_placeholders
+from meshtrain.parallel.materialize import InitSpec, cast_keeping_state_fp32, materialize, to_placeholders
 from meshtrain.optim import FULL_SHAPE, OptimizerFactory, check_optimizer, keep_grad_views, optimizer_from
 from meshtrain.parallel.data import DataParallel
 from meshtrain.parallel.dropout import DropoutKeys, FunctionalDropout, seed_dropout, split_over_cp
@@ -260,8 +260,7 @@ def parallelize(model: nn.Module, comm: Comm, options: Strategies, *, optimizer:
     # Mixed precision first: every strategy below then holds, sends and shards bf16 tensors.
     compute_dtype = COMPUTE_DTYPES[options.precision]
     if compute_dtype != torch.float32:
-        model.to(compute_dtype)
-        keep_state_buffers_fp32(model)
+        cast_keeping_state_fp32(model, compute_dtype)
         loss_fn = fp32_loss(loss_fn)
     if init is not None:  # parameters without storage until this rank's part is drawn
         to_placeholders(model, mesh.device)

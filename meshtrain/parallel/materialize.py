@@ -94,15 +94,16 @@ def to_placeholders(model: nn.Module, device) -> None:
                 module._buffers[leaf] = torch.zeros(b.shape, dtype=torch.float32, device=device)
 
 
-def keep_state_buffers_fp32(model: nn.Module) -> None:
-    """A module's `fp32_state_buffers` (running state a module keeps and updates, such as a
-    router's balancing bias and its load counts: they start at zero on a meta build) back
-    in fp32 after the model was cast to a lower precision: small steps vanish in bf16."""
-    for module in model.modules():
-        for leaf in getattr(module, "fp32_state_buffers", ()):
-            b = module._buffers.get(leaf)
-            if b is not None and b.dtype != torch.float32:
-                module._buffers[leaf] = b.float()
+def cast_keeping_state_fp32(model: nn.Module, dtype: torch.dtype) -> None:
+    """`model.to(dtype)`, but a module's `fp32_state_buffers` (running state it keeps and
+    updates, such as a router's balancing bias and its load counts) stay fp32 with the values
+    they had: small steps vanish in bf16, and a cast there and back would round what a model
+    already carries (a router bias of 0.3333333 came back as 0.3339844)."""
+    kept = [(module, leaf, b) for module in model.modules() for leaf in getattr(module, "fp32_state_buffers", ())
+            if (b := module._buffers.get(leaf)) is not None]
+    model.to(dtype)
+    for module, leaf, b in kept:  # the tensors from before the cast, which made new ones
+        module._buffers[leaf] = b.float()
 
 
 def materialize(model: nn.Module, values) -> None:
