@@ -39,6 +39,16 @@ def _config(folder, *flags, toml=None):
     return C.from_args(build_parser(plan_flags=False).parse_args(args))
 
 
+def _stated(folder, how: str, flag: str, section: str, key: str, value, tmp_path):
+    """The configuration of `train --init-from FOLDER` with `value` given by the flag, or
+    (`how` "toml") by a TOML file's [section] key."""
+    if how == "flag":
+        return _config(folder, flag, value)
+    toml = tmp_path / f"run-{value}.toml"
+    toml.write_text(f"[{section}]\n{key} = {json.dumps(value)}\n")
+    return _config(folder, toml=toml)
+
+
 def test_the_preset_is_named_after_the_folder_once(tmp_path):
     for folder, name in (("a/hf-tiny", "hf-tiny"), ("b/HF_Small", "hf-Small"), ("c/tiny", "hf-tiny")):
         cfg = _config(_folder(tmp_path / folder))
@@ -51,12 +61,7 @@ def test_the_preset_is_named_after_the_folder_once(tmp_path):
 def test_a_vocab_size_the_user_gave_is_refused_unless_it_is_the_folders(how, tmp_path):
     folder = _folder(tmp_path / "hf-tiny")
     for given, refused in ((1000, True), (2048, True), (VOCAB, False)):  # 2048: the default, stated all the same
-        if how == "flag":
-            cfg = _config(folder, "--vocab-size", given)
-        else:
-            toml = tmp_path / f"run-{given}.toml"
-            toml.write_text(f"[train]\nvocab_size = {given}\n")
-            cfg = _config(folder, toml=toml)
+        cfg = _stated(folder, how, "--vocab-size", "train", "vocab_size", given, tmp_path)
         if refused:
             with pytest.raises(C.ConfigError, match=rf"^--vocab-size {given} with --init-from .*: the vocabulary is "
                                                     rf"the folder's \({VOCAB} tokens, its tokenizer's\); drop "
@@ -72,12 +77,7 @@ def test_a_model_the_user_named_beside_the_folder_is_refused_unless_it_is_the_fo
     """--model beside --init-from used to be ignored without a word: the folder's model trained."""
     folder = _folder(tmp_path / "hf-tiny")
     for given, refused in (("gpt-test", True), ("llama-test", True), ("hf-tiny", False)):
-        if how == "flag":
-            cfg = _config(folder, "--model", given)
-        else:
-            toml = tmp_path / f"run-{given}.toml"
-            toml.write_text(f'[model]\nname = "{given}"\n')
-            cfg = _config(folder, toml=toml)
+        cfg = _stated(folder, how, "--model", "model", "name", given, tmp_path)
         if refused:
             with pytest.raises(C.ConfigError, match=rf"^--model {given} with --init-from .*: the model is the "
                                                     rf"folder's \(hf-tiny\); drop --model$"):
