@@ -26,7 +26,8 @@ class Board:
             self.writer = SummaryWriter(log_dir=str(Path(out) / "tensorboard"))
 
     def step(self, step: int, *, loss: float, lr: float | None, tokens_per_s: float, grad_norm: float,
-             val_loss: float | None, expert_load_max_over_mean: float | None = None) -> None:
+             val_loss: float | None, expert_load_max_over_mean: float | None = None,
+             balance_loss: float | None = None) -> None:
         """Collective (the memory of every rank)."""
         from meshtrain.metrics import peak_rss_mib
         memory = self.comm.all_gather_object(peak_rss_mib())
@@ -39,6 +40,8 @@ class Board:
             scalars["loss/held_out"] = val_loss
         if expert_load_max_over_mean is not None:  # a mixture of experts: its busiest router's max/mean load
             scalars["moe/expert_load_max_over_mean"] = expert_load_max_over_mean
+        if balance_loss is not None:  # and the balancing loss it added (not in loss/train)
+            scalars["moe/balance_loss"] = balance_loss
         for name, value in scalars.items():
             self.writer.add_scalar(name, value, step)
         for rank, mib in enumerate(memory):

@@ -24,6 +24,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
+from meshtrain.balancing import later_divisor, refuse_miscounted, step_tokens
 from meshtrain.batch_rows import batch_rows, step_rows, take_rows
 from meshtrain.comm import METRICS
 from meshtrain.function_init import FunctionInit
@@ -40,15 +41,6 @@ from meshtrain.parallel.options import CompileOptions, Strategies
 from meshtrain.parallel.pipeline.stages import PipelinePlan
 from meshtrain.parallel.tensor import TensorPlan
 from meshtrain.step_output import StepOutput
-
-
-def _reciprocal(count, loss_scale: float, device: torch.device) -> torch.Tensor:
-    """loss_scale / count as a 0-dim fp32 tensor on `device`, where count is a number or a
-    0-dim device tensor (not read). Never a number: compiled MoE blocks read it, and dynamo
-    guards on a number's value (a normalizer that changes each step recompiled each step)."""
-    if torch.is_tensor(count):
-        return loss_scale / count.to(torch.float32)
-    return torch.tensor(loss_scale / count, dtype=torch.float32, device=device)
 
 
 class Job:
@@ -69,6 +61,7 @@ class Job:
         self._saver = None  # the background saver, made by the first `save(background=True)`
         self._expert_load = ExpertLoad(parallel.module, parallel.comm, options.sp, parallel.routers)  # a MoE's
         self._passes_num_items = num_items  # the model's forward takes num_items_in_batch
+        self._miscount = None  # a counted loss's step count and its prediction, when a balancing loss used it
         if loss.kind == "own":  # the model computes its loss in its forward: watched there
             parallel.loss_scope = loss.watching
         loss.row_share = 1 / mesh.size("cp")
@@ -115,7 +108,7 @@ class Job:
                 x, y = self._sequence_shard(x), self._sequence_shard(y)
             return {**x, **extra} if extra else x, (micro if self._loss.kind == "own" else y)
 
-        set_aux_scale(p.module, _reciprocal(count, p.loss_scale, mesh.device))  # a MoE's balancing loss, as the loss
+        predicted = self._weigh_balancing(inputs, targets, rows, mine, extra) if p.balancing else None
         with meter if meter is not None else nullcontext(), eager_while(meter is not None and p.compiled):
             total = p.runner.run(p, micro_batch, m, count)  # the command line's activation meter, eagerly
         if p.dropout_keys is not None:
@@ -124,6 +117,8 @@ class Job:
         loss, counted = global_mean(self._loss, p, total)
         if counted is not None:  # the runner back-propagated sums: the gradients of the mean, once, before clipping
             divide_([t.grad for t in {id(t): t for t in p.trained if t.grad is not None}.values()], counted)
+        if predicted is not None and self._loss.resolved == "counted":  # checked with the norm, in `update`
+            self._miscount = torch.stack([counted.double(), predicted])
         if not self._loss.settled:  # the first step says how a watched loss is weighted
             say_how_the_loss_is_weighted(self._loss, p, mesh, inputs, targets)
         self._loss.settled = True
@@ -135,7 +130,14 @@ class Job:
         Reading the norm to decide that is the step's one host sync (docs/host-syncs.md)."""
         p = self.parallel
         norm_t = grad_norm(p.trained, p.comm)
-        norm = norm_t.item()  # the skip decision: the host waits for the backward here
+        if self._miscount is not None:  # read with the norm: one host sync still
+            norm, counted, predicted = torch.cat([norm_t.double().reshape(1), self._miscount]).tolist()
+            self._miscount = None
+            if counted != predicted:
+                p.zero_grad()
+                refuse_miscounted(self._loss, counted, predicted)
+        else:
+            norm = norm_t.item()  # the skip decision: the host waits for the backward here
         lr = self.optimizer.param_groups[0].get("lr") if self.optimizer.param_groups else None
         stepped, nonfinite = math.isfinite(norm), None
         if stepped:
@@ -149,9 +151,42 @@ class Job:
                 print(f"meshtrain: warning: step {self.steps + 1}: the gradient norm is not finite "
                       f"(first: {nonfinite}); step skipped", file=sys.stderr)
         p.zero_grad()
-        load = self._expert_load.finish_step(stepped)  # the routers' biases moved from the global load
+        load, balance = self._expert_load.finish_step(stepped)  # the routers' biases moved from the global load
         self.steps += 1
-        return StepOutput(loss=loss, grad_norm=norm, lr=lr, stepped=stepped, nonfinite=nonfinite, expert_load=load)
+        return StepOutput(loss=loss, grad_norm=norm, lr=lr, stepped=stepped, nonfinite=nonfinite, expert_load=load,
+                          balance_loss=balance if p.balancing else None)
+
+    def _weigh_balancing(self, inputs, targets, rows: str, mine: slice, extra: dict) -> torch.Tensor:
+        """Set the MoE layers' balancing weight for the step (`balancing.py`): the gradient of
+        a mean over the step's tokens, whatever the loss. A watched loss not yet seen is first
+        run once without gradients on this rank's first micro-batch, so that its division is
+        known before the first backward. Returns the divisor predicted."""
+        p, mesh = self.parallel, self.mesh
+        if self._loss.watched and self._loss.resolved is None:
+            self._resolve_loss(inputs, targets, mine, extra)
+        divisor = later_divisor(self._loss, p.module, mesh, p.comm, inputs, targets, rows)
+        tokens = step_tokens(inputs, rows, mesh, p.comm)
+        set_aux_scale(p.module, (p.loss_scale * divisor / tokens).float(), (1 / tokens).float())
+        return divisor
+
+    def _resolve_loss(self, inputs, targets, mine: slice, extra: dict) -> None:
+        """Collective over pp: a watched loss's first call, on this rank's first micro-batch
+        in evaluation mode, without gradients; every stage then knows how it resolved."""
+        p, terms = self.parallel, self._loss
+        at = slice(mine.start, mine.start + (mine.stop - mine.start) // self.options.microbatches)
+        x = self._to_device(take_rows(inputs, at))
+        with torch.no_grad(), p.loss_scope():
+            out = self._output({**x, **extra} if extra else x)
+            if out is not None:  # the last pipeline stage's ranks
+                y = at.stop - at.start
+                if terms.kind != "own":
+                    y = self._to_device(take_rows(targets, at), cast=False)
+                    y = self._sequence_shard(y) if self.mesh.size("cp") > 1 else y
+                p.loss_fn(out, y)
+        seen = [s for s in p.comm.all_gather_object((terms.resolved, terms.counted_ignore_index), axis="pp")
+                if s[0] is not None]
+        terms.resolved, terms.counted_ignore_index = seen[0]
+        terms.start_step(terms.num_items, self.mesh.device)  # what it counted is not the step's
 
     def _rows_of(self, inputs, targets, rows: str, check: bool = False) -> tuple[slice, int, object]:
         """(this rank's rows of what it was passed, where they start in the global batch, the

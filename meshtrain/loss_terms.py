@@ -63,6 +63,7 @@ class CountedMeans(TorchFunctionMode):
         self.sums: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.normalized: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.weighted = False
+        self.ignore_index = IGNORE_INDEX  # the last counted mean's
         self._items = [num_items] if num_items is not None else []
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -96,6 +97,7 @@ class CountedMeans(TorchFunctionMode):
         else:
             out = func(**{**a, "size_average": None, "reduce": None, "reduction": "sum"})
             self.means.append((out, count))
+            self.ignore_index = a["ignore_index"]
         return out
 
 
@@ -182,6 +184,7 @@ class LossTerms:
         self.is_cross_entropy = self.kind == "ce" or (self.kind == "sum" and loss_fn is cross_entropy_sum)
         self.watched = self.kind in ("mean", "own")
         self.resolved: str | None = None  # a watched loss's weighting, once its first call has shown it
+        self.counted_ignore_index = IGNORE_INDEX  # a counted mean's, as its first call showed it
         self.settled = False  # a whole step has run: a loss divided by num_items or by rows is watched no more
         self.row_share = 1.0  # the part of a row each rank's loss covers (1/cp: cp ranks share a row)
         self._watch: CountedMeans | None = None
@@ -257,6 +260,7 @@ class LossTerms:
                              f"micro-batches and ranks; return the sum with loss_reduction='sum' and a normalizer")
         if self.resolved is None:
             self.resolved = resolved
+            self.counted_ignore_index = seen.ignore_index
         elif self.resolved != resolved:
             raise ValueError(f"{self.what} was weighted as {self.resolved!r} and is now {resolved!r}; it must be "
                              f"reduced alike in every micro-batch")

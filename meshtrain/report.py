@@ -114,6 +114,10 @@ def summary_json(cfg: Config, result: RunResult, per_rank: list[dict], device: t
         "comm_bytes_detail": result.comm_detail_per_step,  # each axis by collective
         "skipped_steps": result.skipped_steps,
         **(_expert_balance(result.expert_load_max_over_mean) if result.expert_load_max_over_mean else {}),
+        # a mixture of experts' balancing loss (coefficient × mean over the step's tokens, summed over
+        # its layers): the losses above are the main loss alone
+        **({"balance_loss": result.balance_losses[-1], "balance_losses": result.balance_losses}
+           if result.balance_losses else {}),
         "device": device_name(device),
         "model_flops_per_step": flops,
         # Model FLOPs per second over the devices' dense peak; None where the peak is unknown (CPUs).

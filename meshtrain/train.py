@@ -58,6 +58,7 @@ class RunResult:
     val_losses: list[tuple[int, float]] = field(default_factory=list)  # (step, held-out loss), with --eval-every
     # a mixture of experts: each reported step's busiest-expert/mean load of each router
     expert_load_max_over_mean: list[list[float]] = field(default_factory=list)
+    balance_losses: list[float] = field(default_factory=list)  # a mixture of experts' balancing loss, each step
     job: Job | None = None  # the trained job (the command line samples its text with it)
 
 
@@ -284,6 +285,7 @@ def train(cfg: Config, comm: Comm, *, observer: StepObserver | None = None, prog
     try:
         losses, times, comm_per_step, comm_detail, skipped, val_losses = [], [], {}, {}, [], []
         expert_load_ratios: list[list[float]] = []  # a mixture of experts': each step's max/mean load per router
+        balance_losses: list[float] = []  # and the balancing loss each step added
 
         def report(step: int, out: StepOutput, dt: float, val: float | None) -> None:
             """A step's numbers, read after the next step was started (its loss read then waits
@@ -306,10 +308,13 @@ def train(cfg: Config, comm: Comm, *, observer: StepObserver | None = None, prog
                 ratios = max_over_mean(out.expert_load)
                 expert_load_ratios.append(ratios)
                 balance = {"expert_load_max_over_mean": max(ratios), "expert_load_max_over_mean_per_layer": ratios}
+            if out.balance_loss is not None:  # logged beside the loss, which is the main loss alone
+                balance_losses.append(out.balance_loss.item())
+                balance["balance_loss"] = balance_losses[-1]
             if board is not None:
                 board.step(step + 1, loss=loss, lr=lr_at(step, tr), tokens_per_s=tokens_per_step / dt,
-                           grad_norm=out.grad_norm, val_loss=val, **({"expert_load_max_over_mean": max(ratios)}
-                                                                      if balance else {}))
+                           grad_norm=out.grad_norm, val_loss=val,
+                           **{k: balance[k] for k in ("expert_load_max_over_mean", "balance_loss") if k in balance})
             if step_log is not None:
                 step_log.write({"step": step + 1, "loss": loss, "lr": lr_at(step, tr), "step_time_s": dt,
                                 "tokens_per_s": tokens_per_step / dt, **({"val_loss": val} if val is not None else {}),
@@ -371,7 +376,7 @@ def train(cfg: Config, comm: Comm, *, observer: StepObserver | None = None, prog
                          activation_bytes_per_layer=probe.bytes if probe else None,
                          comm_per_step=comm_per_step, parallel=p, data=data, skipped_steps=skipped, trace=traced,
                          comm_detail_per_step=comm_detail, val_losses=val_losses,
-                         expert_load_max_over_mean=expert_load_ratios, job=job)
+                         expert_load_max_over_mean=expert_load_ratios, balance_losses=balance_losses, job=job)
     finally:
         if preemption is not None:
             preemption.restore()

@@ -10,8 +10,8 @@ the auxiliary loss is computed per row (or per group of rows) from the router's 
 scores, and reaches the router through the backward alone (`AddAuxGradient`): the output is
 unchanged, and the loss's gradient joins the step's as one more term per token, scaled by
 `aux_scale` — by default 1/(this forward's tokens), a mean beside a mean cross-entropy; a
-meshtrain job sets it to its own loss's scale each step (1/the step's global count of loss
-terms), so that it is divided as the cross-entropy is.
+meshtrain job sets it each step so that the gradient is that of a mean over the step's
+tokens whatever the main loss's kind and normalizer (`meshtrain/balancing.py`).
 Per-row terms do not depend on how rows are cut into micro-batches, ranks or pipeline
 stages, so no count has to cross a stage or wait for the last micro-batch."""
 
@@ -72,9 +72,10 @@ class TopKRouter(nn.Module):
     `expert_bias` when the bias balances the load), and returns the chosen experts and their
     weights (the scores, renormalised over the k when `norm_topk`). With `balance` =
     "bias", `expert_load` counts the tokens each expert received since the last
-    `update_bias`; `expert_bias` and `expert_load` are fp32 state (`fp32_state_buffers`)."""
+    `update_bias`; `balance_loss` sums the balancing loss its layer added since the step
+    began (its logged value); all three are fp32 state (`fp32_state_buffers`)."""
 
-    fp32_state_buffers = ("expert_bias", "expert_load")
+    fp32_state_buffers = ("expert_bias", "expert_load", "balance_loss")
 
     def __init__(self, spec: MoESpec):
         super().__init__()
@@ -84,6 +85,7 @@ class TopKRouter(nn.Module):
         if spec.balance == "bias":
             self.register_buffer("expert_bias", torch.zeros(spec.n_experts, dtype=torch.float32))
         self.register_buffer("expert_load", torch.zeros(spec.n_experts, dtype=torch.float32), persistent=False)
+        self.register_buffer("balance_loss", torch.zeros((), dtype=torch.float32), persistent=False)
 
     def forward(self, x: torch.Tensor, seq_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [tokens, d] (rows of `seq_len` tokens; None: one row) -> (scores [tokens, E]
@@ -235,7 +237,9 @@ class MoE(nn.Module):
         self.gate = TopKRouter(spec)
         self.experts = Experts(spec)
         self.balance, self.aux_coef, self.balance_rows = spec.balance, spec.aux_coef, spec.balance_rows
-        self.aux_scale = None  # the balancing loss's weight per token (None: 1/this forward's tokens)
+        # the balancing loss's weight per token in the gradient, and in its logged value
+        # (None: 1/this forward's tokens, a mean beside a plain loop's mean loss)
+        self.aux_scale = self.aux_value_scale = None
         if spec.shared_ffn_dim:
             self.shared_experts = MLP(SimpleNamespace(d_model=spec.d_model, ffn_dim=spec.shared_ffn_dim))
 
@@ -253,8 +257,12 @@ class MoE(nn.Module):
                                  f"(make each micro-batch a multiple of {group} rows)")
             sums = balance_sums(scores, chosen, b // group, self.gate.score)
             local = sums[:, 2, 0]  # this rank's tokens of each group, before the sum over ranks
-            scale = self.aux_scale if self.aux_scale is not None else 1.0 / (b * s)
-            aux = self.aux_coef * scale * balance_loss(self.sequence_sum(sums), self.gate.top_k, local)
+            weighted = balance_loss(self.sequence_sum(sums), self.gate.top_k, local)
+            mean = 1.0 / (b * s)
+            aux = self.aux_coef * (self.aux_scale if self.aux_scale is not None else mean) * weighted
+            if not _in_backward():  # a recomputation's forward adds nothing to the value
+                value = self.aux_value_scale if self.aux_value_scale is not None else mean
+                self.gate.balance_loss += self.aux_coef * value * weighted.detach()
             out = AddAuxGradient.apply(out, aux)
         return out
 

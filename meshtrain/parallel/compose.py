@@ -24,7 +24,7 @@ import torch.nn as nn
 from meshtrain.comm import METRICS, Comm
 from meshtrain.loss import cross_entropy_sum
 from meshtrain.parallel.modules import find_block_list
-from meshtrain.parallel.expert_load import expert_routers, sum_sequences_over
+from meshtrain.parallel.expert_load import balancing_layers, expert_routers, sum_sequences_over
 from meshtrain.parallel.experts import apply_expert_parallel
 from meshtrain.parallel.materialize import InitSpec, cast_keeping_state_fp32, materialize, to_placeholders
 from meshtrain.optim import FULL_SHAPE, OptimizerFactory, check_optimizer, keep_grad_views, optimizer_from
@@ -114,6 +114,7 @@ class Parallelized:
     build_peak_bytes: int | None = None  # the most this rank held while it built its part (train.setup)
     # a mixture of experts' routers in the whole model (name -> experts), read before a pipeline cut
     routers: dict[str, int] = field(default_factory=dict)
+    balancing: int = 0  # the whole model's layers adding a balancing loss, counted before a pipeline cut
     # what a micro-batch's forward and loss run inside (a model computing its own loss: the
     # job's count of its terms, `loss_terms.LossTerms.watching`)
     loss_scope: Callable[[], AbstractContextManager] = nullcontext
@@ -254,6 +255,7 @@ def parallelize(model: nn.Module, comm: Comm, options: Strategies, *, optimizer:
     one at a time (FSDP2-style); by default each child of the block list."""
     mesh, factory = comm.mesh, optimizer
     routers = expert_routers(model)  # before a pipeline cut: every stage knows them all
+    balancing = balancing_layers(model)
     ignore_index = getattr(loss_fn, "ignore_index", -100)  # the target a vocabulary-parallel loss skips
     n_params = sum(p.numel() for p in model.parameters())
     check_optimizer(factory, model, elementwise=bool(options.zero and mesh.size("dp") > 1) or mesh.size("tp") > 1)
@@ -389,7 +391,7 @@ def parallelize(model: nn.Module, comm: Comm, options: Strategies, *, optimizer:
     grad_sync = syncs[0] if len(syncs) == 1 else GradSyncs(*syncs)
     p = Parallelized(model, loss_fn, grad_sync, optimizer, runner, comm, n_params, dropout_keys=keys,
                         holdings=holdings, compute_dtype=compute_dtype, notes=notes,
-                        compiled=options.compile is not None, routers=routers)
+                        compiled=options.compile is not None, routers=routers, balancing=balancing)
     if micro_shape is not None:
         set_micro_shape(p, pipeline, *micro_shape, options.sp)
     return p

@@ -2,7 +2,8 @@
 token counts (`TopKRouter.expert_load`, this rank's tokens over its micro-batches) are
 summed over the ranks that split the batch's tokens — dp and cp always, tp under SP (tp
 ranks without SP hold the same tokens, counted once) — in one all-reduce of a table with a
-row per router of the whole model; each router then moves its balancing bias from its
+row per router of the whole model (and a column more: the balancing loss each router's
+layer added, `TopKRouter.balance_loss`); each router then moves its balancing bias from its
 global row (every replica the same step, so replicas stay bit-identical) and restarts its
 count. Under pp the stages' rows are summed over pp too, so every rank reports the whole
 model's load."""
@@ -33,24 +34,29 @@ class ExpertLoad:
         self.routers = [(names.index(n), mine[n]) for n in names if n in mine]
         self.axes = ["dp"] + (["tp"] if sp else []) + (["pp"] if comm.mesh.size("pp") > 1 else [])
 
-    def finish_step(self, stepped: bool) -> torch.Tensor | None:
+    def finish_step(self, stepped: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Collective over the token-splitting axes and pp: the step's global load [every
-        router of the model, experts] (None without routers), each router's bias moved from
-        its row when the step was taken, and the counts restarted. A stage without a router
-        takes part in the sums all the same."""
+        router of the model, experts] and its balancing loss summed over the layers (a 0-dim
+        tensor; both None without routers), each router's bias moved from its row when the
+        step was taken, and the counts restarted. A stage without a router takes part in the
+        sums all the same."""
         if not self.rows:
-            return None
-        load = torch.zeros(self.rows, self.experts, device=self.comm.mesh.device)
+            return None, None
+        table = torch.zeros(self.rows, self.experts + 1, device=self.comm.mesh.device)
         for i, router in self.routers:
-            load[i, :router.expert_load.shape[0]] = router.expert_load
+            table[i, :router.expert_load.shape[0]] = router.expert_load
+            if hasattr(router, "balance_loss"):
+                table[i, -1] = router.balance_loss
+                router.balance_loss.zero_()
         for axis in self.axes:  # other stages' rows are zero here: pp's sum fills them in
-            self.comm.all_reduce(load, axis, purpose=METRICS)
+            self.comm.all_reduce(table, axis, purpose=METRICS)
+        load = table[:, :-1]
         for i, router in self.routers:
             if stepped:
                 router.update_bias(load[i, :router.expert_load.shape[0]])
             else:
                 router.expert_load.zero_()
-        return load
+        return load, table[:, -1].sum()
 
 
 class _SumOver(torch.autograd.Function):
@@ -91,11 +97,17 @@ def max_over_mean(load: torch.Tensor) -> list[float]:
     return (load.max(1).values / load.mean(1).clamp_min(1e-12)).tolist()
 
 
-def set_aux_scale(module: nn.Module, scale) -> None:
-    """Give each MoE layer's balancing loss the scale the step's loss has (`scale`: the loss
-    scale over the step's normalizer, a 0-dim device tensor: nothing read on the host, and
-    no value a compiled block would guard on), so that its per-token terms are divided as
-    the cross-entropy's are."""
+def set_aux_scale(module: nn.Module, scale: torch.Tensor, value_scale: torch.Tensor) -> None:
+    """Give each MoE layer's balancing loss its weight per token for the step: `scale` in
+    the gradient, `value_scale` in its logged value (`balancing.py`; 0-dim device tensors:
+    nothing read on the host, and no value a compiled block would guard on)."""
     for m in module.modules():
         if hasattr(m, "aux_scale"):
-            m.aux_scale = scale
+            m.aux_scale, m.aux_value_scale = scale, value_scale
+
+
+def balancing_layers(module: nn.Module) -> int:
+    """How many of a model's layers add a balancing loss (read before a pipeline cut)."""
+    return sum(1 for m in module.modules()
+               if hasattr(m, "aux_scale") and getattr(m, "aux_coef", 0) and getattr(m, "balance", "") in
+               ("sequence", "batch"))
