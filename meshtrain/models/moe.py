@@ -199,9 +199,14 @@ def sort_by_expert(chosen: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, 
 def weighted_sum(x: torch.Tensor, y: torch.Tensor, token: torch.Tensor, order: torch.Tensor,
                  weights: torch.Tensor) -> torch.Tensor:
     """The experts' outputs `y` (rows in `order`) weighted by the router (in fp32, as its
-    weights are) and summed per token into x's shape."""
-    y = y.float() * weights.reshape(-1)[order, None]
-    return torch.zeros_like(x).index_add_(0, token, y.to(x.dtype))
+    weights are) and summed per token into x's shape. Deterministic: the rows are put back
+    in (token, slot) order (a permutation: each written once) and each token's k rows summed
+    as a [tokens, k, d] reduction — not an `index_add_`, whose CUDA atomics add in no fixed
+    order, so that a recomputation gives its forward's bits. (`token`: each sorted row's
+    token, for a strategy's own combine; the permutation does without it.)"""
+    n, k = weights.shape
+    rows = torch.empty_like(y).index_copy_(0, order, y).view(n, k, -1)
+    return (rows.float() * weights[..., None]).sum(1).to(x.dtype)
 
 
 def balance_sums(scores: torch.Tensor, chosen: torch.Tensor, groups: int, score: str) -> torch.Tensor:

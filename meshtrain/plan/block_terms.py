@@ -86,7 +86,7 @@ def moe_kept_bytes(tokens: int, micro_batch: int, hidden: int, moe: MoEDims, *, 
     - the experts: the order of the rows by expert and each row's token (r int64 each), the
       rows gathered (r·d), grouped_mm's group ends (E int32), gate_up's output (r·2I), the
       SiLU and the product (r·I each), the down projection's output in fp32 (r·d·4: fp32
-      weighting), each row's weight (r fp32) and the weighted rows index_add sums back (r·d);
+      weighting), each row's weight (r fp32) and the rows put back in token order (r·d);
     - the balancing loss's per-group sums and terms (g groups: g·(5E + 3) fp32), and where the
       sums are added over the ranks holding other tokens of the same rows (`summed`: SP, cp)
       their sum's own copy (g·3E);
@@ -120,7 +120,7 @@ def moe_backward_extra(tokens: int, hidden: int, moe: MoEDims, *, element_bytes:
     gradient, at its largest (n tokens, r = k·n rows; weight gradients counted until they are
     added to their buffers). Throughout: the balancing loss's gradient of the scores' share
     (n·3E fp32, a view of its stacked gradient) until the router's backward. Then, in order:
-    - the weighting: index_add's source freed, the rows' output gradient gathered (in fp32),
+    - the weighting: the reordered rows freed, the rows' output gradient gathered (in fp32),
       the gradients of the down projection's output and of the weights (and its product
       before the sum): 3·r·d fp32 and r;
     - the down projection: its output's gradient (in the compute dtype), its weight's
@@ -136,7 +136,7 @@ def moe_backward_extra(tokens: int, hidden: int, moe: MoEDims, *, element_bytes:
     E, k, I = moe.experts, moe.top_k, moe.expert_ffn
     r = n * k // moe.rows_share
     aux = n * 3 * E * 4 if moe.aux_rows else 0
-    held = aux - r * d * e  # the aux gradient; index_add's source freed
+    held = aux - r * d * e  # the aux gradient; the reordered rows freed
     weighting = held + 3 * r * d * 4 + r * 4
     after = held - r * 4 - r * d * 4  # the weighting's fp32 terms and the rows' weights freed
     down = after + r * d * e + E * d * I * e + r * I * e
