@@ -102,13 +102,19 @@ class TopKRouter(nn.Module):
             chosen = slots % self.n_experts
         else:
             ranked = scores.detach() + self.expert_bias if hasattr(self, "expert_bias") else scores
-            chosen = ranked.topk(self.top_k, dim=-1).indices
+            chosen = self.choose(ranked)
         weights = scores.gather(1, chosen)
         if self.norm_topk:
             weights = weights / weights.sum(-1, keepdim=True)
         if self.training and not _in_backward():
             self.expert_load += expert_counts(chosen, self.n_experts).float()
         return scores, chosen, weights
+
+    def choose(self, ranked: torch.Tensor) -> torch.Tensor:
+        """The k experts of each token: the top k of its ranking [tokens, E] -> [tokens, k]
+        (recomputation replaces this on the instance, to replay the forward's choice; the
+        ranking is detached, so that a replayed choice leaves autograd nothing less saved)."""
+        return ranked.detach().topk(self.top_k, dim=-1).indices
 
     @torch.no_grad()
     def update_bias(self, load: torch.Tensor) -> None:

@@ -25,7 +25,16 @@ whole from its first block's forward under one checkpoint, calling its other blo
 modules (so per-block hooks such as ZeRO-3's gathers run); when the model's own loop calls
 those, they pass their input through (`passes_through`). Recomputation sees the same dropout masks:
 the `DropoutKeys` of the forward (step and rows) are put back while it runs, since a
-pipeline computes other micro-batches in between."""
+pipeline computes other micro-batches in between.
+
+A mixture of experts' routing is replayed, as Megatron's `RouterReplay` does: each router
+of a recomputed block (a module with `choose(ranking) -> experts` and `top_k`) records
+what its forward chose in the checkpointed call it ran in, and its recomputation takes
+that choice again instead of ranking afresh. A recomputed ranking can differ in its last
+bits (a GPU's atomics, a compiled kernel's other order), and on a near tie it would choose
+other experts: a gradient through a routing the loss never used, and under expert
+parallelism other split sizes, which torch's checkpoint refuses in the backward of one
+rank while the others wait."""
 
 from __future__ import annotations
 
@@ -58,6 +67,43 @@ def _keys_at(keys: DropoutKeys | None, where: tuple | None, again: bool = False)
     finally:
         keys.use(*now)
         keys.calls = calls
+
+
+class _Choices:
+    """What the routers chose in one checkpointed call's forward, in call order, for its
+    recomputations to choose again."""
+
+    def __init__(self):
+        self.made: list[torch.Tensor] = []
+        self.replaying, self.at = False, 0
+
+
+_choices: ContextVar[_Choices | None] = ContextVar("meshtrain_choices", default=None)
+
+
+def _replayed(choose):
+    """A router's `choose`, recorded in a checkpointed call's forward and replayed in its
+    recomputation (outside a checkpoint, as it was). Eager under torch.compile: which
+    choice to return is Python state of the call."""
+    @torch.compiler.disable
+    def replaying(ranked: torch.Tensor) -> torch.Tensor:
+        choices = _choices.get()
+        if choices is None:
+            return choose(ranked)
+        if choices.replaying:
+            choices.at += 1
+            return choices.made[choices.at - 1]
+        chosen = choose(ranked)
+        choices.made.append(chosen)
+        return chosen
+    return replaying
+
+
+def _replay_routing(blocks) -> None:
+    for block in blocks:
+        for m in block.modules():
+            if callable(getattr(m, "choose", None)) and hasattr(m, "top_k"):
+                m.choose = _replayed(m.choose)
 
 
 RECOMPUTED = "_meshtrain_recomputed"  # set on every module that runs under a checkpoint
@@ -107,17 +153,19 @@ def _checkpointed(run, keys: DropoutKeys | None, block: bool = False):
         if not torch.is_grad_enabled():
             return run(x, *args, **kwargs)
         where = (keys.step, keys.rows) if keys is not None else None
-        runs = 0
+        runs, choices = 0, _Choices()
 
         def again(x, *args, **kwargs):
             nonlocal runs
             runs += 1  # the first run is the forward, the others recompute
-            flag = _recomputing_block.set(block and runs > 1)
+            choices.replaying, choices.at = runs > 1, 0
+            flag, chosen = _recomputing_block.set(block and runs > 1), _choices.set(choices)
             try:
                 with _keys_at(keys, where, again=runs > 1):
                     return run(x, *args, **kwargs)
             finally:
                 _recomputing_block.reset(flag)
+                _choices.reset(chosen)
         return checkpoint(again, x, *args, use_reentrant=False, **kwargs)
     return forward
 
@@ -186,8 +234,10 @@ def apply_recompute(runs: list[list[nn.Module]], policy: str, keys: DropoutKeys 
     if mode == "none":
         return
     for blocks in runs:
-        if mode == "full":
+        if mode in ("full", "segments"):
             _mark(blocks)
+            _replay_routing(blocks)
+        if mode == "full":
             for block in blocks:
                 for mlp in mlp_modules(block) if mlp_chunks else []:
                     mlp.forward = _mlp_in_row_chunks(mlp.forward, keys)
@@ -197,7 +247,6 @@ def apply_recompute(runs: list[list[nn.Module]], policy: str, keys: DropoutKeys 
             for module in attention_modules(blocks):
                 module.core = _checkpointed(module.core, keys)
             continue
-        _mark(blocks)
         size = k or math.ceil(math.sqrt(len(blocks)))
         for start in range(0, len(blocks), size):
             head, members = blocks[start], blocks[start + 1:start + size]
