@@ -100,6 +100,14 @@ def special_ids(side: dict[str, dict], tokenizer=None) -> dict:
     return ids
 
 
+def model_pad(spec) -> dict:
+    """{"pad": the spec's `pad_token_id`} where the model has one (the embedding row it trained
+    without a gradient, read from the imported folder's config.json), so that the config.json
+    written makes transformers' embedding the same; else {} (the special ids decide)."""
+    pad = getattr(spec, "pad_token_id", None)
+    return {} if pad is None else {"pad": pad}
+
+
 def byte_tokenizer():
     """meshtrain's byte tokenizer (ids are the UTF-8 bytes) as a `tokenizers.Tokenizer`: a
     byte-level BPE with no merges whose 256 tokens are GPT-2's printable stand-ins for the
@@ -142,7 +150,7 @@ def write_side(folder, spec, vocab_size: int, dtype: str, side: dict[str, dict] 
         atomic_write(folder / TOKENIZER, lambda p: tok.save(str(p)))
     if tok is not None:
         written.append(TOKENIZER)
-    ids = special_ids(side, tok)
+    ids = special_ids(side, tok) | model_pad(spec)
     config = config_from_spec(spec, vocab_size, dtype, ids)
     put(CONFIG, config)
     generation = dict(side.get(GENERATION_CONFIG) or {"_from_model_config": True})

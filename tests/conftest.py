@@ -33,7 +33,8 @@ LONGEST_FIRST = ["test_verify_mutants.py", "test_cli.py", "test_compile.py", "te
                  "test_recompute.py", "test_context.py", "test_tensor.py", "test_llama.py", "test_verify_norm.py",
                  "test_async_save.py", "test_plan_moe.py", "test_validation.py", "test_planner.py", "test_plan_llama.py",
                  "test_verify_resume.py", "test_prepare_scale.py", "test_plan_activations.py", "test_export_hf.py",
-                 "test_prepare_finetune.py", "test_moe.py", "test_moe_hf.py"]  # then each under 18 s
+                 "test_padding_idx.py", "test_prepare_finetune.py", "test_moe.py",
+                 "test_moe_hf.py"]  # then each under 18 s
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,6 +1,6 @@
 """A Llama-3-style tokenizer built with `tokenizers` (no download) and a tiny Hugging Face
 Llama folder around it, for the tests of whole-document tokenization, `meshtrain prepare` and
-fine-tuning on prepared tokens.
+fine-tuning on prepared tokens, and the plain transformers loop a fine-tune is compared with.
 
 The tokenizer is Llama 3's recipe on a small vocabulary: its pre-tokenizer's regex (which keeps
 ".\\n\\n" and "\\n\\n" as single pieces), byte-level BPE, and a post-processor that puts
@@ -81,3 +81,36 @@ def write_documents(folder: Path, docs: list[str]) -> Path:
     for i, doc in enumerate(docs):
         (folder / f"{i:03}.txt").write_text(doc)
     return folder
+
+
+def transformers_losses(folder: Path, prep: Path, tr) -> list[float]:
+    """A plain transformers loop on `folder`'s model (`AutoModelForCausalLM`), as `meshtrain
+    train` runs `tr` (a `TrainConfig`: its steps, batch, length, learning rate and schedule):
+    AdamW where matrices decay (meshtrain's rule), global-norm clipping, warm-up then cosine,
+    the mean cross-entropy of each global batch of the prepared ids in `prep` (read through
+    TextData, the very rows the run draws)."""
+    import torch
+    import torch.nn.functional as F
+    import transformers
+
+    from meshtrain.cli.config import lr_at
+    from meshtrain.data.datasets import TextData
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager").train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": tr.weight_decay},
+                             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
+                            lr=tr.lr, betas=(0.9, 0.95), eps=1e-8)
+    data = TextData(prep, tr.seq_len, tr.seed)
+    losses = []
+    for step in range(tr.steps):
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, tr)
+        x, y = data.batch(step, tr.batch_size, slice(0, tr.batch_size))
+        loss = F.cross_entropy(model(x).logits.flatten(0, 1), y.reshape(-1))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, tr.clip)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses

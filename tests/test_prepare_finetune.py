@@ -6,13 +6,10 @@ learning-rate schedule on the very token ids of the prepared folder (read throug
 the same rows the run draws). Step losses agree within 1e-5 relative over 5 steps."""
 
 import pytest
-import torch
-import torch.nn.functional as F
 from helpers import last_json, run_cli, run_main
-from llama3_folder import documents, hf_llama_folder, llama3_tokenizer, write_documents
+from llama3_folder import documents, hf_llama_folder, llama3_tokenizer, transformers_losses, write_documents
 
-from meshtrain.cli.config import TrainConfig, lr_at
-from meshtrain.data.datasets import TextData
+from meshtrain.cli.config import TrainConfig
 
 transformers = pytest.importorskip("transformers")
 
@@ -30,32 +27,8 @@ def prepared(tmp_path_factory):
     r = run_main("prepare", "--data", write_documents(root / "docs", docs), "--init-from", root / "hf",
                 "--out", root / "prep")
     assert r.returncode == 0, r.stderr
-    return root / "hf", root / "prep", _transformers_losses(root / "hf", root / "prep")
-
-
-def _transformers_losses(hf, prep) -> list[float]:
-    """A plain loop: AdamW where matrices decay (meshtrain's rule), global-norm clipping at 1,
-    warm-up then cosine, the mean cross-entropy of each global batch of the prepared ids."""
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM.from_pretrained(hf, attn_implementation="eager").train()
     tr = TrainConfig(steps=STEPS, lr=LR, warmup=WARMUP, batch_size=BATCH, seq_len=SEQ)
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": tr.weight_decay},
-                             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
-                            lr=LR, betas=(0.9, 0.95), eps=1e-8)
-    data = TextData(prep, SEQ, tr.seed)
-    losses = []
-    for step in range(STEPS):
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step, tr)
-        x, y = data.batch(step, BATCH, slice(0, BATCH))
-        loss = F.cross_entropy(model(x).logits.flatten(0, 1), y.reshape(-1))
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, tr.clip)
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
+    return root / "hf", root / "prep", transformers_losses(root / "hf", root / "prep", tr)
 
 
 @pytest.mark.parametrize("layout", [

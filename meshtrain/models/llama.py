@@ -161,7 +161,7 @@ class Llama(nn.Module):
         if spec.n_heads % spec.kv_heads:
             raise ValueError(f"n_kv_heads {spec.kv_heads} does not divide n_heads {spec.n_heads}")
         self.spec, self.vocab_size = spec, vocab_size
-        self.embed_tokens = nn.Embedding(vocab_size, spec.d_model)
+        self.embed_tokens = nn.Embedding(vocab_size, spec.d_model, padding_idx=spec.pad_token_id)
         rope_tables: dict = {}  # one RoPE table per length for every layer (`Rotary`)
         self.layers = nn.ModuleList(Block(spec, rope_tables) for _ in range(spec.n_layers))
         self.norm = RMSNorm(spec.d_model, spec.rms_norm_eps)

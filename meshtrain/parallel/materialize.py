@@ -5,7 +5,9 @@ it, drawn whole on the CPU generator (whatever the device) from a stable hash of
 and its full name, then sliced to the rank's piece. The one-process reference draws from the
 same function, so every layout starts from the same weights by construction.
 
-A rule is data (`("normal", std)`, `("uniform", bound)`, `("ones",)`, `("zeros",)`), so that
+A rule is data (`("normal", std)`, `("uniform", bound)`, `("ones",)`, `("zeros",)`; a
+normal rule may name rows to leave zero after it, `("normal", std, row, ...)`: an
+embedding's padding row, as `nn.Embedding` and transformers' initialisation leave it), so that
 ranks can compare their specs (`InitSpec.fingerprint`) before any weight exists. The rules
 of meshtrain's own models are their recipes' (`meshtrain.recipes`); a strategy takes an
 `InitSpec` as an argument and knows no model."""
@@ -18,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-Rule = tuple  # ("normal", std) | ("uniform", bound) | ("ones",) | ("zeros",)
+Rule = tuple  # ("normal", std, *zero_rows) | ("uniform", bound) | ("ones",) | ("zeros",)
 
 
 def stable_seed(seed: int, name: str) -> int:
@@ -41,6 +43,8 @@ class InitSpec:
         kind, *args = self.rules[name]
         if kind == "normal":
             out.normal_(0.0, args[0], generator=generator)
+            for row in args[1:]:  # drawn, then zeroed: the other rows are those of a rule without it
+                out[row] = 0.0
         elif kind == "uniform":
             out.uniform_(-args[0], args[0], generator=generator)
         elif kind == "ones":

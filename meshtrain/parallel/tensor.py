@@ -209,21 +209,29 @@ class RowParallelLinear(nn.Module):
 
 class VocabParallelEmbedding(nn.Module):
     """Each rank holds 1/tp of the vocabulary's rows; ids outside its range look up zeros,
-    and the sum over tp gives every id its row (reduce-scattered along the sequence under SP)."""
+    and the sum over tp gives every id its row (reduce-scattered along the sequence under SP).
+    The full embedding's padding row (`padding_idx`) gets no gradient from the lookup on the
+    rank that holds it."""
 
     def __init__(self, full: nn.Embedding, comm: Comm, sp: bool):
         super().__init__()
         self.comm, self.sp = comm, sp
         self.num_embeddings = full.num_embeddings // comm.mesh.size(TP)
         self.start = comm.mesh.coord(TP) * self.num_embeddings
+        self.padding_idx = _local_row(full.padding_idx, self.start, self.num_embeddings)
         self.weight = nn.Parameter(_chunk(full.weight, 0, comm))
         set_shard(self.weight, TP, 0)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         local = ids - self.start
         outside = (local < 0) | (local >= self.num_embeddings)
-        out = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
-        return _reduce_output(out, self.comm, self.sp)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight, self.padding_idx)
+        return _reduce_output(out.masked_fill(outside.unsqueeze(-1), 0.0), self.comm, self.sp)
+
+
+def _local_row(row: int | None, start: int, rows: int) -> int | None:
+    """A full table's row among this rank's `rows` from `start`; None: not held here (or none)."""
+    return row - start if row is not None and start <= row < start + rows else None
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):

@@ -85,8 +85,19 @@ def flops_per_step(spec: LlamaSpec, vocab_size: int, batch: int, seq_len: int) -
 
 def init_rules(model) -> dict:
     """Hugging Face's Llama initialisation: every matrix N(0, 0.02) (its initializer_range),
-    RMSNorm weights 1. A tied head is the embedding (one parameter, one name)."""
-    return {name: ("normal", 0.02) if p.dim() >= 2 else ("ones",) for name, p in model.named_parameters()}
+    RMSNorm weights 1, the embedding's padding row 0. A tied head is the embedding (one
+    parameter, one name)."""
+    return with_padding_row({name: ("normal", 0.02) if p.dim() >= 2 else ("ones",)
+                             for name, p in model.named_parameters()}, model)
+
+
+def with_padding_row(rules: dict, model) -> dict:
+    """`rules` with the embedding's padding row (the spec's `pad_token_id`) drawn as zero, as
+    transformers' `_init_weights` (and `nn.Embedding` itself) leave it."""
+    pad = model.embed_tokens.padding_idx  # nn.Embedding's: a negative id counted from the end already
+    if pad is None:
+        return rules
+    return rules | {"embed_tokens.weight": (*rules["embed_tokens.weight"], pad)}
 
 
 def hf_name(name: str) -> str:
@@ -109,19 +120,33 @@ def spec_from_config(config: dict, where: str = "config.json") -> tuple[LlamaSpe
     try:
         d, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
         kv = int(config.get("num_key_value_heads") or heads)
+        vocab = int(config["vocab_size"])
         spec = LlamaSpec(n_layers=int(config["num_hidden_layers"]), n_heads=heads, n_kv_heads=kv, d_model=d,
                          head_dim=int(config.get("head_dim") or d // heads),
                          ffn_dim=int(config["intermediate_size"]),
                          max_seq_len=int(config.get("max_position_embeddings", 2048)),
                          rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
                          tie_embeddings=bool(config.get("tie_word_embeddings", False)),
-                         **rope_from_config(config, where))
-        vocab = int(config["vocab_size"])
+                         pad_token_id=pad_from_config(config, vocab, where), **rope_from_config(config, where))
     except KeyError as e:
         raise HFError(f"{where}: no {e.args[0]}") from None
     if heads % kv:
         raise HFError(f"{where}: num_key_value_heads {kv} does not divide num_attention_heads {heads}")
     return spec, vocab
+
+
+def pad_from_config(config: dict, vocab: int, where: str) -> int | None:
+    """The spec's `pad_token_id`: config.json's, the row transformers' embedding gives no
+    gradient (`nn.Embedding(vocab, d, padding_idx=pad_token_id)`, in every family meshtrain
+    reads). A negative id counts from the end, as nn.Embedding counts it (some configs on the
+    Hub say -1); one outside the vocabulary is refused in one line."""
+    pad = config.get("pad_token_id")
+    if pad is None:
+        return None
+    if isinstance(pad, bool) or not isinstance(pad, int) or not -vocab <= pad < vocab:
+        raise HFError(f"{where}: pad_token_id {pad!r} is outside the vocabulary of {vocab:,} tokens (vocab_size); "
+                      f"set it to a token id below {vocab:,}, or null")
+    return pad
 
 
 def rope_from_config(config: dict, where: str, theta: float = 10000.0) -> dict:
