@@ -26,9 +26,17 @@ from meshtrain.loss_terms import LossTerms, labels_for_count
 from meshtrain.mesh import Mesh
 
 
-def step_tokens(inputs, rows: str, mesh: Mesh, comm) -> torch.Tensor:
+def step_tokens(inputs, rows: str, mesh: Mesh, comm, mask: torch.Tensor | None = None) -> torch.Tensor:
     """N: the global batch's tokens, the positions of its inputs' first two dimensions
-    (rows × sequence; a [rows] input: a token per row), as a 0-dim float64 device tensor."""
+    (rows × sequence; a [rows] input: a token per row) — or those `mask` keeps (this rank's
+    rows under rows="local": summed over dp, a cp group's once) — as a 0-dim float64 device
+    tensor."""
+    if mask is not None:
+        n = mask.sum().to(torch.float64)
+        if rows == "local":
+            comm.all_reduce(n, "dp", purpose=METRICS)
+            n = n / mesh.size("cp")
+        return n
     x = inputs
     if isinstance(inputs, dict):
         x = inputs.get("input_ids", next((v for v in inputs.values() if torch.is_tensor(v)), None))

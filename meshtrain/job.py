@@ -40,6 +40,7 @@ from meshtrain.parallel.compile import check_compilable, eager_while
 from meshtrain.parallel.options import CompileOptions, Strategies
 from meshtrain.parallel.pipeline.stages import PipelinePlan
 from meshtrain.parallel.tensor import TensorPlan
+from meshtrain.parallel.token_mask import TokenMask
 from meshtrain.step_output import StepOutput
 
 
@@ -62,6 +63,7 @@ class Job:
         self._expert_load = ExpertLoad(parallel.module, parallel.comm, options.sp, parallel.routers)  # a MoE's
         self._passes_num_items = num_items  # the model's forward takes num_items_in_batch
         self._miscount = None  # a counted loss's step count and its prediction, when a balancing loss used it
+        self._token_mask = TokenMask(parallel.dropout_keys, mesh, options.sp)  # a MoE's balancing tokens
         if loss.kind == "own":  # the model computes its loss in its forward: watched there
             parallel.loss_scope = loss.watching
         loss.row_share = 1 / mesh.size("cp")
@@ -72,21 +74,23 @@ class Job:
 
     # ---- training -----------------------------------------------------------------------
 
-    def step(self, inputs, targets=None, *, rows: str = "global", check: bool = False) -> StepOutput:
+    def step(self, inputs, targets=None, *, rows: str = "global", check: bool = False,
+             token_mask: torch.Tensor | None = None) -> StepOutput:
         """One optimizer step on a batch: `inputs` (a tensor, or a dict of the model's keyword
         arguments) and `targets` (None when the model returns its own loss). `rows="global"`:
         every rank passes the same global batch; `rows="local"`: each passes only its
         data-parallel share, `inputs[mesh.rows(global_batch_size)]` — checked across ranks on
         the first step and whenever `check=True` (an object gather over the world)."""
-        loss = self.backward(inputs, targets, rows=rows, check=check)
+        loss = self.backward(inputs, targets, rows=rows, check=check, token_mask=token_mask)
         return self.update(loss)
 
     def backward(self, inputs, targets=None, *, rows: str = "global", meter=None,
-                 check: bool = False) -> torch.Tensor:
+                 check: bool = False, token_mask: torch.Tensor | None = None) -> torch.Tensor:
         """The first half of `step`: forward and backward over this rank's micro-batches and
         the gradient sync, the gradients those of the global batch's mean; returns that mean
         (a 0-dim tensor on the device: nothing is read on the host). `update` is the second
-        half."""
+        half. `token_mask` [rows, sequence] (rows as `inputs`'): for a mixture of experts,
+        the positions its balancing loss counts (False: padding, as an attention mask says)."""
         p, mesh, m = self.parallel, self.mesh, self.options.microbatches
         if isinstance(inputs, dict) and mesh.size("pp") > 1:
             raise ValueError("a batch dict under pipeline parallelism: pass inputs and targets tensors (the stages "
@@ -108,7 +112,8 @@ class Job:
                 x, y = self._sequence_shard(x), self._sequence_shard(y)
             return {**x, **extra} if extra else x, (micro if self._loss.kind == "own" else y)
 
-        predicted = self._weigh_balancing(inputs, targets, rows, mine, extra) if p.balancing else None
+        predicted = self._weigh_balancing(inputs, targets, rows, mine, offset, extra, token_mask) \
+            if p.balancing else None
         with meter if meter is not None else nullcontext(), eager_while(meter is not None and p.compiled):
             total = p.runner.run(p, micro_batch, m, count)  # the command line's activation meter, eagerly
         if p.dropout_keys is not None:
@@ -156,17 +161,25 @@ class Job:
         return StepOutput(loss=loss, grad_norm=norm, lr=lr, stepped=stepped, nonfinite=nonfinite, expert_load=load,
                           balance_loss=balance if p.balancing else None)
 
-    def _weigh_balancing(self, inputs, targets, rows: str, mine: slice, extra: dict) -> torch.Tensor:
+    def _weigh_balancing(self, inputs, targets, rows: str, mine: slice, offset: int, extra: dict,
+                         token_mask: torch.Tensor | None) -> torch.Tensor:
         """Set the MoE layers' balancing weight for the step (`balancing.py`): the gradient of
-        a mean over the step's tokens, whatever the loss. A watched loss not yet seen is first
-        run once without gradients on this rank's first micro-batch, so that its division is
-        known before the first backward. Returns the divisor predicted."""
+        a mean over the step's tokens (those `token_mask` keeps), whatever the loss; a pooled
+        loss once per forward, as a plain loop's micro-batches add it. A watched loss not yet
+        seen is first run once without gradients on this rank's first micro-batch, so that its
+        division is known before the first backward. Returns the divisor predicted."""
         p, mesh = self.parallel, self.mesh
         if self._loss.watched and self._loss.resolved is None:
             self._resolve_loss(inputs, targets, mine, extra)
         divisor = later_divisor(self._loss, p.module, mesh, p.comm, inputs, targets, rows)
-        tokens = step_tokens(inputs, rows, mesh, p.comm)
-        set_aux_scale(p.module, (p.loss_scale * divisor / tokens).float(), (1 / tokens).float())
+        mask = token_mask.to(mesh.device, torch.bool) if token_mask is not None else None
+        self._token_mask.set_step(mask, offset if rows == "local" else 0)
+        for layer in p.module.modules():
+            if hasattr(layer, "token_mask"):
+                layer.token_mask = self._token_mask.current if mask is not None else None
+        tokens, forwards = step_tokens(inputs, rows, mesh, p.comm, mask), self.options.microbatches
+        set_aux_scale(p.module, (p.loss_scale * divisor / tokens).float(), (1 / tokens).float(),
+                      (p.loss_scale * divisor / forwards).float(), 1 / forwards)
         return divisor
 
     def _resolve_loss(self, inputs, targets, mine: slice, extra: dict) -> None:
@@ -358,7 +371,7 @@ def parallelize(model: nn.Module, mesh: Mesh, *, optimizer: OptimizerFactory, lo
                 bucket_mb: float = 25.0, keep_gathered: bool = False, dp_linear_sync: str = "allreduce",
                 stage_layers: list[int] | None = None, rows_per_step: int | None = None, strict_p2p: bool = False,
                 sync_options: dict | None = None, cp_mode: str = "ring", compile: bool = False,
-                compile_backend: str = "inductor") -> Job:
+                compile_backend: str = "inductor", ep_max_load: float | None = None) -> Job:
     """Apply the strategies to `model` (in place) on `mesh` (`meshtrain.init`) and build the
     optimizer on what each rank holds.
 
@@ -391,12 +404,16 @@ def parallelize(model: nn.Module, mesh: Mesh, *, optimizer: OptimizerFactory, lo
     values around the ring) or "ulysses" (all-to-all to whole heads). `compile`: each block's
     forward compiled by `torch.compile` with `compile_backend` ("inductor", "aot_eager" or
     "eager"), in torchtitan's order (docs/compile.md); pass the plain model, not one
-    `torch.compile` returned."""
+    `torch.compile` returned. `ep_max_load`: on a mesh with ep > 1, the most rows a rank's
+    experts may receive in a MoE layer, as a multiple of the balanced share; a routing
+    that would send more stops every rank alike with one line (`experts.LoadOverBound`)
+    before the rows move."""
     options = Strategies(zero=zero, precision=precision, grad_dtype=grad_dtype or "fp32", recompute=recompute,
                          sp=sp, schedule=schedule, chunks=chunks, microbatches=microbatches, bucket_mb=bucket_mb,
                          keep_gathered=keep_gathered, dp_linear_sync=dp_linear_sync,
                          stage_layers=tuple(stage_layers) if stage_layers else None, strict_p2p=strict_p2p,
-                         cp_mode=cp_mode, compile=CompileOptions(compile_backend) if compile else None)
+                         cp_mode=cp_mode, compile=CompileOptions(compile_backend) if compile else None,
+                         ep_max_load=ep_max_load)
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: {type(model).__name__} is not a torch.nn.Module")
     check_compilable(model, options.compile)

@@ -16,6 +16,8 @@ from contextlib import nullcontext
 from pathlib import Path
 from dataclasses import dataclass, field
 
+import torch
+
 from meshtrain import launch
 from meshtrain.board import Board
 from meshtrain.comm import Comm
@@ -225,6 +227,15 @@ def count_targets(targets) -> torch.Tensor:
     return (targets != IGNORE_INDEX).sum()
 
 
+def real_positions(targets: torch.Tensor) -> torch.Tensor:
+    """--pad-documents' rows: the input positions that are not padding (a row's first, and
+    each whose previous target is not IGNORE_INDEX: padding follows a document's last
+    target), as transformers' attention mask marks them for its balancing loss."""
+    real = torch.ones_like(targets, dtype=torch.bool)
+    real[:, 1:] = targets[:, :-1] != IGNORE_INDEX
+    return real
+
+
 def train_step(job: Job, data, step: int, cfg: Config, *, observer: StepObserver | None = None,
                meter: ActivationMeter | None = None) -> StepOutput:
     """One optimizer step on the global batch of `step` (0-based): its global mean loss,
@@ -234,7 +245,8 @@ def train_step(job: Job, data, step: int, cfg: Config, *, observer: StepObserver
         set_lr(job.optimizer, lr_at(step, tr))
     job.steps = step  # dropout masks are keyed by the step
     inputs, targets = data.batch(step, tr.batch_size, slice(0, tr.batch_size))
-    loss = job.backward(inputs, targets, meter=meter)
+    mask = real_positions(targets) if tr.pad_documents and job.parallel.balancing else None
+    loss = job.backward(inputs, targets, meter=meter, token_mask=mask)
     if observer:
         observer.grads_ready(job.parallel, step + 1)
     return job.update(loss)

@@ -91,9 +91,13 @@ def curve_only(cfg: Config) -> bool:
 
 
 def reference_config(cfg: Config) -> Config:
-    """One process, one micro-batch, on the CPU: the same model, seed and global batch."""
+    """One process, one micro-batch, on the CPU: the same model, seed and global batch — in
+    the run's micro-batches where its loss is defined per forward (a pooled balancing loss:
+    a plain loop with gradient accumulation pools each micro-batch)."""
     ref = copy.deepcopy(cfg)
-    ref.layout = LayoutConfig(dp=1, tp=1, pp=1, microbatches=1, bucket_mb=cfg.layout.bucket_mb)
+    per_forward = cfg.model.moe_balance == "pooled"
+    ref.layout = LayoutConfig(dp=1, tp=1, pp=1, microbatches=cfg.layout.microbatches if per_forward else 1,
+                              bucket_mb=cfg.layout.bucket_mb)
     ref.train.device = "cpu"
     return ref
 

@@ -161,3 +161,121 @@ def test_the_balancing_loss_is_logged_beside_the_loss(tmp_path):
     events = EventAccumulator(str(tmp_path / "tensorboard"))
     events.Reload()
     assert [e.value for e in events.Scalars("moe/balance_loss")] == pytest.approx(logged, rel=1e-6)
+
+
+# ---- padding leaves the counts; transformers' pooled definition ------------------------------
+
+def _padded_batch():
+    """4 rows of 16, documents of 17, 12, 7 and 3 tokens padded (--pad-documents' rows):
+    their targets past a document's end ignored, the positions after it padding."""
+    ids = torch.randint(0, 256, (4, 17), generator=torch.Generator().manual_seed(5))
+    inputs, targets = ids[:, :-1].clone(), ids[:, 1:].clone()
+    for row, n in enumerate((17, 12, 7, 3)):
+        inputs[row, n:] = 0
+        targets[row, n - 1:] = -100
+    from meshtrain.train import real_positions
+    return inputs, targets, real_positions(targets)
+
+
+def _spec_model(**moe):
+    torch.manual_seed(0)
+    return build_model("moe-test", 0, vocab_size=256, moe={"aux_coef": COEF, **moe})
+
+
+def _masked_plain(mask, **moe):
+    """A plain loop's gradients: mean cross-entropy of the real targets, and the model's
+    balancing loss over the positions `mask` keeps (its layers told so)."""
+    inputs, targets, _ = _padded_batch()
+    model = _spec_model(**moe)
+    for m in model.modules():
+        if hasattr(m, "token_mask"):
+            m.token_mask = lambda: mask.reshape(-1)
+    F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten()).backward()
+    return {n: p.grad for n, p in model.named_parameters()}
+
+
+def _transformers_pooled(mask=None):
+    """transformers' loop: the mean cross-entropy plus router_aux_loss_coef ×
+    `load_balancing_loss_func` of every MoE layer's router logits (and the attention mask),
+    on a model without balancing of its own."""
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+    inputs, targets, _ = _padded_batch()
+    model = _spec_model(balance="none")
+    layers = [m for m in model.modules() if hasattr(m, "token_mask")]
+    logits = []
+    for layer in layers:
+        layer.register_forward_pre_hook(
+            lambda m, a: logits.append(F.linear(a[0].reshape(-1, a[0].shape[-1]).float(), m.gate.weight.float())))
+    loss = F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten())
+    spec = model.spec
+    coef = COEF * len(layers) / spec.top_k  # what export --hf writes as router_aux_loss_coef
+    aux = load_balancing_loss_func(tuple(logits), spec.n_experts, spec.top_k, mask)
+    (loss + coef * aux).backward()
+    return {n: p.grad for n, p in model.named_parameters()}, float(coef * aux.detach())
+
+
+def _worst(got: dict, want: dict) -> float:
+    return max(float((got[n] - g).abs().max() / g.abs().max().clamp_min(1e-30)) for n, g in want.items())
+
+
+def test_the_pooled_definition_is_transformers_loss():
+    """A plain loop of the pooled model (balance="pooled") against transformers' function on
+    the same router logits, without and with the attention mask."""
+    inputs, targets, mask = _padded_batch()
+    for m in (None, mask):
+        want, _ = _transformers_pooled(m)
+        model = _spec_model(balance="pooled")
+        if m is not None:
+            for layer in model.modules():
+                if hasattr(layer, "token_mask"):
+                    layer.token_mask = lambda: mask.reshape(-1)
+        F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten()).backward()
+        assert _worst({n: p.grad for n, p in model.named_parameters()}, want) <= 1e-5
+
+
+def _layout_grads(mesh, balance, masked, options):
+    from meshtrain.recipes import family_of
+    inputs, targets, mask = _padded_batch()
+    model = _spec_model(balance=balance)
+    family = family_of(model.spec)
+    plans = {**({"tp_plan": family.tp_plan(model.spec)} if mesh.size("tp") > 1 else {}),
+             **({"pipeline": family.pipeline_plan(model.spec)} if mesh.size("pp") > 1 else {})}
+    job = meshtrain.parallelize(model, mesh, **options, **plans,
+                                optimizer=lambda named: torch.optim.SGD([p for _, p in named], lr=0.0))
+    job.backward(inputs, targets, token_mask=mask if masked else None)
+    grads = job.parallel.full_grads()
+    out = job.update(torch.zeros(()))
+    return grads, float(out.balance_loss)
+
+
+@pytest.mark.parametrize("world,axes,options", [
+    (1, {}, {}), (2, {}, {"microbatches": 2}), (2, {"cp": 2}, {}), (2, {"tp": 2}, {"sp": True}),
+    (2, {"pp": 2}, {"microbatches": 2}), (2, {"ep": 2}, {"zero": 3}),
+], ids=["one-process", "dp2-micro2", "cp2", "tp2-sp", "pp2", "dp2-ep2-zero3"])
+def test_padding_leaves_the_balancing_counts_in_every_layout(world, axes, options):
+    """--pad-documents' padding positions (their mask) leave the per-row loss's counts: each
+    layout's gradients are a plain loop's over the real tokens."""
+    _, _, mask = _padded_batch()
+    want = _masked_plain(mask)
+    got, _ = run_ranks(_layout_grads, world, "sequence", True, options, **axes)[0]
+    assert _worst(got, want) <= 1e-5
+    counted = _masked_plain(torch.ones_like(mask))  # the padding counted: another gradient
+    assert _worst(counted, want) > 1e-3
+
+
+@pytest.mark.parametrize("world,axes,options", [
+    (1, {}, {}), (2, {"ep": 2}, {}), (2, {"ep": 2}, {"zero": 3}), (2, {"tp": 2}, {"sp": True}), (2, {"cp": 2}, {}),
+], ids=["one-process", "dp2-ep2", "dp2-ep2-zero3", "tp2-sp", "cp2"])
+def test_the_pooled_definition_in_a_layout_is_transformers_loop(world, axes, options):
+    """One forward per step: each layout's gradients and logged balancing loss are
+    transformers' loop's on the whole batch, its padding masked."""
+    _, _, mask = _padded_batch()
+    want, value = _transformers_pooled(mask)
+    got, logged = run_ranks(_layout_grads, world, "pooled", True, options, **axes)[0]
+    assert _worst(got, want) <= 1e-5
+    assert abs(logged - value) <= 1e-5 * value
+
+
+def test_the_pooled_definition_under_pipeline_parallelism_is_refused_in_one_line():
+    with pytest.raises(AssertionError, match="balance='pooled' .* pipeline parallelism splits over stages"):
+        run_ranks(_layout_grads, 2, "pooled", False, {"microbatches": 2}, pp=2)

@@ -14,6 +14,7 @@ from helpers import verdict
 from mutant_harness import assert_mutant_fails, assert_real_passes, records_of_every_mutant, verdicts_of
 from test_moe import moe_config
 
+import meshtrain
 from meshtrain.cli import config as C
 from meshtrain.cli.resume_at import resumed_config
 from meshtrain.cli.validate import validate
@@ -67,6 +68,9 @@ LAYOUTS = {
     "dp4-ep2-zero2-recompute": moe_config(dp=4, ep=2, zero=2, microbatches=1, recompute="full"),
     "dp2-ep2-pp2-zero3": moe_config(dp=2, pp=2, ep=2, zero=3, microbatches=4),
     "dp2-ep2-tp2-sp-zero3": moe_config(dp=2, tp=2, sp=True, ep=2, zero=3, microbatches=1),
+    # a capacity: the dropped rows do not travel, and every layout drops what one process drops
+    "dp2-ep2-capacity": moe_config(ep=2, moe_capacity=0.5),
+    "tp2-ep2-capacity": moe_config(dp=1, tp=2, ep=2, microbatches=1, moe_capacity=0.5),
 }
 
 
@@ -94,7 +98,7 @@ def every_tp_rank_dispatches_every_token():
     """tp without SP: each tp rank sends all its (replicated) tokens, so each is computed tp times."""
     real = ep_module.apply_expert_parallel
     return [mock.patch("meshtrain.parallel.compose.apply_expert_parallel",
-                       lambda model, comm, split_tp: real(model, comm, split_tp=False))]
+                       lambda model, comm, split_tp, **options: real(model, comm, split_tp=False, **options))]
 
 
 def a_rank_receiving_no_tokens_skips_its_exchange():
@@ -108,7 +112,17 @@ def a_rank_receiving_no_tokens_skips_its_exchange():
     return [mock.patch.object(ep_module, "dispatch_and_run", skipping)]
 
 
+def capacity_counted_per_forward():
+    """Each expert's capacity counted over a forward's rows, not per sequence: which choices
+    are dropped then depends on the micro-batch."""
+    from meshtrain.models import moe
+    real = moe.capacity_keep
+    return [mock.patch.object(moe, "capacity_keep", lambda chosen, weights, rows, factor, n: real(
+        chosen, weights, 1, factor * rows, n))]
+
+
 MUTANTS = {f.__name__: (f, layout) for f, layout in (
+    (capacity_counted_per_forward, "dp2-ep2-capacity"),
     (tokens_sent_to_the_neighbouring_ranks_experts, "dp2-ep2"),
     (expert_gradients_reduced_over_all_of_dp, "dp2-ep2"),
     (every_tp_rank_dispatches_every_token, "tp2-ep2"))}
@@ -128,8 +142,8 @@ def verdicts():
         return run_ranks(_records, world, layouts, MUTANTS, **axes)[0]
     records = ranks(2, ["dp2-ep2", "dp2-ep2-recompute", "dp2-ep2-bf16", "dp2-ep2-bias", "dp2-ep2-compile",
                         "ep2-no-tokens-on-rank-1", "dp2-ep2-zero1",
-                        "dp2-ep2-zero3", "dp2-ep2-zero3-bf16"], ep=2)
-    records.update(ranks(2, ["tp2-ep2", "tp2-sp-ep2"], tp=2, ep=2))
+                        "dp2-ep2-zero3", "dp2-ep2-zero3-bf16", "dp2-ep2-capacity"], ep=2)
+    records.update(ranks(2, ["tp2-ep2", "tp2-sp-ep2", "tp2-ep2-capacity"], tp=2, ep=2))
     records.update(ranks(2, ["cp2-ep2"], cp=2, ep=2))
     records.update(ranks(4, ["dp4-ep2", "dp2-ep2-recompute-4", "dp4-ep2-zero3", "dp4-ep2-zero2-recompute"], ep=2))
     records.update(ranks(4, ["dp2-ep2-tp2-sp", "dp2-ep2-tp2-sp-zero3"], tp=2, ep=2))
@@ -286,6 +300,10 @@ def test_a_checkpoint_resumes_across_ep_within_verify_s_tolerances(first, resume
     (dict(dp=2, ep=3), "--ep 3 does not divide dp·cp·tp = 2·1·1 = 2"),
     (dict(dp=3, ep=3), "--ep 3 does not divide the 4 experts of moe-test"),
     (dict(dp=2, ep=0), "--ep 0: must be a positive integer"),
+    (dict(dp=2, ep=2, ep_max_load=0.5), "--ep-max-load 0.5: some rank always receives at least the balanced share"),
+    (dict(dp=2, ep=1, ep_max_load=2.0), "--ep-max-load 2: it bounds the rows expert parallelism moves"),
+    (dict(dp=1, cp=2, ep=2, microbatches=1, moe_capacity=1.0), "counts its experts' capacity per sequence"),
+    (dict(dp=2, moe_capacity=0.0), "capacity 0: a capacity factor must be above 0"),
 ])
 def test_bad_ep_is_refused_in_one_line_before_any_rank_starts(layout, says):
     c = moe_config(**layout)
@@ -298,6 +316,42 @@ def test_ep_on_a_dense_model_is_refused_in_one_line():
     c.model.name, c.model.moe_aux_coef = "llama-test", None
     with pytest.raises(C.ConfigError, match="llama-test has none"):
         validate(c)
+
+
+def test_a_capacity_on_a_dense_model_is_refused_in_one_line():
+    c = moe_config()
+    c.model.name, c.model.moe_aux_coef, c.model.moe_capacity = "llama-test", None, 1.25
+    with pytest.raises(C.ConfigError, match="--moe-capacity applies to the mixture-of-experts presets"):
+        validate(c)
+
+
+def _collapsed(mesh, bound):
+    """Every token routed to experts 0 and 1 (ep rank 0's) in dp 2·ep 2 under `bound`: what
+    each rank raised (None: it trained)."""
+    from meshtrain.models import moe
+    from meshtrain.recipes.build import build_model
+
+    def first_two(self, ranked):
+        return torch.tensor([0, 1]).expand(ranked.shape[0], 2).contiguous()
+    torch.manual_seed(0)
+    ids = torch.randint(0, 256, (4, 17), generator=torch.Generator().manual_seed(3))
+    with mock.patch.object(moe.TopKRouter, "choose", first_two):
+        job = meshtrain.parallelize(build_model("moe-test", 0, vocab_size=256), mesh, ep_max_load=bound,
+                                    optimizer=lambda named: torch.optim.SGD([p for _, p in named], lr=0.1))
+        try:
+            job.step(ids[:, :-1], ids[:, 1:])
+        except ep_module.LoadOverBound as e:
+            return str(e)
+    return None
+
+
+def test_a_collapsed_routing_stops_every_rank_alike_before_the_rows_move():
+    """Rank 0 would receive both ranks' 2·16·2 rows, rank 1 none: twice the balanced share."""
+    said = run_ranks(_collapsed, 2, 1.5, ep=2)
+    assert said[0] == said[1] == ("layers.1.mlp.experts: its ep ranks would receive [128, 0] rows, above the "
+                                  "bound of 1.5 × the balanced 64 (--ep-max-load): the routing has collapsed onto "
+                                  "few ranks' experts; raise the bound, set --moe-capacity, or balance harder")
+    assert run_ranks(_collapsed, 2, 2.0, ep=2) == [None, None]  # twice the share is within a bound of 2
 
 
 def test_an_unset_dp_fills_what_ep_needs_from_a_shell():

@@ -252,6 +252,50 @@ def test_routing_has_a_margin_rounding_cannot_cross():
     assert min(gaps) > 50 * noise, (min(gaps), noise)
 
 
+def _kept_by_hand(chosen, weights, rows, factor, n_experts):
+    """capacity_keep's rule, one sequence and expert at a time: the ⌈F·s·k/E⌉ highest-weighted
+    choices (ties: the earlier token, then slot)."""
+    import math
+    tokens, k = chosen.shape
+    s = tokens // rows
+    cap = math.ceil(factor * s * k / n_experts)
+    keep = torch.zeros_like(chosen, dtype=torch.bool)
+    for r in range(rows):
+        for e in range(n_experts):
+            mine = [(-weights[t, j].item(), t, j) for t in range(r * s, (r + 1) * s) for j in range(k)
+                    if chosen[t, j] == e]
+            for _, t, j in sorted(mine)[:cap]:
+                keep[t, j] = True
+    return keep
+
+
+@pytest.mark.parametrize("factor", [0.25, 0.5, 1.0, 1.5])
+def test_a_capacity_keeps_each_sequences_highest_weighted_choices(factor):
+    g = torch.Generator().manual_seed(4)
+    scores = torch.rand(3 * 12, 8, generator=g)
+    scores[5, :] = scores[6, :]  # a tie between tokens: the earlier one wins
+    weights, chosen = scores.topk(2, dim=-1)
+    got = moe.capacity_keep(chosen, weights, 3, factor, 8)
+    assert torch.equal(got, _kept_by_hand(chosen, weights, 3, factor, 8))
+    if factor < 1:
+        assert not got.all()  # something was dropped
+
+
+def test_a_capacity_drops_what_one_process_drops_and_weighs_the_dropped_zero():
+    """A model with a capacity: each micro-batch of whole rows drops what the whole batch
+    drops, and the dropped choices add nothing to the output."""
+    model = _model(capacity=0.5)
+    batch = _batch(rows=4)
+    whole = _grads(model, batch)
+    halves = {n: g / 2 for n, g in _grads(model, batch[:2]).items()}
+    for n, g in _grads(model, batch[2:]).items():
+        halves[n] = halves[n] + g / 2
+    for name in whole:
+        assert (whole[name] - halves[name]).abs().max() <= 1e-5 * whole[name].abs().max(), name
+    dropless = _grads(_model(), batch)
+    assert not torch.allclose(dropless["layers.1.mlp.gate.weight"], whole["layers.1.mlp.gate.weight"], rtol=1e-3)
+
+
 def test_bad_moe_options_are_refused_in_one_line():
     from meshtrain.recipes.moe import problems
     from meshtrain.recipes import PRESETS
@@ -260,6 +304,7 @@ def test_bad_moe_options_are_refused_in_one_line():
     assert "top_k 5" in problems(dataclasses.replace(spec, top_k=5))[0]
     assert "unknown router score" in problems(dataclasses.replace(spec, score="tanh"))[0]
     assert "unknown balancing" in problems(dataclasses.replace(spec, balance="loss"))[0]
+    assert "must be above 0" in problems(dataclasses.replace(spec, capacity=0.0))[0]
 
 
 # ---- every layout against one process, and the mutants -------------------------------------
@@ -289,6 +334,12 @@ LAYOUTS = {
     "tp": moe_config(dp=1, tp=2, microbatches=1), "tp-sp": moe_config(dp=1, tp=2, sp=True, microbatches=1),
     "pp": moe_config(dp=1, pp=2, microbatches=4), "pp-zb": moe_config(dp=1, pp=2, microbatches=4, schedule="zb"),
     "cp": moe_config(dp=1, cp=2, microbatches=1),
+    # a capacity per sequence: the layout drops what one process drops (recomputed: replayed too)
+    "dp-capacity-recompute": moe_config(moe_capacity=0.5, recompute="segments:2"),
+    "pp-capacity": moe_config(dp=1, pp=2, microbatches=4, moe_capacity=0.5),
+    # transformers' pooled loss, one forward per step (dp) or micro-batches of one process's rows (tp)
+    "dp-pooled": moe_config(moe_balance="pooled", microbatches=1),
+    "tp-sp-pooled": moe_config(dp=1, tp=2, sp=True, microbatches=2, moe_balance="pooled"),
 }
 
 
@@ -336,7 +387,14 @@ def expert_gradient_counted_twice_in_the_norm():
     return [mock.patch.object(optim, "grad_norm", norm), mock.patch("meshtrain.job.grad_norm", norm)]
 
 
+def pooled_over_each_ranks_tokens():
+    """The pooled loss of each rank's own tokens, not the forward's over dp."""
+    from meshtrain.parallel import compose
+    return [mock.patch.object(compose, "pool_over_ranks", lambda *a, **k: None)]
+
+
 MUTANTS = {f.__name__: (f, layout) for f, layout in (
+    (pooled_over_each_ranks_tokens, "dp-pooled"),
     (batch_loss_from_one_ranks_counts, "cp"), (combine_without_the_router_weights, "dp"),
     (tokens_sent_to_the_neighbouring_expert, "dp"), (bias_updated_from_local_counts, "dp-bias"),
     (expert_gradient_counted_twice_in_the_norm, "tp"))}
@@ -346,9 +404,9 @@ MUTANTS = {f.__name__: (f, layout) for f, layout in (
 def verdicts():
     def ranks(layouts, **axes):
         return run_ranks(records_of_every_mutant, 2, layouts, LAYOUTS, MUTANTS, **axes)[0]
-    records = ranks(["dp", "dp-batch", "dp-bias", "zero3", "dp-recompute"])
-    records.update(ranks(["tp", "tp-sp"], tp=2))
-    records.update(ranks(["pp", "pp-zb"], pp=2))
+    records = ranks(["dp", "dp-batch", "dp-bias", "zero3", "dp-recompute", "dp-capacity-recompute", "dp-pooled"])
+    records.update(ranks(["tp", "tp-sp", "tp-sp-pooled"], tp=2))
+    records.update(ranks(["pp", "pp-zb", "pp-capacity"], pp=2))
     records.update(ranks(["cp"], cp=2))
     return verdicts_of(records, LAYOUTS)
 

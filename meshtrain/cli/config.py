@@ -35,17 +35,19 @@ class ModelConfig:
     mlp_hidden: str = ""  # the MLP's hidden widths, e.g. "1024,1024"; empty: the preset's
     init_from: str | None = None  # a Hugging Face folder (Llama, Mixtral, Qwen3-MoE, OLMoE): its architecture, weights, tokenizer
     # A mixture-of-experts preset's routing and balancing (None: the preset's own).
-    moe_balance: str | None = None  # sequence | batch | bias | none
+    moe_balance: str | None = None  # sequence | batch | pooled | bias | none
     moe_aux_coef: float | None = None
     moe_balance_rows: int | None = None  # the batch loss's group of rows
     moe_bias_rate: float | None = None
     moe_routing: str | None = None  # learned | balanced
     moe_experts: str | None = None  # grouped | loop
+    moe_capacity: float | None = None  # each expert's share of a sequence's choices (None: dropless)
 
     def moe_options(self) -> dict:
         """The MoE flags given, by the spec's field names (empty: none given)."""
         names = {"moe_balance": "balance", "moe_aux_coef": "aux_coef", "moe_balance_rows": "balance_rows",
-                 "moe_bias_rate": "bias_rate", "moe_routing": "routing", "moe_experts": "experts"}
+                 "moe_bias_rate": "bias_rate", "moe_routing": "routing", "moe_experts": "experts",
+                 "moe_capacity": "capacity"}
         return {field: getattr(self, flag) for flag, field in names.items() if getattr(self, flag) is not None}
 
     def spec(self):
@@ -130,7 +132,9 @@ FLAGS = [
     ("--attention", "model", "attention", str, "sdpa (fused kernel) | math (the score matrix materialised; "
      "the only path with attention-probability dropout)"),
     ("--moe-balance", "model", "moe_balance", str, "a mixture of experts' load balancing: sequence (DeepSeek-V3's "
-     "per-row auxiliary loss, the default) | batch (Switch/GShard's, per --moe-balance-rows rows) | bias "
+     "per-row auxiliary loss, the default) | batch (Switch/GShard's, per --moe-balance-rows rows) | pooled "
+     "(transformers' loss, pooled over each forward's layers and tokens, for fine-tuning its folders exactly; "
+     "not with --pp) | bias "
      "(auxiliary-loss-free: a per-expert bias on the scores, moved after each step) | none"),
     ("--moe-aux-coef", "model", "moe_aux_coef", float, "the auxiliary loss's weight (per token, as the "
      "cross-entropy's; 1 when balanced; default 0.001)"),
@@ -142,6 +146,9 @@ FLAGS = [
      "experts in turn, weights still the router's: a fixed load for benchmarks and planner checks)"),
     ("--moe-experts", "model", "moe_experts", str, "grouped (torch's grouped_mm, the default) | loop (one "
      "matmul per expert)"),
+    ("--moe-capacity", "model", "moe_capacity", float, "a capacity factor F: each expert takes at most "
+     "ceil(F·s·k/E) of a sequence's s·k choices, the highest-weighted first, and drops the rest (default: "
+     "dropless; not with --cp or --sp)"),
     ("--data", "train", "data", str, "'shakespeare' (bundled), 'digits' (for --model mlp), a text file/folder, or a "
      "token folder written by `meshtrain prepare` (docs/data.md)"),
     ("--dp", "layout", "dp", int, "data-parallel size (default: fill the world; 2 from a shell when tp=pp=1)"),
@@ -153,6 +160,9 @@ FLAGS = [
     ("--pp", "layout", "pp", int, "pipeline-parallel size"),
     ("--ep", "layout", "ep", int, "expert-parallel size: each MoE layer's experts split over ep ranks, folded over "
      "the dp·cp·tp ranks (no ranks added: --dp 2 --ep 2 is 2 ranks); tokens travel to their experts by all-to-all"),
+    ("--ep-max-load", "layout", "ep_max_load", float, "a bound on the rows a rank's experts receive, F times the "
+     "balanced share: a layer whose routing would send more stops every rank with one line before the rows move "
+     "(default: no bound; the planner then assumes balance)"),
     ("--zero", "layout", "zero", int, "ZeRO stage inside the dp group: 0 (plain DP) | 1 (optimizer states "
      "sharded) | 2 (and gradients) | 3 (and parameters: FSDP, gathered per block)"),
     ("--keep-gathered", "layout", "keep_gathered", bool, "ZeRO-3: keep each block's parameters gathered from its "

@@ -336,11 +336,12 @@ def _run_here(cfg, args, renv, device) -> int:
                                 trace_dir=cfg.train.out)
         mesh = Mesh.build(cfg.layout.pp, cfg.layout.dp, cfg.layout.tp, device, cp=cfg.layout.cp, ep=cfg.layout.ep)
     from meshtrain.checkpoint.sharded import CheckpointError
+    from meshtrain.parallel.experts import LoadOverBound
     from meshtrain.run_folder import Preempted, RunRefused
     from meshtrain.train import NonFinite
     try:
         after = _COMMANDS[args.command](cfg, Comm(mesh), args)
-    except (CheckpointError, RunRefused, NonFinite, Preempted) as e:  # every rank alike: rank 0 says it
+    except (CheckpointError, RunRefused, NonFinite, Preempted, LoadOverBound) as e:  # every rank alike: rank 0 says it
         if mesh.is_main:
             print(f"meshtrain: {'' if isinstance(e, Preempted) else 'error: '}{e}", file=sys.stderr)
         code = {NonFinite: 3, Preempted: 0}.get(type(e), 2)

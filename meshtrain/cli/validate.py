@@ -189,6 +189,10 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
                           f"{world_size}")
     if lay.cp > 1:
         _validate_context(cfg, user_model)
+    if lay.ep_max_load is not None and (lay.ep == 1 or not lay.ep_max_load >= 1):
+        raise ConfigError(f"--ep-max-load {lay.ep_max_load:g}: " + (
+            "it bounds the rows expert parallelism moves, and with --ep 1 none move; drop it" if lay.ep == 1 else
+            "some rank always receives at least the balanced share; give 1 or more"))
     if lay.ep > 1:  # a user's model: its experts are counted where it is built (meshtrain.parallelize)
         experts = None if user_model else getattr(m.spec(), "n_experts", 0)
         problem = expert_problem(lay, experts, m.name, tr.batch_size, tr.seq_len)
@@ -207,7 +211,8 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     _validate_tensor_parallel(cfg, spec)
     _validate_pipeline(cfg, spec)
     problem = family.layout_problem(spec, tp=lay.tp, sp=lay.sp, cp=lay.cp, pp=lay.pp, dp=lay.dp, zero=lay.zero,
-                                    micro_rows=tr.batch_size // (lay.dp * lay.microbatches))
+                                    micro_rows=tr.batch_size // (lay.dp * lay.microbatches),
+                                    microbatches=lay.microbatches)
     if problem:
         raise ConfigError(f"{m.name} {problem}")
     if family.inputs == "tokens":

@@ -44,7 +44,9 @@ class GroupedHeads:
 class LlamaSpec(GroupedHeads):
     """A Llama-architecture decoder: RMSNorm, SwiGLU, rotary positions, grouped-query
     attention. `n_kv_heads` divides `n_heads` (None: as many); `head_dim` defaults to
-    d_model / n_heads; `ffn_dim` is the SwiGLU width."""
+    d_model / n_heads; `ffn_dim` is the SwiGLU width. `pad_token_id`: the embedding row the
+    lookup gives no gradient (`nn.Embedding`'s `padding_idx`, as transformers builds it from
+    config.json; negative counts from the end; None: none)."""
     n_layers: int
     n_heads: int
     d_model: int
@@ -56,6 +58,7 @@ class LlamaSpec(GroupedHeads):
     rope_scaling: RopeScaling | None = None
     rms_norm_eps: float = 1e-5
     tie_embeddings: bool = False
+    pad_token_id: int | None = None
     kind: str = "llama"
 
 
@@ -82,7 +85,10 @@ class MoESpec(GroupedHeads):
     auxiliary-loss-free bias, moved by `bias_rate` after each optimizer step) or "none";
     `aux_coef` weighs the auxiliary loss (per token, as the cross-entropy is). `experts`:
     "grouped" (`torch.nn.functional.grouped_mm`, where its 16-byte stride rule allows) or
-    "loop" (one matmul per expert)."""
+    "loop" (one matmul per expert). `capacity`: F, each expert taking at most ⌈F·s·k/E⌉
+    of a sequence's s·k choices (the highest-weighted first; the others dropped, as
+    Megatron's and DeepSpeed's capacity factor drops them); None: dropless.
+    `pad_token_id`: the embedding row the lookup gives no gradient, as `LlamaSpec`'s."""
     n_layers: int
     n_heads: int
     d_model: int
@@ -97,6 +103,7 @@ class MoESpec(GroupedHeads):
     rope_scaling: RopeScaling | None = None
     rms_norm_eps: float = 1e-5
     tie_embeddings: bool = False
+    pad_token_id: int | None = None
     dense_layers: tuple[int, ...] = ()
     shared_ffn_dim: int = 0
     score: str = "softmax"
@@ -108,6 +115,7 @@ class MoESpec(GroupedHeads):
     balance_rows: int = 1
     bias_rate: float = 1e-3
     experts: str = "grouped"
+    capacity: float | None = None
     kind: str = "moe"
 
     @property

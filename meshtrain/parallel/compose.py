@@ -24,7 +24,7 @@ import torch.nn as nn
 from meshtrain.comm import METRICS, Comm
 from meshtrain.loss import cross_entropy_sum
 from meshtrain.parallel.modules import find_block_list
-from meshtrain.parallel.expert_load import balancing_layers, expert_routers, sum_sequences_over
+from meshtrain.parallel.expert_load import balancing_layers, expert_routers, pool_over_ranks, sum_sequences_over
 from meshtrain.parallel.experts import apply_expert_parallel
 from meshtrain.parallel.materialize import InitSpec, cast_keeping_state_fp32, materialize, to_placeholders
 from meshtrain.optim import FULL_SHAPE, OptimizerFactory, check_optimizer, keep_grad_views, optimizer_from
@@ -296,10 +296,12 @@ def parallelize(model: nn.Module, comm: Comm, options: Strategies, *, optimizer:
         apply_context_parallel(model, comm, options.cp_mode)
     # A mixture of experts' balancing loss sums each row's counts over the ranks holding its tokens.
     sum_sequences_over(model, comm, ("cp",) + (("tp",) if options.sp else ()))
+    pool_over_ranks(model, comm, options.sp, options.microbatches)
     # Expert parallelism: each rank keeps its E/ep experts; tokens travel to them.
     experts = []
     if mesh.size("ep") > 1:
-        experts = apply_expert_parallel(model, comm, split_tp=mesh.size("tp") > 1 and not options.sp)
+        experts = apply_expert_parallel(model, comm, split_tp=mesh.size("tp") > 1 and not options.sp,
+                                        max_load=options.ep_max_load)
         mine = {id(q) for q in model.parameters()}
         whole = [q for q in whole if id(q) in mine]  # the experts it replaced are summed over edp instead
     # Zero-bubble: the stage's linear layers (as the plan made them) keep their weight

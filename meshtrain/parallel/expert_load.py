@@ -10,6 +10,9 @@ model's load."""
 
 from __future__ import annotations
 
+import math
+from functools import partial
+
 import torch
 import torch.nn as nn
 
@@ -90,6 +93,36 @@ def sum_sequences_over(module: nn.Module, comm: Comm, axes: tuple[str, ...]) -> 
             m.sequence_sum = lambda sums, _comm=comm, _axes=axes: _SumOver.apply(sums, _comm, _axes)
 
 
+def pool_over_ranks(module: nn.Module, comm: Comm, sp: bool, microbatches: int) -> None:
+    """A model's pooled balancing loss (`PooledBalance`: over a whole forward's tokens) sums
+    its counts over the ranks that split the micro-batch's tokens — dp and cp, tp under SP —
+    as a plain loop's one forward of the global batch pools them (the value it adds is
+    summed over them again by `ExpertLoad`: divided by their number first). Under pipeline
+    parallelism no rank runs the whole forward, and with dp and micro-batches the ranks'
+    micro-batches together are no plain loop's micro-batch: both refused."""
+    pools = {id(m.pooled): m.pooled for m in module.modules() if getattr(m, "pooled", None) is not None}
+    if not pools:
+        return
+    if comm.mesh.size("pp") > 1:
+        raise ValueError("balance='pooled' (transformers' definition) pools every layer of a forward, which "
+                         "pipeline parallelism splits over stages: use pp 1, or balance='sequence'")
+    if comm.mesh.batch_dp > 1 and microbatches > 1:
+        raise ValueError("balance='pooled' pools a forward's tokens over the dp ranks, whose micro-batches hold "
+                         "other rows than a plain loop's micro-batch: use microbatches=1, or balance='sequence'")
+    axes = tuple(a for a in ("dp",) + (("tp",) if sp else ()) if comm.mesh.size(a) > 1)
+    for pooled in pools.values():
+        pooled.ranks = math.prod(comm.mesh.size(a) for a in axes)
+        if axes:
+            pooled.sum_over = partial(_summed, comm=comm, axes=axes)
+
+
+def _summed(sums: torch.Tensor, comm: Comm, axes: tuple[str, ...]) -> torch.Tensor:
+    out = sums.clone()
+    for axis in axes:
+        comm.all_reduce(out, axis)
+    return out
+
+
 def max_over_mean(load: torch.Tensor) -> list[float]:
     """Each router's busiest expert's tokens over the mean (1: perfectly balanced; E: every
     token on one expert), from a step's global load [routers, experts] (read on the host)."""
@@ -97,17 +130,21 @@ def max_over_mean(load: torch.Tensor) -> list[float]:
     return (load.max(1).values / load.mean(1).clamp_min(1e-12)).tolist()
 
 
-def set_aux_scale(module: nn.Module, scale: torch.Tensor, value_scale: torch.Tensor) -> None:
-    """Give each MoE layer's balancing loss its weight per token for the step: `scale` in
-    the gradient, `value_scale` in its logged value (`balancing.py`; 0-dim device tensors:
-    nothing read on the host, and no value a compiled block would guard on)."""
+def set_aux_scale(module: nn.Module, scale: torch.Tensor, value_scale: torch.Tensor, per_forward: torch.Tensor,
+                  value_per_forward: float) -> None:
+    """Give each MoE layer's balancing loss its weight for the step (`balancing.py`): per
+    token, `scale` in the gradient and `value_scale` in its logged value; a pooled loss
+    (one per forward), `per_forward` and `value_per_forward`. Tensors are 0-dim on the
+    device: nothing read on the host, and no value a compiled block would guard on."""
     for m in module.modules():
         if hasattr(m, "aux_scale"):
             m.aux_scale, m.aux_value_scale = scale, value_scale
+        if getattr(m, "pooled", None) is not None:
+            m.pooled.scale, m.pooled.value_scale = per_forward, value_per_forward
 
 
 def balancing_layers(module: nn.Module) -> int:
     """How many of a model's layers add a balancing loss (read before a pipeline cut)."""
     return sum(1 for m in module.modules()
                if hasattr(m, "aux_scale") and getattr(m, "aux_coef", 0) and getattr(m, "balance", "") in
-               ("sequence", "batch"))
+               ("sequence", "batch", "pooled"))

@@ -28,6 +28,7 @@ the gradient norm (on edp coordinate 0, every ep rank its own chunk)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -51,10 +52,38 @@ def expert_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
             and all(hasattr(m, f) for f in ("combine", "sort_rows", "compute", "weigh"))]
 
 
-def apply_expert_parallel(model: nn.Module, comm: Comm, *, split_tp: bool) -> list[nn.Parameter]:
+class LoadOverBound(ValueError):
+    """A MoE layer's routing would send a rank more rows than its bound: raised on every
+    ep rank alike, before the rows move."""
+
+
+@dataclass(frozen=True)
+class LoadBound:
+    """The most rows a rank's experts of `layer` may receive: `factor` × the balanced share
+    (the rows the ep group sends, over ep). Decided from every rank's totals, which every
+    rank gathers alike, so that all stop or none."""
+    layer: str
+    factor: float
+
+    def totals(self, send: torch.Tensor, receive: torch.Tensor, comm: Comm) -> torch.Tensor:
+        """[ep, 2]: each ep rank's rows out and in (an all-gather of two numbers)."""
+        return comm.gather_along(torch.stack([send.sum(), receive.sum()])[None], "ep", 0)
+
+    def check(self, totals: list[int]) -> None:
+        sent, received = totals[0::2], totals[1::2]
+        share = sum(sent) / len(sent)
+        if max(received) > self.factor * share:
+            raise LoadOverBound(f"{self.layer}: its ep ranks would receive {received} rows, above the bound of "
+                                f"{self.factor:g} × the balanced {share:g} (--ep-max-load): the routing has collapsed "
+                                f"onto few ranks' experts; raise the bound, set --moe-capacity, or balance harder")
+
+
+def apply_expert_parallel(model: nn.Module, comm: Comm, *, split_tp: bool,
+                          max_load: float | None = None) -> list[nn.Parameter]:
     """Keep this rank's E/ep experts of every MoE layer (their chunk of each stacked
     parameter, marked as split over ep) and route the layer's tokens by all-to-all
-    (`split_tp`: tp ranks hold the same tokens — no SP — and each dispatches its 1/tp).
+    (`split_tp`: tp ranks hold the same tokens — no SP — and each dispatches its 1/tp;
+    `max_load`: each layer's `LoadBound` factor, None for none).
     Returns the experts' parameters: their gradients are summed over edp, not dp."""
     mesh = comm.mesh
     ep, at = mesh.size("ep"), mesh.coord("ep")
@@ -73,26 +102,27 @@ def apply_expert_parallel(model: nn.Module, comm: Comm, *, split_tp: bool) -> li
             setattr(piece, REPLICATED_OVER, ("edp",))
             setattr(m, leaf, piece)
             params.append(piece)
-        m.combine = partial(expert_parallel_combine, m, comm, split_tp)
+        m.combine = partial(expert_parallel_combine, m, comm, split_tp,
+                            LoadBound(name, max_load) if max_load is not None else None)
     return params
 
 
 @torch.compiler.disable  # the split sizes are read on the host: run eagerly between compiled parts
-def expert_parallel_combine(experts: nn.Module, comm: Comm, split_tp: bool, x: torch.Tensor,
-                            chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+def expert_parallel_combine(experts: nn.Module, comm: Comm, split_tp: bool, bound: LoadBound | None,
+                            x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """`Experts.combine` with the experts split over ep: x [tokens, d], chosen and weights
-    [tokens, k] (global expert ids) -> [tokens, d]."""
+    [tokens, k] (global expert ids; E for a choice a capacity dropped) -> [tokens, d]."""
     if split_tp:
         x, weights = _SplitTokens.apply(x, comm), _SplitTokens.apply(weights, comm)
         chosen = _take_chunk(chosen, comm)
     order, token, counts = experts.sort_rows(chosen)
-    y = dispatch_and_run(experts.compute, x[token], counts, comm)
+    y = dispatch_and_run(experts.compute, x[token], counts, comm, **({"bound": bound} if bound else {}))
     out = experts.weigh(x, y, token, order, weights)
     return _GatherTokens.apply(out, comm) if split_tp else out
 
 
 def dispatch_and_run(compute, rows: torch.Tensor, counts: torch.Tensor, comm: Comm, *,
-                     overlap: bool = False) -> torch.Tensor:
+                     overlap: bool = False, bound: LoadBound | None = None) -> torch.Tensor:
     """`rows` [R, d] sorted by (global) expert, `counts` [E] of them per expert: each row
     run by `compute(rows, counts_per_local_expert)` on the ep rank that holds its expert,
     and returned in the order given. With `overlap` the rows bound for this rank's own
@@ -100,11 +130,21 @@ def dispatch_and_run(compute, rows: torch.Tensor, counts: torch.Tensor, comm: Co
     overlapped with 1/ep of the experts' work); without, every row goes through the
     exchange and the experts run once, after it — the default: on CPU with gloo the
     overlap measured 0.95-1.03x the serial time (`benchmarks/expert_parallel.py --overlap`),
-    and the planner models the serial path."""
+    and the planner models the serial path. `bound`: checked before any row moves.
+    Rows beyond the counts (a capacity's dropped choices, sorted last) stay, and come back
+    as zeros."""
     ep, me = comm.mesh.size("ep"), comm.mesh.coord("ep")
     send = counts.view(ep, -1)  # rows bound for each ep rank, per its local expert
     receive = comm.all_to_all(send.contiguous(), "ep")  # rows coming from each rank, per my local expert
-    splits = torch.stack([send.sum(1), receive.sum(1)]).tolist()  # the host sync: all-to-all's split sizes
+    read = [torch.stack([send.sum(1), receive.sum(1)]).reshape(-1)]
+    if bound is not None:
+        read.append(bound.totals(send, receive, comm).reshape(-1))
+    read = torch.cat(read).tolist()  # the host sync: all-to-all's split sizes (and the bound's totals)
+    splits = [read[:ep], read[ep:2 * ep]]
+    if bound is not None:
+        bound.check(read[2 * ep:])
+    dropped = rows.shape[0] - sum(splits[0])  # the rows a capacity dropped, sorted last: they stay
+    rows = rows[:rows.shape[0] - dropped] if dropped else rows
     out_splits, in_splits = ([0 if j == me and overlap else n for j, n in enumerate(s)] for s in splits)  # travelling
     lo, hi = (sum(splits[0][:me]), sum(splits[0][:me + 1])) if overlap else (0, 0)  # this rank's own rows
     # split, not sliced: the backward then joins the three gradients in one tensor (a slice's
@@ -121,10 +161,10 @@ def dispatch_and_run(compute, rows: torch.Tensor, counts: torch.Tensor, comm: Co
     by_expert = _expert_major(remote, sum(in_splits))
     done = compute(arrived[by_expert], remote.sum(0))
     back = _exchange(done[by_expert.argsort()], comm, in_splits, out_splits)  # in arrival order, sent back
-    if not overlap:
-        return back
-    before, after = back.split([lo, back.shape[0] - lo])
-    return torch.cat([before, local, after])
+    if overlap:
+        before, after = back.split([lo, back.shape[0] - lo])
+        back = torch.cat([before, local, after])
+    return torch.cat([back, back.new_zeros(dropped, back.shape[1])]) if dropped else back
 
 
 def _expert_major(receive: torch.Tensor, total: int) -> torch.Tensor:

@@ -64,6 +64,7 @@ class Strategies:
     strict_p2p: bool = False
     cp_mode: str = "ring"
     compile: CompileOptions | None = None  # each block's forward compiled (None: eager)
+    ep_max_load: float | None = None  # the most rows an ep rank may receive, × the balanced share (None: no bound)
 
     def __post_init__(self):
         checks = [("zero", self.zero in (0, 1, 2, 3), "0, 1, 2 or 3"),
@@ -73,7 +74,9 @@ class Strategies:
                   ("chunks", isinstance(self.chunks, int) and self.chunks >= 1, "an integer ≥ 1"),
                   ("microbatches", isinstance(self.microbatches, int) and self.microbatches >= 1, "an integer ≥ 1"),
                   ("dp_linear_sync", self.dp_linear_sync in LINEAR_SYNCS, ", ".join(LINEAR_SYNCS)),
-                  ("cp_mode", self.cp_mode in CP_MODES, " or ".join(CP_MODES))]
+                  ("cp_mode", self.cp_mode in CP_MODES, " or ".join(CP_MODES)),
+                  ("ep_max_load", self.ep_max_load is None or self.ep_max_load >= 1,
+                   "at least 1 (a rank always receives at least the balanced share somewhere)")]
         for name, ok, allowed in checks:
             if not ok:
                 raise ValueError(f"{name}={getattr(self, name)!r}: use {allowed}")
@@ -124,6 +127,7 @@ class Layout:
     stage_layers: str = ""  # blocks per virtual stage, e.g. "3,3,2"; empty: as even as possible
     compile: bool = False  # each block's forward compiled by torch.compile
     compile_backend: str = "inductor"
+    ep_max_load: float | None = None  # expert parallelism: the bound on the rows a rank receives (× balanced)
 
     def stage_layer_counts(self) -> list[int] | None:
         return [int(n) for n in self.stage_layers.split(",")] if self.stage_layers else None
@@ -151,7 +155,8 @@ class Layout:
                           stage_layers=tuple(self.stage_layer_counts() or ()) or None,
                           bucket_mb=self.bucket_mb, keep_gathered=self.keep_gathered,
                           dp_linear_sync=self.dp_linear_sync, strict_p2p=strict_p2p, cp_mode=self.cp_mode,
-                          compile=CompileOptions(self.compile_backend) if self.compile else None)
+                          compile=CompileOptions(self.compile_backend) if self.compile else None,
+                          ep_max_load=self.ep_max_load)
 
     def summary(self) -> dict:
         """The `layout` object of the JSON contract."""

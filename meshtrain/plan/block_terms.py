@@ -55,6 +55,7 @@ class MoEDims:
     dense_layers: tuple[int, ...] = ()
     ep: int = 1  # the ranks the experts are split over (`parallel/experts.py`)
     rows_share: int = 1  # the experts run 1/rows_share of the rank's tokens' rows (tp without SP under ep)
+    load: float = 1.0  # the rows a rank's experts receive over the balanced share (the worst rank planned)
 
     def is_moe(self, layer: int) -> bool:
         return layer not in self.dense_layers
@@ -91,18 +92,20 @@ def moe_kept_bytes(tokens: int, micro_batch: int, hidden: int, moe: MoEDims, *, 
       sums are added over the ranks holding other tokens of the same rows (`summed`: SP, cp)
       their sum's own copy (g·3E);
     - a shared expert's SwiGLU (4·n·f_s);
-    - under expert parallelism (balanced load: as many rows arrive as leave), the group ends
-      of the rank's E/ep experts only, and the order regrouping the arrived rows by expert
-      and its inverse (r int64 each).
+    - under expert parallelism, the group ends of the rank's E/ep experts only, and the
+      order regrouping the arrived rows by expert and its inverse (r int64 each). The
+      experts' own terms (their input rows, gate_up, SiLU and product, the regrouping) are
+      of the rows that arrive: `load` × r (1 when balanced: as many arrive as leave).
     In bf16 (no shared expert), the post-attention RMSNorm's bf16 output is not kept: the
     router keeps its fp32 copy and the experts gather their rows from it — `moe_layer_delta`."""
     e, n, d = element_bytes, tokens, hidden
     E, k, I = moe.experts, moe.top_k, moe.expert_ffn
     r = n * k // moe.rows_share
+    r_in = round(r * moe.load)  # the rows this rank's experts receive (r when balanced)
     router = n * E * 4 + n * k * 8 + (n * k * 4 + n * 4 if moe.norm_topk else 0)
     router += (n * d * 4 + E * d * 4) if e < 4 else 0
-    experts = 2 * r * 8 + r * d * e + E // moe.ep * 4 + r * 2 * I * e + 2 * r * I * e + r * d * 4 + r * 4 + r * d * e
-    experts += 2 * r * 8 if moe.ep > 1 else 0
+    experts = 2 * r * 8 + r_in * d * e + E // moe.ep * 4 + r_in * 2 * I * e + 2 * r_in * I * e + r * d * 4 + r * 4
+    experts += r * d * e + (2 * r_in * 8 if moe.ep > 1 else 0)
     return router + experts + _aux_bytes(micro_batch, moe, summed) + 4 * n * moe.shared_ffn * e
 
 
@@ -135,13 +138,14 @@ def moe_backward_extra(tokens: int, hidden: int, moe: MoEDims, *, element_bytes:
     e, n, d = element_bytes, tokens, hidden
     E, k, I = moe.experts, moe.top_k, moe.expert_ffn
     r = n * k // moe.rows_share
+    r_in = round(r * moe.load)  # the rows this rank's experts ran
     aux = n * 3 * E * 4 if moe.aux_rows else 0
     held = aux - r * d * e  # the aux gradient; the reordered rows freed
     weighting = held + 3 * r * d * 4 + r * 4
     after = held - r * 4 - r * d * 4  # the weighting's fp32 terms and the rows' weights freed
-    down = after + r * d * e + E * d * I * e + r * I * e
-    product = after + 2 * r * I * e
-    gate_up = after - 2 * r * I * e + 2 * E * I * d * e + r * d * e
+    down = after + r_in * d * e + E * d * I * e + r_in * I * e
+    product = after + 2 * r_in * I * e
+    gate_up = after - 2 * r_in * I * e + 2 * E * I * d * e + r_in * d * e
     extra = max(weighting, down, product, gate_up)
     if moe.shared_ffn:
         f = moe.shared_ffn

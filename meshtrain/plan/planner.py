@@ -265,7 +265,16 @@ class Device:
         return block_terms.MoEDims(sh.experts, sh.top_k, sh.expert_ffn, shared_ffn=sh.shared_ffn,
                                    norm_topk=sh.norm_topk, aux_rows=sh.aux_rows, dense_layers=sh.dense_layers,
                                    ep=self.layout.ep,
-                                   rows_share=self.layout.tp if self.layout.ep > 1 and not self.layout.sp else 1)
+                                   rows_share=self.layout.tp if self.layout.ep > 1 and not self.layout.sp else 1,
+                                   load=self.expert_load())
+
+    def expert_load(self) -> float:
+        """The rows the worst rank's experts may receive over the balanced share: under
+        expert parallelism at most ep× (every row to one rank's experts), bounded by a
+        capacity factor or `--ep-max-load`; dropless and unbounded, the balanced share is
+        planned (docs/planner.md: the headroom to leave)."""
+        bounds = [f for f in (self.shape.capacity, self.layout.ep_max_load) if f is not None]
+        return min(self.layout.ep, *bounds) if self.layout.ep > 1 and bounds else 1.0
 
     def activation_per_layer(self) -> float:
         """What one block keeps for backward, per micro-batch, under the layout's recompute

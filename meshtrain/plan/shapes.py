@@ -41,6 +41,7 @@ class Shape:
     qk_norm: str = "none"
     norm_topk: bool = True
     aux_rows: int = 1
+    capacity: float | None = None  # moe: each expert's capacity factor per sequence (None: dropless)
     tied: bool = False  # llama, moe: the head is the embedding (one matrix)
 
     @property

@@ -73,9 +73,10 @@ class Family:
         return None
 
     def layout_problem(self, spec, *, tp: int = 1, sp: bool = False, cp: int = 1, pp: int = 1, dp: int = 1,
-                       zero: int = 0, micro_rows: int = 1) -> str | None:
+                       zero: int = 0, micro_rows: int = 1, microbatches: int = 1) -> str | None:
         """Why this spec cannot train in this layout (one line, after the model's name), or
-        None. `micro_rows`: the rows of each micro-batch on a rank."""
+        None. `micro_rows`: the rows of each micro-batch on a rank; `microbatches`: its
+        micro-batches per step."""
         return None
 
     def with_options(self, spec, *, dropout: float = 0.0, attention: str = "sdpa", hidden: tuple | None = None,

@@ -9,9 +9,10 @@ from meshtrain.parallel.pipeline.plan import PipelinePlan
 from meshtrain.parallel.styles import COLUMN, PARTIAL, REGION, ROW, VOCAB, Heads, TensorPlan
 import meshtrain.recipes.moe_hf as moe_hf
 from meshtrain.recipes.family import Family
+from meshtrain.recipes.llama import with_padding_row
 
 SCORES = ("softmax", "sigmoid")
-BALANCES = ("sequence", "batch", "bias", "none")
+BALANCES = ("sequence", "batch", "pooled", "bias", "none")
 ROUTINGS = ("learned", "balanced")
 QK_NORMS = ("none", "head", "projection")
 EXPERT_KERNELS = ("grouped", "loop")
@@ -41,6 +42,9 @@ def problems(spec: MoESpec) -> list[str]:
             found.append(f"unknown {what} {value!r}; use one of {', '.join(allowed)}")
     if spec.balance_rows < 1:
         found.append(f"balance_rows {spec.balance_rows} must be 1 or more")
+    if spec.capacity is not None and not spec.capacity > 0:
+        found.append(f"capacity {spec.capacity:g}: a capacity factor must be above 0 (an expert of capacity "
+                     f"⌈F·s·k/E⌉ takes F times its balanced share)")
     if any(not 0 <= i < spec.n_layers for i in spec.dense_layers):
         found.append(f"dense layers {list(spec.dense_layers)} must be among the {spec.n_layers} layers")
     if spec.n_heads % spec.kv_heads:
@@ -84,8 +88,9 @@ def flops_per_step(spec: MoESpec, vocab_size: int, batch: int, seq_len: int) -> 
 
 def init_rules(model) -> dict:
     """Hugging Face's initialisation of these families: every matrix (the router's, each
-    stacked expert's) N(0, 0.02), RMSNorm weights 1."""
-    return {name: ("normal", 0.02) if p.dim() >= 2 else ("ones",) for name, p in model.named_parameters()}
+    stacked expert's) N(0, 0.02), RMSNorm weights 1, the embedding's padding row 0."""
+    return with_padding_row({name: ("normal", 0.02) if p.dim() >= 2 else ("ones",)
+                             for name, p in model.named_parameters()}, model)
 
 
 class MoEFamily(Family):
@@ -135,7 +140,16 @@ class MoEFamily(Family):
             return "ties its head to its embedding, which pp would put on two stages; use --pp 1"
         return None
 
-    def layout_problem(self, spec: MoESpec, *, tp: int = 1, micro_rows: int = 1, **_) -> str | None:
+    def layout_problem(self, spec: MoESpec, *, tp: int = 1, micro_rows: int = 1, sp: bool = False, cp: int = 1,
+                       pp: int = 1, dp: int = 1, microbatches: int = 1, **_) -> str | None:
+        if spec.balance == "pooled" and (pp > 1 or (dp > 1 and microbatches > 1)):
+            return ("pools its balancing loss over every layer and token of a forward (transformers' definition), "
+                    + ("which --pp splits over stages; use --pp 1" if pp > 1 else
+                       "and with --dp and micro-batches a forward holds other rows than a plain loop's "
+                       "micro-batch; use --microbatches 1") + ", or --moe-balance sequence")
+        if spec.capacity is not None and (cp > 1 or (sp and tp > 1)):
+            return ("counts its experts' capacity per sequence, and context or sequence parallelism splits a "
+                    "sequence over ranks (not built yet); use --cp 1 and no --sp with --moe-capacity")
         if tp > 1 and spec.qk_norm == "projection":
             return ("normalises queries and keys over the whole projection (OLMoE), whose statistics tensor "
                     "parallelism would split over ranks (not built yet); use --tp 1")
@@ -164,7 +178,7 @@ class MoEFamily(Family):
                      top_k=spec.top_k, expert_ffn=spec.expert_ffn_dim, dense_layers=tuple(spec.dense_layers),
                      shared_ffn=spec.shared_ffn_dim, qk_norm=spec.qk_norm, norm_topk=spec.norm_topk,
                      aux_rows=(spec.balance_rows if spec.balance == "batch" else 1) if aux else 0,
-                     tied=spec.tie_embeddings)
+                     capacity=spec.capacity, tied=spec.tie_embeddings)
 
     # ---- Hugging Face folders (Mixtral, Qwen3-MoE, OLMoE): `recipes/moe_hf.py` ----------------
 

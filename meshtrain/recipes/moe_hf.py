@@ -16,7 +16,7 @@ import re
 
 from meshtrain.models.specs import MoESpec
 from meshtrain.recipes.family import HFError
-from meshtrain.recipes.llama import rope_config, rope_from_config
+from meshtrain.recipes.llama import pad_from_config, rope_config, rope_from_config
 
 READS = ("mixtral", "qwen3_moe", "olmoe")
 # Read only to say in one line what they have that meshtrain's MoE lacks.
@@ -124,6 +124,7 @@ def spec_from_config(config: dict, where: str = "config.json") -> tuple[MoESpec,
                    max_seq_len=int(config.get("max_position_embeddings", defaults["max_position_embeddings"])),
                    rms_norm_eps=float(config.get("rms_norm_eps", defaults["rms_norm_eps"])),
                    tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+                   pad_token_id=pad_from_config(config, vocab, where),
                    balance="sequence" if aux and config.get("output_router_logits") else "none", aux_coef=aux,
                    **rope)
     return spec, vocab
@@ -167,7 +168,7 @@ def config_from_spec(spec: MoESpec, vocab_size: int, dtype: str, special_ids: di
     moe_layers = spec.n_layers - len(spec.dense_layers)
     coef = spec.aux_coef * max(moe_layers, 1) / spec.top_k if spec.balance != "bias" else 0.0
     coef = float(f"{coef:.12g}")  # the folder's own 0.03 back, not the round trip's 0.030000000000000002
-    balanced = spec.balance in ("sequence", "batch") and spec.aux_coef > 0  # transformers' .loss adds it then
+    balanced = spec.balance in ("sequence", "batch", "pooled") and spec.aux_coef > 0  # transformers' .loss adds it then
     config = {"architectures": [CLASSES[kind]], "model_type": kind, "dtype": dtype, "torch_dtype": dtype,
               "vocab_size": vocab_size, "hidden_size": spec.d_model, "num_hidden_layers": spec.n_layers,
               "num_attention_heads": spec.n_heads, "num_key_value_heads": spec.kv_heads, "hidden_act": "silu",
