@@ -11,6 +11,9 @@
 #      synchronizing CUDA call warns, and the warnings are counted by where they were made.
 #   6. benchmarks/compile.py: llama-small bf16 with each block compiled (inductor) against
 #      eager, interleaved in one process: the compiled ÷ eager step ratio on this GPU.
+#   7. a one-GPU bf16 MoE `train` (moe-small: grouped_mm's kernels), tokens/s and its balancing loss;
+#   8. benchmarks/moe_replay.py: a recomputed MoE block replays its routing on this device (the
+#      recomputation's ranking perturbed: the gradients those without recomputation), and its mutant.
 # outcomes.txt, summary.txt and results.tgz (each step's JSON line and log) land in $OUT (the
 # device tool's output folder) or ./gpu-check.
 # DEVICE=cpu MODEL=gpt-test SEQ_LEN=32 rehearses the script on a machine without a GPU.
@@ -106,6 +109,18 @@ step "6. --compile against eager: llama-small bf16 on one $DEVICE device" "$RESU
   $PY benchmarks/compile.py --model llama-small --device "$DEVICE" --precision bf16 --batch-size 8 \
   --seq-len "$SEQ_LEN" --steps 20 --data "$DATA"
 cat "$RESULTS/compile.json" >> "$RESULTS/sync-warnings.txt"
+
+MOE_MODEL=${MOE_MODEL:-moe-small}
+step "7. train $MOE_MODEL bf16 on one $DEVICE device" "$RESULTS/train-moe-bf16.json" \
+  $PY -m meshtrain train --model "$MOE_MODEL" --data "$DATA" --device "$DEVICE" --dp 1 --steps 10 --warmup 2 \
+  --batch-size 8 --seq-len "$SEQ_LEN" --precision bf16 --out "$RESULTS/run-moe" --json
+$PY -c "import json; j = json.load(open('$RESULTS/train-moe-bf16.json')); print('moe tokens/s',
+round(j['tokens_per_s']), '| balance loss', j.get('balance_loss'), '| load max/mean',
+j.get('expert_load_max_over_mean'))" >> "$RESULTS/sync-warnings.txt" || true
+step "8. a recomputed MoE block replays its routing on $DEVICE" "$RESULTS/moe-replay.json" \
+  $PY benchmarks/moe_replay.py --device "$DEVICE"
+cat "$RESULTS/moe-replay.json" >> "$RESULTS/sync-warnings.txt"
+if ! grep -q '"passed": true' "$RESULTS/moe-replay.json"; then OUTCOMES+=("FAILED  8. the replay check's verdict"); fi
 
 echo "== outcomes" >&2
 printf '%s\n' "${OUTCOMES[@]}" | tee "$RESULTS/outcomes.txt"

@@ -194,16 +194,17 @@ STEPS, BATCH, SEQ, LR, WARMUP = 10, 4, 32, 3e-3, 2
 EOS = 1  # llama3_folder's <|end_of_text|>
 
 
-def _mixtral_folder(folder, tok, vocab_size: int = 384):
-    """A tiny random MixtralForCausalLM (no balancing loss in `.loss`), its routers' weights
-    spread (N(0, 0.5)) so that no token's experts are decided by a near tie."""
+def _mixtral_folder(folder, tok, vocab_size: int = 384, balancing: bool = False):
+    """A tiny random MixtralForCausalLM (`balancing`: its balancing loss in `.loss`, weighed
+    0.05), its routers' weights spread (N(0, 0.5)) so that no token's experts are decided by
+    a near tie."""
     import transformers
     torch.manual_seed(0)
     config = transformers.MixtralConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=16,
                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                         num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=128,
-                                        bos_token_id=0, eos_token_id=EOS, output_router_logits=False,
-                                        attn_implementation="eager")
+                                        bos_token_id=0, eos_token_id=EOS, output_router_logits=balancing,
+                                        router_aux_loss_coef=0.05, attn_implementation="eager")
     model = transformers.MixtralForCausalLM(config)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -291,3 +292,74 @@ def test_a_model_with_a_pad_id_is_written_with_it_and_read_back(tmp_path):
     assert json.loads((tmp_path / "config.json").read_text())["pad_token_id"] == PAD
     theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
     assert theirs.model.embed_tokens.padding_idx == PAD and load_hf(tmp_path).spec.pad_token_id == PAD
+
+
+def _own_loss_losses(folder, prep, tr) -> list[float]:
+    """transformers' loop on its own `.loss` (cross-entropy of the rows' next tokens, given
+    unshifted as `shift_labels`, plus router_aux_loss_coef × its pooled balancing loss), with
+    `transformers_losses`' optimizer and schedule."""
+    import transformers
+
+    from meshtrain.cli.config import lr_at
+    from meshtrain.data.datasets import TextData
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager").train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": tr.weight_decay},
+                             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
+                            lr=tr.lr, betas=(0.9, 0.95), eps=1e-8)
+    data, losses = TextData(prep, tr.seq_len, tr.seed), []
+    for step in range(tr.steps):
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, tr)
+        x, y = data.batch(step, tr.batch_size, slice(0, tr.batch_size))
+        out = model(input_ids=x, labels=y, shift_labels=y.contiguous())
+        assert out.aux_loss is not None and out.aux_loss > 0
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, tr.clip)
+        opt.step()
+        opt.zero_grad()
+        losses.append(out.loss.item())
+    return losses
+
+
+@pytest.fixture(scope="module")
+def balanced_mixtral(tmp_path_factory):
+    """(a Mixtral folder with pad id = EOS whose `.loss` adds its balancing loss, its prepared
+    tokens, transformers' losses on its own `.loss`)."""
+    pytest.importorskip("transformers")
+    root = tmp_path_factory.mktemp("balanced")
+    docs = [s.strip() + "." for d in documents(n=40) for s in d.replace("!", ".").replace("?", ".").split(".")
+            if s.strip()]
+    tok = llama3_tokenizer(docs)
+    _mixtral_folder(root / "plain", tok, balancing=True)
+    padded = _pad_is_eos(root / "plain", root / "padded")
+    r = run_main("prepare", "--data", write_documents(root / "docs", docs), "--init-from", padded,
+                 "--out", root / "prep")
+    assert r.returncode == 0, r.stderr
+    tr = TrainConfig(steps=STEPS, lr=LR, warmup=WARMUP, batch_size=BATCH, seq_len=SEQ)
+    return padded, root / "prep", _own_loss_losses(padded, root / "prep", tr)
+
+
+@pytest.mark.parametrize("layout", [(), ("--dp", "2", "--ep", "2")], ids=["one-process", "dp2-ep2"])
+def test_a_fine_tune_under_the_pooled_balancing_loss_is_transformers_loop_on_its_own_loss(balanced_mixtral, layout,
+                                                                                        tmp_path):
+    """output_router_logits true: `--moe-balance pooled` trains what transformers' `.loss`
+    trains (the step's loss + balancing loss against `.loss`, 10 steps); the per-row default
+    does not; and where a forward is no plain loop's, one line."""
+    padded, prep, want = balanced_mixtral
+    common = ("--init-from", padded, "--data", prep, *layout, "--steps", STEPS, "--batch-size", BATCH, "--seq-len",
+              SEQ, "--lr", LR, "--warmup", WARMUP, "--device", "cpu", "--json")
+    r = run_cli("train", *common, "--moe-balance", "pooled", "--out", tmp_path / "pooled")
+    assert r.returncode == 0, r.stderr[-3000:]
+    j = last_json(r.stdout)
+    got = [a + b for a, b in zip(j["losses"], j["balance_losses"])]
+    assert len(got) == STEPS and _rel(got, want) < 1e-5, (got, want)
+    if not layout:
+        r = run_cli("train", *common, "--out", tmp_path / "per-row")
+        j = last_json(r.stdout)
+        assert _rel([a + b for a, b in zip(j["losses"], j["balance_losses"])], want) > 1e-4
+        r = run_cli("train", *common, "--moe-balance", "pooled", "--dp", "2", "--microbatches", "2",
+                    "--out", tmp_path / "refused")
+        assert r.returncode == 2 and "use --microbatches 1, or --moe-balance sequence" in r.stderr, r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1, r.stderr
