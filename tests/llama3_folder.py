@@ -83,12 +83,14 @@ def write_documents(folder: Path, docs: list[str]) -> Path:
     return folder
 
 
-def transformers_losses(folder: Path, prep: Path, tr) -> list[float]:
+def transformers_losses(folder: Path, prep: Path, tr, own_loss: bool = False) -> list[float]:
     """A plain transformers loop on `folder`'s model (`AutoModelForCausalLM`), as `meshtrain
     train` runs `tr` (a `TrainConfig`: its steps, batch, length, learning rate and schedule):
     AdamW where matrices decay (meshtrain's rule), global-norm clipping, warm-up then cosine,
     the mean cross-entropy of each global batch of the prepared ids in `prep` (read through
-    TextData, the very rows the run draws)."""
+    TextData, the very rows the run draws) — or with `own_loss` the model's own `.loss` on
+    them (the targets given unshifted, as `shift_labels`; a balancing loss added where the
+    folder's `output_router_logits` says)."""
     import torch
     import torch.nn.functional as F
     import transformers
@@ -107,7 +109,10 @@ def transformers_losses(folder: Path, prep: Path, tr) -> list[float]:
         for group in opt.param_groups:
             group["lr"] = lr_at(step, tr)
         x, y = data.batch(step, tr.batch_size, slice(0, tr.batch_size))
-        loss = F.cross_entropy(model(x).logits.flatten(0, 1), y.reshape(-1))
+        if own_loss:
+            loss = model(input_ids=x, labels=y, shift_labels=y.contiguous()).loss
+        else:
+            loss = F.cross_entropy(model(x).logits.flatten(0, 1), y.reshape(-1))
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, tr.clip)
         opt.step()

@@ -294,35 +294,6 @@ def test_a_model_with_a_pad_id_is_written_with_it_and_read_back(tmp_path):
     assert theirs.model.embed_tokens.padding_idx == PAD and load_hf(tmp_path).spec.pad_token_id == PAD
 
 
-def _own_loss_losses(folder, prep, tr) -> list[float]:
-    """transformers' loop on its own `.loss` (cross-entropy of the rows' next tokens, given
-    unshifted as `shift_labels`, plus router_aux_loss_coef × its pooled balancing loss), with
-    `transformers_losses`' optimizer and schedule."""
-    import transformers
-
-    from meshtrain.cli.config import lr_at
-    from meshtrain.data.datasets import TextData
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager").train()
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": tr.weight_decay},
-                             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
-                            lr=tr.lr, betas=(0.9, 0.95), eps=1e-8)
-    data, losses = TextData(prep, tr.seq_len, tr.seed), []
-    for step in range(tr.steps):
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step, tr)
-        x, y = data.batch(step, tr.batch_size, slice(0, tr.batch_size))
-        out = model(input_ids=x, labels=y, shift_labels=y.contiguous())
-        assert out.aux_loss is not None and out.aux_loss > 0
-        out.loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, tr.clip)
-        opt.step()
-        opt.zero_grad()
-        losses.append(out.loss.item())
-    return losses
-
-
 @pytest.fixture(scope="module")
 def balanced_mixtral(tmp_path_factory):
     """(a Mixtral folder with pad id = EOS whose `.loss` adds its balancing loss, its prepared
@@ -338,7 +309,7 @@ def balanced_mixtral(tmp_path_factory):
                  "--out", root / "prep")
     assert r.returncode == 0, r.stderr
     tr = TrainConfig(steps=STEPS, lr=LR, warmup=WARMUP, batch_size=BATCH, seq_len=SEQ)
-    return padded, root / "prep", _own_loss_losses(padded, root / "prep", tr)
+    return padded, root / "prep", transformers_losses(padded, root / "prep", tr, own_loss=True)
 
 
 @pytest.mark.parametrize("layout", [(), ("--dp", "2", "--ep", "2")], ids=["one-process", "dp2-ep2"])
