@@ -349,9 +349,20 @@ def test_a_collapsed_routing_stops_every_rank_alike_before_the_rows_move():
     """Rank 0 would receive both ranks' 2·16·2 rows, rank 1 none: twice the balanced share."""
     said = run_ranks(_collapsed, 2, 1.5, ep=2)
     assert said[0] == said[1] == ("layers.1.mlp.experts: its ep ranks would receive [128, 0] rows, above the "
-                                  "bound of 1.5 × the balanced 64 (--ep-max-load): the routing has collapsed onto "
-                                  "few ranks' experts; raise the bound, set --moe-capacity, or balance harder")
+                                  "bound of 1.5 × the balanced 64 (--ep-max-load); raise the bound, set "
+                                  "--moe-capacity, or balance the routing harder")
     assert run_ranks(_collapsed, 2, 2.0, ep=2) == [None, None]  # twice the share is within a bound of 2
+
+
+def test_the_command_line_stops_on_its_bound_in_one_line(tmp_path):
+    """`train --ep-max-load 1`: the first layer whose learned routing is not exactly even
+    stops the run, rank 0 saying so in one line, exit 2."""
+    from helpers import run_cli
+    r = run_cli("train", "--model", "moe-test", "--data", "benchmarks/data/hamlet.txt", "--dp", "2", "--ep", "2",
+                "--ep-max-load", "1", "--steps", "2", "--batch-size", "4", "--seq-len", "32", "--out", tmp_path)
+    said = [line for line in r.stderr.splitlines() if "meshtrain: error:" in line]  # after the bar's last draw
+    assert r.returncode == 2 and len(said) == 1, r.stderr[-2000:]
+    assert "mlp.experts: its ep ranks would receive [" in said[0] and "(--ep-max-load)" in said[0], said
 
 
 def test_an_unset_dp_fills_what_ep_needs_from_a_shell():

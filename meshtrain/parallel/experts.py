@@ -74,8 +74,8 @@ class LoadBound:
         share = sum(sent) / len(sent)
         if max(received) > self.factor * share:
             raise LoadOverBound(f"{self.layer}: its ep ranks would receive {received} rows, above the bound of "
-                                f"{self.factor:g} × the balanced {share:g} (--ep-max-load): the routing has collapsed "
-                                f"onto few ranks' experts; raise the bound, set --moe-capacity, or balance harder")
+                                f"{self.factor:g} × the balanced {share:g} (--ep-max-load); raise the bound, set "
+                                f"--moe-capacity, or balance the routing harder")
 
 
 def apply_expert_parallel(model: nn.Module, comm: Comm, *, split_tp: bool,
