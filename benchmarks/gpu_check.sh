@@ -13,7 +13,9 @@
 #      eager, interleaved in one process: the compiled ÷ eager step ratio on this GPU.
 #   7. a one-GPU bf16 MoE `train` (moe-small: grouped_mm's kernels), tokens/s and its balancing loss;
 #   8. benchmarks/moe_replay.py: a recomputed MoE block replays its routing on this device (the
-#      recomputation's ranking perturbed: the gradients those without recomputation), and its mutant.
+#      recomputation's ranking perturbed: the gradients those without recomputation), and its mutant;
+#   9. benchmarks/dropout_keys.py: GPT-2-small's keyed dropout masks of a micro-batch (8 × 1,024)
+#      hashed on the device, against the per-row CPU generators they replaced.
 # outcomes.txt, summary.txt and results.tgz (each step's JSON line and log) land in $OUT (the
 # device tool's output folder) or ./gpu-check.
 # DEVICE=cpu MODEL=gpt-test SEQ_LEN=32 rehearses the script on a machine without a GPU.
@@ -62,7 +64,7 @@ done
 
 step "2a. verify a $DEVICE run against the CPU reference" "$RESULTS/verify.json" \
   $PY -m meshtrain verify --model gpt-small --data "$DATA" --device "$DEVICE" --dp 1 --steps 6 --json
-step "2b. verify with dropout 0.1 (masks drawn on the CPU generator)" "$RESULTS/verify-dropout.json" \
+step "2b. verify with dropout 0.1 (keyed masks hashed on the device)" "$RESULTS/verify-dropout.json" \
   $PY -m meshtrain verify --model gpt-small --data "$DATA" --device "$DEVICE" --dp 1 --steps 6 --dropout 0.1 --json
 
 if [ "$NGPU" -ge 2 ] && [ "$DEVICE" = cuda ]; then
@@ -121,6 +123,10 @@ step "8. a recomputed MoE block replays its routing on $DEVICE" "$RESULTS/moe-re
   $PY benchmarks/moe_replay.py --device "$DEVICE"
 cat "$RESULTS/moe-replay.json" >> "$RESULTS/sync-warnings.txt"
 if ! grep -q '"passed": true' "$RESULTS/moe-replay.json"; then OUTCOMES+=("FAILED  8. the replay check's verdict"); fi
+
+step "9. keyed dropout masks on $DEVICE against per-row CPU generators" "$RESULTS/dropout-keys.json" \
+  $PY benchmarks/dropout_keys.py --device "$DEVICE" --rows 8 --repeats 3
+cat "$RESULTS/dropout-keys.json" >> "$RESULTS/sync-warnings.txt"
 
 echo "== outcomes" >&2
 printf '%s\n' "${OUTCOMES[@]}" | tee "$RESULTS/outcomes.txt"

@@ -1,17 +1,23 @@
 """Dropout that every layout draws alike, so that `verify` can check runs with dropout.
 
-Each sample's mask at each site is a pure function of (seed, step, the sample's index in
-the global batch, the site's module name): a generator seeded from those draws the mask at
-the full shape of one sample's activation, and a rank whose activation is a shard (this
-rank's chunk of the sequence under SP, its heads under TP) keeps that chunk of the mask. So
-one process, any data-parallel or micro-batch split, any tensor- or sequence-parallel
-layout — and, later, any recomputation — drop exactly the same elements.
+Each element of a sample's mask at a site is a pure function of (seed, step, the sample's
+index in the global batch, the site's module name, the element's index in the sample's
+whole activation): an integer hash computed in tensor operations on the activation's device
+(`keyed_keep`). A rank whose activation is a shard (its chunk of the sequence under SP, its
+heads under TP, its tokens under cp) computes the elements of its shard only. So one
+process, any data-parallel or micro-batch split, any tensor-, sequence- or
+context-parallel layout, and any recomputation drop exactly the same elements, on the CPU
+and on a GPU alike (torch's generators cannot: the CPU and CUDA ones are different
+algorithms).
 
-The cost: every rank draws the whole mask of each of its samples, tp times the random
-numbers of its shard, one generator per sample and site. The cheaper alternative is
-Megatron's RNG tracker (a generator per tp rank for sharded regions, a shared one for
-replicated ones): each rank draws only its shard, but the masks then depend on the layout,
-and no layout could be compared with one process.
+The cost is device work, a constant number of integer operations per call whatever the
+rows: about ten passes over an int64 word per element. On one CPU thread that is 3.7-5.7×
+torch's CPU generator drawing the same masks (`benchmarks/dropout_keys.py`); on a GPU it
+replaces host work that grew with the rows (one generator per sample and site, each
+sample's whole mask drawn on the host and copied: 23-25 s of host time for a GPT-2-small
+micro-batch of 8 × 1,024 with attention-probability dropout). Megatron's RNG tracker (a
+generator per tp rank for sharded regions) is cheaper still, but its masks depend on the
+layout, and no layout could be compared with one process.
 
 Functional dropout — `F.dropout` (and `torch.dropout`) in a model's forward, and the
 `dropout_p` of `F.scaled_dot_product_attention` — draws from the global generator, which no
@@ -76,9 +82,11 @@ class DropoutKeys:
         if not self.functional_seen and not self.compiled:
             self.functional = None
 
-    def key(self, row: int, site: str) -> int:
-        raw = hashlib.blake2b(f"{self.seed}/{self.step}/{row}/{site}".encode(), digest_size=8).digest()
-        return int.from_bytes(raw, "little") & (2**63 - 1)
+    def site_key(self, site: str) -> tuple[int, int]:
+        """Two 32-bit words keying `site`'s masks at this step (the rows are mixed in on the
+        device: `keyed_keep`)."""
+        raw = hashlib.blake2b(f"{self.seed}/{self.step}/{site}".encode(), digest_size=8).digest()
+        return int.from_bytes(raw[:4], "little"), int.from_bytes(raw[4:], "little")
 
 
 class SeededDropout(nn.Module):
@@ -105,39 +113,72 @@ class SeededDropout(nn.Module):
 def keyed_dropout(x: torch.Tensor, p: float, keys: DropoutKeys, site: str, shard: tuple[int, Comm] | None = None,
                   tokens: tuple[int, int] | None = None, inplace: bool = False) -> torch.Tensor:
     """`x` [rows, ...] with each row's one-process mask at `site` (`SeededDropout` says
-    what `shard` and `tokens` are)."""
+    what `shard` and `tokens` are): the rank's own elements only, drawn on x's device."""
     if p >= 1:
         return x.mul_(0) if inplace else x * 0
-    shape = list(x.shape[1:])
+    if keys.rows.stop - keys.rows.start != x.shape[0]:
+        raise RuntimeError(f"dropout at {site}: {x.shape[0]} samples but the keys name "
+                           f"{keys.rows.stop - keys.rows.start}")
+    full = list(x.shape[1:])  # a row's one-process mask
     if shard is not None:
         dim, comm = shard
-        shape[dim - 1] *= comm.mesh.size("tp")
-    positions = None
+        full[dim - 1] *= comm.mesh.size("tp")
     if tokens is not None:
         if x.dim() != 3:
             raise RuntimeError(f"dropout at {site}: context parallelism drops [batch, tokens, features] "
                                f"activations only; attention-probability dropout is refused under cp")
         rank, cp = tokens
-        shape[0] *= cp
-        positions = sequence_positions(shape[0], rank, cp)
-    rows = range(keys.rows.start, keys.rows.stop)
-    if len(rows) != x.shape[0]:
-        raise RuntimeError(f"dropout at {site}: {x.shape[0]} samples but the keys name {len(rows)}")
-    masks = []
-    for row in rows:
-        # Drawn on the CPU generator whatever the device: CUDA's Philox draws other bits,
-        # and a GPU run must drop what the CPU reference drops (verify --device cuda).
-        g = torch.Generator()
-        g.manual_seed(keys.key(row, site))
-        keep = torch.rand(shape, generator=g) >= p
-        if positions is not None:  # this cp rank's tokens, then (under SP) its tp chunk of them
-            keep = keep[positions]
-        if shard is not None:
-            n = x.shape[dim]
-            keep = keep.narrow(dim - 1, comm.mesh.coord("tp") * n, n)
-        masks.append(keep)
-    mask = torch.stack(masks).to(x.device, non_blocking=True)
+        full[0] *= cp
+    positions = [torch.arange(n, device=x.device) for n in full]  # each dimension's indices the rank holds
+    if tokens is not None:  # this cp rank's tokens, then (under SP) its tp chunk of them
+        positions[0] = sequence_positions(full[0], rank, cp, x.device)
+    if shard is not None:
+        n = x.shape[dim]
+        positions[dim - 1] = positions[dim - 1].narrow(0, comm.mesh.coord("tp") * n, n)
+    mask = keyed_keep(keys, site, positions, full, p)  # bool: what backward keeps is a byte an element
     return x.mul_(mask).div_(1 - p) if inplace else x * mask / (1 - p)
+
+
+_WORD = 0xFFFFFFFF
+
+
+def _mix_(x: torch.Tensor) -> torch.Tensor:
+    """x ← a 32-bit integer hash of x (Mueller's xorshift-multiply, 0x45d9f3b), in place, for
+    32-bit words held in int64: every product stays below 2⁶³, so CPU and CUDA integer
+    arithmetic give the same bits; a bijection in which every input bit reaches every
+    output bit."""
+    for _ in range(2):
+        x.bitwise_xor_(x >> 16).mul_(0x45D9F3B).bitwise_and_(_WORD)
+    return x.bitwise_xor_(x >> 16)
+
+
+@torch.compiler.disable  # the step, the rows and the site are Python state: a graph would guard on each
+def keyed_keep(keys: DropoutKeys, site: str, positions: list[torch.Tensor], full: list[int],
+               p: float) -> torch.Tensor:
+    """[rows, *local] bool: which elements the masks of `site` keep, for the rows the keys
+    name, at `positions` (each dimension's indices in a row's mask of shape `full`). Each
+    element is a hash of (seed, step, site, global row, the element's index in its row's
+    whole mask) in integer tensor operations on the positions' device — the same bits on
+    CPU and CUDA, and a constant number of operations whatever the rows or the layout: a
+    rank computes its own elements only (tp's chunk, cp's tokens). The row's key mixes
+    (seed, step, site) — a blake2b digest on the host, once per call — with the row; each
+    element's word is the hash of its index xor that key, its top 24 bits a uniform
+    number against p."""
+    device = positions[0].device
+    numel = math.prod(full)
+    if numel >= 2 ** 32:
+        raise RuntimeError(f"dropout at {site}: a row's mask of {numel} elements is past the keyed hash's 2³² indices")
+    k0, k1 = keys.site_key(site)
+    rows = torch.arange(keys.rows.start, keys.rows.stop, device=device, dtype=torch.int64)
+    row_key = _mix_(_mix_(rows.bitwise_xor_(k0)).bitwise_xor_(k1))
+    index, stride = torch.zeros((), dtype=torch.int64, device=device), numel
+    for d, pos in enumerate(positions):  # the element's flat index in its row's whole mask
+        stride //= full[d]
+        shape = [1] * len(positions)
+        shape[d] = -1
+        index = index + pos.to(torch.int64).view(shape) * stride
+    word = index.unsqueeze(0) ^ row_key.view(-1, *[1] * len(positions))  # [rows, *local]
+    return _mix_(word) >= math.ceil(p * 2 ** 24) << 8
 
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
