@@ -4,7 +4,7 @@ variable MESHTRAIN_FAULT=KIND:RANK:STEP makes rank RANK, in the first attempt of
 - `kill`: die by SIGKILL at the end of the step (before its checkpoint);
 - `kill-in-save`: die by SIGKILL inside the checkpoint of that step, its files written but
   not its marker;
-- `term`: receive SIGTERM at the end of the step (a scheduler's preemption).
+- `term`: receive SIGTERM during the step, before its update (a scheduler's preemption).
 Nothing happens when the variable is unset."""
 
 from __future__ import annotations

@@ -63,6 +63,8 @@ class Job:
         self._expert_load = ExpertLoad(parallel.module, parallel.comm, options.sp, parallel.routers)  # a MoE's
         self._passes_num_items = num_items  # the model's forward takes num_items_in_batch
         self._miscount = None  # a counted loss's step count and its prediction, when a balancing loss used it
+        self.stop_signal: Callable[[], bool] | None = None  # a poll (train's: a SIGTERM seen on this rank)
+        self.stop_requested = False  # some rank's poll said so at the last update (read with its norm)
         self._token_mask = TokenMask(parallel.dropout_keys, mesh, options.sp)  # a MoE's balancing tokens
         if loss.kind == "own":  # the model computes its loss in its forward: watched there
             parallel.loss_scope = loss.watching
@@ -134,13 +136,20 @@ class Job:
         gradients. A step whose gradient norm is not finite is skipped, with a warning.
         Reading the norm to decide that is the step's one host sync (docs/host-syncs.md)."""
         p = self.parallel
-        norm_t = grad_norm(p.trained, p.comm)
-        if self._miscount is not None:  # read with the norm: one host sync still
-            norm, counted, predicted = torch.cat([norm_t.double().reshape(1), self._miscount]).tolist()
-            self._miscount = None
-            if counted != predicted:
-                p.zero_grad()
-                refuse_miscounted(self._loss, counted, predicted)
+        poll = None
+        if self.stop_signal is not None:  # summed over the world in the norm's all-reduces
+            poll = torch.tensor([float(self.stop_signal())], dtype=torch.float64, device=self.mesh.device)
+        norm_t = grad_norm(p.trained, p.comm, world_sum=poll)
+        also = [t for t in (poll, self._miscount) if t is not None]
+        if also:  # read with the norm: one host sync still
+            norm, *read = torch.cat([norm_t.double().reshape(1), *also]).tolist()
+            if poll is not None:
+                self.stop_requested, read = read[0] > 0, read[1:]
+            if self._miscount is not None:
+                self._miscount, (counted, predicted) = None, read
+                if counted != predicted:
+                    p.zero_grad()
+                    refuse_miscounted(self._loss, counted, predicted)
         else:
             norm = norm_t.item()  # the skip decision: the host waits for the backward here
         lr = self.optimizer.param_groups[0].get("lr") if self.optimizer.param_groups else None

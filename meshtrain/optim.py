@@ -133,9 +133,11 @@ def sum_of_squares(tensors, device: torch.device) -> torch.Tensor:
     return torch.stack(squares).sum() if squares else torch.zeros((), dtype=dtype, device=device)
 
 
-def grad_norm(params, comm: Comm) -> torch.Tensor:
+def grad_norm(params, comm: Comm, *, world_sum: torch.Tensor | None = None) -> torch.Tensor:
     """The global gradient norm, an fp32 0-dim tensor on the mesh's device (nothing read on
-    the host).
+    the host). `world_sum`: a few numbers (1-dim, on the device) summed over every rank in
+    the same all-reduces, in place — what a step must agree on rides on this collective
+    instead of one of its own (the preemption poll).
 
     Every rank issues the same collectives whatever gradients it holds (a pipeline stage owns
     some parameters, a shard may be empty): one all-reduce of one number per mesh axis,
@@ -156,8 +158,13 @@ def grad_norm(params, comm: Comm) -> torch.Tensor:
         if all(mesh.coord(axis) == 0 for axis in replicated if axis not in sharded):
             counted.append(local_tensor(p.grad).detach())
     total = sum_of_squares(counted, mesh.device)
+    if world_sum is not None:
+        total = torch.cat([total.reshape(1), world_sum.to(total.dtype)])
     for axis in AXES:
         comm.all_reduce(total, axis, purpose=METRICS)
+    if world_sum is not None:
+        world_sum.copy_(total[1:])
+        total = total[0]
     return total.sqrt().float()
 
 

@@ -88,14 +88,15 @@ def this_run(cfg: Config, comm: Comm) -> str:
 
 def checkpoint_after(job: Job, cfg: Config, data, step: int, preemption: Preemption | None, run_id: str) -> None:
     """Collective, after `step` (1-based): its checkpoint when --save-every says so, and when
-    any rank has seen a SIGTERM (then `Preempted`, on every rank)."""
+    any rank had seen a SIGTERM by the step's update (then `Preempted`, on every rank: the
+    ranks agreed in the gradient norm's all-reduce, `Job.stop_requested`; a SIGTERM later
+    than that is acted on after the next step)."""
     tr, rank = cfg.train, job.mesh.rank
     faults.inject("kill", rank, step)
-    faults.inject("term", rank, step)
     due = bool(tr.save_every) and (step % tr.save_every == 0 or step == tr.steps)
     if due:
         save(job, cfg, data, step, run_id, background=tr.async_save)
-    if preemption is not None and job.parallel.comm.any_rank(preemption.seen):
+    if preemption is not None and job.stop_requested:
         if not due:
             save(job, cfg, data, step, run_id)
         job.wait_for_saves()

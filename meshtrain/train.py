@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from meshtrain import launch
+from meshtrain import faults, launch
 from meshtrain.board import Board
 from meshtrain.comm import Comm
 from meshtrain.cli.config import (Config, LayoutConfig, TrainConfig, imported_tokenizer, lr_at, strict_p2p_requested,
@@ -249,6 +249,7 @@ def train_step(job: Job, data, step: int, cfg: Config, *, observer: StepObserver
     loss = job.backward(inputs, targets, meter=meter, token_mask=mask)
     if observer:
         observer.grads_ready(job.parallel, step + 1)
+    faults.inject("term", job.mesh.rank, step + 1)
     return job.update(loss)
 
 
@@ -291,8 +292,10 @@ def train(cfg: Config, comm: Comm, *, observer: StepObserver | None = None, prog
     meter = ActivationMeter() if measure_memory else None
     probe = LayerProbe(p.module, meter) if meter is not None else None
     # With checkpoints on, a SIGTERM (a scheduler's preemption) reaches ranks at different
-    # steps: each step the flag is all-reduced, and every rank saves at the first step any saw it.
+    # steps: each step the flag rides on the gradient norm's all-reduce (`Job.stop_signal`),
+    # and every rank saves after the first step whose update any had seen it by.
     preemption = Preemption() if tr.save_every else None
+    job.stop_signal = (lambda: preemption.seen) if preemption is not None else None
     board = Board(Path(tr.out), comm) if tr.tensorboard else None
     try:
         losses, times, comm_per_step, comm_detail, skipped, val_losses = [], [], {}, {}, [], []
@@ -392,6 +395,7 @@ def train(cfg: Config, comm: Comm, *, observer: StepObserver | None = None, prog
     finally:
         if preemption is not None:
             preemption.restore()
+            job.stop_signal = None
         if board is not None:
             board.close()
 

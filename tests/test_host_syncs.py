@@ -45,6 +45,40 @@ def test_a_step_syncs_once(model, layout):
         assert loss == loss  # read after the step: a float
 
 
+def _with_the_preemption_poll(mesh, out):
+    """A step with --save-every's preemption poll, and the checkpoint decision after it: the
+    poll rides on the norm's all-reduce and read (a SIGTERM seen on rank 1 stops both)."""
+    from meshtrain.host_syncs import HostSyncs, optimizer_steps
+    from meshtrain.run_folder import Preempted, checkpoint_after
+    from meshtrain.train import setup, train_step
+    cfg = small_config("gpt-test", 3, 8, dp=2)
+    cfg.train.save_every, cfg.train.out = 100, out
+    data, job = setup(cfg, mesh.comm)
+    seen = {"term": False}
+    job.stop_signal = lambda: seen["term"]
+    train_step(job, data, 0, cfg)
+    with HostSyncs(optimizer_steps(job.optimizer)) as syncs:
+        train_step(job, data, 1, cfg)
+        checkpoint_after(job, cfg, data, 2, _NoSave(), "run")
+    seen["term"] = mesh.rank == 1
+    train_step(job, data, 2, cfg)
+    try:
+        checkpoint_after(job, cfg, data, 3, _NoSave(), "run")
+    except Preempted as e:
+        return dict(syncs.where), e.step
+    return dict(syncs.where), None
+
+
+class _NoSave:
+    """What checkpoint_after is given for a preemption (its flag is the job's now)."""
+
+
+def test_the_preemption_poll_rides_on_the_steps_one_sync(tmp_path):
+    for where, stopped in run_ranks(_with_the_preemption_poll, 2, str(tmp_path)):
+        assert sum(where.values()) == 1 and {place.rsplit(" ", 1)[-1] for _, place in where} == {"update"}, where
+        assert stopped == 3  # every rank, from rank 1's SIGTERM
+
+
 def test_the_counter_sees_a_sync():
     """The counter is not blind: a `.item()` and a `bool()` on a tensor are counted, a host
     step counter passed as `host` is not."""
