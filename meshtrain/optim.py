@@ -119,8 +119,9 @@ CPU_NORM_PIECE = 1 << 20
 
 
 def _norm_pieces(tensors):
-    for t in tensors:
-        yield from t.reshape(-1).split(CPU_NORM_PIECE) if t.device.type == "cpu" else (t,)
+    for t in tensors:  # a tensor within a piece is normed as it is: no view or split to dispatch
+        yield from t.reshape(-1).split(CPU_NORM_PIECE) if t.device.type == "cpu" and t.numel() > CPU_NORM_PIECE \
+            else (t,)
 
 
 def sum_of_squares(tensors, device: torch.device) -> torch.Tensor:
@@ -156,7 +157,7 @@ def grad_norm(params, comm: Comm, *, world_sum: torch.Tensor | None = None) -> t
         sharded = set(getattr(p, SHARDED_OVER, ()))
         replicated = getattr(p, REPLICATED_OVER, REPLICATED_AXES)
         if all(mesh.coord(axis) == 0 for axis in replicated if axis not in sharded):
-            counted.append(local_tensor(p.grad).detach())
+            counted.append(local_tensor(p.grad))  # a gradient carries no graph: nothing to detach
     total = sum_of_squares(counted, mesh.device)
     if world_sum is not None:
         total = torch.cat([total.reshape(1), world_sum.to(total.dtype)])
