@@ -88,6 +88,13 @@ def by_device_and_dtype(tensors) -> list[list[torch.Tensor]]:
     return list(groups.values())
 
 
+def zero_(tensors) -> None:
+    """Zero the tensors in place (their local parts), one launch per device and dtype, where
+    a loop of `zero_` would dispatch one per tensor."""
+    for group in by_device_and_dtype(local_tensor(t) for t in tensors):
+        torch._foreach_zero_(group)
+
+
 def scale_(tensors, factor) -> None:
     """Multiply the tensors in place by `factor` (a number, or a 0-dim tensor that stays on
     its device: nothing is read on the host), one launch per device and dtype."""

@@ -70,11 +70,17 @@ class DataParallel:
         self._bucket_of = {p: b for b in self.buckets for p in b.params}
         check_replicas_agree(comm, axis, named, [b.params for b in self.buckets] + [list(elsewhere)],
                              init_fingerprint)
+        # One rank with the gradients in their own dtype: nothing to send or convert, so no
+        # hook runs per gradient (a Python call per parameter per backward, which a plain loop
+        # does not make): backward accumulates into the bucket views in place.
+        self._idle = comm.mesh.size(axis) == 1 and all(b.buffer.dtype == p.dtype for b in self.buckets
+                                                        for p in b.params)
         for b in self.buckets:
             for p in b.params:
                 if b.buffer.dtype == p.dtype:  # else each backward's gradient is added in (grad_dtype)
                     p.grad = b.views[p]
-                p.register_post_accumulate_grad_hook(self._on_grad_ready)
+                if not self._idle:
+                    p.register_post_accumulate_grad_hook(self._on_grad_ready)
         self._sync = True
         self._next_launch = 0
 
@@ -102,7 +108,7 @@ class DataParallel:
         """`p`'s gradient is complete for this sync (unless under `no_sync`); a complete
         bucket is launched, in index order."""
         bucket = self._bucket_of[p]
-        if not self._sync:
+        if not self._sync or self._idle:
             return
         if p in bucket.ready:
             self.reset()
@@ -135,6 +141,8 @@ class DataParallel:
 
     def finish_grad_sync(self) -> None:
         """Wait for every bucket's all-reduce; a bucket with unused parameters is sent now."""
+        if self._idle:
+            return
         for bucket in self.buckets[self._next_launch:]:
             bucket.ready.update(bucket.params)
         self._launch_ready()

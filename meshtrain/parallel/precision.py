@@ -19,7 +19,7 @@ from typing import Callable
 
 import torch
 
-from meshtrain.optim import OptimizerFactory, by_device_and_dtype
+from meshtrain.optim import OptimizerFactory, by_device_and_dtype, zero_
 
 COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -87,10 +87,8 @@ class MasterWeights:
         if self._zero_buffers is not None:
             self._zero_buffers()
             return
-        for t in self.tensors:
-            grad = self.masters[t].grad if self.persistent_grads else t.grad
-            if grad is not None:
-                grad.zero_()
+        grads = (self.masters[t].grad if self.persistent_grads else t.grad for t in self.tensors)
+        zero_([g for g in grads if g is not None])
 
     def register_step_post_hook(self, hook: Callable) -> None:
         self._post_hooks.append(hook)

@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 
 from meshtrain.comm import METRICS, Comm
-from meshtrain.optim import SHARDED_OVER, local_tensor
+from meshtrain.optim import SHARDED_OVER, local_tensor, zero_
 from meshtrain.parallel.precision import grad_holder, grad_of, master_bytes, master_of
 
 SHARD = "meshtrain_shard"
@@ -406,7 +406,8 @@ class ParamHoldings:
                              self.comm)
 
     def zero_grad(self) -> None:
-        self.module.zero_grad(set_to_none=False)  # keep gradient buffers (DP buckets) in place
+        # in place: the gradients are views of the data-parallel buckets
+        zero_([p.grad for p in self.module.parameters() if p.grad is not None])
         if getattr(self.optimizer, "persistent_grads", False):
             self.optimizer.zero_grad()  # the fp32 buffers the masters hold
 
