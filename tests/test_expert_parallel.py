@@ -84,14 +84,13 @@ def tokens_sent_to_the_neighbouring_ranks_experts():
 
 
 def expert_gradients_reduced_over_all_of_dp():
-    """The experts' gradients summed over the whole dp group, not their chunk's replicas."""
-    real = DataParallel._launch
+    """The experts' gradients summed over the whole dp group, not their chunk's replicas
+    (their synchroniser built over dp instead of edp)."""
+    real = DataParallel.__init__
 
-    def launch(self, bucket):
-        if self.axis == "edp":
-            return self.comm.all_reduce(bucket.buffer, "dp", async_op=True)
-        return real(self, bucket)
-    return [mock.patch.object(DataParallel, "_launch", launch)]
+    def init(self, model, comm, **options):
+        real(self, model, comm, **{**options, "axis": "dp" if options.get("axis") == "edp" else options["axis"]})
+    return [mock.patch.object(DataParallel, "__init__", init)]
 
 
 def every_tp_rank_dispatches_every_token():

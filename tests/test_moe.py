@@ -379,11 +379,11 @@ def expert_gradient_counted_twice_in_the_norm():
     from meshtrain import optim
     real = optim.grad_norm
 
-    def norm(params, comm):
+    def norm(params, comm, **options):
         for p in params:
             if p.dim() == 3:  # the stacked experts
                 setattr(p, optim.SHARDED_OVER, ("tp",))
-        return real(params, comm)
+        return real(params, comm, **options)
     return [mock.patch.object(optim, "grad_norm", norm), mock.patch("meshtrain.job.grad_norm", norm)]
 
 

@@ -345,7 +345,7 @@ def a_tensor_counted_twice_in_the_norm():
 
     def update(self, loss):
         twice = dict(self.parallel.named_parameters())["blocks.1.attn.v.bias"]
-        with mock.patch.object(J, "grad_norm", lambda params, comm: real_norm([*params, twice], comm)):
+        with mock.patch.object(J, "grad_norm", lambda params, comm, **kw: real_norm([*params, twice], comm, **kw)):
             return real_update(self, loss)
     return [mock.patch.object(J.Job, "update", update)]
 
