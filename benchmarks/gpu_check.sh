@@ -16,6 +16,8 @@
 #      recomputation's ranking perturbed: the gradients those without recomputation), and its mutant;
 #   9. benchmarks/dropout_keys.py: GPT-2-small's keyed dropout masks of a micro-batch (8 × 1,024)
 #      hashed on the device, against the per-row CPU generators they replaced.
+#  10. benchmarks/one_gpu_peers.py: a ~1.1B Llama in bf16, meshtrain against a plain PyTorch loop
+#      (autocast, fused AdamW, SDPA) in the same run, eager and compiled: tokens/s, MFU, the ratio.
 # outcomes.txt, summary.txt and results.tgz (each step's JSON line and log) land in $OUT (the
 # device tool's output folder) or ./gpu-check.
 # DEVICE=cpu MODEL=gpt-test SEQ_LEN=32 rehearses the script on a machine without a GPU.
@@ -127,6 +129,14 @@ if ! grep -q '"passed": true' "$RESULTS/moe-replay.json"; then OUTCOMES+=("FAILE
 step "9. keyed dropout masks on $DEVICE against per-row CPU generators" "$RESULTS/dropout-keys.json" \
   $PY benchmarks/dropout_keys.py --device "$DEVICE" --rows 8 --repeats 3
 cat "$RESULTS/dropout-keys.json" >> "$RESULTS/sync-warnings.txt"
+
+PEER_SHAPE=${PEER_SHAPE:-1b}
+for mode in eager compiled; do
+  step "10. meshtrain against a plain loop, $PEER_SHAPE Llama bf16, $mode" "$RESULTS/peers-$mode.json" \
+    $PY benchmarks/one_gpu_peers.py --device "$DEVICE" --shape "$PEER_SHAPE" --batch-size 2 --seq-len "$SEQ_LEN" \
+    --steps 10 --warmup 3 --modes "$mode"
+  cat "$RESULTS/peers-$mode.json" >> "$RESULTS/sync-warnings.txt"
+done
 
 echo "== outcomes" >&2
 printf '%s\n' "${OUTCOMES[@]}" | tee "$RESULTS/outcomes.txt"
