@@ -28,18 +28,11 @@ from meshtrain.mesh import Mesh
 
 def step_tokens(inputs, rows: str, mesh: Mesh, comm, mask: torch.Tensor | None = None) -> torch.Tensor:
     """N: the global batch's tokens, the positions of its inputs' first two dimensions
-    (rows × sequence; a [rows] input: a token per row) — or those `mask` keeps (this rank's
-    rows under rows="local": summed over dp, a cp group's once) — as a 0-dim float64 device
-    tensor."""
+    (rows × sequence; a [rows] input: a token per row) — or those `mask` keeps — as a 0-dim
+    float64 device tensor."""
     if mask is not None:
-        n = mask.sum().to(torch.float64)
-        if rows == "local":
-            comm.all_reduce(n, "dp", purpose=METRICS)
-            n = n / mesh.size("cp")
-        return n
-    x = inputs
-    if isinstance(inputs, dict):
-        x = inputs.get("input_ids", next((v for v in inputs.values() if torch.is_tensor(v)), None))
+        return _global(mask.sum(), rows, mesh, comm)
+    x = _token_tensor(inputs)
     if not torch.is_tensor(x) or x.dim() == 0:
         raise ValueError("a mixture of experts' balancing loss is a mean over the batch's tokens: pass the "
                          "inputs as a [rows, sequence, ...] tensor (or a dict holding input_ids)")
@@ -57,8 +50,7 @@ def later_divisor(terms: LossTerms, module, mesh: Mesh, comm, inputs, targets, r
     if not terms.watched or terms.resolved == "normalized":
         return one
     if terms.resolved == "rows":
-        x = inputs.get("input_ids", next(iter(inputs.values()))) if isinstance(inputs, dict) else inputs
-        return one * x.shape[0] * (mesh.size("dp") if rows == "local" else 1)
+        return one * _token_tensor(inputs).shape[0] * (mesh.size("dp") if rows == "local" else 1)
     labels = targets if terms.kind == "mean" else (labels_for_count(module, inputs) if isinstance(inputs, dict)
                                                    else None)
     if not torch.is_tensor(labels):
@@ -66,11 +58,24 @@ def later_divisor(terms: LossTerms, module, mesh: Mesh, comm, inputs, targets, r
                          f"balancing loss is weighed before the backward by that count: pass the labels in the "
                          f"batch (or return the loss divided by num_items_in_batch)")
     if labels.is_floating_point():  # class probabilities: a term per sample
-        n = torch.tensor(labels.numel() // max(labels.shape[-1], 1), device=mesh.device)
+        n = torch.tensor(labels.numel() // max(labels.shape[-1], 1))
     else:
-        n = (labels != terms.counted_ignore_index).sum().to(mesh.device)
-    n = n.to(torch.float64)
-    if rows == "local":  # each rank passed its share (a cp group shares one)
+        n = (labels != terms.counted_ignore_index).sum()
+    return _global(n, rows, mesh, comm)
+
+
+def _token_tensor(inputs):
+    """The batch's tensor of tokens: the inputs, or a dict's input_ids (else its first tensor)."""
+    if isinstance(inputs, dict):
+        return inputs.get("input_ids", next((v for v in inputs.values() if torch.is_tensor(v)), None))
+    return inputs
+
+
+def _global(n: torch.Tensor, rows: str, mesh: Mesh, comm) -> torch.Tensor:
+    """A count of the batch as float64 on the device: the global batch's as it is, or under
+    rows="local" this rank's share summed over dp (a cp group passed one share between it)."""
+    n = n.to(mesh.device, torch.float64)
+    if rows == "local":
         comm.all_reduce(n, "dp", purpose=METRICS)
         n = n / mesh.size("cp")
     return n

@@ -195,16 +195,8 @@ class Job:
         """Collective over pp: a watched loss's first call, on this rank's first micro-batch
         in evaluation mode, without gradients; every stage then knows how it resolved."""
         p, terms = self.parallel, self._loss
-        at = slice(mine.start, mine.start + (mine.stop - mine.start) // self.options.microbatches)
-        x = self._to_device(take_rows(inputs, at))
-        with torch.no_grad(), p.loss_scope():
-            out = self._output({**x, **extra} if extra else x)
-            if out is not None:  # the last pipeline stage's ranks
-                y = at.stop - at.start
-                if terms.kind != "own":
-                    y = self._to_device(take_rows(targets, at), cast=False)
-                    y = self._sequence_shard(y) if self.mesh.size("cp") > 1 else y
-                p.loss_fn(out, y)
+        self._evaluated_loss(inputs, targets, slice(mine.start, mine.start + (mine.stop - mine.start)
+                                                    // self.options.microbatches), extra)
         seen = [s for s in p.comm.all_gather_object((terms.resolved, terms.counted_ignore_index), axis="pp")
                 if s[0] is not None]
         terms.resolved, terms.counted_ignore_index = seen[0]
@@ -266,17 +258,25 @@ class Job:
         mine, _, count = self._rows_of(inputs, targets, rows)
         extra = loss_inputs(self._loss, p, self.mesh, inputs, rows, self._passes_num_items)
         total = torch.zeros((), dtype=torch.float64, device=self.mesh.device)
-        x = self._to_device(take_rows(inputs, mine))
+        loss = self._evaluated_loss(inputs, targets, mine, extra)
+        if loss is not None:  # the last pipeline stage's ranks
+            total += loss.double() / count
+        return global_mean(self._loss, p, total)[0].item()
+
+    def _evaluated_loss(self, inputs, targets, rows: slice, extra: dict) -> torch.Tensor | None:
+        """The loss of the batch's `rows` in evaluation mode, without gradients, as the job's
+        loss weighs it (None on pipeline stages but the last)."""
+        p = self.parallel
+        x = self._to_device(take_rows(inputs, rows))
         with torch.no_grad(), p.loss_scope():
             out = self._output({**x, **extra} if extra else x)
-            if out is not None:  # the last pipeline stage's ranks
-                if self._loss.kind == "own":
-                    y = mine.stop - mine.start
-                else:
-                    y = self._to_device(take_rows(targets, mine), cast=False)
-                    y = self._sequence_shard(y) if self.mesh.size("cp") > 1 else y
-                total += p.loss_fn(out, y).double() / count
-        return global_mean(self._loss, p, total)[0].item()
+            if out is None:
+                return None
+            y = rows.stop - rows.start
+            if self._loss.kind != "own":
+                y = self._to_device(take_rows(targets, rows), cast=False)
+                y = self._sequence_shard(y) if self.mesh.size("cp") > 1 else y
+            return p.loss_fn(out, y)
 
     def _output(self, x):
         """The module's output in evaluation mode on this rank's tokens of `x` (on the
