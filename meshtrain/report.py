@@ -146,11 +146,13 @@ def plot_run(result: RunResult, out: Path, title: str) -> None:
     plot_losses(steps, losses, out / "loss.png", title, val_losses=val_losses)
 
 
-def write(cfg: Config, result: RunResult, gathered: dict, device: torch.device, json_mode: bool) -> int:
-    """Rank 0, after the process group is gone: files, summary, sample, JSON line."""
+def write(cfg: Config, result: RunResult, gathered: dict, device: torch.device, json_mode: bool,
+          extra: dict | None = None) -> int:
+    """Rank 0, after the process group is gone: files, summary, sample, JSON line (with
+    `extra`'s keys: `layout_search`)."""
     out = Path(cfg.train.out)
     human = sys.stderr if json_mode else sys.stdout
-    summary = summary_json(cfg, result, gathered["per_rank"], device)
+    summary = summary_json(cfg, result, gathered["per_rank"], device) | (extra or {})
     plot_run(result, out, f"{cfg.model.name}, {cfg.layout.short()}")
     mfu = f", MFU {summary['mfu']:.1%}" if summary["mfu"] is not None else ""
     print(f"loss {result.losses[0]:.3f} -> {result.losses[-1]:.3f} in {len(result.losses)} steps; "

@@ -32,11 +32,12 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"meshtrain: error: {message} (see {self.prog} --help)\n")
 
 
-def _add_run_flags(p: argparse.ArgumentParser, steps: int | None = None) -> None:
-    p.add_argument("--config", metavar="FILE", help="TOML file with [model], [layout], [train] sections")
+def _add_run_flags(p: argparse.ArgumentParser, steps: int | None = None, flags=C.FLAGS) -> None:
+    if flags is C.FLAGS:
+        p.add_argument("--config", metavar="FILE", help="TOML file with [model], [layout], [train] sections")
     defaults = C.Config()
     defaults.train.steps = steps or defaults.train.steps
-    for flag, section, name, typ, help_text in C.FLAGS:
+    for flag, section, name, typ, help_text in flags:
         if typ is bool:
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
                            help=f"{help_text} (default off)")
@@ -45,7 +46,8 @@ def _add_run_flags(p: argparse.ArgumentParser, steps: int | None = None) -> None
             # an empty default ("": the preset's) or one the text already states is not shown twice
             shown = f" (default {default})" if default not in (None, "") and "(default" not in help_text else ""
             p.add_argument(flag, type=typ, default=None, help=f"{help_text}{shown}", metavar=typ.__name__.upper())
-    p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    if flags is C.FLAGS:
+        p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
 
 
 def build_parser(plan_flags: bool = True) -> argparse.ArgumentParser:
@@ -59,6 +61,7 @@ def build_parser(plan_flags: bool = True) -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="train a model (default: gpt-small on Shakespeare, dp=2)",
                            description="Train a model. " + launched)
     _add_run_flags(train)
+    _add_run_flags(train.add_argument_group("layout search"), flags=C.SEARCH_FLAGS)
     train.add_argument("--trace", metavar="FILE", help="pipeline: also write when each stage ran each forward and "
                        "backward, every step, to FILE (JSON; compare with `meshtrain schedule --trace FILE`)")
     steps = C.COMMAND_STEPS["verify"]

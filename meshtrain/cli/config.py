@@ -100,10 +100,24 @@ class TrainConfig:
 
 
 @dataclass
+class SearchConfig:
+    """`train --layout-search` (TOML: `[layout] search = true`, the rest in `[search]`): the
+    planner proposes, a short profile on the real ranks decides (`meshtrain.layout_search`)."""
+    enabled: bool = False
+    world: int | None = None  # from a shell: how many local ranks to start (default 2)
+    candidates: int = 3  # the K fastest predicted layouts that fit, profiled
+    memory_per_rank: str | None = None  # "12GiB", "800MiB", bytes; default: the device's less headroom, or the host's share
+    budget: float = 600.0  # seconds the whole profile may take
+    reprofile: bool = False  # measure again, even where this machine measured this model before
+    machine: str | None = None  # a machine profile (`plan --calibrate`) the planner predicts with
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     layout: LayoutConfig = field(default_factory=LayoutConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    search: SearchConfig = field(default_factory=SearchConfig)
     # The (section, field) pairs a user named, by flag or in the TOML file (`load` records
     # them; a Config made in code names none): what --init-from must not silently override.
     given: ClassVar[frozenset] = frozenset()
@@ -235,11 +249,30 @@ FLAGS = [
      "an unset dp fills the first layout's world; default: the same layout)"),
 ]
 
-_SECTION_TYPES = {"model": ModelConfig, "layout": LayoutConfig, "train": TrainConfig}
+# `train` alone: --layout-search and the flags that shape it (the other commands take a layout).
+SEARCH_FLAGS = [
+    ("--layout-search", "search", "enabled", bool, "search the layout: the planner ranks every valid layout of "
+     "the world (the layout flags given fix their axes), the --candidates fastest that fit are profiled for a few "
+     "steps on these ranks, and the run trains with the fastest measured (OUT/layout-search.json)"),
+    ("--world", "search", "world", int, "with --layout-search from a shell: the local ranks to start (default 2; "
+     "under a launcher the world is the launcher's)"),
+    ("--candidates", "search", "candidates", int, "with --layout-search: the layouts profiled (default 3)"),
+    ("--memory-per-rank", "search", "memory_per_rank", str, "with --layout-search: the memory a rank may fill, "
+     "e.g. 12GiB or 800MiB (default: the GPU's memory less 10%%; on the CPU the host's available memory over "
+     "its local ranks)"),
+    ("--search-budget", "search", "budget", float, "with --layout-search: seconds the profile may take; a "
+     "candidate that would run past them is skipped"),
+    ("--reprofile", "search", "reprofile", bool, "with --layout-search: profile again where this machine already "
+     "measured the model, world and batch (their measurements are otherwise reused)"),
+    ("--machine", "search", "machine", str, "with --layout-search: the machine profile the planner predicts with "
+     "(`meshtrain plan --calibrate`; default on the CPU: this host's, measured once into the cache)"),
+]
+
+_SECTION_TYPES = {"model": ModelConfig, "layout": LayoutConfig, "train": TrainConfig, "search": SearchConfig}
 
 
 def flag_of(section: str, name: str) -> str:
-    for flag, sec, fld, _, _ in FLAGS:
+    for flag, sec, fld, _, _ in FLAGS + SEARCH_FLAGS:
         if (sec, fld) == (section, name):
             return flag
     return f"[{section}] {name}"
@@ -271,10 +304,13 @@ def apply_sections(cfg: Config, d: dict, source: str) -> None:
     """Set fields from a {section: {field: value}} mapping, rejecting unknown names."""
     for section, values in d.items():
         if section not in _SECTION_TYPES or not isinstance(values, dict):
-            raise ConfigError(f"{source}: unknown section [{section}]; use [model], [layout] or [train]")
+            raise ConfigError(f"{source}: unknown section [{section}]; use [model], [layout], [train] or [search]")
         target = getattr(cfg, section)
         types = {f.name: f.type for f in dataclasses.fields(_SECTION_TYPES[section])}
         for name, value in values.items():
+            if (section, name) == ("layout", "search"):  # `[layout] search = true`: --layout-search
+                cfg.search.enabled = _coerce(value, bool, f"{source}: [layout] search")
+                continue
             if name not in types:
                 raise ConfigError(f"{source}: unknown key '{name}' in [{section}]; known: {', '.join(types)}")
             if value is None and "None" in types[name]:  # an optional field left unset (a saved config)
@@ -298,7 +334,8 @@ def load(path: str | None, overrides: dict[tuple[str, str], object],
             with open(path, "rb") as f:
                 sections = tomllib.load(f)
             apply_sections(cfg, sections, source=path)
-            given |= {(section, name) for section, values in sections.items() for name in values}
+            given |= {("search", "enabled") if (section, name) == ("layout", "search") else (section, name)
+                      for section, values in sections.items() for name in values}
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"--config {path}: not valid TOML ({e})") from None
         except UnicodeDecodeError:
@@ -367,7 +404,7 @@ def _dest(flag: str) -> str:
 def from_args(args) -> Config:
     """The configuration that parsed run flags (`cli.build_parser`) describe: the defaults, the
     command's own (`COMMAND_STEPS`), the `--config` TOML file, then the flags given."""
-    given = {(sec, name): getattr(args, _dest(flag)) for flag, sec, name, _, _ in FLAGS}
+    given = {(sec, name): getattr(args, _dest(flag), None) for flag, sec, name, _, _ in FLAGS + SEARCH_FLAGS}
     overrides = {key: value for key, value in given.items() if value is not None}
     defaults = {("train", "steps"): COMMAND_STEPS[args.command]} if args.command in COMMAND_STEPS else {}
     return load(args.config, overrides, defaults)

@@ -71,33 +71,43 @@ def workload_of(args, cfg: C.Config) -> Workload:
     """The model and batch the flags describe (`--params` alone is handled by the caller)."""
     explicit = _given(args, EXPLICIT)
     tr = cfg.train
-    if explicit:
-        missing = [f"--{n.replace('_', '-')}" for n in ("layers", "hidden", "heads", "vocab") if n not in explicit]
-        if missing:
-            raise PlanError(f"an explicit model needs {', '.join(missing)} too (or use --model)")
-        if min(explicit.values()) < 1:
-            raise PlanError("explicit model dimensions must be positive integers")
-        if explicit["hidden"] % explicit["heads"] or explicit["heads"] % explicit.get("kv_heads", explicit["heads"]):
-            raise PlanError("--hidden must divide by --heads, and --heads by --kv-heads")
-        shape = Shape(explicit["layers"], explicit["hidden"], explicit["heads"], explicit["vocab"], tr.seq_len,
-                      kv_heads=explicit.get("kv_heads"), ffn=explicit.get("ffn"))
-        seq = tr.seq_len
-    else:
-        try:
-            shape = shape_of(cfg.model.name, tr.vocab_size)
-            if cfg.model.moe_options() and is_preset(cfg.model.name):  # --moe-* flags: the spec they make
-                spec = cfg.model.spec()
-                shape = family_of(spec).shape(spec, tr.vocab_size)
-        except ValueError as e:
-            raise PlanError(str(e)) from None
-        seq = shape.seq_len if (is_published(cfg.model.name) and args.seq_len is None) else tr.seq_len
-        if (shape.kind == "gpt" or cfg.model.init_from) and seq > shape.seq_len:
-            raise PlanError(f"--seq-len {seq} exceeds the {shape.seq_len} positions of {cfg.model.name}")
-    if tr.batch_size < 1 or seq < 1:
+    if not explicit:
+        return preset_workload(cfg, seq_given=args.seq_len is not None)
+    missing = [f"--{n.replace('_', '-')}" for n in ("layers", "hidden", "heads", "vocab") if n not in explicit]
+    if missing:
+        raise PlanError(f"an explicit model needs {', '.join(missing)} too (or use --model)")
+    if min(explicit.values()) < 1:
+        raise PlanError("explicit model dimensions must be positive integers")
+    if explicit["hidden"] % explicit["heads"] or explicit["heads"] % explicit.get("kv_heads", explicit["heads"]):
+        raise PlanError("--hidden must divide by --heads, and --heads by --kv-heads")
+    shape = Shape(explicit["layers"], explicit["hidden"], explicit["heads"], explicit["vocab"], tr.seq_len,
+                  kv_heads=explicit.get("kv_heads"), ffn=explicit.get("ffn"))
+    return _checked_workload(cfg, shape, tr.seq_len)
+
+
+def preset_workload(cfg: C.Config, seq_given: bool = True) -> Workload:
+    """The configured preset (or published shape) and batch as the planner's workload; a
+    published shape keeps its own context length unless `seq_given`."""
+    tr = cfg.train
+    try:
+        shape = shape_of(cfg.model.name, tr.vocab_size)
+        if cfg.model.moe_options() and is_preset(cfg.model.name):  # --moe-* flags: the spec they make
+            spec = cfg.model.spec()
+            shape = family_of(spec).shape(spec, tr.vocab_size)
+    except ValueError as e:
+        raise PlanError(str(e)) from None
+    seq = shape.seq_len if (is_published(cfg.model.name) and not seq_given) else tr.seq_len
+    if (shape.kind == "gpt" or cfg.model.init_from) and seq > shape.seq_len:
+        raise PlanError(f"--seq-len {seq} exceeds the {shape.seq_len} positions of {cfg.model.name}")
+    return _checked_workload(cfg, shape, seq)
+
+
+def _checked_workload(cfg: C.Config, shape: Shape, seq: int) -> Workload:
+    if cfg.train.batch_size < 1 or seq < 1:
         raise PlanError("--batch-size and --seq-len must be positive integers")
     if not 0 <= cfg.model.dropout < 1:
         raise PlanError(f"--dropout {cfg.model.dropout}: use a probability in [0, 1)")
-    return Workload(shape, tr.batch_size, seq, cfg.model.dropout, cfg.model.attention)
+    return Workload(shape, cfg.train.batch_size, seq, cfg.model.dropout, cfg.model.attention)
 
 
 def layout_of(args, cfg: C.Config, batch: int) -> tuple[C.LayoutConfig, int]:

@@ -45,6 +45,7 @@ def run(args, argv: list[str], rank_function=None) -> int:
             launch.name_this_rank(renv.rank)
             launch.die_with_launcher()
         cfg = _config_from(args)
+        args.search_plan = _search_plan(cfg, args, renv)  # --layout-search: cfg.layout is the first candidate
         validate(cfg, world_size=renv.world_size if renv else None)
         _check_command(cfg, args)
         speaks = renv.rank == 0 if renv else cfg.layout.world_size == 1  # rank 0 reports, once
@@ -105,6 +106,27 @@ def _config_from(args) -> C.Config:
         validate(cfg)  # as the parent did, from its shell
         cfg = verifier.part_config(cfg, resumed_config(cfg), args.verify_part, Path(args.dump_dir))
     return cfg
+
+
+def _search_plan(cfg: C.Config, args, renv):
+    """--layout-search: the candidates the ranks will profile (`cli.layout_search`), cfg's
+    layout set to the first meanwhile (what the ranks start with; the checks below run on
+    it); None without."""
+    if not cfg.search.enabled:
+        return None
+    if args.command != "train":
+        raise C.ConfigError(f"--layout-search ([layout] search) is train's: {args.command} runs the layout it is given")
+    from meshtrain.cli.layout_search import plan_search
+
+    device = cfg.train.device
+    if device == "auto":
+        import torch
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    tr = cfg.train
+    plan = plan_search(cfg, renv.world_size if renv else None, renv.local_world_size if renv else None, device,
+                       resuming=bool(tr.resume or tr.resume_from or faults.restart_count() > 0))
+    cfg.layout = plan.candidates[plan.chosen if plan.chosen is not None else 0].layout
+    return plan
 
 
 def _check_command(cfg: C.Config, args) -> None:
@@ -289,7 +311,10 @@ def _forked_ranks_server(rank_function, command: str):
 def _launch_local(cfg: C.Config, args, argv: list[str], rank_function=None) -> int:
     """Start the ranks; for verify, then run the one-process reference here and compare."""
     n = cfg.layout.world_size
-    log(f"starting {n} local ranks ({cfg.layout.short()})")  # every axis, ep and cp included
+    searched = getattr(args, "search_plan", None)
+    log(f"starting {n} local ranks (" + (f"the layout searched over {len(searched.candidates)} candidates)"
+                                         if searched is not None and searched.chosen is None
+                                         else f"{cfg.layout.short()})"))  # every axis, ep and cp included
     if args.command != "verify":
         tr = cfg.train
         return launch.spawn(n, argv, rank_function=rank_function,
@@ -329,20 +354,24 @@ def _run_here(cfg, args, renv, device) -> int:
     from meshtrain.comm import Comm
     from meshtrain.mesh import Mesh
 
-    if renv is None:
-        mesh = Mesh.single(device)
-    else:
-        launch.init_distributed(renv, device, timeout_s=max(C.START_TIMEOUT_S, cfg.train.timeout),
-                                trace_dir=cfg.train.out)
-        mesh = Mesh.build(cfg.layout.pp, cfg.layout.dp, cfg.layout.tp, device, cp=cfg.layout.cp, ep=cfg.layout.ep)
     from meshtrain.checkpoint.sharded import CheckpointError
     from meshtrain.parallel.experts import LoadOverBound
     from meshtrain.run_folder import Preempted, RunRefused
     from meshtrain.train import NonFinite
+    if renv is not None:
+        launch.init_distributed(renv, device, timeout_s=max(C.START_TIMEOUT_S, cfg.train.timeout),
+                                trace_dir=cfg.train.out)
+    mesh = None
     try:
+        if getattr(args, "search_plan", None) is not None:  # profiled on these ranks; the run trains the winner
+            from meshtrain.layout_search import search_on_ranks
+            args.search_plan = search_on_ranks(cfg, args.search_plan, device, sys.stderr if args.json else sys.stdout)
+            cfg.layout = args.search_plan.candidates[args.search_plan.chosen].layout
+        mesh = (Mesh.build(cfg.layout.pp, cfg.layout.dp, cfg.layout.tp, device, cp=cfg.layout.cp, ep=cfg.layout.ep)
+                if renv is not None else Mesh.single(device))
         after = _COMMANDS[args.command](cfg, Comm(mesh), args)
     except (CheckpointError, RunRefused, NonFinite, Preempted, LoadOverBound) as e:  # every rank alike: rank 0 says it
-        if mesh.is_main:
+        if (mesh.is_main if mesh is not None else renv is None or renv.rank == 0):
             print(f"meshtrain: {'' if isinstance(e, Preempted) else 'error: '}{e}", file=sys.stderr)
         code = {NonFinite: 3, Preempted: 0}.get(type(e), 2)
         if renv is None:
@@ -380,7 +409,9 @@ def _train(cfg, comm, args):
             import json
             Path(args.trace).write_text(json.dumps(result.trace))
             log(f"wrote the measured timeline to {args.trace}; compare: meshtrain schedule --trace {args.trace}")
-        return report.write(cfg, result, gathered, comm.mesh.device, args.json)
+        searched = getattr(args, "search_plan", None)
+        return report.write(cfg, result, gathered, comm.mesh.device, args.json,
+                            extra={"layout_search": searched.record()} if searched is not None else {})
     return write
 
 

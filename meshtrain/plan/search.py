@@ -81,12 +81,16 @@ def _expert_choices(shape, fold: int) -> list[int]:
 
 def search(work: Workload, gpus: int, machine, *, memory_bytes: float, gpus_per_node: int = 8,
            peak_flops: float | None = None, accounting: str = "torch", base: Layout | None = None,
-           top: int = 10) -> dict:
+           top: int = 10, where=None) -> dict:
     """The `top` fitting layouts by predicted step time, with how many were tried and fit,
-    and the smallest memory any layout needs (to say by how much nothing fits)."""
+    and the layout that needs the least memory with what it needs (`closest`, `least_bytes`:
+    to say by how much nothing fits). `where(layout)`: only the layouts it accepts (the axes
+    a user fixed)."""
     base = base or Layout()
-    tried, ranked, least = 0, [], None
+    tried, ranked = 0, []
     for lay in layouts(work, gpus, gpus_per_node, base):
+        if where is not None and not where(lay):
+            continue
         tried += 1
         result = plan(work, lay, machine, memory_bytes=memory_bytes, gpus_per_node=gpus_per_node,
                       peak_flops=peak_flops, accounting=accounting, time_unfit=False)
@@ -94,9 +98,19 @@ def search(work: Workload, gpus: int, machine, *, memory_bytes: float, gpus_per_
             continue
         ranked.append((result["predicted_step_time_s"], result["total_bytes"], lay, result))
     ranked.sort(key=lambda r: (r[0], r[1]))
+    closest, least = None, None
     if not ranked and tried:
-        least = min(plan(work, lay, machine, gpus_per_node=gpus_per_node, accounting=accounting)["total_bytes"]
-                    for lay in layouts(work, gpus, gpus_per_node, replace(base, recompute="full"))
-                    if lay.recompute == "full" and lay.microbatches == work.batch // lay.dp)
+        closest, least = _least_memory(work, gpus, gpus_per_node, base, accounting, where, machine)
     return {"tried": tried, "fit": len(ranked), "best": [(lay, result) for _, _, lay, result in ranked[:top]],
-            "least_bytes": least}
+            "least_bytes": least, "closest": closest}
+
+
+def _least_memory(work, gpus, gpus_per_node, base, accounting, where, machine) -> tuple[Layout, float]:
+    """The layout of least memory and its bytes, among the full-recompute, smallest-micro-batch
+    layouts where there are such (they need the least), else among all `where` accepts."""
+    accepted = [lay for lay in layouts(work, gpus, gpus_per_node, base) if where is None or where(lay)]
+    leanest = [lay for lay in accepted if lay.recompute == "full" and lay.microbatches == work.batch // lay.dp]
+    sized = [(plan(work, lay, machine, gpus_per_node=gpus_per_node, accounting=accounting)["total_bytes"], i, lay)
+             for i, lay in enumerate(leanest or accepted)]
+    least, _, lay = min(sized)
+    return lay, least

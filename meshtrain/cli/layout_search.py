@@ -1,0 +1,420 @@
+"""`train --layout-search`, before any rank trains: what the search will profile.
+
+The planner ranks every valid layout of the world (`plan.search`: every axis meshtrain has,
+ep on a MoE; the layout flags the user gave fix their axes), keeps those whose predicted
+memory fits a rank's budget, and takes the `--candidates` fastest predicted that `train`
+itself accepts (`validate`). Bad input is refused here, one line each, exit 2, before any
+rank trains: a budget nothing fits (with the layout that comes closest and by how much), a
+world with no valid layout, flags that leave nothing to search, a time budget below one
+candidate's warm-up. The ranks then profile the candidates (`meshtrain.layout_search`).
+
+Measurements are kept per machine (`SearchStore`): a second search of the same model, batch,
+world and machine reuses them (`--reprofile` measures again), and `--resume` (or a restart)
+of a searched run trains the layout it chose (`OUT/layout-search.json`)."""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import os
+import platform
+import re
+import sys
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import meshtrain.cli.config as C
+from meshtrain.atomic import atomic_write
+from meshtrain.parallel.options import Layout
+
+RESULT_FILE = "layout-search.json"
+REFUSED = "refused: "  # a skipped candidate's reason when every rank refused it
+WARMUP_STEPS, MEASURED_STEPS = 2, 3
+DEFAULT_WORLD = 2
+# The axes the search chooses; any of them given as a flag (or in the TOML file) is fixed.
+SEARCHED = ("dp", "tp", "pp", "cp", "cp_mode", "ep", "zero", "sp", "schedule", "chunks", "microbatches", "recompute")
+GPU_HEADROOM = 0.1  # `plan --mem-headroom`'s default: the CUDA context, the allocator's cache
+_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12,
+          "kib": 2 ** 10, "mib": 2 ** 20, "gib": 2 ** 30, "tib": 2 ** 40}
+
+
+@dataclass
+class Candidate:
+    layout: Layout
+    predicted_step_s: float
+    predicted_peak_bytes: float
+    measured_step_s: float | None = None
+    measured_peak_bytes: float | None = None
+    skipped: str | None = None  # why it was not measured to the end (None: measured)
+
+    def record(self) -> dict:
+        """The JSON contract's candidate: `layout` as the run's `layout` object."""
+        return {"layout": layout_record(self.layout), "predicted_step_s": self.predicted_step_s,
+                "measured_step_s": self.measured_step_s, "predicted_peak_bytes": round(self.predicted_peak_bytes),
+                "measured_peak_bytes": None if self.measured_peak_bytes is None else round(self.measured_peak_bytes),
+                "skipped": self.skipped}
+
+
+@dataclass
+class SearchPlan:
+    """What the ranks profile, decided before they start (rank 0's copy is every rank's)."""
+    world: int
+    candidates: list[Candidate]
+    memory_bytes: float  # a rank's budget
+    memory_source: str  # where the budget came from, for the table
+    budget_s: float
+    key: str  # this workload on this machine (`SearchStore`)
+    tried: int
+    fit: int
+    machine: str  # what the planner predicted with
+    reused: str | None = None  # the measurements taken from an earlier search (a path), or None
+    resumed: bool = False  # a resumed run: its earlier choice, no profile
+    chosen: int | None = None  # set when reused or resumed
+    profile_s: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+    def record(self) -> dict:
+        """`OUT/layout-search.json` and `--json`'s `layout_search`."""
+        return {"candidates": [c.record() for c in self.candidates], "chosen": self.chosen,
+                "profile_s": round(self.profile_s, 3), "world": self.world,
+                "memory_per_rank_bytes": round(self.memory_bytes), "search_budget_s": self.budget_s,
+                "tried": self.tried, "fit": self.fit, "machine": self.machine, "reused": self.reused,
+                "resumed": self.resumed}
+
+
+def layout_record(lay: Layout) -> dict:
+    """A layout as the run's `layout` object, with what the search also chooses (chunks)."""
+    return lay.summary() | {"chunks": lay.chunks}
+
+
+def parse_size(text: str) -> float:
+    """'12GiB', '800 MiB', '2.5e9' -> bytes; ValueError with the forms it takes."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _UNITS or float(match.group(1)) <= 0:
+        raise ValueError(f"--memory-per-rank {text}: give a size such as 12GiB, 800MiB or 2e9 (bytes)")
+    return float(match.group(1)) * _UNITS[unit]
+
+
+def world_of(cfg: C.Config, launched_world: int | None) -> int:
+    """The ranks the search lays out: the launcher's, or --world from a shell."""
+    world = cfg.search.world
+    if launched_world is not None:
+        if world is not None and world != launched_world:
+            raise C.ConfigError(f"--world {world}, but the launcher started {launched_world} processes; drop --world "
+                                f"(under a launcher the world is the launcher's)")
+        return launched_world
+    if world is not None and world < 1:
+        raise C.ConfigError(f"--world {world}: must be a positive integer")
+    return world or DEFAULT_WORLD
+
+
+def fixed_axes(cfg: C.Config) -> dict:
+    """The searched axes the user gave (flag or TOML): they stay as given."""
+    return {name: getattr(cfg.layout, name) for section, name in cfg.given
+            if section == "layout" and name in SEARCHED}
+
+
+def _flags(fixed: dict) -> str:
+    return " ".join(f"--{k.replace('_', '-')} {v}" for k, v in fixed.items())
+
+
+def plan_search(cfg: C.Config, launched_world: int | None, local_world: int | None, device_type: str,
+                resuming: bool = False) -> SearchPlan:
+    """The candidates, or one line (ConfigError) saying why there are none. `local_world`: the
+    ranks on this host (the CPU's memory is shared among them); `resuming`: --resume,
+    --resume-from or a restart, which train the layout an earlier search of the run chose."""
+    from meshtrain.cli.plan import preset_workload
+    from meshtrain.cli.validate import adopt_imported_model, adopt_prepared_data, validate
+    from meshtrain.plan.planner import PlanError
+    from meshtrain.plan.search import search
+    from meshtrain.recipe import is_user_model
+
+    s = cfg.search
+    if is_user_model(cfg.model.name):
+        raise C.ConfigError(f"--layout-search ranks layouts with the planner, which models the presets; --model "
+                            f"{cfg.model.name} is your own: give its layout flags")
+    if s.candidates < 1:
+        raise C.ConfigError(f"--candidates {s.candidates}: profile at least one layout")
+    if not s.budget > 0:
+        raise C.ConfigError(f"--search-budget {s.budget:g}: give the seconds the profile may take")
+    world = world_of(cfg, launched_world)
+    adopt_imported_model(cfg)
+    adopt_prepared_data(cfg)
+    fixed = fixed_axes(cfg)
+    previous = _resumed_record(cfg, world) if resuming and not s.reprofile else None
+    if previous is not None:
+        return previous
+    try:
+        work = replace(preset_workload(cfg), device=device_type)
+        rates, peak, machine = _rates(cfg, world, device_type, launched_world is not None)
+    except PlanError as e:
+        raise C.ConfigError(str(e)) from None
+    memory, memory_source = _memory_budget(s, device_type, local_world or world)
+    base = replace(cfg.layout, dp=None)
+    where = (lambda lay: all(getattr(lay, k) == v for k, v in fixed.items())) if fixed else None
+    found = search(work, world, rates, memory_bytes=memory, gpus_per_node=local_world or world, peak_flops=peak,
+                   base=base, top=10 ** 6, where=where)
+    given = f" with {_flags(fixed)}" if fixed else ""
+    if not found["tried"]:
+        raise C.ConfigError(f"no layout of {world} ranks runs {cfg.model.name} at --batch-size {work.batch} and "
+                            f"--seq-len {work.seq}{given} (tp must divide the heads, pp the blocks, dp the batch); "
+                            f"change --world, the batch or those flags")
+    if fixed and found["tried"] == 1:
+        raise C.ConfigError(f"{_flags(fixed)} fix every axis of {world} ranks: nothing is left to search; drop "
+                            f"--layout-search, or one of those flags")
+    if not found["best"]:
+        closest, least = found["closest"], found["least_bytes"]
+        raise C.ConfigError(f"{cfg.model.name} fits no layout of {world} ranks{given} in {_size(memory)} per rank "
+                            f"({memory_source}): the closest, {closest.short()} recompute={closest.recompute}, needs "
+                            f"{_size(least)}, {_size(least - memory)} more; raise --memory-per-rank, or use more "
+                            f"ranks or a smaller batch")
+    candidates = []
+    for lay, result in found["best"]:
+        trial = copy.deepcopy(cfg)
+        trial.layout = replace(lay)
+        try:
+            validate(trial, world_size=world)
+        except C.ConfigError:
+            continue  # the planner's rules are train's, less some of a model's own: train decides
+        candidates.append(Candidate(trial.layout, result["predicted_step_time_s"], result["total_bytes"]))
+        if len(candidates) == s.candidates:
+            break
+    if not candidates:
+        raise C.ConfigError(f"none of the {found['fit']} layouts of {world} ranks that fit{given} is one train accepts "
+                            f"for {cfg.model.name}; give the layout flags")
+    warmup = WARMUP_STEPS * min(c.predicted_step_s for c in candidates)
+    if s.budget < warmup:
+        raise C.ConfigError(f"--search-budget {s.budget:g} s is less than one candidate's warm-up ({WARMUP_STEPS} "
+                            f"steps, {warmup:.3g} s predicted for the fastest); give at least {warmup:.3g} s")
+    plan = SearchPlan(world, candidates, memory, memory_source, s.budget, _key(cfg, world, machine), found["tried"],
+                      found["fit"], machine)
+    if not s.reprofile:
+        SearchStore().reuse(plan)
+    return plan
+
+
+def _size(nbytes: float) -> str:
+    for unit, size in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
+        if abs(nbytes) >= size:
+            return f"{nbytes / size:,.2f} {unit}"
+    return f"{nbytes:,.0f} bytes"
+
+
+def _memory_budget(s: C.SearchConfig, device_type: str, local_world: int) -> tuple[float, str]:
+    """A rank's memory: --memory-per-rank, else the GPU's less the headroom, else the host's
+    available memory over its local ranks."""
+    if s.memory_per_rank is not None:
+        try:
+            return parse_size(s.memory_per_rank), "--memory-per-rank"
+        except ValueError as e:
+            raise C.ConfigError(str(e)) from None
+    if device_type == "cuda":
+        import torch
+        total = torch.cuda.get_device_properties(0).total_memory
+        return total * (1 - GPU_HEADROOM), f"the GPU's {_size(total)} less {GPU_HEADROOM:g}"
+    from meshtrain.cli.run import _available_host_bytes
+    available = _available_host_bytes()
+    if available is None:
+        raise C.ConfigError("--layout-search: this host's available memory cannot be read; give --memory-per-rank")
+    return available / local_world, f"the host's available {_size(available)} over {local_world} local ranks"
+
+
+def _rates(cfg: C.Config, world: int, device_type: str, launched: bool):
+    """The planner's rates and peak FLOP/s, and a line saying what they are: --machine's
+    profile; on a GPU its preset's roofline; on the CPU this host's profile, measured once
+    into the cache (not under a launcher: every rank would measure)."""
+    from meshtrain.plan.cluster import GpuRates, cluster_from
+    from meshtrain.plan.profile import MachineProfile, ProfileRates
+
+    path = cfg.search.machine
+    if path is None and device_type == "cuda":
+        import torch
+        cluster = cluster_from(_gpu_preset(torch.cuda.get_device_name(0)))
+        rates = GpuRates(cluster, cfg.layout.precision)
+        return rates, cluster.peak_flops(cfg.layout.precision), f"{cluster.name} roofline"
+    if path is None:
+        path = str(host_profile_path())
+        if not Path(path).is_file():
+            if launched:
+                raise C.ConfigError(f"--layout-search on the CPU under a launcher needs a machine profile: make one "
+                                    f"with `meshtrain plan --calibrate --machine FILE` and pass --machine FILE")
+            _calibrate_host(path, world)
+    try:
+        profile = MachineProfile.load(path)
+    except ValueError as e:
+        raise C.ConfigError(str(e)) from None
+    rates = ProfileRates(profile, world)
+    return rates, rates.peak_flops(cfg.layout.precision), f"the profile {path}"
+
+
+def _gpu_preset(name: str) -> str:
+    lowered = name.lower()
+    return "h200" if "h200" in lowered else "a100-80g" if "a100" in lowered else "h100-80g"
+
+
+def host_profile_path() -> Path:
+    """This host's machine profile in the cache, measured once by the first search here."""
+    from meshtrain.data.datasets import cache_root
+    return cache_root() / "machine" / f"{re.sub(r'[^A-Za-z0-9._-]', '_', platform.node())}-cpu.json"
+
+
+def _calibrate_host(path: str, world: int) -> None:
+    from meshtrain.cli.calibrate import calibrate, stderr_progress
+    from meshtrain.cli.log import log
+
+    log(f"--layout-search: measuring this machine for the planner (once; saved to {path})")
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    calibrate(ranks=max(1, min(world, os.cpu_count() or 1)), budget_s=30.0, progress=stderr_progress,
+              device="cpu").save(path)
+
+
+def _key(cfg: C.Config, world: int, machine: str) -> str:
+    """What a profile's measurements depend on: the model, batch and data, the layout options
+    that are not searched, the axes fixed, the world, and the machine (host, device, torch)."""
+    import torch
+    searched = set(SEARCHED) | {"stage_layers"}
+    what = {"model": cfg.to_dict()["model"], "data": cfg.train.data, "batch": cfg.train.batch_size,
+            "seq": cfg.train.seq_len, "vocab": cfg.train.vocab_size, "world": world, "fixed": fixed_axes(cfg),
+            "layout": {k: v for k, v in cfg.to_dict()["layout"].items() if k not in searched},
+            "host": platform.node(), "device": _device_name(), "torch": torch.__version__, "machine": machine}
+    return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _device_name() -> str:
+    import torch
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+
+
+def _resumed_record(cfg: C.Config, world: int) -> SearchPlan | None:
+    """The search a resumed (or restarted) run made when it began, when OUT has it for this world."""
+    path = Path(cfg.train.out) / RESULT_FILE
+    try:
+        rec = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if rec.get("world") != world or rec.get("chosen") is None:
+        return None
+    plan = plan_from_record(rec)
+    plan.resumed, plan.profile_s = True, 0.0
+    plan.notes.append(f"resumed: the layout this run's search chose ({path}); --reprofile searches again")
+    return plan
+
+
+def plan_from_record(rec: dict) -> SearchPlan:
+    """A search read back from its record (`SearchPlan.record`)."""
+    candidates = [Candidate(Layout(**{k: v for k, v in c["layout"].items()}), c["predicted_step_s"],
+                            c["predicted_peak_bytes"], c["measured_step_s"], c["measured_peak_bytes"], c["skipped"])
+                  for c in rec["candidates"]]
+    return SearchPlan(rec["world"], candidates, rec["memory_per_rank_bytes"], "recorded", rec["search_budget_s"], "",
+                      rec["tried"], rec["fit"], rec["machine"], rec.get("reused"), rec.get("resumed", False),
+                      rec["chosen"], rec["profile_s"])
+
+
+class SearchStore:
+    """Each search's measurements on this machine, by `_key`, in the cache: the planner's
+    predictions corrected by what this machine measured. A later search of the same key
+    whose candidates were all measured there reuses them instead of profiling."""
+
+    def __init__(self, root: Path | None = None):
+        from meshtrain.data.datasets import cache_root
+        self.root = root or cache_root() / "layout-search"
+
+    def path(self, key: str) -> Path:
+        return self.root / f"{key}.json"
+
+    def reuse(self, plan: SearchPlan) -> bool:
+        """Fill `plan`'s measurements from the store when every candidate was measured (its
+        peak judged again against this budget); whether it did."""
+        stored = self._read(plan.key)
+        found = [stored.get(_layout_key(c.layout)) for c in plan.candidates]
+        if not all(found) or any(m["measured_step_s"] is None and m["measured_peak_bytes"] <= plan.memory_bytes
+                                 for m in found):
+            return False
+        for c, m in zip(plan.candidates, found):
+            c.measured_peak_bytes = m["measured_peak_bytes"]
+            if c.measured_peak_bytes > plan.memory_bytes:
+                c.skipped = over_budget(c.measured_peak_bytes, plan.memory_bytes)
+            else:
+                c.measured_step_s = m["measured_step_s"]
+        plan.reused = str(self.path(plan.key))
+        plan.chosen = choose(plan.candidates, plan.memory_bytes)
+        plan.notes.append(f"reused this machine's measurements of these layouts ({plan.reused}); --reprofile "
+                          "measures again")
+        return True
+
+    def save(self, plan: SearchPlan) -> None:
+        """Add what `plan`'s profile measured to the store (rank 0, after the profile): each
+        candidate's peak, and its step time where it ran its steps."""
+        stored = self._read(plan.key)
+        for c in plan.candidates:
+            if c.measured_peak_bytes is None:
+                continue  # it never ran (out of the search's time, or refused)
+            before = stored.get(_layout_key(c.layout), {})
+            stored[_layout_key(c.layout)] = {
+                "layout": layout_record(c.layout), "measured_peak_bytes": c.measured_peak_bytes,
+                "measured_step_s": c.measured_step_s if c.measured_step_s is not None else before.get("measured_step_s"),
+                "predicted_step_s": c.predicted_step_s, "predicted_peak_bytes": c.predicted_peak_bytes}
+        path = self.path(plan.key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        text = json.dumps({"key": plan.key, "machine": plan.machine, "measured": list(stored.values())}, indent=1)
+        atomic_write(path, lambda tmp: tmp.write_text(text + "\n"))
+
+    def _read(self, key: str) -> dict:
+        try:
+            return {_layout_key(Layout(**m["layout"])): m for m in json.loads(self.path(key).read_text())["measured"]}
+        except (OSError, ValueError, KeyError, TypeError):
+            return {}
+
+
+def _layout_key(lay: Layout) -> str:
+    return json.dumps(layout_record(lay), sort_keys=True)
+
+
+def over_budget(peak: float, budget: float) -> str:
+    return f"measured peak {_size(peak)} over the budget {_size(budget)}"
+
+
+def choose(candidates: list[Candidate], memory_bytes: float) -> int | None:
+    """The fastest measured candidate; where none was measured to the end (each ran out of
+    the search's time), the fastest predicted of those neither over the memory budget when
+    they ran nor refused; None when there is none."""
+    measured = [(c.measured_step_s, i) for i, c in enumerate(candidates) if c.measured_step_s is not None]
+    if measured:
+        return min(measured)[1]
+    usable = [i for i, c in enumerate(candidates) if (c.measured_peak_bytes is None or
+                                                      c.measured_peak_bytes <= memory_bytes)
+              and not (c.skipped or "").startswith(REFUSED)]
+    return usable[0] if usable else None
+
+
+def table(plan: SearchPlan, out=sys.stdout) -> None:
+    """The search's table: each candidate's layout, predicted and measured memory and step
+    time, the chosen one, and the profile's time (`plan --search` prints the same shape)."""
+    rows = [(c.layout, c.predicted_peak_bytes, c.predicted_step_s, c.measured_peak_bytes, c.measured_step_s,
+             "chosen" if i == plan.chosen else (c.skipped or "")) for i, c in enumerate(plan.candidates)]
+    print(layout_table(rows), file=out)
+    how = ("resumed" if plan.resumed else f"reused, measured before" if plan.reused
+           else f"profiled in {plan.profile_s:.1f} s of --search-budget {plan.budget_s:g}")
+    print(f"{plan.fit} of {plan.tried} layouts of {plan.world} ranks fit {_size(plan.memory_bytes)} per rank "
+          f"({plan.memory_source}); predicted with {plan.machine}; {how}", file=out)
+    for note in plan.notes:
+        print(f"  {note}", file=out)
+
+
+def layout_table(rows) -> str:
+    """Rows of (layout, predicted bytes, predicted s, measured bytes, measured s, note) as the
+    one table `plan --search` and `train --layout-search` print (None: not measured)."""
+    head = (f"{'#':>3} {'dp':>3} {'zero':>4} {'cp':>3} {'cp mode':<8} {'tp':>3} {'sp':>3} {'ep':>3} {'pp':>3} "
+            f"{'schedule':<14} {'m':>4} {'recompute':<10} {'pred MiB':>9} {'pred s':>8} {'meas MiB':>9} {'meas s':>8}  ")
+    lines = [head]
+    for i, (lay, pb, ps, mb, ms, note) in enumerate(rows, 1):
+        sched = lay.schedule + (f"×{lay.chunks}" if lay.chunks > 1 else "") if lay.pp > 1 else "-"
+        cp_mode = lay.cp_mode if lay.cp > 1 else "-"
+        lines.append(f"{i:>3} {lay.dp:>3} {lay.zero:>4} {lay.cp:>3} {cp_mode:<8} {lay.tp:>3} "
+                     f"{'y' if lay.sp else '-':>3} {lay.ep:>3} {lay.pp:>3} {sched:<14} {lay.microbatches:>4} "
+                     f"{lay.recompute:<10} {pb / 2 ** 20:>9.1f} {ps:>8.4g} "
+                     f"{'-' if mb is None else f'{mb / 2 ** 20:.1f}':>9} {'-' if ms is None else f'{ms:.4g}':>8}  "
+                     f"{note}")
+    return "\n".join(lines)
