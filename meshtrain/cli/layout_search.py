@@ -238,8 +238,8 @@ def _rates(cfg: C.Config, world: int, device_type: str, launched: bool):
         path = str(host_profile_path())
         if not Path(path).is_file():
             if launched:
-                raise C.ConfigError(f"--layout-search on the CPU under a launcher needs a machine profile: make one "
-                                    f"with `meshtrain plan --calibrate --machine FILE` and pass --machine FILE")
+                raise C.ConfigError("--layout-search on the CPU under a launcher needs a machine profile: make one "
+                                    "with `meshtrain plan --calibrate --machine FILE` and pass --machine FILE")
             _calibrate_host(path, world)
     try:
         profile = MachineProfile.load(path)
@@ -395,7 +395,7 @@ def table(plan: SearchPlan, out=sys.stdout) -> None:
     rows = [(c.layout, c.predicted_peak_bytes, c.predicted_step_s, c.measured_peak_bytes, c.measured_step_s,
              "chosen" if i == plan.chosen else (c.skipped or "")) for i, c in enumerate(plan.candidates)]
     print(layout_table(rows), file=out)
-    how = ("resumed" if plan.resumed else f"reused, measured before" if plan.reused
+    how = ("resumed" if plan.resumed else "reused, measured before" if plan.reused
            else f"profiled in {plan.profile_s:.1f} s of --search-budget {plan.budget_s:g}")
     print(f"{plan.fit} of {plan.tried} layouts of {plan.world} ranks fit {_size(plan.memory_bytes)} per rank "
           f"({plan.memory_source}); predicted with {plan.machine}; {how}", file=out)
