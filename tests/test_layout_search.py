@@ -61,6 +61,8 @@ def test_the_search_trains_the_fastest_measured_candidate_as_if_given_by_hand(se
     by_hand = run_cli("train", *RUN, "--dropout", "0.1", *flags_of(chosen), "--out", tmp_path, "--json")
     assert by_hand.returncode == 0, by_hand.stderr[-2000:]
     assert last_json(by_hand.stdout)["losses"] == got["losses"]
+    checked = run_cli("verify", *RUN, "--dropout", "0.1", *flags_of(chosen), "--json")
+    assert checked.returncode == 0, checked.stderr[-2000:]  # and it trains the one-process model
 
 
 def test_a_second_search_reuses_the_measurements_and_a_resume_the_choice(searched, machine, tmp_path):
@@ -127,7 +129,7 @@ def test_a_candidate_over_the_budget_on_one_rank_is_skipped_on_all(machine, tmp_
     budget = sum(stage_peaks(over)) / 2
     assert min(stage_peaks(over)) < budget < max(stage_peaks(over)) and max(stage_peaks(fits)) < 0.95 * budget
     plan = SearchPlan(2, [Candidate(over, 0.01, budget * 0.9), Candidate(fits, 0.02, budget * 0.8),
-                          Candidate(Layout(dp=2), 1e4, budget * 0.5)], budget, "test", 60.0, "", 3, 3, "test")
+                          Candidate(Layout(dp=2), 1e4, budget * 0.5)], budget, "test", 60.0, "", 3, 3, "test", 4)
     records = run_ranks(_search_with, 2, cfg, plan, pp=2)
     assert records[0] == records[1]
     over_rec, fits_rec, slow_rec = records[0]["candidates"]

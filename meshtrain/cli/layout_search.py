@@ -68,6 +68,7 @@ class SearchPlan:
     tried: int
     fit: int
     machine: str  # what the planner predicted with
+    batch: int  # the global batch, in sequences
     reused: str | None = None  # the measurements taken from an earlier search (a path), or None
     resumed: bool = False  # a resumed run: its earlier choice, no profile
     chosen: int | None = None  # set when reused or resumed
@@ -79,7 +80,8 @@ class SearchPlan:
         return {"candidates": [c.record() for c in self.candidates], "chosen": self.chosen,
                 "profile_s": round(self.profile_s, 3), "world": self.world,
                 "memory_per_rank_bytes": round(self.memory_bytes), "search_budget_s": self.budget_s,
-                "tried": self.tried, "fit": self.fit, "machine": self.machine, "reused": self.reused,
+                "tried": self.tried, "fit": self.fit, "machine": self.machine, "batch": self.batch,
+                "reused": self.reused,
                 "resumed": self.resumed}
 
 
@@ -188,8 +190,8 @@ def plan_search(cfg: C.Config, launched_world: int | None, local_world: int | No
     if s.budget < warmup:
         raise C.ConfigError(f"--search-budget {s.budget:g} s is less than one candidate's warm-up ({WARMUP_STEPS} "
                             f"steps, {warmup:.3g} s predicted for the fastest); give at least {warmup:.3g} s")
-    plan = SearchPlan(world, candidates, memory, memory_source, s.budget, _key(cfg, world, machine), found["tried"],
-                      found["fit"], machine)
+    plan = SearchPlan(world, candidates, memory, memory_source, s.budget, search_key(cfg, world, machine),
+                      found["tried"], found["fit"], machine, work.batch)
     if not s.reprofile:
         SearchStore().reuse(plan)
     return plan
@@ -270,7 +272,7 @@ def _calibrate_host(path: str, world: int) -> None:
               device="cpu").save(path)
 
 
-def _key(cfg: C.Config, world: int, machine: str) -> str:
+def search_key(cfg: C.Config, world: int, machine: str) -> str:
     """What a profile's measurements depend on: the model, batch and data, the layout options
     that are not searched, the axes fixed, the world, and the machine (host, device, torch)."""
     import torch
@@ -308,12 +310,12 @@ def plan_from_record(rec: dict) -> SearchPlan:
                             c["predicted_peak_bytes"], c["measured_step_s"], c["measured_peak_bytes"], c["skipped"])
                   for c in rec["candidates"]]
     return SearchPlan(rec["world"], candidates, rec["memory_per_rank_bytes"], "recorded", rec["search_budget_s"], "",
-                      rec["tried"], rec["fit"], rec["machine"], rec.get("reused"), rec.get("resumed", False),
+                      rec["tried"], rec["fit"], rec["machine"], rec["batch"], rec.get("reused"), rec.get("resumed", False),
                       rec["chosen"], rec["profile_s"])
 
 
 class SearchStore:
-    """Each search's measurements on this machine, by `_key`, in the cache: the planner's
+    """Each search's measurements on this machine, by `search_key`, in the cache: the planner's
     predictions corrected by what this machine measured. A later search of the same key
     whose candidates were all measured there reuses them instead of profiling."""
 
@@ -361,6 +363,10 @@ class SearchStore:
         text = json.dumps({"key": plan.key, "machine": plan.machine, "measured": list(stored.values())}, indent=1)
         atomic_write(path, lambda tmp: tmp.write_text(text + "\n"))
 
+    def measured(self, key: str) -> dict:
+        """What this machine measured of `key`'s layouts: {`layout_record` as JSON: its record}."""
+        return self._read(key)
+
     def _read(self, key: str) -> dict:
         try:
             return {_layout_key(Layout(**m["layout"])): m for m in json.loads(self.path(key).read_text())["measured"]}
@@ -392,29 +398,35 @@ def choose(candidates: list[Candidate], memory_bytes: float) -> int | None:
 def table(plan: SearchPlan, out=sys.stdout) -> None:
     """The search's table: each candidate's layout, predicted and measured memory and step
     time, the chosen one, and the profile's time (`plan --search` prints the same shape)."""
-    rows = [(c.layout, c.predicted_peak_bytes, c.predicted_step_s, c.measured_peak_bytes, c.measured_step_s,
+    rows = [(c.layout, plan.batch // (c.layout.dp * c.layout.microbatches), c.predicted_peak_bytes,
+             c.predicted_step_s, c.measured_peak_bytes, c.measured_step_s,
              "chosen" if i == plan.chosen else (c.skipped or "")) for i, c in enumerate(plan.candidates)]
     print(layout_table(rows), file=out)
     how = ("resumed" if plan.resumed else "reused, measured before" if plan.reused
            else f"profiled in {plan.profile_s:.1f} s of --search-budget {plan.budget_s:g}")
-    print(f"{plan.fit} of {plan.tried} layouts of {plan.world} ranks fit {_size(plan.memory_bytes)} per rank "
+    ranks = f"{plan.world} rank" + ("s" if plan.world != 1 else "")
+    print(f"{plan.fit} of {plan.tried} layouts of {ranks} fit {_size(plan.memory_bytes)} per rank "
           f"({plan.memory_source}); predicted with {plan.machine}; {how}", file=out)
     for note in plan.notes:
         print(f"  {note}", file=out)
 
 
 def layout_table(rows) -> str:
-    """Rows of (layout, predicted bytes, predicted s, measured bytes, measured s, note) as the
-    one table `plan --search` and `train --layout-search` print (None: not measured)."""
-    head = (f"{'#':>3} {'dp':>3} {'zero':>4} {'cp':>3} {'cp mode':<8} {'tp':>3} {'sp':>3} {'ep':>3} {'pp':>3} "
-            f"{'schedule':<14} {'m':>4} {'recompute':<10} {'pred MiB':>9} {'pred s':>8} {'meas MiB':>9} {'meas s':>8}  ")
-    lines = [head]
-    for i, (lay, pb, ps, mb, ms, note) in enumerate(rows, 1):
+    """Rows of (layout, micro-batch rows, predicted bytes, predicted s, measured bytes,
+    measured s, note) as the one table `plan --search` and `train --layout-search` print
+    (None: not measured)."""
+    unit, size = next(((u, z) for u, z in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10))
+                       if max((r[2] for r in rows), default=0) >= z), ("B", 1))
+    lines = [f"{'#':>3} {'dp':>3} {'zero':>4} {'cp':>3} {'cp mode':<8} {'tp':>3} {'sp':>3} {'ep':>3} {'pp':>3} "
+             f"{'schedule':<14} {'mb':>3} {'m':>4} {'recompute':<10} {'pred ' + unit:>9} {'pred s':>9} "
+             f"{'meas ' + unit:>9} {'meas s':>9}"]
+    for i, (lay, rows_per_micro, pb, ps, mb, ms, note) in enumerate(rows, 1):
         sched = lay.schedule + (f"×{lay.chunks}" if lay.chunks > 1 else "") if lay.pp > 1 else "-"
         cp_mode = lay.cp_mode if lay.cp > 1 else "-"
+        measured_bytes = "-" if mb is None else f"{mb / size:,.1f}"
+        measured_s = "-" if ms is None else f"{ms:.4g}"
         lines.append(f"{i:>3} {lay.dp:>3} {lay.zero:>4} {lay.cp:>3} {cp_mode:<8} {lay.tp:>3} "
-                     f"{'y' if lay.sp else '-':>3} {lay.ep:>3} {lay.pp:>3} {sched:<14} {lay.microbatches:>4} "
-                     f"{lay.recompute:<10} {pb / 2 ** 20:>9.1f} {ps:>8.4g} "
-                     f"{'-' if mb is None else f'{mb / 2 ** 20:.1f}':>9} {'-' if ms is None else f'{ms:.4g}':>8}  "
-                     f"{note}")
+                     f"{'y' if lay.sp else '-':>3} {lay.ep:>3} {lay.pp:>3} {sched:<14} {rows_per_micro:>3} "
+                     f"{lay.microbatches:>4} {lay.recompute:<10} {pb / size:>9,.1f} {ps:>9.4g} {measured_bytes:>9} "
+                     f"{measured_s:>9}  {note}".rstrip())
     return "\n".join(lines)

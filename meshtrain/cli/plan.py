@@ -323,16 +323,7 @@ def _search(args, cfg, work, base, gpus, machine, limits, options, name, cluster
     print(f"searched {found['tried']} layouts of {gpus} devices in {took:.2f} s; {found['fit']} fit in "
           f"{memory / GIB:,.1f} GiB ({limits['device_memory_bytes'] / GIB:g} GiB less --mem-headroom "
           f"{limits['mem_headroom']:g}). Fastest first:", file=out)
-    print(f"{'#':>3} {'dp':>3} {'zero':>4} {'cp':>3} {'cp mode':<8} {'tp':>3} {'sp':>3} {'ep':>3} {'pp':>3} {'schedule':<14} {'mb':>3} "
-          f"{'m':>5} {'recompute':<10} {'GiB':>8} {'step s':>9} {'MFU %':>6}", file=out)
-    for i, (lay, r) in enumerate(found["best"], 1):
-        sched = lay.schedule + (f"×{lay.chunks}" if lay.chunks > 1 else "") if lay.pp > 1 else "-"
-        mfu = f"{100 * r['mfu']:.1f}" if r["mfu"] is not None else "-"
-        cp_mode = lay.cp_mode if lay.cp > 1 else "-"
-        print(f"{i:>3} {lay.dp:>3} {lay.zero:>4} {lay.cp:>3} {cp_mode:<8} {lay.tp:>3} {'y' if lay.sp else '-':>3} "
-              f"{lay.ep:>3} {lay.pp:>3} {sched:<14} "
-              f"{r['micro_batch_size']:>3} {lay.microbatches:>5} {lay.recompute:<10} {r['total_bytes'] / GIB:>8.1f} "
-              f"{r['predicted_step_time_s']:>9.4g} {mfu:>6}", file=out)
+    print(search_table(cfg, gpus, found["best"], args.machine), file=out)
     best_lay, best = found["best"][0]
     best = dict(best, **limits)
     print("\nthe best, explained:", file=out)
@@ -345,6 +336,23 @@ def _search(args, cfg, work, base, gpus, machine, limits, options, name, cluster
                                    "predicted_step_time_s": r["predicted_step_time_s"], "mfu": r["mfu"]}
                                   for lay, r in found["best"]]})
     return _emit(args, result)
+
+
+def search_table(cfg: C.Config, gpus: int, best: list, machine: str | None) -> str:
+    """The ranked layouts in `train --layout-search`'s table, with what this machine measured
+    of them where a search of the same model, batch and world with the same --machine profile
+    ran here (`cli.layout_search.SearchStore`), and each one's MFU."""
+    from meshtrain.cli.layout_search import SearchStore, layout_record, search_key
+
+    measured = SearchStore().measured(search_key(cfg, gpus, f"the profile {machine}")) if machine else {}
+    rows = []
+    for lay, r in best:
+        m = measured.get(json.dumps(layout_record(lay), sort_keys=True), {})
+        mfu = f"MFU {100 * r['mfu']:.1f} %" if r["mfu"] is not None else ""
+        rows.append((lay, r["micro_batch_size"], r["total_bytes"], r["predicted_step_time_s"],
+                     m.get("measured_peak_bytes"), m.get("measured_step_s"), mfu))
+    from meshtrain.cli.layout_search import layout_table
+    return layout_table(rows)
 
 
 def train_flags(cfg: C.Config, work: Workload, lay: C.LayoutConfig) -> tuple[list[str] | None, str | None]:
