@@ -2,8 +2,10 @@
 
 The planner ranks every valid layout of the world (`plan.search`: every axis meshtrain has,
 ep on a MoE; the layout flags the user gave fix their axes), keeps those whose predicted
-memory fits a rank's budget, and takes the `--candidates` fastest predicted that `train`
-itself accepts (`validate`). Bad input is refused here, one line each, exit 2, before any
+memory fits a rank's budget, and takes `--candidates` of the fastest predicted that `train`
+itself accepts (`validate`): among those the planner cannot tell apart (within its ~15 %
+error) one of each mesh first, so that the profile measures the axes, not only the
+variants of one (`spread`). Bad input is refused here, one line each, exit 2, before any
 rank trains: a budget nothing fits (with the layout that comes closest and by how much), a
 world with no valid layout, flags that leave nothing to search, a time budget below one
 candidate's warm-up. The ranks then profile the candidates (`meshtrain.layout_search`).
@@ -30,10 +32,11 @@ from meshtrain.parallel.options import Layout
 
 RESULT_FILE = "layout-search.json"
 REFUSED = "refused: "  # a skipped candidate's reason when every rank refused it
-WARMUP_STEPS, MEASURED_STEPS = 2, 3
+WARMUP_STEPS, MEASURED_STEPS = 2, 5
 DEFAULT_WORLD = 2
 # The axes the search chooses; any of them given as a flag (or in the TOML file) is fixed.
 SEARCHED = ("dp", "tp", "pp", "cp", "cp_mode", "ep", "zero", "sp", "schedule", "chunks", "microbatches", "recompute")
+PLANNER_ERROR = 0.15  # the planner's step time against the trainer's (docs/planner.md)
 GPU_HEADROOM = 0.1  # `plan --mem-headroom`'s default: the CUDA context, the allocator's cache
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12,
           "kib": 2 ** 10, "mib": 2 ** 20, "gib": 2 ** 30, "tib": 2 ** 40}
@@ -173,7 +176,7 @@ def plan_search(cfg: C.Config, launched_world: int | None, local_world: int | No
                             f"{_size(least)}, {_size(least - memory)} more; raise --memory-per-rank, or use more "
                             f"ranks or a smaller batch")
     candidates = []
-    for lay, result in found["best"]:
+    for lay, result in spread(found["best"]):
         trial = copy.deepcopy(cfg)
         trial.layout = replace(lay)
         try:
@@ -183,6 +186,7 @@ def plan_search(cfg: C.Config, launched_world: int | None, local_world: int | No
         candidates.append(Candidate(trial.layout, result["predicted_step_time_s"], result["total_bytes"]))
         if len(candidates) == s.candidates:
             break
+    candidates.sort(key=lambda c: c.predicted_step_s)
     if not candidates:
         raise C.ConfigError(f"none of the {found['fit']} layouts of {world} ranks that fit{given} is one train accepts "
                             f"for {cfg.model.name}; give the layout flags")
@@ -195,6 +199,27 @@ def plan_search(cfg: C.Config, launched_world: int | None, local_world: int | No
     if not s.reprofile:
         SearchStore().reuse(plan)
     return plan
+
+
+def spread(ranked: list) -> list:
+    """The planner's ranking, (layout, plan) fastest first, reordered for the profile: the
+    fastest of each mesh (dp, tp, pp, cp, ep) whose prediction is within the planner's error of
+    the fastest come first, then the rest in order. The planner's step time is within ~15 %
+    of the trainer's (docs/planner.md), so layouts predicted closer than that are a tie it
+    cannot break; the variants of one mesh (ZeRO stage, micro-batches) differ less than
+    meshes do, and a profile of the three fastest dp variants alone would never measure the
+    pipeline or the ring that may beat them."""
+    if not ranked:
+        return []
+    fastest = ranked[0][1]["predicted_step_time_s"]
+    first, seen = [], set()
+    for i, (lay, result) in enumerate(ranked):
+        mesh = (lay.dp, lay.tp, lay.pp, lay.cp, lay.ep)
+        if result["predicted_step_time_s"] <= fastest * (1 + PLANNER_ERROR) and mesh not in seen:
+            seen.add(mesh)
+            first.append(i)
+    chosen = set(first)
+    return [ranked[i] for i in first] + [r for i, r in enumerate(ranked) if i not in chosen]
 
 
 def _size(nbytes: float) -> str:
