@@ -21,6 +21,8 @@ cross_entropy   the mean cross-entropy over non-ignored targets, classes last
 TensorPlan, COLUMN, ROW, VOCAB, REGION, SEQUENCE, Fused, Heads    tensor-parallel plans
 PipelinePlan    how a model is cut into pipeline stages
 Recipe          a model of yours for `meshtrain train|verify --model pkg.module:factory`
+search_layout   the fastest layout of this world for your model, planned then profiled
+                (`SearchedLayout`: `mesh` for init, `options` for parallelize); `Shape` its shape
 
 Importing meshtrain loads none of these (nor torch) until one is used: the command line
 refuses a bad flag in a fraction of a second."""
@@ -39,6 +41,7 @@ _API = {
     "SEQUENCE": "meshtrain.parallel.styles", "Fused": "meshtrain.parallel.styles", "Heads": "meshtrain.parallel.styles",
     "PipelinePlan": "meshtrain.parallel.pipeline.plan",
     "Recipe": "meshtrain.recipe",
+    "search_layout": "meshtrain.searched", "SearchedLayout": "meshtrain.searched", "Shape": "meshtrain.plan.shapes",
 }
 __all__ = sorted(_API)
 

@@ -23,12 +23,13 @@ import random
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from meshtrain.cli.config import Config
-from meshtrain.cli.layout_search import (MEASURED_STEPS, REFUSED, RESULT_FILE, WARMUP_STEPS, Candidate, SearchPlan, SearchStore,
+from meshtrain.cli.layout_search import (MEASURED_STEPS, REFUSED, WARMUP_STEPS, Candidate, SearchPlan, SearchStore,
                                          choose, over_budget, table)
 from meshtrain.cli.log import log
 from meshtrain.comm import Comm, broadcast_from_rank_0
@@ -37,16 +38,18 @@ from meshtrain.metrics import ActivationMeter
 from meshtrain.run_folder import RunRefused
 
 
-def search_on_ranks(cfg: Config, plan: SearchPlan, device: torch.device, out=sys.stdout) -> SearchPlan:
+def search_on_ranks(plan: SearchPlan, device: torch.device, trial, *, result: Path | None = None,
+                    out=sys.stdout) -> SearchPlan:
     """Collective over the default group (one process: no group): rank 0's plan, profiled
-    (unless it was reused or resumed), its choice made; rank 0 prints the table to `out` and
-    writes OUT/layout-search.json and the machine's store. Raises RunRefused (every rank)
-    when every candidate went over the memory budget."""
+    (unless it was reused or resumed) with `trial(layout, mesh) -> (job, step)`, where
+    `step(k, meter)` runs the k-th step and returns its `StepOutput`; its choice made. Rank 0
+    prints the table to `out` (None: not), writes the record to `result` and the machine's
+    store. Raises RunRefused (every rank) when no candidate could train."""
     main = _rank() == 0
     if dist.is_initialized():
         plan = broadcast_from_rank_0(plan, None, device)
     if plan.chosen is None:
-        _profile(cfg, plan, device, say=main)
+        _profile(plan, device, trial, say=main and out is not None)
         if plan.chosen is None:
             raise RunRefused("--layout-search: no candidate could train: "
                              + "; ".join(f"{c.layout.short()}: {c.skipped}" for c in plan.candidates)
@@ -54,15 +57,28 @@ def search_on_ranks(cfg: Config, plan: SearchPlan, device: torch.device, out=sys
         if main:
             SearchStore().save(plan)
     if main:
-        _write(cfg, plan, out)
+        _write(plan, result, out)
     return plan
+
+
+def config_trial(cfg: Config):
+    """The command line's candidate: its configuration with the candidate's layout, built
+    by `train.setup` and stepped by `train.train_step` on the run's batches."""
+    from meshtrain.train import setup, train_step
+
+    def build(layout, mesh: Mesh):
+        trial = copy.deepcopy(cfg)
+        trial.layout = layout
+        data, job = setup(trial, Comm(mesh), measure_memory=False)
+        return job, lambda step, meter: train_step(job, data, step, trial, meter=meter)
+    return build
 
 
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def _profile(cfg: Config, plan: SearchPlan, device: torch.device, say: bool) -> None:
+def _profile(plan: SearchPlan, device: torch.device, trial, say: bool) -> None:
     rng = _rng_states()
     start = time.perf_counter()
     correction = 1.0  # measured over predicted step time, from the candidates measured so far
@@ -76,7 +92,7 @@ def _profile(cfg: Config, plan: SearchPlan, device: torch.device, say: bool) -> 
             if say:
                 log(f"layout search: profiling {i + 1}/{len(plan.candidates)}: {c.layout.short()} "
                     f"recompute={c.layout.recompute}")
-            _run_candidate(cfg, plan, c, device, start)
+            _run_candidate(plan, c, device, start, trial)
             if c.measured_step_s is not None and c.predicted_step_s > 0:
                 correction = max(correction, c.measured_step_s / c.predicted_step_s)
     finally:
@@ -85,30 +101,25 @@ def _profile(cfg: Config, plan: SearchPlan, device: torch.device, say: bool) -> 
     plan.chosen = choose(plan.candidates, plan.memory_bytes)
 
 
-def _run_candidate(cfg: Config, plan: SearchPlan, c: Candidate, device: torch.device, start: float) -> None:
+def _run_candidate(plan: SearchPlan, c: Candidate, device: torch.device, start: float, trial) -> None:
     """Build the candidate on new groups, run its steps, release it all."""
-    from meshtrain.train import setup, train_step
-
-    trial = copy.deepcopy(cfg)
-    trial.layout = c.layout
     lay = c.layout
     mesh = (Mesh.build(lay.pp, lay.dp, lay.tp, device, cp=lay.cp, ep=lay.ep) if dist.is_initialized()
             else Mesh.single(device))
-    job = data = None
+    job = step = None
     try:
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        data, job = setup(trial, Comm(mesh), measure_memory=False)
+        job, step = trial(lay, mesh)
         meter, times = ActivationMeter(), []
-        for step in range(WARMUP_STEPS + MEASURED_STEPS):
-            if step and _elapsed(start, device) > plan.budget_s:
-                c.skipped = f"ran out of the search's time after {step} steps"
+        for k in range(WARMUP_STEPS + MEASURED_STEPS):
+            if k and _elapsed(start, device) > plan.budget_s:
+                c.skipped = f"ran out of the search's time after {k} steps"
                 return
             t0 = time.perf_counter()
-            out = train_step(job, data, step, trial, meter=meter if step == 0 else None)
-            out.loss  # read: the step has finished on the device
+            step(k, meter if k == 0 else None).loss  # read: the step has finished on the device
             times.append(time.perf_counter() - t0)
-            if step == 0:
+            if k == 0:
                 c.measured_peak_bytes = _largest(_peak_bytes(job, meter, device), device)
                 if c.measured_peak_bytes > plan.memory_bytes:
                     c.skipped = over_budget(c.measured_peak_bytes, plan.memory_bytes)
@@ -117,7 +128,7 @@ def _run_candidate(cfg: Config, plan: SearchPlan, c: Candidate, device: torch.de
     except ValueError as e:  # refused alike on every rank (a bound, a model's own rule)
         c.skipped = REFUSED + str(e).splitlines()[0][:200]
     finally:
-        del job, data
+        del job, step
         _release(mesh)
 
 
@@ -165,16 +176,16 @@ def _restore(states: tuple) -> None:
     random.setstate(py)
 
 
-def _write(cfg: Config, plan: SearchPlan, out) -> None:
+def _write(plan: SearchPlan, result: Path | None, out) -> None:
     import json
-    from pathlib import Path
 
     from meshtrain.atomic import atomic_write
 
-    print("layout search:", file=out)
-    table(plan, out=out)
-    print(f"training {plan.candidates[plan.chosen].layout.short()} recompute="
-          f"{plan.candidates[plan.chosen].layout.recompute}", file=out, flush=True)
-    path = Path(cfg.train.out) / RESULT_FILE
-    text = json.dumps(plan.record(), indent=1) + "\n"
-    atomic_write(path, lambda tmp: tmp.write_text(text))
+    if out is not None:
+        chosen = plan.candidates[plan.chosen].layout
+        print("layout search:", file=out)
+        table(plan, out=out)
+        print(f"training {chosen.short()} recompute={chosen.recompute}", file=out, flush=True)
+    if result is not None:
+        text = json.dumps(plan.record(), indent=1) + "\n"
+        atomic_write(result, lambda tmp: tmp.write_text(text))

@@ -104,8 +104,8 @@ def test_a_memory_budget_plain_dp_does_not_fit_picks_a_layout_that_does(machine,
 
 
 def _search_with(mesh, cfg, plan):
-    from meshtrain.layout_search import search_on_ranks
-    return search_on_ranks(cfg, plan, mesh.device).record()
+    from meshtrain.layout_search import config_trial, search_on_ranks
+    return search_on_ranks(plan, mesh.device, config_trial(cfg)).record()
 
 
 def test_a_candidate_over_the_budget_on_one_rank_is_skipped_on_all(machine, tmp_path):
@@ -164,3 +164,49 @@ def test_the_search_is_trains_alone_and_refuses_a_users_model(machine, tmp_path)
     assert r.returncode == 2 and "--layout-search ([layout] search) is train's" in r.stderr, r.stderr
     r = run_main("train", "--model", "tests.models:make", "--layout-search", "--machine", machine, "--out", tmp_path)
     assert r.returncode == 2 and "is your own: give its layout flags" in r.stderr, r.stderr
+
+
+def _transformer_search(mesh, machine, out):
+    """examples/transformer.py's own model searched with the Python API, then trained and
+    verified in the layout found (what a user's script does after the search)."""
+    import meshtrain
+    from examples import transformer as t
+
+    batches = [t.batch(k, 8) for k in range(7)]
+    shape = meshtrain.Shape(t.LAYERS, t.D, t.HEADS, t.VOCAB, t.SEQ, kind="llama", kv_heads=t.KV_HEADS, ffn=t.HIDDEN)
+    common = dict(optimizer=t.adamw, loss_fn=meshtrain.cross_entropy, tp_plan=t.TP_PLAN, pipeline=t.PIPELINE,
+                  clip_grad_norm=1.0)
+    found = meshtrain.search_layout(t.make_model, batches, shape=shape, machine=machine, out=out, verbose=False,
+                                    reprofile=True, **common)
+    trained = _layout_losses(mesh, found.mesh, found.options, batches)
+    report = meshtrain.verify(t.make_model, batches[:3], mesh=meshtrain.init(**found.mesh), **common, **found.options)
+    return found.record, found.mesh, found.options, trained, report.passed
+
+
+def _layout_losses(_, axes, options, batches=None):
+    import meshtrain
+    from examples import transformer as t
+
+    batches = batches or [t.batch(k, 8) for k in range(7)]
+    job = meshtrain.parallelize(t.make_model(), meshtrain.init(**axes), optimizer=t.adamw,
+                                loss_fn=meshtrain.cross_entropy, tp_plan=t.TP_PLAN, pipeline=t.PIPELINE,
+                                clip_grad_norm=1.0, **options)
+    return [job.step(*batches[k]).loss for k in range(3)]
+
+
+def test_the_api_searches_a_users_own_model(machine, tmp_path):
+    """The search for a model of one's own (examples/transformer.py, given its shape): the
+    candidates only what the model supports, the layout found trains as the same layout
+    given by hand and passes verify."""
+    record, axes, options, trained, passed = run_ranks(_transformer_search, 2, machine, str(tmp_path))[0]
+    assert record["chosen"] is not None and len(record["candidates"]) == 3
+    assert all(c["layout"]["cp"] == 1 and c["layout"]["ep"] == 1 for c in record["candidates"])
+    assert json.loads((tmp_path / "layout-search.json").read_text()) == record
+    assert axes == {k: record["candidates"][record["chosen"]]["layout"][k] for k in ("dp", "tp", "pp", "cp", "ep")}
+    assert passed
+    assert run_ranks(_layout_losses, 2, axes, options)[0] == trained
+
+
+def test_a_search_setting_without_the_search_is_refused(tmp_path):
+    r = run_main("train", *RUN, "--world", "3", "--candidates", "2", "--out", tmp_path)
+    assert r.returncode == 2 and "--candidates, --world are --layout-search settings; add --layout-search" in r.stderr

@@ -121,10 +121,6 @@ def fixed_axes(cfg: C.Config) -> dict:
             if section == "layout" and name in SEARCHED}
 
 
-def _flags(fixed: dict) -> str:
-    return " ".join(f"--{k.replace('_', '-')} {v}" for k, v in fixed.items())
-
-
 def plan_search(cfg: C.Config, launched_world: int | None, local_world: int | None, device_type: str,
                 resuming: bool = False) -> SearchPlan:
     """The candidates, or one line (ConfigError) saying why there are none. `local_world`: the
@@ -133,72 +129,123 @@ def plan_search(cfg: C.Config, launched_world: int | None, local_world: int | No
     from meshtrain.cli.plan import preset_workload
     from meshtrain.cli.validate import adopt_imported_model, adopt_prepared_data, validate
     from meshtrain.plan.planner import PlanError
-    from meshtrain.plan.search import search
     from meshtrain.recipe import is_user_model
 
     s = cfg.search
     if is_user_model(cfg.model.name):
         raise C.ConfigError(f"--layout-search ranks layouts with the planner, which models the presets; --model "
-                            f"{cfg.model.name} is your own: give its layout flags")
-    if s.candidates < 1:
-        raise C.ConfigError(f"--candidates {s.candidates}: profile at least one layout")
-    if not s.budget > 0:
-        raise C.ConfigError(f"--search-budget {s.budget:g}: give the seconds the profile may take")
+                            f"{cfg.model.name} is your own: give its layout flags, or search in Python with "
+                            f"meshtrain.search_layout(..., shape=A_PRESET_OF_ITS_SHAPE)")
     world = world_of(cfg, launched_world)
     adopt_imported_model(cfg)
     adopt_prepared_data(cfg)
-    fixed = fixed_axes(cfg)
     previous = _resumed_record(cfg, world) if resuming and not s.reprofile else None
     if previous is not None:
         return previous
     try:
         work = replace(preset_workload(cfg), device=device_type)
-        rates, peak, machine = _rates(cfg, world, device_type, launched_world is not None)
     except PlanError as e:
         raise C.ConfigError(str(e)) from None
-    memory, memory_source = _memory_budget(s, device_type, local_world or world)
-    base = replace(cfg.layout, dp=None)
-    where = (lambda lay: all(getattr(lay, k) == v for k, v in fixed.items())) if fixed else None
-    found = search(work, world, rates, memory_bytes=memory, gpus_per_node=local_world or world, peak_flops=peak,
-                   base=base, top=10 ** 6, where=where)
-    given = f" with {_flags(fixed)}" if fixed else ""
-    if not found["tried"]:
-        raise C.ConfigError(f"no layout of {world} ranks runs {cfg.model.name} at --batch-size {work.batch} and "
-                            f"--seq-len {work.seq}{given} (tp must divide the heads, pp the blocks, dp the batch); "
-                            f"change --world, the batch or those flags")
-    if fixed and found["tried"] == 1:
-        raise C.ConfigError(f"{_flags(fixed)} fix every axis of {world} ranks: nothing is left to search; drop "
-                            f"--layout-search, or one of those flags")
-    if not found["best"]:
-        closest, least = found["closest"], found["least_bytes"]
-        raise C.ConfigError(f"{cfg.model.name} fits no layout of {world} ranks{given} in {_size(memory)} per rank "
-                            f"({memory_source}): the closest, {closest.short()} recompute={closest.recompute}, needs "
-                            f"{_size(least)}, {_size(least - memory)} more; raise --memory-per-rank, or use more "
-                            f"ranks or a smaller batch")
-    candidates = []
-    for lay, result in spread(found["best"]):
+
+    def accepted(lay: Layout) -> Layout | None:
         trial = copy.deepcopy(cfg)
         trial.layout = replace(lay)
         try:
-            validate(trial, world_size=world)
+            validate(trial, world_size=world)  # the planner's rules are train's, less some of a model's own
         except C.ConfigError:
-            continue  # the planner's rules are train's, less some of a model's own: train decides
-        candidates.append(Candidate(trial.layout, result["predicted_step_time_s"], result["total_bytes"]))
-        if len(candidates) == s.candidates:
+            return None
+        return trial.layout
+    fixed = fixed_axes(cfg)
+    request = Request(cfg.model.name, work, world, local_world or world, replace(cfg.layout, dp=None), fixed,
+                      s.candidates, s.memory_per_rank, s.budget, s.machine, device_type, flags=True)
+    return propose(request, accepted, search_key(cfg, world, machine_name(s.machine, device_type)),
+                   may_calibrate=launched_world is None, reprofile=s.reprofile)
+
+
+@dataclass
+class Request:
+    """What a search is asked, from the command line or `meshtrain.search_layout`."""
+    name: str  # the model, for the messages
+    work: object  # the planner's `Workload`
+    world: int
+    local_world: int  # ranks on one host (tp stays inside it; they share the CPU's memory)
+    base: Layout  # the options not searched (precision, ...)
+    fixed: dict  # searched axes held at these values
+    candidates: int
+    memory_per_rank: str | float | None
+    budget_s: float
+    machine: str | None
+    device_type: str
+    flags: bool  # messages name command-line flags (else the API's arguments)
+    allowed: object = None  # a further rule on the layouts (the API's: what the user's model supports)
+
+
+def propose(request: Request, accepted, key: str, *, may_calibrate: bool, reprofile: bool) -> SearchPlan:
+    """The planner's candidates for `request`: `accepted(layout)` returns the layout to run
+    (None: the trainer refuses it). One ConfigError line where there are none."""
+    from meshtrain.plan.planner import PlanError
+    from meshtrain.plan.search import search
+
+    r = request
+    if r.candidates < 1:
+        raise C.ConfigError(f"{_arg('candidates', r.flags)} {r.candidates}: profile at least one layout")
+    if not r.budget_s > 0:
+        raise C.ConfigError(f"{_arg('search_budget', r.flags)} {r.budget_s:g}: give the seconds the profile may take")
+    try:
+        rates, peak = planner_rates(r.machine, r.base.precision, r.world, r.device_type, may_calibrate)
+    except PlanError as e:
+        raise C.ConfigError(str(e)) from None
+    memory, memory_source = memory_budget(r.memory_per_rank, r.device_type, r.local_world, r.flags)
+    rules = [rule for rule in (r.allowed, (lambda lay: all(getattr(lay, k) == v for k, v in r.fixed.items()))
+                               if r.fixed else None) if rule is not None]
+    found = search(r.work, r.world, rates, memory_bytes=memory, gpus_per_node=r.local_world, peak_flops=peak,
+                   base=r.base, top=10 ** 6, where=(lambda lay: all(rule(lay) for rule in rules)) if rules else None)
+    given = f" with {_given(r.fixed, r.flags)}" if r.fixed else ""
+    what = "--world" if r.flags else "the world"
+    if not found["tried"]:
+        raise C.ConfigError(f"no layout of {r.world} ranks runs {r.name} at a batch of {r.work.batch} × "
+                            f"{r.work.seq}{given} (tp must divide the heads, pp the blocks, dp the batch); change "
+                            f"{what}, the batch or those settings")
+    if r.fixed and found["tried"] == 1:
+        raise C.ConfigError(f"{_given(r.fixed, r.flags)} fix every axis of {r.world} ranks: nothing is left to "
+                            f"search; drop " + ("--layout-search, or one of those flags" if r.flags else "one of them"))
+    if not found["best"]:
+        closest, least = found["closest"], found["least_bytes"]
+        raise C.ConfigError(f"{r.name} fits no layout of {r.world} ranks{given} in {_size(memory)} per rank "
+                            f"({memory_source}): the closest, {closest.short()} recompute={closest.recompute}, needs "
+                            f"{_size(least)}, {_size(least - memory)} more; raise "
+                            f"{_arg('memory_per_rank', r.flags)}, or use more ranks or a smaller batch")
+    candidates = []
+    for lay, result in spread(found["best"]):
+        run = accepted(lay)
+        if run is not None:
+            candidates.append(Candidate(run, result["predicted_step_time_s"], result["total_bytes"]))
+        if len(candidates) == r.candidates:
             break
     candidates.sort(key=lambda c: c.predicted_step_s)
     if not candidates:
-        raise C.ConfigError(f"none of the {found['fit']} layouts of {world} ranks that fit{given} is one train accepts "
-                            f"for {cfg.model.name}; give the layout flags")
+        raise C.ConfigError(f"none of the {found['fit']} layouts of {r.world} ranks that fit{given} is one the "
+                            f"trainer accepts for {r.name}; give the layout")
     warmup = WARMUP_STEPS * min(c.predicted_step_s for c in candidates)
-    if s.budget < warmup:
-        raise C.ConfigError(f"--search-budget {s.budget:g} s is less than one candidate's warm-up ({WARMUP_STEPS} "
-                            f"steps, {warmup:.3g} s predicted for the fastest); give at least {warmup:.3g} s")
-    plan = SearchPlan(world, candidates, memory, memory_source, s.budget, search_key(cfg, world, machine),
-                      found["tried"], found["fit"], machine, work.batch)
-    if not s.reprofile:
+    if r.budget_s < warmup:
+        raise C.ConfigError(f"{_arg('search_budget', r.flags)} {r.budget_s:g} s is less than one candidate's warm-up "
+                            f"({WARMUP_STEPS} steps, {warmup:.3g} s predicted for the fastest); give at least "
+                            f"{warmup:.3g} s")
+    plan = SearchPlan(r.world, candidates, memory, memory_source, r.budget_s, key, found["tried"], found["fit"],
+                      machine_name(r.machine, r.device_type), r.work.batch)
+    if not reprofile:
         SearchStore().reuse(plan)
     return plan
+
+
+def _arg(name: str, flags: bool) -> str:
+    return f"--{name.replace('_', '-')}" if flags else f"{name}="
+
+
+def _given(fixed: dict, flags: bool) -> str:
+    if flags:
+        return " ".join(f"--{k.replace('_', '-')} {v}" for k, v in fixed.items())
+    return ", ".join(f"{k}={v!r}" for k, v in fixed.items())
 
 
 def spread(ranked: list) -> list:
@@ -229,51 +276,58 @@ def _size(nbytes: float) -> str:
     return f"{nbytes:,.0f} bytes"
 
 
-def _memory_budget(s: C.SearchConfig, device_type: str, local_world: int) -> tuple[float, str]:
-    """A rank's memory: --memory-per-rank, else the GPU's less the headroom, else the host's
-    available memory over its local ranks."""
-    if s.memory_per_rank is not None:
+def memory_budget(memory_per_rank, device_type: str, local_world: int, flags: bool = True) -> tuple[float, str]:
+    """A rank's memory: `memory_per_rank` (bytes, or a size such as "12GiB"), else the GPU's
+    less the headroom, else the host's available memory over its local ranks."""
+    if memory_per_rank is not None:
         try:
-            return parse_size(s.memory_per_rank), "--memory-per-rank"
+            budget = parse_size(memory_per_rank)
         except ValueError as e:
-            raise C.ConfigError(str(e)) from None
+            raise C.ConfigError(str(e) if flags else str(e).replace("--memory-per-rank ", "memory_per_rank=")) from None
+        return budget, _arg("memory_per_rank", flags)
     if device_type == "cuda":
         import torch
-        total = torch.cuda.get_device_properties(0).total_memory
+        total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
         return total * (1 - GPU_HEADROOM), f"the GPU's {_size(total)} less {GPU_HEADROOM:g}"
     from meshtrain.cli.run import _available_host_bytes
     available = _available_host_bytes()
     if available is None:
-        raise C.ConfigError("--layout-search: this host's available memory cannot be read; give --memory-per-rank")
+        raise C.ConfigError(f"the layout search cannot read this host's available memory; give "
+                            f"{_arg('memory_per_rank', flags)}")
     return available / local_world, f"the host's available {_size(available)} over {local_world} local ranks"
 
 
-def _rates(cfg: C.Config, world: int, device_type: str, launched: bool):
-    """The planner's rates and peak FLOP/s, and a line saying what they are: --machine's
-    profile; on a GPU its preset's roofline; on the CPU this host's profile, measured once
-    into the cache (not under a launcher: every rank would measure)."""
+def planner_rates(machine: str | None, precision: str, world: int, device_type: str, may_calibrate: bool):
+    """The planner's rates and peak FLOP/s: `machine`'s profile; on a GPU its preset's
+    roofline; on the CPU this host's profile, measured once into the cache (only where one
+    process may: under a launcher every rank would measure)."""
     from meshtrain.plan.cluster import GpuRates, cluster_from
     from meshtrain.plan.profile import MachineProfile, ProfileRates
 
-    path = cfg.search.machine
-    if path is None and device_type == "cuda":
+    if machine is None and device_type == "cuda":
         import torch
-        cluster = cluster_from(_gpu_preset(torch.cuda.get_device_name(0)))
-        rates = GpuRates(cluster, cfg.layout.precision)
-        return rates, cluster.peak_flops(cfg.layout.precision), f"{cluster.name} roofline"
-    if path is None:
-        path = str(host_profile_path())
-        if not Path(path).is_file():
-            if launched:
-                raise C.ConfigError("--layout-search on the CPU under a launcher needs a machine profile: make one "
-                                    "with `meshtrain plan --calibrate --machine FILE` and pass --machine FILE")
-            _calibrate_host(path, world)
+        cluster = cluster_from(_gpu_preset(torch.cuda.get_device_name()))
+        return GpuRates(cluster, precision), cluster.peak_flops(precision)
+    path = machine or str(host_profile_path())
+    if machine is None and not Path(path).is_file():
+        if not may_calibrate:
+            raise C.ConfigError("the layout search on the CPU under a launcher needs a machine profile: make one "
+                                "with `meshtrain plan --calibrate --machine FILE` and pass it (--machine FILE)")
+        _calibrate_host(path, world)
     try:
         profile = MachineProfile.load(path)
     except ValueError as e:
         raise C.ConfigError(str(e)) from None
     rates = ProfileRates(profile, world)
-    return rates, rates.peak_flops(cfg.layout.precision), f"the profile {path}"
+    return rates, rates.peak_flops(precision)
+
+
+def machine_name(machine: str | None, device_type: str) -> str:
+    """What the planner predicts with, in words (and in the store's key)."""
+    if machine is None and device_type == "cuda":
+        import torch
+        return f"{_gpu_preset(torch.cuda.get_device_name())} roofline"
+    return f"the profile {machine or host_profile_path()}"
 
 
 def _gpu_preset(name: str) -> str:
@@ -300,12 +354,17 @@ def _calibrate_host(path: str, world: int) -> None:
 def search_key(cfg: C.Config, world: int, machine: str) -> str:
     """What a profile's measurements depend on: the model, batch and data, the layout options
     that are not searched, the axes fixed, the world, and the machine (host, device, torch)."""
-    import torch
     searched = set(SEARCHED) | {"stage_layers"}
-    what = {"model": cfg.to_dict()["model"], "data": cfg.train.data, "batch": cfg.train.batch_size,
-            "seq": cfg.train.seq_len, "vocab": cfg.train.vocab_size, "world": world, "fixed": fixed_axes(cfg),
-            "layout": {k: v for k, v in cfg.to_dict()["layout"].items() if k not in searched},
-            "host": platform.node(), "device": _device_name(), "torch": torch.__version__, "machine": machine}
+    return key_of({"model": cfg.to_dict()["model"], "data": cfg.train.data, "batch": cfg.train.batch_size,
+                   "seq": cfg.train.seq_len, "vocab": cfg.train.vocab_size, "world": world, "fixed": fixed_axes(cfg),
+                   "layout": {k: v for k, v in cfg.to_dict()["layout"].items() if k not in searched},
+                   "machine": machine})
+
+
+def key_of(what: dict) -> str:
+    """A short hash of `what` and this machine (host, device, torch)."""
+    import torch
+    what = {**what, "host": platform.node(), "device": _device_name(), "torch": torch.__version__}
     return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 

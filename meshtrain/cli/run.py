@@ -113,6 +113,11 @@ def _search_plan(cfg: C.Config, args, renv):
     layout set to the first meanwhile (what the ranks start with; the checks below run on
     it); None without."""
     if not cfg.search.enabled:
+        given = [C.flag_of(*key) for key in sorted(cfg.given) if key[0] == "search"]
+        if given:
+            what = "is a --layout-search setting" if len(given) == 1 else "are --layout-search settings"
+            raise C.ConfigError(f"{', '.join(given)} {what}; add --layout-search, or drop "
+                                + ("it" if len(given) == 1 else "them"))
         return None
     if args.command != "train":
         raise C.ConfigError(f"--layout-search ([layout] search) is train's: {args.command} runs the layout it is given")
@@ -364,8 +369,11 @@ def _run_here(cfg, args, renv, device) -> int:
     mesh = None
     try:
         if getattr(args, "search_plan", None) is not None:  # profiled on these ranks; the run trains the winner
-            from meshtrain.layout_search import search_on_ranks
-            args.search_plan = search_on_ranks(cfg, args.search_plan, device, sys.stderr if args.json else sys.stdout)
+            from meshtrain.cli.layout_search import RESULT_FILE
+            from meshtrain.layout_search import config_trial, search_on_ranks
+            args.search_plan = search_on_ranks(args.search_plan, device, config_trial(cfg),
+                                               result=Path(cfg.train.out) / RESULT_FILE,
+                                               out=sys.stderr if args.json else sys.stdout)
             cfg.layout = args.search_plan.candidates[args.search_plan.chosen].layout
         mesh = (Mesh.build(cfg.layout.pp, cfg.layout.dp, cfg.layout.tp, device, cp=cfg.layout.cp, ep=cfg.layout.ep)
                 if renv is not None else Mesh.single(device))
