@@ -1,6 +1,7 @@
-"""`train --layout-search` on the ranks: the planner proposed the candidates before they
-started (`cli.layout_search.plan_search`); here each is built on process groups of its own
-and run for a few steps, and the run trains with the fastest measured.
+"""A layout search on the ranks (`train --layout-search`, `meshtrain.search_layout`): the
+planner proposed the candidates (`search_plan.propose`); here each is built on process
+groups of its own by the caller's `trial` and run for a few steps, and the fastest measured
+is chosen.
 
 A candidate runs `WARMUP_STEPS` + `MEASURED_STEPS` steps on the run's first batches; its step
 time is the median of the measured ones (the slowest rank's), its peak memory what the
@@ -17,7 +18,6 @@ the searched run trains as the same layout run by hand."""
 
 from __future__ import annotations
 
-import copy
 import gc
 import random
 import statistics
@@ -28,14 +28,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from meshtrain.cli.config import Config
-from meshtrain.cli.layout_search import (MEASURED_STEPS, REFUSED, WARMUP_STEPS, Candidate, SearchPlan, SearchStore,
-                                         choose, over_budget, table)
-from meshtrain.cli.log import log
-from meshtrain.comm import Comm, broadcast_from_rank_0
+from meshtrain.comm import broadcast_from_rank_0
 from meshtrain.mesh import Mesh
 from meshtrain.metrics import ActivationMeter
-from meshtrain.run_folder import RunRefused
+from meshtrain.search_plan import (MEASURED_STEPS, REFUSED, WARMUP_STEPS, Candidate, SearchPlan, SearchRefused,
+                                   SearchStore, choose, over_budget, table)
 
 
 def search_on_ranks(plan: SearchPlan, device: torch.device, trial, *, result: Path | None = None,
@@ -44,34 +41,21 @@ def search_on_ranks(plan: SearchPlan, device: torch.device, trial, *, result: Pa
     (unless it was reused or resumed) with `trial(layout, mesh) -> (job, step)`, where
     `step(k, meter)` runs the k-th step and returns its `StepOutput`; its choice made. Rank 0
     prints the table to `out` (None: not), writes the record to `result` and the machine's
-    store. Raises RunRefused (every rank) when no candidate could train."""
+    store. Raises SearchRefused (every rank) when no candidate could train."""
     main = _rank() == 0
     if dist.is_initialized():
         plan = broadcast_from_rank_0(plan, None, device)
     if plan.chosen is None:
         _profile(plan, device, trial, say=main and out is not None)
         if plan.chosen is None:
-            raise RunRefused("--layout-search: no candidate could train: "
-                             + "; ".join(f"{c.layout.short()}: {c.skipped}" for c in plan.candidates)
-                             + "; raise --memory-per-rank, or give the layout flags")
+            raise SearchRefused("the layout search: no candidate could train: "
+                                + "; ".join(f"{c.layout.short()}: {c.skipped}" for c in plan.candidates)
+                                + "; raise the memory per rank, or give the layout")
         if main:
             SearchStore().save(plan)
     if main:
         _write(plan, result, out)
     return plan
-
-
-def config_trial(cfg: Config):
-    """The command line's candidate: its configuration with the candidate's layout, built
-    by `train.setup` and stepped by `train.train_step` on the run's batches."""
-    from meshtrain.train import setup, train_step
-
-    def build(layout, mesh: Mesh):
-        trial = copy.deepcopy(cfg)
-        trial.layout = layout
-        data, job = setup(trial, Comm(mesh), measure_memory=False)
-        return job, lambda step, meter: train_step(job, data, step, trial, meter=meter)
-    return build
 
 
 def _rank() -> int:
@@ -90,8 +74,8 @@ def _profile(plan: SearchPlan, device: torch.device, trial, say: bool) -> None:
                 c.skipped = f"out of the search's time (~{need:.3g} s needed, {max(0.0, left):.3g} s left)"
                 continue
             if say:
-                log(f"layout search: profiling {i + 1}/{len(plan.candidates)}: {c.layout.short()} "
-                    f"recompute={c.layout.recompute}")
+                print(f"meshtrain: layout search: profiling {i + 1}/{len(plan.candidates)}: {c.layout.short()} "
+                      f"recompute={c.layout.recompute}", file=sys.stderr, flush=True)
             _run_candidate(plan, c, device, start, trial)
             if c.measured_step_s is not None and c.predicted_step_s > 0:
                 correction = max(correction, c.measured_step_s / c.predicted_step_s)

@@ -280,3 +280,15 @@ def plot_losses(steps: list[int], losses: list[float], path: Path, title: str, *
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def available_host_bytes() -> int | None:
+    """MemAvailable of /proc/meminfo (Linux), None where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None

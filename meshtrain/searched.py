@@ -23,9 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from meshtrain.cli.config import ConfigError
-from meshtrain.cli.layout_search import RESULT_FILE, SEARCHED, Request, key_of, machine_name, propose
 from meshtrain.parallel.options import Layout
+from meshtrain.search_plan import RESULT_FILE, SEARCHED, Request, SearchRefused, key_of, machine_name, propose
 
 MESH_AXES = ("dp", "tp", "pp", "cp", "ep")
 
@@ -57,10 +56,11 @@ def search_layout(make_model, batches, *, shape, optimizer, loss_fn="cross_entro
     or published architecture, at `vocab_size`). `memory_per_rank`: bytes or "12GiB" (default:
     a GPU's memory less 10 %, the host's available memory over its local ranks on the CPU).
     `budget`: seconds the profile may take. `machine`: a profile from `meshtrain plan
-    --calibrate` (default on the CPU: this host's, measured once). `out`: a folder to write
+    --calibrate` (default on the CPU: this host's, which `train --layout-search` measured
+    once; without either the search is refused; on a GPU its preset's roofline). `out`: a folder to write
     `layout-search.json` in. `fixed`: axes held (dp, tp, pp, cp, cp_mode, ep, zero, sp,
     schedule, chunks, microbatches, recompute). A bad argument, or a world or budget with no
-    layout, raises ValueError before anything trains."""
+    layout, raises `SearchRefused` (a ValueError) on every rank before anything trains."""
     import sys
 
     import meshtrain
@@ -97,12 +97,12 @@ def search_layout(make_model, batches, *, shape, optimizer, loss_fn="cross_entro
     plan = None
     if first.is_main:
         try:
-            plan = propose(request, lambda lay: lay, key, may_calibrate=True, reprofile=reprofile)  # rank 0 alone
-        except ConfigError as e:
+            plan = propose(request, lambda lay: lay, key, reprofile=reprofile)
+        except SearchRefused as e:
             plan = e
     plan = _agree(plan, first)
-    if isinstance(plan, ConfigError):
-        raise ValueError(f"search_layout: {plan}")
+    if isinstance(plan, SearchRefused):
+        raise SearchRefused(f"search_layout: {plan}")
 
     def trial(layout: Layout, mesh):
         mesh.seed = seed

@@ -104,7 +104,8 @@ def test_a_memory_budget_plain_dp_does_not_fit_picks_a_layout_that_does(machine,
 
 
 def _search_with(mesh, cfg, plan):
-    from meshtrain.layout_search import config_trial, search_on_ranks
+    from meshtrain.cli.layout_search import config_trial
+    from meshtrain.layout_search import search_on_ranks
     return search_on_ranks(plan, mesh.device, config_trial(cfg)).record()
 
 
@@ -113,8 +114,8 @@ def test_a_candidate_over_the_budget_on_one_rank_is_skipped_on_all(machine, tmp_
     (the planner's figures: 2.9 and 3.3 MiB); every rank skips it alike (a rank that went on
     alone would hang), and a candidate the search's time cannot hold is never built."""
     from meshtrain.cli.config import Config
-    from meshtrain.cli.layout_search import Candidate, SearchPlan
-    from meshtrain.cli.plan import preset_workload
+    from meshtrain.cli.workload import preset_workload
+    from meshtrain.search_plan import Candidate, SearchPlan
     from meshtrain.parallel.options import Layout
     from meshtrain.plan.planner import Device
 

@@ -13,10 +13,11 @@ from dataclasses import replace
 
 import meshtrain.cli.config as C
 from meshtrain.cli.validate import adopt_imported_model
+from meshtrain.cli.workload import checked_workload, preset_workload
 from meshtrain.plan.cluster import GIB, GPU_PRESETS, Cluster, GpuRates, cluster_from
 from meshtrain.plan.planner import ACCOUNTINGS, PlanError, Workload, plan
 from meshtrain.plan.shapes import Shape
-from meshtrain.recipes import PUBLISHED, family_of, is_preset, is_published, shape_of
+from meshtrain.recipes import PUBLISHED, family_of, is_preset, is_published
 from meshtrain.plan.profile import MachineProfile, ProfileRates
 from meshtrain.plan.model_states import model_state_bytes
 from meshtrain.plan.search import search
@@ -82,32 +83,7 @@ def workload_of(args, cfg: C.Config) -> Workload:
         raise PlanError("--hidden must divide by --heads, and --heads by --kv-heads")
     shape = Shape(explicit["layers"], explicit["hidden"], explicit["heads"], explicit["vocab"], tr.seq_len,
                   kv_heads=explicit.get("kv_heads"), ffn=explicit.get("ffn"))
-    return _checked_workload(cfg, shape, tr.seq_len)
-
-
-def preset_workload(cfg: C.Config, seq_given: bool = True) -> Workload:
-    """The configured preset (or published shape) and batch as the planner's workload; a
-    published shape keeps its own context length unless `seq_given`."""
-    tr = cfg.train
-    try:
-        shape = shape_of(cfg.model.name, tr.vocab_size)
-        if cfg.model.moe_options() and is_preset(cfg.model.name):  # --moe-* flags: the spec they make
-            spec = cfg.model.spec()
-            shape = family_of(spec).shape(spec, tr.vocab_size)
-    except ValueError as e:
-        raise PlanError(str(e)) from None
-    seq = shape.seq_len if (is_published(cfg.model.name) and not seq_given) else tr.seq_len
-    if (shape.kind == "gpt" or cfg.model.init_from) and seq > shape.seq_len:
-        raise PlanError(f"--seq-len {seq} exceeds the {shape.seq_len} positions of {cfg.model.name}")
-    return _checked_workload(cfg, shape, seq)
-
-
-def _checked_workload(cfg: C.Config, shape: Shape, seq: int) -> Workload:
-    if cfg.train.batch_size < 1 or seq < 1:
-        raise PlanError("--batch-size and --seq-len must be positive integers")
-    if not 0 <= cfg.model.dropout < 1:
-        raise PlanError(f"--dropout {cfg.model.dropout}: use a probability in [0, 1)")
-    return Workload(shape, cfg.train.batch_size, seq, cfg.model.dropout, cfg.model.attention)
+    return checked_workload(cfg, shape, tr.seq_len)
 
 
 def layout_of(args, cfg: C.Config, batch: int) -> tuple[C.LayoutConfig, int]:
@@ -342,7 +318,8 @@ def search_table(cfg: C.Config, gpus: int, best: list, machine: str | None) -> s
     """The ranked layouts in `train --layout-search`'s table, with what this machine measured
     of them where a search of the same model, batch and world with the same --machine profile
     ran here (`cli.layout_search.SearchStore`), and each one's MFU."""
-    from meshtrain.cli.layout_search import SearchStore, layout_record, search_key
+    from meshtrain.cli.layout_search import search_key
+    from meshtrain.search_plan import SearchStore, layout_record, layout_table
 
     measured = SearchStore().measured(search_key(cfg, gpus, f"the profile {machine}")) if machine else {}
     rows = []
@@ -351,7 +328,6 @@ def search_table(cfg: C.Config, gpus: int, best: list, machine: str | None) -> s
         mfu = f"MFU {100 * r['mfu']:.1f} %" if r["mfu"] is not None else ""
         rows.append((lay, r["micro_batch_size"], r["total_bytes"], r["predicted_step_time_s"],
                      m.get("measured_peak_bytes"), m.get("measured_step_s"), mfu))
-    from meshtrain.cli.layout_search import layout_table
     return layout_table(rows)
 
 

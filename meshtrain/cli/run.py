@@ -184,25 +184,14 @@ def _check_build_fits_the_host(cfg: C.Config, local_ranks: int) -> None:
         return
     lay = cfg.layout
     part = n_params / (lay.tp * lay.pp * (lay.dp if lay.zero == 3 else 1))
-    need, have = 4 * part * local_ranks, _available_host_bytes()
+    from meshtrain.metrics import available_host_bytes
+    need, have = 4 * part * local_ranks, available_host_bytes()
     if have is not None and need > have:
         what = f"--mlp-hidden {cfg.model.mlp_hidden}" if cfg.model.mlp_hidden else f"--model {cfg.model.name}"
         raise C.ConfigError(f"{what}: building its part takes 4 bytes × {part / 1e9:.2f} B parameters on each of "
                             f"{local_ranks} local rank(s), {need / 2**30:.1f} GiB; this host has {have / 2**30:.1f} GiB "
                             f"available; use a smaller model, more sharding (--tp, --pp, --zero 3) or fewer ranks "
                             f"per host")
-
-
-def _available_host_bytes() -> int | None:
-    """MemAvailable of /proc/meminfo (Linux), None where it cannot be read."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
 
 
 def _restart_point(tr: C.TrainConfig) -> str:
@@ -362,6 +351,7 @@ def _run_here(cfg, args, renv, device) -> int:
     from meshtrain.checkpoint.sharded import CheckpointError
     from meshtrain.parallel.experts import LoadOverBound
     from meshtrain.run_folder import Preempted, RunRefused
+    from meshtrain.search_plan import SearchRefused
     from meshtrain.train import NonFinite
     if renv is not None:
         launch.init_distributed(renv, device, timeout_s=max(C.START_TIMEOUT_S, cfg.train.timeout),
@@ -369,8 +359,9 @@ def _run_here(cfg, args, renv, device) -> int:
     mesh = None
     try:
         if getattr(args, "search_plan", None) is not None:  # profiled on these ranks; the run trains the winner
-            from meshtrain.cli.layout_search import RESULT_FILE
-            from meshtrain.layout_search import config_trial, search_on_ranks
+            from meshtrain.cli.layout_search import config_trial
+            from meshtrain.layout_search import search_on_ranks
+            from meshtrain.search_plan import RESULT_FILE
             args.search_plan = search_on_ranks(args.search_plan, device, config_trial(cfg),
                                                result=Path(cfg.train.out) / RESULT_FILE,
                                                out=sys.stderr if args.json else sys.stdout)
@@ -378,7 +369,7 @@ def _run_here(cfg, args, renv, device) -> int:
         mesh = (Mesh.build(cfg.layout.pp, cfg.layout.dp, cfg.layout.tp, device, cp=cfg.layout.cp, ep=cfg.layout.ep)
                 if renv is not None else Mesh.single(device))
         after = _COMMANDS[args.command](cfg, Comm(mesh), args)
-    except (CheckpointError, RunRefused, NonFinite, Preempted, LoadOverBound) as e:  # every rank alike: rank 0 says it
+    except (CheckpointError, RunRefused, NonFinite, Preempted, LoadOverBound, SearchRefused) as e:  # every rank alike
         if (mesh.is_main if mesh is not None else renv is None or renv.rank == 0):
             print(f"meshtrain: {'' if isinstance(e, Preempted) else 'error: '}{e}", file=sys.stderr)
         code = {NonFinite: 3, Preempted: 0}.get(type(e), 2)
