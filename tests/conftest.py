@@ -30,7 +30,7 @@ def pytest_configure(config):
 # done, waits. Within a file, and among the others, the order stays as collected.
 LONGEST_FIRST = ["test_verify_mutants.py", "test_cli.py", "test_compile.py", "test_zero.py", "test_run_folder.py",
                  "test_pipeline.py", "test_expert_parallel.py", "test_examples.py", "test_checkpoint.py",
-                 "test_recompute.py", "test_context.py", "test_tensor.py", "test_llama.py", "test_verify_norm.py",
+                 "test_recompute.py", "test_context.py", "test_layout_search.py", "test_tensor.py", "test_llama.py", "test_verify_norm.py",
                  "test_async_save.py", "test_plan_moe.py", "test_validation.py", "test_planner.py", "test_plan_llama.py",
                  "test_verify_resume.py", "test_prepare_scale.py", "test_plan_activations.py", "test_export_hf.py",
                  "test_padding_idx.py", "test_prepare_finetune.py", "test_moe.py",
