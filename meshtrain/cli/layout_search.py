@@ -120,6 +120,8 @@ def _resumed_record(cfg: C.Config, world: int) -> SearchPlan | None:
     if rec.get("world") != world or rec.get("chosen") is None:
         return None
     plan = plan_from_record(rec)
+    for c in plan.candidates:  # the searched axes as recorded, every other option as given now
+        c.layout = replace(cfg.layout, **{k: getattr(c.layout, k) for k in SEARCHED})
     plan.resumed, plan.profile_s = True, 0.0
     plan.notes.append(f"resumed: the layout this run's search chose ({path}); --reprofile searches again")
     return plan
