@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from meshtrain.loss_terms import cross_entropy
 from meshtrain.parallel.options import Layout
 from meshtrain.search_plan import RESULT_FILE, SEARCHED, Request, SearchRefused, key_of, machine_name, propose
 
@@ -44,7 +45,7 @@ class SearchedLayout:
         return Layout(**c)
 
 
-def search_layout(make_model, batches, *, shape, optimizer, loss_fn="cross_entropy", vocab_size: int = 2048,
+def search_layout(make_model, batches, *, shape, optimizer, loss_fn=cross_entropy, vocab_size: int = 2048,
                   candidates: int = 3, memory_per_rank=None, budget: float = 600.0, machine: str | None = None,
                   reprofile: bool = False, device: str = "auto", seed: int = 0, precision: str = "fp32",
                   tp_plan=None, pipeline=None, clip_grad_norm: float | None = None, out: str | None = None,
@@ -56,9 +57,9 @@ def search_layout(make_model, batches, *, shape, optimizer, loss_fn="cross_entro
     or published architecture, at `vocab_size`). `memory_per_rank`: bytes or "12GiB" (default:
     a GPU's memory less 10 %, the host's available memory over its local ranks on the CPU).
     `budget`: seconds the profile may take. `machine`: a profile from `meshtrain plan
-    --calibrate` (default on the CPU: this host's, which `train --layout-search` measured
-    once; without either the search is refused; on a GPU its preset's roofline). `out`: a folder to write
-    `layout-search.json` in. `fixed`: axes held (dp, tp, pp, cp, cp_mode, ep, zero, sp,
+    --calibrate` (default: on the CPU this host's, which `train --layout-search` measured once
+    — without either the search is refused; on a GPU its preset's roofline). `out`: a folder
+    to write `layout-search.json` in. `fixed`: axes held (dp, tp, pp, cp, cp_mode, ep, zero, sp,
     schedule, chunks, microbatches, recompute). A bad argument, or a world or budget with no
     layout, raises `SearchRefused` (a ValueError) on every rank before anything trains."""
     import sys
@@ -71,8 +72,6 @@ def search_layout(make_model, batches, *, shape, optimizer, loss_fn="cross_entro
     if unknown:
         raise TypeError(f"search_layout() got unexpected keyword argument(s) {', '.join(unknown)}; the axes it fixes: "
                         f"{', '.join(SEARCHED)}")
-    if isinstance(loss_fn, str):
-        loss_fn = meshtrain.cross_entropy
     batch_of = _batches(batches)
     inputs = batch_of(0)[0]
     if getattr(inputs, "ndim", 0) < 2:
