@@ -211,3 +211,34 @@ def test_the_api_searches_a_users_own_model(machine, tmp_path):
 def test_a_search_setting_without_the_search_is_refused(tmp_path):
     r = run_main("train", *RUN, "--world", "3", "--candidates", "2", "--out", tmp_path)
     assert r.returncode == 2 and "--candidates, --world are --layout-search settings; add --layout-search" in r.stderr
+
+
+def test_a_restarted_run_trains_the_layout_its_search_chose(machine, tmp_path):
+    """A rank killed at step 2: the restarted ranks resume from step 1's checkpoint in the
+    layout the first attempt's search chose, without searching again (--reprofile included:
+    it asks the run's search for a fresh profile, not each restart)."""
+    r = run_cli("train", *RUN[:-1], "3", "--layout-search", "--reprofile", "--machine", machine, "--save-every", "1",
+                "--max-restarts", "1", "--out", tmp_path, "--json", env={"MESHTRAIN_FAULT": "kill:1:2"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = last_json(r.stdout)
+    assert r.stderr.count("profiling 1/3") == 1 and got["layout_search"]["resumed"]
+    chosen = got["layout_search"]["candidates"][got["layout_search"]["chosen"]]["layout"]
+    assert got["layout"] == {k: chosen[k] for k in got["layout"]} and got["first_step"] == 2
+
+
+def test_the_axes_given_stay_fixed_and_the_rest_is_searched(machine, tmp_path):
+    """--tp 2 on 4 ranks: every candidate keeps tp 2, among fewer layouts than without it."""
+    from meshtrain.cli import build_parser
+    from meshtrain.cli.config import from_args
+    from meshtrain.cli.layout_search import plan_search
+    from meshtrain.search_plan import SEARCHED
+
+    def planned(*flags):
+        args = build_parser(plan_flags=False).parse_args(["train", *RUN, "--layout-search", "--machine", machine,
+                                                          "--world", "4", "--candidates", "6", *flags,
+                                                          "--out", str(tmp_path)])
+        return plan_search(from_args(args), None, None, "cpu")
+    fixed, free = planned("--tp", "2"), planned()
+    assert len(fixed.candidates) == 6 and all(c.layout.tp == 2 and c.layout.world_size == 4 for c in fixed.candidates)
+    assert len({tuple(getattr(c.layout, k) for k in SEARCHED) for c in fixed.candidates}) == 6
+    assert 0 < fixed.tried < free.tried and any(c.layout.tp != 2 for c in free.candidates)

@@ -42,10 +42,11 @@ def fixed_axes(cfg: C.Config) -> dict:
 
 
 def plan_search(cfg: C.Config, launched_world: int | None, local_world: int | None, device_type: str,
-                resuming: bool = False) -> SearchPlan:
+                resuming: bool = False, restarted: bool = False) -> SearchPlan:
     """The candidates, or one line (ConfigError) saying why there are none. `local_world`: the
-    ranks on this host (the CPU's memory is shared among them); `resuming`: --resume,
-    --resume-from or a restart, which train the layout an earlier search of the run chose."""
+    ranks on this host (the CPU's memory is shared among them); `resuming` (--resume,
+    --resume-from) trains the layout an earlier search of the run chose unless --reprofile
+    asks for a new search; `restarted` (a restart of the job's ranks) always does."""
     from meshtrain.cli.workload import preset_workload
     from meshtrain.cli.validate import adopt_imported_model, adopt_prepared_data, validate
     from meshtrain.plan.planner import PlanError
@@ -59,7 +60,7 @@ def plan_search(cfg: C.Config, launched_world: int | None, local_world: int | No
     world = world_of(cfg, launched_world)
     adopt_imported_model(cfg)
     adopt_prepared_data(cfg)
-    previous = _resumed_record(cfg, world) if resuming and not s.reprofile else None
+    previous = _resumed_record(cfg, world) if restarted or (resuming and not s.reprofile) else None
     if previous is not None:
         return previous
     try:

@@ -129,7 +129,7 @@ def _search_plan(cfg: C.Config, args, renv):
         device = "cuda" if torch.cuda.is_available() else "cpu"
     tr = cfg.train
     plan = plan_search(cfg, renv.world_size if renv else None, renv.local_world_size if renv else None, device,
-                       resuming=bool(tr.resume or tr.resume_from or faults.restart_count() > 0))
+                       resuming=bool(tr.resume or tr.resume_from), restarted=faults.restart_count() > 0)
     cfg.layout = plan.candidates[plan.chosen if plan.chosen is not None else 0].layout
     return plan
 
