@@ -242,3 +242,31 @@ def test_the_axes_given_stay_fixed_and_the_rest_is_searched(machine, tmp_path):
     assert len(fixed.candidates) == 6 and all(c.layout.tp == 2 and c.layout.world_size == 4 for c in fixed.candidates)
     assert len({tuple(getattr(c.layout, k) for k in SEARCHED) for c in fixed.candidates}) == 6
     assert 0 < fixed.tried < free.tried and any(c.layout.tp != 2 for c in free.candidates)
+
+
+def test_under_a_launcher_rank_0_plans_and_the_others_take_its_plan(machine, tmp_path):
+    """torchrun's ranks: rank 0 alone runs the planner (a large world takes it seconds to
+    minutes: one rank pays, not every one), the others join the group and take its plan;
+    a refusal is rank 0's one line and exit 2."""
+    import os
+    from pathlib import Path
+
+    from distributed import run_script_ranks
+
+    from meshtrain.cli import build_parser
+    from meshtrain.cli.config import from_args
+    from meshtrain.cli.run import _prepare_data
+
+    # The tokenized corpus cached first, as a launcher's job script would: ranks forked from the
+    # tests' preloaded server cannot start the BPE trainer's own process.
+    _prepare_data(from_args(build_parser(plan_flags=False).parse_args(["train", *RUN])))
+    main = str(Path(__file__).resolve().parents[1] / "meshtrain" / "__main__.py")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    ran = run_script_ranks(main, ["train", *RUN, "--layout-search", "--machine", machine, "--reprofile",
+                                  "--out", str(tmp_path), "--json"], 2, env, timeout=300)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    assert ran.stderr.count("profiling 1/3") == 1 and "chosen" in ran.stderr
+    assert last_json(ran.stdout)["layout_search"]["world"] == 2
+    refused = run_script_ranks(main, ["train", *RUN, "--layout-search", "--machine", machine, "--memory-per-rank",
+                                      "1MiB", "--out", str(tmp_path)], 2, env, timeout=300)
+    assert refused.returncode == 2 and "fits no layout of 2 ranks" in refused.stderr, refused.stderr[-2000:]

@@ -46,7 +46,8 @@ def run(args, argv: list[str], rank_function=None) -> int:
             launch.die_with_launcher()
         cfg = _config_from(args)
         args.search_plan = _search_plan(cfg, args, renv)  # --layout-search: cfg.layout is the first candidate
-        validate(cfg, world_size=renv.world_size if renv else None)
+        if args.search_plan is not PENDING:  # a rank waiting for rank 0's search validates its choice
+            validate(cfg, world_size=renv.world_size if renv else None)
         _check_command(cfg, args)
         speaks = renv.rank == 0 if renv else cfg.layout.world_size == 1  # rank 0 reports, once
         if args.command == "train" and (renv is None or renv.rank == 0):
@@ -69,7 +70,8 @@ def run(args, argv: list[str], rank_function=None) -> int:
         local_rank, local_world = (renv.local_rank, renv.local_world_size) if renv else (0, cfg.layout.world_size)
         device = launch.choose_device(cfg.train.device, local_rank, local_world)
         if device.type == "cpu":
-            _check_build_fits_the_host(cfg, local_world)
+            if args.search_plan is not PENDING:
+                _check_build_fits_the_host(cfg, local_world)
         # From a shell: once, before any rank starts. Under a launcher: every rank, before
         # joining the group (one builds the cache under a file lock, the others wait), so a
         # large corpus never meets the collective timeout.
@@ -108,10 +110,15 @@ def _config_from(args) -> C.Config:
     return cfg
 
 
+# A rank of a searched run other than rank 0 under a launcher: it takes rank 0's plan once the
+# group is formed (planning a large world takes seconds to minutes; one rank does it).
+PENDING = "pending"
+
+
 def _search_plan(cfg: C.Config, args, renv):
     """--layout-search: the candidates the ranks will profile (`cli.layout_search`), cfg's
     layout set to the first meanwhile (what the ranks start with; the checks below run on
-    it); None without."""
+    it); PENDING on a launcher's rank other than 0; None without the search."""
     if not cfg.search.enabled:
         given = [C.flag_of(*key) for key in sorted(cfg.given) if key[0] == "search"]
         if given:
@@ -122,7 +129,12 @@ def _search_plan(cfg: C.Config, args, renv):
     if args.command != "train":
         raise C.ConfigError(f"--layout-search ([layout] search) is train's: {args.command} runs the layout it is given")
     from meshtrain.cli.layout_search import plan_search
+    from meshtrain.cli.validate import adopt_imported_model, adopt_prepared_data
 
+    if renv is not None and renv.rank != 0:
+        adopt_imported_model(cfg)
+        adopt_prepared_data(cfg)
+        return PENDING
     device = cfg.train.device
     if device == "auto":
         import torch
@@ -358,14 +370,16 @@ def _run_here(cfg, args, renv, device) -> int:
                                 trace_dir=cfg.train.out)
     mesh = None
     try:
-        if getattr(args, "search_plan", None) is not None:  # profiled on these ranks; the run trains the winner
+        if getattr(args, "search_plan", None) is not None:  # rank 0's, profiled on these ranks; the run trains the winner
             from meshtrain.cli.layout_search import config_trial
             from meshtrain.layout_search import search_on_ranks
             from meshtrain.search_plan import RESULT_FILE
-            args.search_plan = search_on_ranks(args.search_plan, device, config_trial(cfg),
+            args.search_plan = search_on_ranks(None if args.search_plan is PENDING else args.search_plan, device,
+                                               config_trial(cfg),
                                                result=Path(cfg.train.out) / RESULT_FILE,
                                                out=sys.stderr if args.json else sys.stdout)
             cfg.layout = args.search_plan.candidates[args.search_plan.chosen].layout
+            validate(cfg, world_size=renv.world_size if renv else None)  # as rank 0 did before the ranks began
         mesh = (Mesh.build(cfg.layout.pp, cfg.layout.dp, cfg.layout.tp, device, cp=cfg.layout.cp, ep=cfg.layout.ep)
                 if renv is not None else Mesh.single(device))
         after = _COMMANDS[args.command](cfg, Comm(mesh), args)
