@@ -68,12 +68,15 @@ def plan_search(cfg: C.Config, launched_world: int | None, local_world: int | No
     except PlanError as e:
         raise C.ConfigError(str(e)) from None
 
+    refusals = []
+
     def accepted(lay: Layout) -> Layout | None:
         trial = copy.deepcopy(cfg)
         trial.layout = replace(lay)
         try:
             validate(trial, world_size=world)  # the planner's rules are train's, less some of a model's own
-        except C.ConfigError:
+        except C.ConfigError as e:
+            refusals.append(str(e))
             return None
         return trial.layout
     fixed = fixed_axes(cfg)
@@ -88,7 +91,10 @@ def plan_search(cfg: C.Config, launched_world: int | None, local_world: int | No
         return propose(request, accepted, search_key(cfg, world, machine_name(s.machine, device_type)),
                        reprofile=s.reprofile)
     except SearchRefused as e:
-        raise C.ConfigError(str(e)) from None
+        if refusals and len(set(refusals)) == 1 and "is one the trainer accepts" in str(e):
+            raise C.ConfigError(refusals[0]) from None  # every layout failed alike: a flag's own problem
+        reason = f" (the fastest: {refusals[0]})" if refusals and "is one the trainer accepts" in str(e) else ""
+        raise C.ConfigError(f"{e}{reason}") from None
 
 
 def _calibrate_host(path: str, world: int) -> None:
