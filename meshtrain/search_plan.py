@@ -118,6 +118,7 @@ class Request:
     device_type: str
     flags: bool  # messages name command-line flags (else the API's arguments)
     allowed: object = None  # a further rule on the layouts (the API's: what the user's model supports)
+    mem_headroom: float = GPU_HEADROOM  # the fraction of a GPU's memory kept free
 
 
 def propose(request: Request, accepted, key: str, *, reprofile: bool) -> SearchPlan:
@@ -129,13 +130,16 @@ def propose(request: Request, accepted, key: str, *, reprofile: bool) -> SearchP
     r = request
     if r.candidates < 1:
         raise SearchRefused(f"{_arg('candidates', r.flags)} {r.candidates}: profile at least one layout")
+    if not 0 <= r.mem_headroom < 1:
+        raise SearchRefused(f"{_arg('mem_headroom', r.flags)} {r.mem_headroom:g}: give the fraction of a GPU's memory "
+                            f"kept free, from 0 to below 1 (default {GPU_HEADROOM:g})")
     if not r.budget_s > 0:
         raise SearchRefused(f"{_arg('search_budget', r.flags)} {r.budget_s:g}: give the seconds the profile may take")
     try:
         rates, peak = planner_rates(r.machine, r.base.precision, r.world, r.device_type)
     except PlanError as e:
         raise SearchRefused(str(e)) from None
-    memory, memory_source = memory_budget(r.memory_per_rank, r.device_type, r.local_world, r.flags)
+    memory, memory_source = memory_budget(r.memory_per_rank, r.device_type, r.local_world, r.flags, r.mem_headroom)
     rules = [rule for rule in (r.allowed, (lambda lay: all(getattr(lay, k) == v for k, v in r.fixed.items()))
                                if r.fixed else None) if rule is not None]
     found = search(r.work, r.world, rates, memory_bytes=memory, gpus_per_node=r.local_world, peak_flops=peak,
@@ -216,7 +220,8 @@ def _size(nbytes: float) -> str:
     return f"{nbytes:,.0f} bytes"
 
 
-def memory_budget(memory_per_rank, device_type: str, local_world: int, flags: bool = True) -> tuple[float, str]:
+def memory_budget(memory_per_rank, device_type: str, local_world: int, flags: bool = True,
+                  headroom: float = GPU_HEADROOM) -> tuple[float, str]:
     """A rank's memory: `memory_per_rank` (bytes, or a size such as "12GiB"), else the GPU's
     less the headroom, else the host's available memory over its local ranks."""
     if memory_per_rank is not None:
@@ -228,7 +233,7 @@ def memory_budget(memory_per_rank, device_type: str, local_world: int, flags: bo
     if device_type == "cuda":
         import torch
         total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
-        return total * (1 - GPU_HEADROOM), f"the GPU's {_size(total)} less {GPU_HEADROOM:g}"
+        return total * (1 - headroom), f"the GPU's {_size(total)} less {_arg('mem_headroom', flags)} {headroom:g}"
     from meshtrain.metrics import available_host_bytes
     available = available_host_bytes()
     if available is None:

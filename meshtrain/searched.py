@@ -46,7 +46,8 @@ class SearchedLayout:
 
 
 def search_layout(make_model, batches, *, shape, optimizer, loss_fn=cross_entropy, vocab_size: int = 2048,
-                  candidates: int = 3, memory_per_rank=None, budget: float = 600.0, machine: str | None = None,
+                  candidates: int = 3, memory_per_rank=None, mem_headroom: float = 0.1, budget: float = 600.0,
+                  machine: str | None = None,
                   reprofile: bool = False, device: str = "auto", seed: int = 0, precision: str = "fp32",
                   tp_plan=None, pipeline=None, clip_grad_norm: float | None = None, out: str | None = None,
                   verbose: bool = True, **fixed) -> SearchedLayout:
@@ -55,7 +56,8 @@ def search_layout(make_model, batches, *, shape, optimizer, loss_fn=cross_entrop
     sequence (used in turn), each (inputs [rows, seq], targets); the profile runs 7 steps.
     `shape`: the model's shape for the planner (a `meshtrain.Shape`, or the name of a preset
     or published architecture, at `vocab_size`). `memory_per_rank`: bytes or "12GiB" (default:
-    a GPU's memory less 10 %, the host's available memory over its local ranks on the CPU).
+    a GPU's memory less `mem_headroom`, the host's available memory over its local ranks on
+    the CPU).
     `budget`: seconds the profile may take. `machine`: a profile from `meshtrain plan
     --calibrate` (default: on the CPU this host's, which `train --layout-search` measured once
     — without either the search is refused; on a GPU its preset's roofline). `out`: a folder
@@ -89,7 +91,7 @@ def search_layout(make_model, batches, *, shape, optimizer, loss_fn=cross_entrop
                 and (lay.pp == 1 or pipeline is not None) and (lay.cp == 1 or "cp" in fixed)
                 and (lay.ep == 1 or "ep" in fixed))
     request = Request("your model", work, world, _local_world(world), base, dict(fixed), candidates, memory_per_rank,
-                      budget, machine, device_t.type, flags=False, allowed=allowed)
+                      budget, machine, device_t.type, flags=False, allowed=allowed, mem_headroom=mem_headroom)
     key = key_of({"api": True, "shape": repr(work.shape), "batch": work.batch, "seq": work.seq, "world": world,
                   "fixed": fixed, "precision": precision, "tp_plan": tp_plan is not None,
                   "pipeline": pipeline is not None, "machine": machine_name(machine, device_t.type)})

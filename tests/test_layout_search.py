@@ -149,7 +149,8 @@ def test_a_candidate_over_the_budget_on_one_rank_is_skipped_on_all(machine, tmp_
     (["--search-budget", "1e-6"], "is less than one candidate's warm-up"),
     (["--memory-per-rank", "lots"], "give a size such as 12GiB"),
     (["--candidates", "0"], "--candidates 0: profile at least one layout"),
-    (["--lr", "-1"], "--lr -1.0: must be positive"),  # what every layout fails on is said as it is
+    (["--lr", "-1"], "--lr -1.0: must be positive"),
+    (["--mem-headroom", "1"], "--mem-headroom 1: give the fraction of a GPU's memory kept free"),  # what every layout fails on is said as it is
 ])
 def test_bad_search_input_is_refused_before_any_rank_starts(machine, tmp_path, flags, message):
     r = run_main("train", *RUN, "--layout-search", "--machine", machine, *flags, "--out", tmp_path)

@@ -107,6 +107,7 @@ class SearchConfig:
     world: int | None = None  # from a shell: how many local ranks to start (default 2)
     candidates: int = 3  # the K fastest predicted layouts that fit, profiled
     memory_per_rank: str | None = None  # "12GiB", "800MiB", bytes; default: the device's less headroom, or the host's share
+    mem_headroom: float = 0.1  # the fraction of a GPU's memory kept free (the CUDA context, the allocator)
     budget: float = 600.0  # seconds the whole profile may take
     reprofile: bool = False  # measure again, even where this machine measured this model before
     machine: str | None = None  # a machine profile (`plan --calibrate`) the planner predicts with
@@ -260,6 +261,8 @@ SEARCH_FLAGS = [
     ("--memory-per-rank", "search", "memory_per_rank", str, "with --layout-search: the memory a rank may fill, "
      "e.g. 12GiB or 800MiB (default: the GPU's memory less 10%%; on the CPU the host's available memory over "
      "its local ranks)"),
+    ("--mem-headroom", "search", "mem_headroom", float, "with --layout-search on a GPU: the fraction of its memory "
+     "kept free for the CUDA context and the allocator's cache (default 0.1), as `plan --mem-headroom`"),
     ("--search-budget", "search", "budget", float, "with --layout-search: seconds the profile may take; a "
      "candidate that would run past them is skipped"),
     ("--reprofile", "search", "reprofile", bool, "with --layout-search: profile again where this machine already "

@@ -81,7 +81,8 @@ def plan_search(cfg: C.Config, launched_world: int | None, local_world: int | No
         return trial.layout
     fixed = fixed_axes(cfg)
     request = Request(cfg.model.name, work, world, local_world or world, replace(cfg.layout, dp=None), fixed,
-                      s.candidates, s.memory_per_rank, s.budget, s.machine, device_type, flags=True)
+                      s.candidates, s.memory_per_rank, s.budget, s.machine, device_type, flags=True,
+                      mem_headroom=s.mem_headroom)
     if s.machine is None and device_type == "cpu" and not host_profile_path().is_file():
         if launched_world is not None:  # every rank would measure
             raise C.ConfigError("--layout-search on the CPU under a launcher needs a machine profile: make one with "
