@@ -45,6 +45,9 @@ def run(args, argv: list[str], rank_function=None) -> int:
             launch.name_this_rank(renv.rank)
             launch.die_with_launcher()
         cfg = _config_from(args)
+        server = renv is None and rank_function is not None and _searching_from_a_shell(cfg, args)
+        if server:  # before the search's planner looks at the GPUs: the server is a fork of this process
+            rank_function = _forked_ranks_server(rank_function, args.command)
         args.search_plan = _search_plan(cfg, args, renv)  # --layout-search: cfg.layout is the first candidate
         if args.search_plan is not PENDING:  # a rank waiting for rank 0's search validates its choice
             validate(cfg, world_size=renv.world_size if renv else None)
@@ -64,7 +67,7 @@ def run(args, argv: list[str], rank_function=None) -> int:
             print("meshtrain: warning: under a launcher, restarts are the launcher's (torchrun --max-restarts N); "
                   "--max-restarts is ignored, and restarted ranks resume from the latest checkpoint by themselves",
                   file=sys.stderr)
-        if renv is None and rank_function is not None and _ranks_to_start(cfg, args) > 1:
+        if renv is None and rank_function is not None and not server and _ranks_to_start(cfg, args) > 1:
             rank_function = _forked_ranks_server(rank_function, args.command)
         # From a shell the local ranks are all ours: check the GPUs before starting them.
         local_rank, local_world = (renv.local_rank, renv.local_world_size) if renv else (0, cfg.layout.world_size)
@@ -113,6 +116,14 @@ def _config_from(args) -> C.Config:
 # A rank of a searched run other than rank 0 under a launcher: it takes rank 0's plan once the
 # group is formed (planning a large world takes seconds to minutes; one rank does it).
 PENDING = "pending"
+
+
+def _searching_from_a_shell(cfg: C.Config, args) -> bool:
+    """A --layout-search of more than one local rank, from a shell (not a rank)."""
+    if not (cfg.search.enabled and args.command == "train"):
+        return False
+    from meshtrain.cli.layout_search import world_of
+    return world_of(cfg, None) > 1
 
 
 def _search_plan(cfg: C.Config, args, renv):
