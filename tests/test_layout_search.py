@@ -272,3 +272,18 @@ def test_under_a_launcher_rank_0_plans_and_the_others_take_its_plan(machine, tmp
     refused = run_script_ranks(main, ["train", *RUN, "--layout-search", "--machine", machine, "--memory-per-rank",
                                       "1MiB", "--out", str(tmp_path)], 2, env, timeout=300)
     assert refused.returncode == 2 and "fits no layout of 2 ranks" in refused.stderr, refused.stderr[-2000:]
+
+
+def test_plan_search_shows_what_the_search_measured_beside_its_predictions(searched, machine):
+    """`plan --search` of the same model, batch and world with the same profile: the layouts
+    the search profiled carry its measurements, in the table and in --json."""
+    _, r = searched
+    measured = {json.dumps(c["layout"], sort_keys=True): c for c in last_json(r.stdout)["layout_search"]["candidates"]}
+    ran = run_main("plan", *RUN, "--dropout", "0.1", "--gpus", "2", "--search", "--top", "1000", "--machine", machine,
+                   "--gpu-mem-gib", "10", "--json")
+    assert ran.returncode == 0, ran.stderr
+    top = last_json(ran.stdout)["search"]["top"]
+    shown = {json.dumps(row["layout"], sort_keys=True): row for row in top if "measured_step_s" in row}
+    assert shown.keys() == measured.keys()
+    assert all(shown[k]["measured_step_s"] == measured[k]["measured_step_s"] for k in shown)
+    assert "meas s" in ran.stderr

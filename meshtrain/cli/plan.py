@@ -299,7 +299,8 @@ def _search(args, cfg, work, base, gpus, machine, limits, options, name, cluster
     print(f"searched {found['tried']} layouts of {gpus} devices in {took:.2f} s; {found['fit']} fit in "
           f"{memory / GIB:,.1f} GiB ({limits['device_memory_bytes'] / GIB:g} GiB less --mem-headroom "
           f"{limits['mem_headroom']:g}). Fastest first:", file=out)
-    print(search_table(cfg, gpus, found["best"], args.machine), file=out)
+    measured = measured_here(cfg, gpus, found["best"], args.machine)
+    print(search_table(found["best"], measured), file=out)
     best_lay, best = found["best"][0]
     best = dict(best, **limits)
     print("\nthe best, explained:", file=out)
@@ -309,22 +310,31 @@ def _search(args, cfg, work, base, gpus, machine, limits, options, name, cluster
                   search={"tried": found["tried"], "fit": found["fit"], "seconds": round(took, 3),
                           "top": [{"layout": lay.summary() | {"chunks": lay.chunks},
                                    "micro_batch_size": r["micro_batch_size"], "total_bytes": r["total_bytes"],
-                                   "predicted_step_time_s": r["predicted_step_time_s"], "mfu": r["mfu"]}
-                                  for lay, r in found["best"]]})
+                                   "predicted_step_time_s": r["predicted_step_time_s"], "mfu": r["mfu"], **m}
+                                  for (lay, r), m in zip(found["best"], measured)]})
     return _emit(args, result)
 
 
-def search_table(cfg: C.Config, gpus: int, best: list, machine: str | None) -> str:
-    """The ranked layouts in `train --layout-search`'s table, with what this machine measured
-    of them where a search of the same model, batch and world with the same --machine profile
-    ran here (`cli.layout_search.SearchStore`), and each one's MFU."""
+def measured_here(cfg: C.Config, gpus: int, best: list, machine: str | None) -> list[dict]:
+    """For each ranked layout, what this machine measured of it (`measured_step_s`,
+    `measured_peak_bytes`; empty where nothing was) in a layout search of the same model,
+    batch and world with the same --machine profile (`search_plan.SearchStore`)."""
     from meshtrain.cli.layout_search import search_key
-    from meshtrain.search_plan import SearchStore, layout_record, layout_table
+    from meshtrain.search_plan import SearchStore, layout_record
 
-    measured = SearchStore().measured(search_key(cfg, gpus, f"the profile {machine}")) if machine else {}
+    stored = SearchStore().measured(search_key(cfg, gpus, f"the profile {machine}")) if machine else {}
+    keys = ("measured_step_s", "measured_peak_bytes")
+    return [{k: v for k, v in stored.get(json.dumps(layout_record(lay), sort_keys=True), {}).items() if k in keys}
+            for lay, _ in best]
+
+
+def search_table(best: list, measured: list[dict]) -> str:
+    """The ranked layouts in `train --layout-search`'s table, with what this machine measured
+    beside the predictions, and each one's MFU."""
+    from meshtrain.search_plan import layout_table
+
     rows = []
-    for lay, r in best:
-        m = measured.get(json.dumps(layout_record(lay), sort_keys=True), {})
+    for (lay, r), m in zip(best, measured):
         mfu = f"MFU {100 * r['mfu']:.1f} %" if r["mfu"] is not None else ""
         rows.append((lay, r["micro_batch_size"], r["total_bytes"], r["predicted_step_time_s"],
                      m.get("measured_peak_bytes"), m.get("measured_step_s"), mfu))
