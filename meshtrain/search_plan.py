@@ -183,7 +183,8 @@ def propose(request: Request, accepted, key: str, *, reprofile: bool) -> SearchP
 
 
 def _arg(name: str, flags: bool) -> str:
-    return f"--{name.replace('_', '-')}" if flags else f"{name}="
+    """A setting as the user wrote it: the command line's flag, or `search_layout`'s argument."""
+    return f"--{name.replace('_', '-')}" if flags else f"{'budget' if name == 'search_budget' else name}="
 
 
 def _given(fixed: dict, flags: bool) -> str:
