@@ -35,9 +35,10 @@ from meshtrain.search_plan import (MEASURED_STEPS, REFUSED, WARMUP_STEPS, Candid
                                    SearchStore, choose, over_budget, table)
 
 
-def search_on_ranks(plan: SearchPlan, device: torch.device, trial, *, result: Path | None = None,
-                    out=sys.stdout) -> SearchPlan:
-    """Collective over the default group (one process: no group): rank 0's plan, profiled
+def search_on_ranks(plan: SearchPlan | SearchRefused | None, device: torch.device, trial, *,
+                    result: Path | None = None, out=sys.stdout) -> SearchPlan:
+    """Collective over the default group (one process: no group): rank 0's plan (a refusal
+    there is raised on every rank; the others may pass None), profiled
     (unless it was reused or resumed) with `trial(layout, mesh) -> (job, step)`, where
     `step(k, meter)` runs the k-th step and returns its `StepOutput`; its choice made. Rank 0
     prints the table to `out` (None: not), writes the record to `result` and the machine's
@@ -45,6 +46,8 @@ def search_on_ranks(plan: SearchPlan, device: torch.device, trial, *, result: Pa
     main = _rank() == 0
     if dist.is_initialized():
         plan = broadcast_from_rank_0(plan, None, device)
+    if isinstance(plan, SearchRefused):
+        raise plan
     if plan.chosen is None:
         _profile(plan, device, trial, say=main and out is not None)
         if plan.chosen is None:

@@ -214,11 +214,17 @@ def spread(ranked: list) -> list:
     return [ranked[i] for i in first] + [r for i, r in enumerate(ranked) if i not in chosen]
 
 
-def _size(nbytes: float) -> str:
-    for unit, size in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
+def binary_unit(nbytes: float) -> tuple[str, float]:
+    """The binary unit sizes up to `nbytes` read best in (the planner's report and this table's)."""
+    for name, size in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
         if abs(nbytes) >= size:
-            return f"{nbytes / size:,.2f} {unit}"
-    return f"{nbytes:,.0f} bytes"
+            return name, size
+    return "bytes", 1
+
+
+def _size(nbytes: float) -> str:
+    unit, size = binary_unit(nbytes)
+    return f"{nbytes / size:,.2f} {unit}" if size > 1 else f"{nbytes:,.0f} bytes"
 
 
 def memory_budget(memory_per_rank, device_type: str, local_world: int, flags: bool = True,
@@ -299,7 +305,7 @@ def _device_name() -> str:
 
 def plan_from_record(rec: dict) -> SearchPlan:
     """A search read back from its record (`SearchPlan.record`)."""
-    candidates = [Candidate(Layout(**{k: v for k, v in c["layout"].items()}), c["predicted_step_s"],
+    candidates = [Candidate(Layout(**c["layout"]), c["predicted_step_s"],
                             c["predicted_peak_bytes"], c["measured_step_s"], c["measured_peak_bytes"], c["skipped"])
                   for c in rec["candidates"]]
     return SearchPlan(rec["world"], candidates, rec["memory_per_rank_bytes"], "recorded", rec["search_budget_s"], "",
@@ -322,7 +328,7 @@ class SearchStore:
     def reuse(self, plan: SearchPlan) -> bool:
         """Fill `plan`'s measurements from the store when every candidate was measured (its
         peak judged again against this budget); whether it did."""
-        stored = self._read(plan.key)
+        stored = self.measured(plan.key)
         found = [stored.get(_layout_key(c.layout)) for c in plan.candidates]
         if not all(found) or any(m["measured_step_s"] is None and m["measured_peak_bytes"] <= plan.memory_bytes
                                  for m in found):
@@ -342,7 +348,7 @@ class SearchStore:
     def save(self, plan: SearchPlan) -> None:
         """Add what `plan`'s profile measured to the store (rank 0, after the profile): each
         candidate's peak, and its step time where it ran its steps."""
-        stored = self._read(plan.key)
+        stored = self.measured(plan.key)
         for c in plan.candidates:
             if c.measured_peak_bytes is None:
                 continue  # it never ran (out of the search's time, or refused)
@@ -358,9 +364,6 @@ class SearchStore:
 
     def measured(self, key: str) -> dict:
         """What this machine measured of `key`'s layouts: {`layout_record` as JSON: its record}."""
-        return self._read(key)
-
-    def _read(self, key: str) -> dict:
         try:
             return {_layout_key(Layout(**m["layout"])): m for m in json.loads(self.path(key).read_text())["measured"]}
         except (OSError, ValueError, KeyError, TypeError):
@@ -408,8 +411,7 @@ def layout_table(rows) -> str:
     """Rows of (layout, micro-batch rows, predicted bytes, predicted s, measured bytes,
     measured s, note) as the one table `plan --search` and `train --layout-search` print
     (None: not measured)."""
-    unit, size = next(((u, z) for u, z in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10))
-                       if max((r[2] for r in rows), default=0) >= z), ("B", 1))
+    unit, size = binary_unit(max((r[2] for r in rows), default=0))
     lines = [f"{'#':>3} {'dp':>3} {'zero':>4} {'cp':>3} {'cp mode':<8} {'tp':>3} {'sp':>3} {'ep':>3} {'pp':>3} "
              f"{'schedule':<14} {'mb':>3} {'m':>4} {'recompute':<10} {'pred ' + unit:>9} {'pred s':>9} "
              f"{'meas ' + unit:>9} {'meas s':>9}"]

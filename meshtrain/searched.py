@@ -39,11 +39,6 @@ class SearchedLayout:
     options: dict
     record: dict
 
-    @property
-    def layout(self) -> Layout:
-        c = self.record["candidates"][self.record["chosen"]]["layout"]
-        return Layout(**c)
-
 
 def search_layout(make_model, batches, *, shape, optimizer, loss_fn=cross_entropy, vocab_size: int = 2048,
                   candidates: int = 3, memory_per_rank=None, mem_headroom: float = 0.1, budget: float = 600.0,
@@ -96,14 +91,11 @@ def search_layout(make_model, batches, *, shape, optimizer, loss_fn=cross_entrop
                   "fixed": fixed, "precision": precision, "tp_plan": tp_plan is not None,
                   "pipeline": pipeline is not None, "machine": machine_name(machine, device_t.type)})
     plan = None
-    if first.is_main:
+    if first.is_main:  # rank 0 plans; its plan, or its refusal, is every rank's (`search_on_ranks`)
         try:
             plan = propose(request, lambda lay: lay, key, reprofile=reprofile)
         except SearchRefused as e:
-            plan = e
-    plan = _agree(plan, first)
-    if isinstance(plan, SearchRefused):
-        raise SearchRefused(f"search_layout: {plan}")
+            plan = SearchRefused(f"search_layout: {e}")
 
     def trial(layout: Layout, mesh):
         mesh.seed = seed
@@ -152,11 +144,3 @@ def _shape(shape, vocab_size: int):
 def _local_world(world: int) -> int:
     import os
     return int(os.environ.get("LOCAL_WORLD_SIZE", world))
-
-
-def _agree(plan, mesh):
-    """Rank 0's plan (or its refusal) on every rank."""
-    import torch.distributed as dist
-
-    from meshtrain.comm import broadcast_from_rank_0
-    return broadcast_from_rank_0(plan, None, mesh.device) if dist.is_initialized() else plan

@@ -14,6 +14,7 @@ from dataclasses import replace
 import meshtrain.cli.config as C
 from meshtrain.cli.validate import adopt_imported_model
 from meshtrain.cli.workload import checked_workload, preset_workload
+from meshtrain.search_plan import SearchStore, binary_unit, layout_record, layout_table
 from meshtrain.plan.cluster import GIB, GPU_PRESETS, Cluster, GpuRates, cluster_from
 from meshtrain.plan.planner import ACCOUNTINGS, PlanError, Workload, plan
 from meshtrain.plan.shapes import Shape
@@ -135,14 +136,6 @@ def _trainer_device(args, cfg: C.Config, machine) -> str:
     return "cuda"
 
 
-def _unit(nbytes: float) -> tuple[str, float]:
-    """The binary unit a table of sizes up to `nbytes` reads best in."""
-    for name, size in (("GiB", GIB), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
-        if nbytes >= size:
-            return name, size
-    return "bytes", 1
-
-
 def headroom_of(args) -> float:
     """--mem-headroom: the fraction of each device's memory a plan leaves free."""
     headroom = DEFAULT_HEADROOM if args.mem_headroom is None else args.mem_headroom
@@ -171,20 +164,20 @@ def describe(name: str, work: Workload | None, lay: C.LayoutConfig, result: dict
         f", seq {work.seq}, global batch {work.batch} (micro-batch {result['micro_batch_size']})" if work else ""),
         f"layout: {lay.short()} recompute={lay.recompute}", f"cluster: {cluster_line}"]
     if result.get("n_active_params") is not None:  # a mixture of experts
-        e_unit, e_size = _unit(result["expert_state_bytes"])
+        e_unit, e_size = binary_unit(result["expert_state_bytes"])
         lines.insert(1, f"  {result['n_active_params']:,} active per token; the experts: "
                         f"{result['expert_params_per_device']:,} parameters and {result['expert_state_bytes'] / e_size:,.2f} "
                         f"{e_unit} of state per device "
                         + (f"(1/{lay.ep} of them: split over ep)" if lay.ep > 1 else "(whole over tp)"))
     states = result["model_state_bytes"]
     stage = f" (stage {result['worst_stage']}, the fullest)" if lay.pp > 1 else ""
-    unit, size = _unit(result["total_bytes"])
+    unit, size = binary_unit(result["total_bytes"])
     lines.append(f"memory per device{stage}, {unit}:")
     for part in ("params", "grads", "master", "optimizer", "gathered"):
         if states.get(part):
             lines.append(f"  {part:<22}{states[part] / size:>12,.2f}")
     if result["activation_bytes"] is not None:
-        per_layer_unit, per_layer_size = _unit(result["activation_bytes_per_layer"])
+        per_layer_unit, per_layer_size = binary_unit(result["activation_bytes_per_layer"])
         lines.append(f"  {'activations':<22}{(result['total_bytes'] - states['total']) / size:>12,.2f}   "
                      f"({result['activation_bytes_per_layer'] / per_layer_size:,.1f} {per_layer_unit} kept per "
                      f"layer and micro-batch)")
@@ -194,7 +187,7 @@ def describe(name: str, work: Workload | None, lay: C.LayoutConfig, result: dict
     lines.append(f"  {'total':<22}{result['total_bytes'] / size:>12,.2f}   {verdict}")
     if result["predicted_step_time_s"] is not None:
         sent = {axis: nbytes for axis, nbytes in result["comm_bytes_per_step"].items() if nbytes}
-        comm_unit, comm_size = _unit(max(sent.values(), default=0))
+        comm_unit, comm_size = binary_unit(max(sent.values(), default=0))
         comm = ", ".join(f"{axis} {nbytes / comm_size:,.2f}" for axis, nbytes in sent.items())
         parts = ", ".join(f"{k} {v:.3g}" for k, v in result["time_s"].items() if v > 0)
         mfu = f", MFU {100 * result['mfu']:.1f} %" if result["mfu"] is not None else ""
@@ -320,7 +313,6 @@ def measured_here(cfg: C.Config, gpus: int, best: list, machine: str | None) -> 
     `measured_peak_bytes`; empty where nothing was) in a layout search of the same model,
     batch and world with the same --machine profile (`search_plan.SearchStore`)."""
     from meshtrain.cli.layout_search import search_key
-    from meshtrain.search_plan import SearchStore, layout_record
 
     stored = SearchStore().measured(search_key(cfg, gpus, f"the profile {machine}")) if machine else {}
     keys = ("measured_step_s", "measured_peak_bytes")
@@ -331,8 +323,6 @@ def measured_here(cfg: C.Config, gpus: int, best: list, machine: str | None) -> 
 def search_table(best: list, measured: list[dict]) -> str:
     """The ranked layouts in `train --layout-search`'s table, with what this machine measured
     beside the predictions, and each one's MFU."""
-    from meshtrain.search_plan import layout_table
-
     rows = []
     for (lay, r), m in zip(best, measured):
         mfu = f"MFU {100 * r['mfu']:.1f} %" if r["mfu"] is not None else ""
