@@ -32,6 +32,13 @@ def _measured(mesh, cfgs):
     return [train(cfg, Comm(mesh)).activation_bytes for cfg in cfgs]
 
 
+def _least_of_two(mesh, cfgs):
+    """Each configuration's meter reading, the smaller of two runs: a buffer gloo's worker
+    thread still holds when the meter reads the peak only ever adds (+8 % seen once under the
+    suite's load), so the lower reading is the step's own."""
+    return [min(pair) for pair in zip(_measured(mesh, cfgs), _measured(mesh, cfgs))]
+
+
 def _check(cfgs, measured, stage=0, tolerance=0.005):
     for cfg, got in zip(cfgs, measured):
         planned = _planned(cfg, stage)
@@ -79,7 +86,7 @@ def test_torch_accounting_of_a_step_under_tensor_and_sequence_parallelism():
     cfgs += [_config(att, "full", tp=2, seq=64) for att in ("math", "sdpa")]
     cfgs += [_config(att, "full", tp=2, sp=True) for att in ("math", "sdpa")]
     cfgs += [_config(att, "selective", tp=2, sp=True) for att in ("math", "sdpa")]
-    for measured in run_ranks(_measured, 2, cfgs, tp=2):
+    for measured in run_ranks(_least_of_two, 2, cfgs, tp=2):
         _check(cfgs, measured, tolerance=0.05)
 
 
