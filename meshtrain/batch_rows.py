@@ -32,20 +32,29 @@ def batch_rows(batch) -> int:
 
 
 def step_rows(mesh: Mesh, comm: Comm, loss: LossTerms, microbatches: int, inputs, targets, n: int, rows: str,
-              check: bool = False) -> tuple[slice, int, object]:
+              check: bool = False, share: tuple[int, int] = (0, 1)) -> tuple[slice, int, object]:
     """Collective where `rows="local"`: (this rank's rows of the `n` it was passed, where they
     start in the global batch, the global count of loss terms: a number or a 0-dim tensor),
     with one line for a batch the layout cannot split. Local shares are compared across ranks
-    on the first step and when `check` asks (an object gather: the host waits for every rank)."""
+    on the first step and when `check` asks (an object gather: the host waits for every rank).
+    `share` (i, k): the batch is that of k replica groups (`meshtrain.replicas`), this group's
+    rows its i-th k-th; the count is still the whole batch's."""
     m, dp = microbatches, mesh.batch_dp  # the ranks of a cp group share their rows
+    index, groups = share
     if rows == "global":
-        if n % (dp * m):
-            raise ValueError(f"a global batch of {n} rows does not split into dp·microbatches = {dp}·{m}; "
-                             f"pass a multiple of {dp * m} rows")
-        mine = mesh.rows(n)
+        if n % (groups * dp * m):
+            split = f"{groups} replica groups · " if groups > 1 else ""
+            raise ValueError(f"a global batch of {n} rows does not split into {split}dp·microbatches = {dp}·{m}; "
+                             f"pass a multiple of {groups * dp * m} rows")
+        group = n // groups
+        mine = mesh.rows(group)
+        mine = slice(index * group + mine.start, index * group + mine.stop)
         return mine, mine.start, loss.count(targets, n)
     if rows != "local":
         raise ValueError(f"rows={rows!r}: use 'global' (every rank passes the global batch) or 'local'")
+    if groups > 1:
+        raise ValueError("rows='local' under replica groups: pass the global batch (rows='global'); each group "
+                         "trains its share of the live groups' rows")
     if n % m:
         raise ValueError(f"rows='local': this rank's {n} rows do not split into microbatches={m}")
     if check or not loss.settled:

@@ -66,6 +66,8 @@ class Job:
         self.stop_signal: Callable[[], bool] | None = None  # a poll (train's: a SIGTERM seen on this rank)
         self.stop_requested = False  # some rank's poll said so at the last update (read with its norm)
         self._token_mask = TokenMask(parallel.dropout_keys, mesh, options.sp)  # a MoE's balancing tokens
+        self.replicas = None  # `meshtrain.replicas.ReplicaGroups`: gradients summed over live replica groups
+        self.quorum = None  # and the step's quorum (`ReplicaGroups.begin_step`), set before each backward
         if loss.kind == "own":  # the model computes its loss in its forward: watched there
             parallel.loss_scope = loss.watching
         loss.row_share = 1 / mesh.size("cp")
@@ -122,8 +124,13 @@ class Job:
             p.dropout_keys.settle()
         p.grad_sync.finish_grad_sync()
         loss, counted = global_mean(self._loss, p, total)
+        grads = [t.grad for t in {id(t): t for t in p.trained if t.grad is not None}.values()]
         if counted is not None:  # the runner back-propagated sums: the gradients of the mean, once, before clipping
-            divide_([t.grad for t in {id(t): t for t in p.trained if t.grad is not None}.values()], counted)
+            if self.quorum is not None:  # the count of every live group's rows
+                self.replicas.sum_([counted], self.steps + 1)
+            divide_(grads, counted)
+        if self.quorum is not None:  # each group's share of the live groups' mean: summed over them
+            self.replicas.sum_([*grads, loss], self.steps + 1)
         if predicted is not None and self._loss.resolved == "counted":  # checked with the norm, in `update`
             self._miscount = torch.stack([counted.double(), predicted])
         if not self._loss.settled:  # the first step says how a watched loss is weighted
@@ -153,22 +160,25 @@ class Job:
         else:
             norm = norm_t.item()  # the skip decision: the host waits for the backward here
         lr = self.optimizer.param_groups[0].get("lr") if self.optimizer.param_groups else None
-        stepped, nonfinite = math.isfinite(norm), None
+        committed = self.replicas.commit() if self.quorum is not None else True  # torchft's vote, every step
+        stepped, nonfinite = math.isfinite(norm) and committed, None
         if stepped:
             clip_grads_(p.trained, self.clip_grad_norm or 0.0, norm_t)
             p.optimizer.step()
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
-        else:
+        elif committed:
             nonfinite = first_nonfinite(p)
             if self.mesh.is_main:
                 print(f"meshtrain: warning: step {self.steps + 1}: the gradient norm is not finite "
                       f"(first: {nonfinite}); step skipped", file=sys.stderr)
         p.zero_grad()
         load, balance = self._expert_load.finish_step(stepped)  # the routers' biases moved from the global load
-        self.steps += 1
+        self.quorum = None
+        if committed:
+            self.steps += 1
         return StepOutput(loss=loss, grad_norm=norm, lr=lr, stepped=stepped, nonfinite=nonfinite, expert_load=load,
-                          balance_loss=balance if p.balancing else None)
+                          balance_loss=balance if p.balancing else None, committed=committed)
 
     def _weigh_balancing(self, inputs, targets, rows: str, mine: slice, offset: int, extra: dict,
                          token_mask: torch.Tensor | None) -> torch.Tensor:
@@ -205,8 +215,9 @@ class Job:
     def _rows_of(self, inputs, targets, rows: str, check: bool = False) -> tuple[slice, int, object]:
         """(this rank's rows of what it was passed, where they start in the global batch, the
         global count of loss terms): `batch_rows.step_rows`."""
+        share = (self.quorum.index, self.quorum.live) if self.quorum is not None else (0, 1)
         return step_rows(self.mesh, self.parallel.comm, self._loss, self.options.microbatches, inputs, targets,
-                         batch_rows(inputs), rows, check)
+                         batch_rows(inputs), rows, check, share)
 
     def _sequence_shard(self, batch):
         """Context parallelism: this cp rank's two chunks (head-tail) of every sequence of a

@@ -232,13 +232,17 @@ class StepLog:
     written until `start`, which the loop calls once a resume has been accepted: a refused
     resume leaves the log as it was."""
 
-    def __init__(self, path: Path):
-        self.path = path
+    def __init__(self, path: Path, append: bool = False):
+        self.path, self.append = path, append  # append: every attempt's lines kept (a replica group's log)
         self._file = None
 
     def start(self, step: int) -> None:
         """The run trains from after `step` (0 for a fresh run): the records up to it are kept
         (a resumed run's), the rest dropped, in one atomic replacement of the file."""
+        if self.append:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(self.path, "a")
+            return
         kept = [line for line in _lines(self.path) if json.loads(line).get("step", 0) <= step] if step else []
         self.path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write(self.path, lambda tmp: tmp.write_text("".join(line + "\n" for line in kept)))

@@ -155,7 +155,8 @@ def resume(job: Job, cfg: Config, run_id: str) -> tuple[int, str | None]:
     None). Everything that can refuse it is checked before the state is loaded, and nothing in
     OUT is written here: a refused resume leaves OUT as it was."""
     tr, comm = cfg.train, job.parallel.comm
-    restarted = faults.restart_count() > 0
+    # A restarted replica group other than 0 (--ft-replicas) heals from a live group instead.
+    restarted = faults.restart_count() > 0 and not (cfg.ft.replicas and cfg.ft.replica_id)
     if not (tr.resume or tr.resume_from or restarted):
         return 0, None
     say = _say if job.mesh.is_main else (lambda msg: None)

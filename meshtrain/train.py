@@ -35,6 +35,7 @@ from meshtrain.parallel.expert_load import max_over_mean
 from meshtrain.parallel.materialize import ModelRules
 from meshtrain.parallel.pipeline import trace as pipeline_trace
 from meshtrain.recipe import Recipe, RecipeData, is_user_model, load_recipe
+from meshtrain.replica_state import digests_wanted, replica_digest
 from meshtrain.recipes.build import build_model, preset_recipe
 from meshtrain.step_output import StepOutput
 from meshtrain.run_folder import (Preempted, Preemption, RunRefused, checkpoint_after, resume, start_lineage,
@@ -58,6 +59,8 @@ class RunResult:
     comm_detail_per_step: dict[str, dict[str, int]] = field(default_factory=dict)  # axis -> collective -> bytes
     first_step: int = 1  # the step `losses` begin at (later when resumed)
     val_losses: list[tuple[int, float]] = field(default_factory=list)  # (step, held-out loss), with --eval-every
+    ft: dict | None = None  # --ft-replicas: `--json`'s `ft` (replicas, failures, heals, uncommitted_steps)
+    ft_steps: list[dict] = field(default_factory=list)  # and each attempted step's quorum (live groups, wait)
     # a mixture of experts: each reported step's busiest-expert/mean load of each router
     expert_load_max_over_mean: list[list[float]] = field(default_factory=list)
     balance_losses: list[float] = field(default_factory=list)  # a mixture of experts' balancing loss, each step
@@ -218,7 +221,14 @@ def loss_terms_per_step(cfg: Config):
     the targets that are not padding, which the Job calls on the global batch's targets."""
     if cfg.train.pad_documents:
         return count_targets
+    if cfg.ft.replicas:  # replica groups: a step trains the live groups' rows, fewer when one is lost
+        return every_target
     return cfg.train.batch_size * tokens_per_sample(cfg)
+
+
+def every_target(targets) -> int:
+    """The loss terms of a batch without padding: one per target."""
+    return targets.numel()
 
 
 def count_targets(targets) -> torch.Tensor:
@@ -244,7 +254,10 @@ def train_step(job: Job, data, step: int, cfg: Config, *, observer: StepObserver
     if job.lr_scheduler is None:  # a user's recipe may bring its own
         set_lr(job.optimizer, lr_at(step, tr))
     job.steps = step  # dropout masks are keyed by the step
-    inputs, targets = data.batch(step, tr.batch_size, slice(0, tr.batch_size))
+    rows = tr.batch_size
+    if job.quorum is not None:  # replica groups: the live groups' rows of the global batch
+        rows = tr.batch_size // cfg.ft.replicas * job.quorum.live
+    inputs, targets = data.batch(step, tr.batch_size, slice(0, rows))
     mask = real_positions(targets) if tr.pad_documents and job.parallel.balancing else None
     loss = job.backward(inputs, targets, meter=meter, token_mask=mask)
     if observer:
@@ -267,7 +280,7 @@ def train(cfg: Config, comm: Comm, *, observer: StepObserver | None = None, prog
         raise RunRefused("--eval-every: this model's recipe brings its own batches, which have no held-out split; "
                          "evaluate in your own loop with job.evaluate")
     p = job.parallel
-    if mesh.is_main:
+    if mesh.is_main and not cfg.ft.replica_id:  # replica groups: group 0 speaks
         for note in p.notes:
             print(f"meshtrain: {note}", file=sys.stderr)
     # A run that writes into OUT (its log, checkpoints) or resumes from it owns it; verify's
@@ -275,6 +288,8 @@ def train(cfg: Config, comm: Comm, *, observer: StepObserver | None = None, prog
     writes_out = bool(tr.save_every) or comm.any_rank(step_log is not None)  # rank 0 keeps the log
     run_id = this_run(cfg, comm) if writes_out or tr.resume or tr.resume_from else ""
     start, resumed_from = resume(job, cfg, run_id)
+    replicas = replica_groups(cfg, job, start)
+    ft_steps: list[dict] = []  # replica groups: each attempted step's quorum
     # The resume is accepted on every rank: only now does anything in OUT change.
     if writes_out:
         start_lineage(comm, Path(tr.out), run_id, start, resumed_from)
@@ -333,21 +348,42 @@ def train(cfg: Config, comm: Comm, *, observer: StepObserver | None = None, prog
             if step_log is not None:
                 step_log.write({"step": step + 1, "loss": loss, "lr": lr_at(step, tr), "step_time_s": dt,
                                 "tokens_per_s": tokens_per_step / dt, **({"val_loss": val} if val is not None else {}),
-                                **balance})
+                                **balance, **_ft_fields(ft_steps, step + 1)})
 
         pending = None  # the last step, reported after the next one started
-        for step in range(start, tr.steps):
+        step, first = start, True
+        while step < tr.steps:
+            quorum = None
+            if replicas is not None:  # the live groups; a joining group heals here (the step is then its peer's)
+                t_quorum = time.perf_counter()
+                quorum = job.quorum = replicas.begin_step()
+                step = replicas.step
+                if step >= tr.steps:
+                    job.quorum = None
+                    break
             if observer:
                 observer.before_step(p, step + 1)
             sent_before = comm.detailed_totals()
             t0 = time.perf_counter()
             # The activation peak is measured on the first step (the meter costs Python time per op).
-            out = train_step(job, data, step, cfg, observer=observer, meter=meter if step == start else None)
-            if step == start:
+            out = train_step(job, data, step, cfg, observer=observer, meter=meter if first else None)
+            if first:
                 if probe is not None:
                     probe.close()
                 launch.set_collective_timeout(mesh, tr.timeout)  # built and stepped once: the steady bound
+                first = False
             dt = time.perf_counter() - t0
+            if quorum is not None:
+                ft_steps.append({"step": step + 1, "live": quorum.live, "quorum_s": round(quorum.wait_s, 4),
+                                 "healed_s": quorum.healed_s, "committed": out.committed,
+                                 "step_s": round(time.perf_counter() - t_quorum, 4)})
+                if not out.committed:  # a group failed during the step: trained again by the next quorum
+                    if mesh.is_main and not cfg.ft.replica_id:
+                        print(f"meshtrain: step {step + 1} not committed (a replica group failed during it); "
+                              f"trained again", file=sys.stderr)
+                    continue
+                if digests_wanted():
+                    ft_steps[-1]["digest"] = replica_digest(job)
             comm_detail = _per_axis({k: v - sent_before.get(k, 0.0) for k, v in comm.detailed_totals().items()})
             comm_per_step = {axis: sum(kinds.values()) for axis, kinds in comm_detail.items()}
             times.append(dt)
@@ -377,6 +413,7 @@ def train(cfg: Config, comm: Comm, *, observer: StepObserver | None = None, prog
                 raise
             if stop_after is not None and step + 1 >= stop_after:
                 break
+            step += 1
         job.wait_for_saves()  # an --async-save in flight: written and committed before the run ends
         if pending is not None:
             report(*pending)
@@ -391,13 +428,46 @@ def train(cfg: Config, comm: Comm, *, observer: StepObserver | None = None, prog
                          activation_bytes_per_layer=probe.bytes if probe else None,
                          comm_per_step=comm_per_step, parallel=p, data=data, skipped_steps=skipped, trace=traced,
                          comm_detail_per_step=comm_detail, val_losses=val_losses,
-                         expert_load_max_over_mean=expert_load_ratios, balance_losses=balance_losses, job=job)
+                         expert_load_max_over_mean=expert_load_ratios, balance_losses=balance_losses, job=job,
+                         ft=replicas.report() if replicas is not None else None, ft_steps=ft_steps)
     finally:
+        if replicas is not None:
+            replicas.shutdown()
         if preemption is not None:
             preemption.restore()
             job.stop_signal = None
         if board is not None:
             board.close()
+
+
+def _ft_fields(ft_steps: list[dict], step: int) -> dict:
+    """A committed step's quorum in its log line (replica groups): the live groups, the wait
+    for the quorum, the tries it took (a group lost during one is trained again), a heal."""
+    tries = [s for s in ft_steps if s["step"] == step]
+    if not tries:
+        return {}
+    done = tries[-1]
+    return {"ft_live": done["live"], "ft_quorum_s": done["quorum_s"], "ft_tries": len(tries),
+            "ft_stall_s": round(sum(s["step_s"] for s in tries) - done["step_s"] + done["quorum_s"], 4),
+            **({"ft_healed_s": round(done["healed_s"], 4)} if done["healed_s"] is not None else {}),
+            **({"ft_digest": done["digest"]} if "digest" in done else {})}
+
+
+def replica_groups(cfg: Config, job: Job, start: int):
+    """`--ft-replicas R`: this rank's torchft manager (`meshtrain.replicas`), the job's state
+    registered for healing a group that joins, the quorum starting at `start`; else None."""
+    if not cfg.ft.replicas:
+        return None
+    from meshtrain.replica_state import load_replica_state, replica_state
+    from meshtrain.replicas import FtOptions, ReplicaGroups
+    ft, mesh = cfg.ft, job.mesh
+    options = FtOptions(replicas=ft.replicas, replica_id=ft.replica_id or 0, lighthouse=ft.lighthouse,
+                        timeout_s=ft.timeout, quorum_timeout_s=ft.quorum_timeout, bucket_mb=ft.bucket_mb)
+    groups = ReplicaGroups(options, mesh.device, mesh.rank, mesh.world_size, job.parallel.comm.broadcast_object)
+    groups.register_state(lambda: replica_state(job), lambda state: load_replica_state(job, state))
+    groups.set_step(start)
+    job.replicas = groups
+    return groups
 
 
 def validate(job: Job, data, cfg: Config, step: int) -> float | None:

@@ -62,6 +62,7 @@ def build_parser(plan_flags: bool = True) -> argparse.ArgumentParser:
                            description="Train a model. " + launched)
     _add_run_flags(train)
     _add_run_flags(train.add_argument_group("layout search"), flags=C.SEARCH_FLAGS)
+    _add_run_flags(train.add_argument_group("fault tolerance (torchft)"), flags=C.FT_FLAGS)
     train.add_argument("--trace", metavar="FILE", help="pipeline: also write when each stage ran each forward and "
                        "backward, every step, to FILE (JSON; compare with `meshtrain schedule --trace FILE`)")
     steps = C.COMMAND_STEPS["verify"]

@@ -114,11 +114,25 @@ class SearchConfig:
 
 
 @dataclass
+class FtConfig:
+    """`train --ft-replicas R` (TOML `[ft]`): R replica groups of the layout, each step's
+    gradients summed over the live ones through torchft (`meshtrain.replicas`)."""
+    replicas: int = 0  # 0: off
+    replica_id: int | None = None  # this group's index; from a shell meshtrain's launcher sets it
+    lighthouse: str | None = None  # torchft's lighthouse; from a shell meshtrain starts one
+    timeout: float = 60.0  # seconds torchft's collectives and commit vote wait
+    quorum_timeout: float = 60.0  # seconds a step waits for its quorum
+    heartbeat_timeout: float = 5.0  # seconds without a heartbeat before the local lighthouse drops a group
+    bucket_mb: float = 25.0  # MiB of gradients per all-reduce over the groups
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     layout: LayoutConfig = field(default_factory=LayoutConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     search: SearchConfig = field(default_factory=SearchConfig)
+    ft: FtConfig = field(default_factory=FtConfig)
     # The (section, field) pairs a user named, by flag or in the TOML file (`load` records
     # them; a Config made in code names none): what --init-from must not silently override.
     given: ClassVar[frozenset] = frozenset()
@@ -271,11 +285,30 @@ SEARCH_FLAGS = [
      "(`meshtrain plan --calibrate`; default on the CPU: this host's, measured once into the cache)"),
 ]
 
-_SECTION_TYPES = {"model": ModelConfig, "layout": LayoutConfig, "train": TrainConfig, "search": SearchConfig}
+# `train` alone: per-step fault tolerance over replica groups (torchft; docs/fault-tolerance.md).
+FT_FLAGS = [
+    ("--ft-replicas", "ft", "replicas", int, "train R replica groups of the layout, fault tolerant: each step's "
+     "gradients are summed over the live groups through torchft, a lost group's peers go on, and a restarted "
+     "one heals from a live peer (needs pip install 'meshtrain[ft]')"),
+    ("--ft-replica-id", "ft", "replica_id", int, "with --ft-replicas under a launcher: this group's index, 0 to "
+     "R-1 (from a shell meshtrain starts the groups itself)"),
+    ("--ft-lighthouse", "ft", "lighthouse", str, "with --ft-replicas: torchft's lighthouse, http://HOST:PORT "
+     "(default: the TORCHFT_LIGHTHOUSE variable; from a shell meshtrain starts one)"),
+    ("--ft-timeout", "ft", "timeout", float, "with --ft-replicas: seconds an all-reduce over the groups and the "
+     "commit vote may wait"),
+    ("--ft-quorum-timeout", "ft", "quorum_timeout", float, "with --ft-replicas: seconds a step may wait for its "
+     "quorum of live groups"),
+    ("--ft-heartbeat-timeout", "ft", "heartbeat_timeout", float, "with --ft-replicas from a shell: seconds without "
+     "a heartbeat before the lighthouse drops a group (what a survivor stalls, at least, per failure)"),
+    ("--ft-bucket-mb", "ft", "bucket_mb", float, "with --ft-replicas: MiB of gradients per all-reduce over the groups"),
+]
+
+_SECTION_TYPES = {"model": ModelConfig, "layout": LayoutConfig, "train": TrainConfig, "search": SearchConfig,
+                  "ft": FtConfig}
 
 
 def flag_of(section: str, name: str) -> str:
-    for flag, sec, fld, _, _ in FLAGS + SEARCH_FLAGS:
+    for flag, sec, fld, _, _ in FLAGS + SEARCH_FLAGS + FT_FLAGS:
         if (sec, fld) == (section, name):
             return flag
     return f"[{section}] {name}"
@@ -307,7 +340,7 @@ def apply_sections(cfg: Config, d: dict, source: str) -> None:
     """Set fields from a {section: {field: value}} mapping, rejecting unknown names."""
     for section, values in d.items():
         if section not in _SECTION_TYPES or not isinstance(values, dict):
-            raise ConfigError(f"{source}: unknown section [{section}]; use [model], [layout], [train] or [search]")
+            raise ConfigError(f"{source}: unknown section [{section}]; use [model], [layout], [train], [search] or [ft]")
         target = getattr(cfg, section)
         types = {f.name: f.type for f in dataclasses.fields(_SECTION_TYPES[section])}
         for name, value in values.items():
@@ -407,7 +440,8 @@ def _dest(flag: str) -> str:
 def from_args(args) -> Config:
     """The configuration that parsed run flags (`cli.build_parser`) describe: the defaults, the
     command's own (`COMMAND_STEPS`), the `--config` TOML file, then the flags given."""
-    given = {(sec, name): getattr(args, _dest(flag), None) for flag, sec, name, _, _ in FLAGS + SEARCH_FLAGS}
+    given = {(sec, name): getattr(args, _dest(flag), None)
+             for flag, sec, name, _, _ in FLAGS + SEARCH_FLAGS + FT_FLAGS}
     overrides = {key: value for key, value in given.items() if value is not None}
     defaults = {("train", "steps"): COMMAND_STEPS[args.command]} if args.command in COMMAND_STEPS else {}
     return load(args.config, overrides, defaults)

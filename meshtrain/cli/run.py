@@ -22,6 +22,7 @@ from meshtrain.checkpoint.folders import COMPLETE, steps_in_local
 from meshtrain.checkpoint.lock import OutLock, OutLocked, heartbeat_of_environment
 from meshtrain.checkpoint.owner import OwnerError, RUN_ID_ENV, read_run
 import meshtrain.cli.config as C
+from meshtrain.cli import ft
 from meshtrain.cli.log import log
 from meshtrain.cli.resume_at import resumed_config
 from meshtrain.cli.validate import validate, warnings
@@ -51,8 +52,11 @@ def run(args, argv: list[str], rank_function=None) -> int:
         args.search_plan = _search_plan(cfg, args, renv)  # --layout-search: cfg.layout is the first candidate
         if args.search_plan is not PENDING:  # a rank waiting for rank 0's search validates its choice
             validate(cfg, world_size=renv.world_size if renv else None)
+        if args.command == "train":
+            ft.check(cfg, renv)
         _check_command(cfg, args)
         speaks = renv.rank == 0 if renv else cfg.layout.world_size == 1  # rank 0 reports, once
+        speaks = speaks and not cfg.ft.replica_id  # replica groups: group 0's
         if args.command == "train" and (renv is None or renv.rank == 0):
             _check_out_writable(cfg.train.out)
         if args.command == "train":
@@ -67,7 +71,8 @@ def run(args, argv: list[str], rank_function=None) -> int:
             print("meshtrain: warning: under a launcher, restarts are the launcher's (torchrun --max-restarts N); "
                   "--max-restarts is ignored, and restarted ranks resume from the latest checkpoint by themselves",
                   file=sys.stderr)
-        if renv is None and rank_function is not None and not server and _ranks_to_start(cfg, args) > 1:
+        if renv is None and rank_function is not None and not server and _ranks_to_start(cfg, args) > 1 \
+                and not ft.launches_groups(cfg, renv):
             rank_function = _forked_ranks_server(rank_function, args.command)
         # From a shell the local ranks are all ours: check the GPUs before starting them.
         local_rank, local_world = (renv.local_rank, renv.local_world_size) if renv else (0, cfg.layout.world_size)
@@ -92,7 +97,9 @@ def run(args, argv: list[str], rank_function=None) -> int:
 
     launch.at_finish(lambda: _release(out_lock))  # a rank leaves through os._exit
     try:
-        if renv is None and _ranks_to_start(cfg, args) > 1:
+        if ft.launches_groups(cfg, renv):  # --ft-replicas from a shell: the lighthouse and R groups
+            return ft.launch_groups(cfg, argv, log)
+        if renv is None and (_ranks_to_start(cfg, args) > 1 or ft.is_a_group_launcher(cfg, renv)):
             return _launch_local(cfg, args, argv, rank_function)
         return _run_here(cfg, args, renv, device)
     except KeyboardInterrupt:  # Ctrl-C reaches every rank: leave quietly, the launcher reports it
@@ -263,6 +270,8 @@ def _own_out(cfg: C.Config, renv):
 
     if renv is not None and (renv.rank != 0 or os.environ.get(owner.RUN_ID_ENV)):
         return None
+    if ft.is_a_group_launcher(cfg, renv) or (cfg.ft.replicas and cfg.ft.replica_id):  # group 0's, or the launcher's
+        return None
     tr = cfg.train
     if renv is None:  # meshtrain's own launcher: one id for this launch, which its restarts share (the lock's)
         os.environ[lineage.JOB_ENV] = lineage.new_job_id()
@@ -420,10 +429,18 @@ def _train(cfg, comm, args):
     from meshtrain.metrics import StepLog
     from meshtrain.train import train
 
-    step_log = StepLog(Path(cfg.train.out) / owner.METRICS_FILE) if comm.mesh.is_main else None
-    result = train(cfg, comm, progress="train", step_log=step_log, trace=bool(args.trace))
+    lead = not (cfg.ft.replicas and cfg.ft.replica_id)  # replica group 0 writes the run's folder, alone
+    if not lead:
+        cfg.train.save_every = None
+    step_log = None
+    if comm.mesh.is_main:  # another replica group's steps go to a log of its own, every attempt's kept
+        step_log = StepLog(Path(cfg.train.out) / owner.METRICS_FILE) if lead else \
+            StepLog(Path(cfg.train.out) / ft.group_log(cfg.ft.replica_id), append=True)
+    result = train(cfg, comm, progress="train" if lead else None, step_log=step_log, trace=bool(args.trace))
     if step_log:
         step_log.close()
+    if not lead:
+        return lambda: 0
     gathered = report.gather(cfg, result, comm)
     if not comm.mesh.is_main:
         return lambda: 0
@@ -434,8 +451,10 @@ def _train(cfg, comm, args):
             Path(args.trace).write_text(json.dumps(result.trace))
             log(f"wrote the measured timeline to {args.trace}; compare: meshtrain schedule --trace {args.trace}")
         searched = getattr(args, "search_plan", None)
-        return report.write(cfg, result, gathered, comm.mesh.device, args.json,
-                            extra={"layout_search": searched.record()} if searched is not None else {})
+        extra = {"layout_search": searched.record()} if searched is not None else {}
+        if result.ft is not None:
+            extra["ft"] = result.ft
+        return report.write(cfg, result, gathered, comm.mesh.device, args.json, extra=extra)
     return write
 
 
