@@ -215,7 +215,7 @@ class Job:
     def _rows_of(self, inputs, targets, rows: str, check: bool = False) -> tuple[slice, int, object]:
         """(this rank's rows of what it was passed, where they start in the global batch, the
         global count of loss terms): `batch_rows.step_rows`."""
-        share = (self.quorum.index, self.quorum.live) if self.quorum is not None else (0, 1)
+        share = self.quorum.share if self.quorum is not None else (0, 1)
         return step_rows(self.mesh, self.parallel.comm, self._loss, self.options.microbatches, inputs, targets,
                          batch_rows(inputs), rows, check, share)
 

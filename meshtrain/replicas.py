@@ -86,11 +86,16 @@ class FtCounts:
 @dataclass
 class StepQuorum:
     """The quorum a step trains with: this group's share index among the live groups, how
-    many are live, and how long asking for it took (seconds; the stall after a failure)."""
+    many are live, and how long asking for it took (seconds; the stall after a failure).
+    The step's batch is the live groups' rows; this group trains share (index, live) of it."""
     index: int
     live: int
     wait_s: float
     healed_s: float | None = None  # this group healed in it: seconds from asking to trained state
+
+    @property
+    def share(self) -> tuple[int, int]:
+        return self.index, self.live
 
 
 class ReplicaGroups:

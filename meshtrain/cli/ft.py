@@ -22,6 +22,13 @@ LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
 CONNECT_S = 5.0  # how long the check waits for the lighthouse to answer
 
 
+def check_before_planning(cfg: Config) -> None:
+    """What must be refused before a --layout-search plans (which may calibrate the host)."""
+    if cfg.ft.replicas and cfg.search.enabled:
+        raise ConfigError("--ft-replicas with --layout-search: not composed yet; give the layout of one replica "
+                          "group (plan it with --layout-search without --ft-replicas)")
+
+
 def check(cfg: Config, renv) -> None:
     """Refuse what `--ft-replicas` cannot run, in one line; fill the lighthouse from the
     environment under a launcher."""
@@ -41,9 +48,6 @@ def check(cfg: Config, renv) -> None:
     from meshtrain.replicas import MISSING, available
     if not available():
         raise ConfigError(MISSING)
-    if cfg.search.enabled:
-        raise ConfigError("--ft-replicas with --layout-search: not composed yet; give the layout of one replica "
-                          "group (plan it with --layout-search without --ft-replicas)")
     if _is_moe(cfg):
         raise ConfigError(f"--ft-replicas with {cfg.model.name}: a mixture of experts' routers move their balancing "
                           f"bias from each group's own token counts, which would part the groups; not built yet")

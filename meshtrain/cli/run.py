@@ -46,6 +46,8 @@ def run(args, argv: list[str], rank_function=None) -> int:
             launch.name_this_rank(renv.rank)
             launch.die_with_launcher()
         cfg = _config_from(args)
+        if args.command == "train":
+            ft.check_before_planning(cfg)
         server = renv is None and rank_function is not None and _searching_from_a_shell(cfg, args)
         if server:  # before the search's planner looks at the GPUs: the server is a fork of this process
             rank_function = _forked_ranks_server(rank_function, args.command)
