@@ -26,7 +26,7 @@ RULES = [
     (("bench",), ("cli", "train"),
      "bench takes typed options (bench.BenchOptions); the command line fills them from its config and hands in "
      "the train loop's step"),
-    (("session", "job", "lockstep", "searched", "layout_search", "search_plan"),
+    (("session", "job", "lockstep", "searched", "layout_search", "search_plan", "replicas", "replica_state"),
      ("cli", "train", "run_folder", "report", "bench"),
      "the API imports nothing of the command line (verifier, the comparison with one process, is both's)"),
 ]

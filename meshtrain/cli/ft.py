@@ -125,9 +125,12 @@ def launch_groups(cfg: Config, argv: list[str], log) -> int:
     log(f"fault tolerant: {ft.replicas} replica groups of {cfg.layout.world_size} ranks "
         f"({cfg.layout.short()}), lighthouse {address}")
     groups = []
+    gpus = _gpus_per_group(cfg)
     try:
         for i in range(ft.replicas):
             env = {**os.environ, FT_REPLICA_ENV: str(i)}
+            if gpus is not None:  # each group its own GPUs: group i the i-th W of them
+                env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus[i * cfg.layout.world_size:(i + 1) * cfg.layout.world_size])
             groups.append(subprocess.Popen([sys.executable, "-m", "meshtrain", *argv, "--ft-replica-id", str(i),
                                             "--ft-lighthouse", address], env=env))
         codes = _wait(groups)
@@ -146,6 +149,18 @@ def launch_groups(cfg: Config, argv: list[str], log) -> int:
     if failed and codes[0] == 0:
         log(f"warning: replica group {', '.join(map(str, failed))} ended with an error; group 0 finished the run")
     return codes[0]
+
+
+def _gpus_per_group(cfg: Config) -> list[str] | None:
+    """On CUDA, the GPUs this host offers (CUDA_VISIBLE_DEVICES' or all), which the groups
+    split in order; None on the CPU (`launch.choose_device` refused too few GPUs already)."""
+    if cfg.train.device == "cpu":
+        return None
+    import torch
+    if not torch.cuda.is_available():
+        return None
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
 
 
 def _wait(groups: list[subprocess.Popen]) -> list[int]:

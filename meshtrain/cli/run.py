@@ -22,7 +22,7 @@ from meshtrain.checkpoint.folders import COMPLETE, steps_in_local
 from meshtrain.checkpoint.lock import OutLock, OutLocked, heartbeat_of_environment
 from meshtrain.checkpoint.owner import OwnerError, RUN_ID_ENV, read_run
 import meshtrain.cli.config as C
-from meshtrain.cli import ft
+import meshtrain.cli.ft as ft
 from meshtrain.cli.log import log
 from meshtrain.cli.resume_at import resumed_config
 from meshtrain.cli.validate import validate, warnings
@@ -78,6 +78,8 @@ def run(args, argv: list[str], rank_function=None) -> int:
             rank_function = _forked_ranks_server(rank_function, args.command)
         # From a shell the local ranks are all ours: check the GPUs before starting them.
         local_rank, local_world = (renv.local_rank, renv.local_world_size) if renv else (0, cfg.layout.world_size)
+        if ft.launches_groups(cfg, renv):  # R groups of the layout on this host
+            local_world *= cfg.ft.replicas
         device = launch.choose_device(cfg.train.device, local_rank, local_world)
         if device.type == "cpu":
             if args.search_plan is not PENDING:

@@ -236,7 +236,7 @@ def warnings(cfg: Config, command: str = "train") -> list[str]:
     found = []
     if tr.warmup >= tr.steps and command == "train":
         found.append(f"--warmup {tr.warmup} >= --steps {tr.steps}: the learning rate never reaches --lr {tr.lr:g}")
-    if tr.max_restarts and not tr.save_every and command == "train":
+    if tr.max_restarts and not tr.save_every and command == "train" and not cfg.ft.replicas:  # ft: a restart heals
         found.append(f"--max-restarts {tr.max_restarts} without --save-every: a restart starts over from step 0")
     lay = cfg.layout
     if lay.compile and lay.recompute == "full":
