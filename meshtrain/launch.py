@@ -95,9 +95,15 @@ def detect(env=os.environ) -> RankEnv | None:
     return None
 
 
+# The ranks that share this host when more than one launch starts them (meshtrain's replica
+# groups from a shell: R launches of the layout's ranks), set by the launcher of those launches.
+HOST_RANKS_ENV = "MESHTRAIN_HOST_RANKS"
+
+
 def threads_per_rank(local_world_size: int) -> int:
     """Ranks that share a small CPU get one thread each instead of fighting over all cores."""
-    return max(1, (os.cpu_count() or 1) // max(1, local_world_size))
+    sharing = max(local_world_size, int(os.environ.get(HOST_RANKS_ENV, 0) or 0))
+    return max(1, (os.cpu_count() or 1) // max(1, sharing))
 
 
 def spawn(nproc: int, argv: list[str], *, max_restarts: int = 0, restart_point=None, clean_stop=None,

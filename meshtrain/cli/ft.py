@@ -17,6 +17,7 @@ import time
 
 from meshtrain.cli.config import Config, ConfigError, flag_of
 from meshtrain.faults import FT_REPLICA_ENV
+from meshtrain.launch import HOST_RANKS_ENV
 
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
 CONNECT_S = 5.0  # how long the check waits for the lighthouse to answer
@@ -128,7 +129,7 @@ def launch_groups(cfg: Config, argv: list[str], log) -> int:
     gpus = _gpus_per_group(cfg)
     try:
         for i in range(ft.replicas):
-            env = {**os.environ, FT_REPLICA_ENV: str(i)}
+            env = {**os.environ, FT_REPLICA_ENV: str(i), HOST_RANKS_ENV: str(ft.replicas * cfg.layout.world_size)}
             if gpus is not None:  # each group its own GPUs: group i the i-th W of them
                 env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus[i * cfg.layout.world_size:(i + 1) * cfg.layout.world_size])
             groups.append(subprocess.Popen([sys.executable, "-m", "meshtrain", *argv, "--ft-replica-id", str(i),
