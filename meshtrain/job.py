@@ -41,6 +41,7 @@ from meshtrain.parallel.options import CompileOptions, Strategies
 from meshtrain.parallel.pipeline.stages import PipelinePlan
 from meshtrain.parallel.tensor import TensorPlan
 from meshtrain.parallel.token_mask import TokenMask
+from meshtrain.replica_state import attach_replicas
 from meshtrain.step_output import StepOutput
 
 
@@ -88,6 +89,21 @@ class Job:
         loss = self.backward(inputs, targets, rows=rows, check=check, token_mask=token_mask)
         return self.update(loss)
 
+    def begin_step(self) -> int:
+        """The number (0-based) of the step to train next. Under replica groups (`init(ft=)`)
+        it asks for the quorum of live groups first: a joining group takes a live one's state
+        here, the number then its peer's; a step that was not committed is the same number
+        again. A fault-tolerant loop is `while (k := job.begin_step()) < steps:
+        job.step(*batch(k))`, `batch(k)` the global batch of step k (the live groups' rows of
+        it are trained)."""
+        if self.replicas is None:
+            return self.steps
+        if self.quorum is None and self.replicas.step == 0:  # before the first quorum: a loaded job's step
+            self.replicas.set_step(self.steps)
+        self.quorum = self.replicas.begin_step()
+        self.steps = self.replicas.step
+        return self.steps
+
     def backward(self, inputs, targets=None, *, rows: str = "global", meter=None,
                  check: bool = False, token_mask: torch.Tensor | None = None) -> torch.Tensor:
         """The first half of `step`: forward and backward over this rank's micro-batches and
@@ -96,6 +112,13 @@ class Job:
         half. `token_mask` [rows, sequence] (rows as `inputs`'): for a mixture of experts,
         the positions its balancing loss counts (False: padding, as an attention mask says)."""
         p, mesh, m = self.parallel, self.mesh, self.options.microbatches
+        if self.replicas is not None:  # the live groups' rows of the global batch
+            if self.quorum is None:
+                raise RuntimeError("replica groups: ask job.begin_step() for the step's number before each "
+                                   "job.step (it forms the quorum of live groups, and heals a joining one)")
+            live = batch_rows(inputs) // self.replicas.options.replicas * self.quorum.live
+            inputs, targets = take_rows(inputs, slice(0, live)), take_rows(targets, slice(0, live))
+            token_mask = take_rows(token_mask, slice(0, live))
         if isinstance(inputs, dict) and mesh.size("pp") > 1:
             raise ValueError("a batch dict under pipeline parallelism: pass inputs and targets tensors (the stages "
                              "send one tensor between them)")
@@ -216,8 +239,11 @@ class Job:
         """(this rank's rows of what it was passed, where they start in the global batch, the
         global count of loss terms): `batch_rows.step_rows`."""
         share = self.quorum.share if self.quorum is not None else (0, 1)
-        return step_rows(self.mesh, self.parallel.comm, self._loss, self.options.microbatches, inputs, targets,
-                         batch_rows(inputs), rows, check, share)
+        mine, offset, count = step_rows(self.mesh, self.parallel.comm, self._loss, self.options.microbatches, inputs,
+                                        targets, batch_rows(inputs), rows, check, share)
+        if self.quorum is not None and self._loss.kind == "sum" and not callable(self._loss.normalizer):
+            count = count * self.quorum.live / self.replicas.options.replicas  # the global batch's, of the rows trained
+        return mine, offset, count
 
     def _sequence_shard(self, batch):
         """Context parallelism: this cp rank's two chunks (head-tail) of every sequence of a
@@ -452,4 +478,7 @@ def parallelize(model: nn.Module, mesh: Mesh, *, optimizer: OptimizerFactory, lo
                                 pipeline=pipeline, loss_fn=loss, wrap=wrap, init=init,
                                 rows_per_step=rows_per_step, **(sync_options or {}))
     parallel.vocab_sharded = bool(tp_plan is not None and tp_plan.vocab_parallel_loss)
-    return Job(parallel, mesh, loss, options, pipeline, clip_grad_norm, lr_scheduler, num_items=num_items)
+    job = Job(parallel, mesh, loss, options, pipeline, clip_grad_norm, lr_scheduler, num_items=num_items)
+    if getattr(mesh, "ft", None) is not None:  # init(ft=...): one of R replica groups
+        attach_replicas(job, mesh.ft)
+    return job

@@ -16,6 +16,19 @@ import torch
 from meshtrain.parallel.state import persistent_buffers
 
 
+def attach_replicas(job, options) -> None:
+    """Make `job` one of `options.replicas` replica groups (`meshtrain.replicas`): its torchft
+    manager, with this module's state registered for healing a joining group."""
+    if job.parallel.routers:
+        raise ValueError("replica groups with a mixture of experts: its routers move their balancing bias from "
+                         "each group's own token counts, which would part the groups; not built yet")
+    from meshtrain.replicas import ReplicaGroups
+    mesh = job.mesh
+    groups = ReplicaGroups(options, mesh.device, mesh.rank, mesh.world_size, job.parallel.comm.broadcast_object)
+    groups.register_state(lambda: replica_state(job), lambda state: load_replica_state(job, state))
+    job.replicas = groups
+
+
 def _tensors(job) -> list[torch.Tensor]:
     """This rank's weights (every copy it keeps: ZeRO's full parameters and their masters)
     and persistent buffers, in a fixed order."""

@@ -57,17 +57,44 @@ def available() -> bool:
     return importlib.util.find_spec("torchft") is not None
 
 
+REPLICA_ENV = "MESHTRAIN_FT_REPLICA"  # this group's index (faults.FT_REPLICA_ENV: meshtrain's launcher sets it)
+LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
+
+
 @dataclass(frozen=True)
 class FtOptions:
-    """One rank's view of the replica groups: R groups, this rank's group `replica_id`, where
-    the lighthouse listens, torchft's timeouts (collectives and the commit vote; the quorum)
-    and the size of the gradient buckets summed over the groups."""
+    """One rank's view of the replica groups (`meshtrain.FaultTolerance`): R groups, this
+    rank's group `replica_id` (default: the MESHTRAIN_FT_REPLICA variable), where the
+    lighthouse listens (default: TORCHFT_LIGHTHOUSE), torchft's timeouts (collectives and the
+    commit vote; the quorum) and the size of the gradient buckets summed over the groups."""
     replicas: int
-    replica_id: int
-    lighthouse: str
+    replica_id: int | None = None
+    lighthouse: str | None = None
     timeout_s: float = 60.0
     quorum_timeout_s: float = 60.0
     bucket_mb: float = BUCKET_MB
+
+    def resolved(self) -> "FtOptions":
+        """With the replica id and the lighthouse filled from the environment; one line when
+        either is missing or out of range."""
+        if not isinstance(self.replicas, int) or self.replicas < 1:
+            raise ValueError(f"FaultTolerance(replicas={self.replicas!r}): use the number of replica groups, ≥ 1")
+        rid = self.replica_id
+        if rid is None and os.environ.get(REPLICA_ENV):
+            rid = int(os.environ[REPLICA_ENV])
+        if rid is None or not 0 <= rid < self.replicas:
+            raise ValueError(f"FaultTolerance: this group's replica_id is {rid!r}; give 0 to {self.replicas - 1} "
+                             f"(replica_id=, or {REPLICA_ENV})")
+        lighthouse = self.lighthouse or os.environ.get(LIGHTHOUSE_ENV)
+        if not lighthouse:
+            raise ValueError(f"FaultTolerance: no lighthouse; give lighthouse='http://HOST:PORT' or {LIGHTHOUSE_ENV} "
+                             f"(start one: torchft_lighthouse --min_replicas 1)")
+        if not available():
+            raise ValueError(MISSING.replace("--ft-replicas", "FaultTolerance"))
+        return FtOptions(self.replicas, rid, lighthouse, self.timeout_s, self.quorum_timeout_s, self.bucket_mb)
+
+
+FaultTolerance = FtOptions  # the API's name: meshtrain.init(..., ft=meshtrain.FaultTolerance(replicas=R))
 
 
 @dataclass

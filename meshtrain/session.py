@@ -11,7 +11,7 @@ from meshtrain.mesh import Mesh
 
 
 def init(dp: int | None = None, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, device: str = "auto", seed: int = 0,
-         timeout: float | None = None) -> Mesh:
+         timeout: float | None = None, ft=None) -> Mesh:
     """The device mesh of this job. Under torchrun, srun or mpirun this process joins the
     others (gloo on CPU, NCCL with one GPU per local rank); from a plain shell it is the
     whole job, one process. `dp=None` fills the world: world ÷ (tp·pp·cp). `ep`: a mixture
@@ -20,9 +20,14 @@ def init(dp: int | None = None, tp: int = 1, pp: int = 1, cp: int = 1, ep: int =
     (CUDA when present), cpu or cuda. `seed` keys what must agree across layouts (dropout
     masks, weights drawn for a meta-device model). `timeout`: seconds any collective may
     wait before the job ends with an error (default 5 minutes). A process group that the
-    caller already made (`torch.distributed.init_process_group`) is used as it is."""
+    caller already made (`torch.distributed.init_process_group`) is used as it is.
+    `ft=meshtrain.FaultTolerance(replicas=R)`: these ranks are one of R replica groups, fault
+    tolerant on torchft (docs/fault-tolerance.md); the jobs `parallelize` makes on the mesh
+    sum their gradients over the live groups, and a loop asks `job.begin_step()` for each
+    step's number."""
     import torch.distributed as dist
 
+    ft = ft.resolved() if ft is not None else None  # one line for a missing group id or lighthouse, before joining
     for name, value in (("tp", tp), ("pp", pp), ("cp", cp), ("ep", ep)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}={value!r}: use an integer ≥ 1")
@@ -50,6 +55,7 @@ def init(dp: int | None = None, tp: int = 1, pp: int = 1, cp: int = 1, ep: int =
             atexit.register(launch.let_collective_threads_finish)
         mesh = Mesh.build(pp, dp, tp, torch_device, cp=cp, ep=ep)
     mesh.seed = seed
+    mesh.ft = ft
     return mesh
 
 

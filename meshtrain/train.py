@@ -221,14 +221,7 @@ def loss_terms_per_step(cfg: Config):
     the targets that are not padding, which the Job calls on the global batch's targets."""
     if cfg.train.pad_documents:
         return count_targets
-    if cfg.ft.replicas:  # replica groups: a step trains the live groups' rows, fewer when one is lost
-        return every_target
     return cfg.train.batch_size * tokens_per_sample(cfg)
-
-
-def every_target(targets) -> int:
-    """The loss terms of a batch without padding: one per target."""
-    return targets.numel()
 
 
 def count_targets(targets) -> torch.Tensor:
@@ -254,10 +247,8 @@ def train_step(job: Job, data, step: int, cfg: Config, *, observer: StepObserver
     if job.lr_scheduler is None:  # a user's recipe may bring its own
         set_lr(job.optimizer, lr_at(step, tr))
     job.steps = step  # dropout masks are keyed by the step
-    rows = tr.batch_size
-    if job.quorum is not None:  # replica groups: the live groups' rows of the global batch
-        rows = tr.batch_size // cfg.ft.replicas * job.quorum.live
-    inputs, targets = data.batch(step, tr.batch_size, slice(0, rows))
+    inputs, targets = data.batch(step, tr.batch_size, slice(0, tr.batch_size))  # under replica groups the Job
+    # trains the live groups' rows of it
     mask = real_positions(targets) if tr.pad_documents and job.parallel.balancing else None
     loss = job.backward(inputs, targets, meter=meter, token_mask=mask)
     if observer:
@@ -356,8 +347,7 @@ def train(cfg: Config, comm: Comm, *, observer: StepObserver | None = None, prog
             quorum = None
             if replicas is not None:  # the live groups; a joining group heals here (the step is then its peer's)
                 t_quorum = time.perf_counter()
-                quorum = job.quorum = replicas.begin_step()
-                step = replicas.step
+                step, quorum = job.begin_step(), job.quorum
                 if step >= tr.steps:
                     job.quorum = None
                     break
@@ -458,16 +448,13 @@ def replica_groups(cfg: Config, job: Job, start: int):
     registered for healing a group that joins, the quorum starting at `start`; else None."""
     if not cfg.ft.replicas:
         return None
-    from meshtrain.replica_state import load_replica_state, replica_state
-    from meshtrain.replicas import FtOptions, ReplicaGroups
-    ft, mesh = cfg.ft, job.mesh
-    options = FtOptions(replicas=ft.replicas, replica_id=ft.replica_id or 0, lighthouse=ft.lighthouse,
-                        timeout_s=ft.timeout, quorum_timeout_s=ft.quorum_timeout, bucket_mb=ft.bucket_mb)
-    groups = ReplicaGroups(options, mesh.device, mesh.rank, mesh.world_size, job.parallel.comm.broadcast_object)
-    groups.register_state(lambda: replica_state(job), lambda state: load_replica_state(job, state))
-    groups.set_step(start)
-    job.replicas = groups
-    return groups
+    from meshtrain.replica_state import attach_replicas
+    from meshtrain.replicas import FtOptions
+    ft = cfg.ft
+    attach_replicas(job, FtOptions(replicas=ft.replicas, replica_id=ft.replica_id or 0, lighthouse=ft.lighthouse,
+                                   timeout_s=ft.timeout, quorum_timeout_s=ft.quorum_timeout, bucket_mb=ft.bucket_mb))
+    job.steps = start  # the quorum starts at the resumed step (`Job.begin_step`)
+    return job.replicas
 
 
 def validate(job: Job, data, cfg: Config, step: int) -> float | None:

@@ -15,6 +15,7 @@ import json
 import os
 import textwrap
 from dataclasses import dataclass
+from types import SimpleNamespace
 from pathlib import Path
 
 import pytest
@@ -45,7 +46,7 @@ def max_rel_diff(a: dict, b: dict) -> tuple[float, str]:
     """The largest ‖a − b‖ / ‖b‖ over the tensors of two state dicts, and its name."""
     worst = (0.0, "")
     for name, want in b.items():
-        got = a[name].double()
+        got, want = a[name].detach().double(), want.detach()
         d = float((got - want.double()).norm() / max(float(want.double().norm()), 1e-30))
         worst = max(worst, (d, name))
     return worst
@@ -86,6 +87,11 @@ def replay(out: Path, log: list[dict], steps: int) -> dict:
 
         def shutdown(self):
             pass
+
+        def set_step(self, step):
+            assert step == 0
+
+        options = SimpleNamespace(replicas=2)
 
     def replica_groups(cfg, job, start):
         job.replicas = Replay()
@@ -267,3 +273,90 @@ def test_under_a_launcher_each_group_names_itself_and_its_lighthouse(env, args, 
     r = run_cli("train", "--model", "gpt-test", "--batch-size", "8", "--seq-len", "32", "--ft-replicas", "2", "--dp", "2", *args,
                 env={**ranks, **env})
     assert r.returncode == 2 and says in r.stderr, r.stderr
+
+
+def test_groups_started_from_a_shell_share_the_hosts_threads(monkeypatch):
+    """R launches of W ranks on one host: each rank's torch threads count all R·W ranks."""
+    from meshtrain import launch
+    monkeypatch.setattr(launch.os, "cpu_count", lambda: 8)
+    monkeypatch.delenv(launch.HOST_RANKS_ENV, raising=False)
+    assert launch.threads_per_rank(1) == 8
+    monkeypatch.setenv(launch.HOST_RANKS_ENV, "4")  # 2 groups of 2 ranks
+    assert launch.threads_per_rank(2) == 2 and launch.threads_per_rank(1) == 2
+
+
+API_LOOP = textwrap.dedent('''
+    import json, torch, meshtrain
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    mesh = meshtrain.init(ft=meshtrain.FaultTolerance(replicas=2))  # the group id and lighthouse from the environment
+    job = meshtrain.parallelize(model, mesh, optimizer=lambda named: torch.optim.AdamW((p for _, p in named), lr=1e-2))
+    def batch(k):
+        g = torch.Generator().manual_seed(k)
+        return torch.randn(8, 8, generator=g), torch.randint(0, 4, (8,), generator=g)
+    losses = {}
+    while (k := job.begin_step()) < 6:
+        out = job.step(*batch(k))
+        if out.committed:
+            losses[k] = out.loss
+    print(json.dumps({"losses": [losses[k] for k in range(6)],
+                      "weights": {n: p.detach().tolist() for n, p in job.module.named_parameters()}}))
+''')
+
+
+@needs_torchft
+def test_the_api_two_groups_of_a_users_loop_train_what_a_plain_loop_trains(tmp_path):
+    """`meshtrain.init(ft=FaultTolerance(2))` in two processes (one group each) against a
+    plain PyTorch loop on the same global batches."""
+    import subprocess
+    import sys
+
+    import torch
+
+    from meshtrain.replicas import quiet
+    quiet()
+    from torchft._torchft import LighthouseServer
+    script = tmp_path / "loop.py"
+    script.write_text(API_LOOP)
+    server = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=1000, quorum_tick_ms=50)
+    try:
+        procs = [subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  text=True, env={**os.environ, "MESHTRAIN_FT_REPLICA": str(i),
+                                                  "TORCHFT_LIGHTHOUSE": server.address(), "OMP_NUM_THREADS": "1"})
+                 for i in range(2)]
+        outs = [p.communicate(timeout=300) for p in procs]
+    finally:
+        server.shutdown()
+    assert all(p.returncode == 0 for p in procs), [err[-3000:] for _, err in outs]
+    got = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
+    assert got[0] == got[1]  # the groups in lockstep, bit for bit
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for k in range(6):
+        g = torch.Generator().manual_seed(k)
+        x, y = torch.randn(8, 8, generator=g), torch.randint(0, 4, (8,), generator=g)
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        losses.append(loss.item())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(got[0]["losses"], losses)), (got[0]["losses"], losses)
+    weights = {n: torch.tensor(v) for n, v in got[0]["weights"].items()}
+    d, name = max_rel_diff(weights, dict(model.named_parameters()))
+    assert d < 1e-4, f"{name}: {d:.2e}"
+
+
+@pytest.mark.parametrize("options, says", [
+    ({"replicas": 0}, "use the number of replica groups"),
+    ({"replicas": 2}, "replica_id is None"),
+    ({"replicas": 2, "replica_id": 2}, "give 0 to 1"),
+    ({"replicas": 2, "replica_id": 0}, "no lighthouse"),
+])
+def test_the_api_refuses_what_it_cannot_run(monkeypatch, options, says):
+    import meshtrain
+    monkeypatch.delenv("MESHTRAIN_FT_REPLICA", raising=False)
+    monkeypatch.delenv("TORCHFT_LIGHTHOUSE", raising=False)
+    with pytest.raises(ValueError, match=says):
+        meshtrain.init(ft=meshtrain.FaultTolerance(**options))
