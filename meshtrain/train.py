@@ -60,7 +60,6 @@ class RunResult:
     first_step: int = 1  # the step `losses` begin at (later when resumed)
     val_losses: list[tuple[int, float]] = field(default_factory=list)  # (step, held-out loss), with --eval-every
     ft: dict | None = None  # --ft-replicas: `--json`'s `ft` (replicas, failures, heals, uncommitted_steps)
-    ft_steps: list[dict] = field(default_factory=list)  # and each attempted step's quorum (live groups, wait)
     # a mixture of experts: each reported step's busiest-expert/mean load of each router
     expert_load_max_over_mean: list[list[float]] = field(default_factory=list)
     balance_losses: list[float] = field(default_factory=list)  # a mixture of experts' balancing loss, each step
@@ -247,8 +246,7 @@ def train_step(job: Job, data, step: int, cfg: Config, *, observer: StepObserver
     if job.lr_scheduler is None:  # a user's recipe may bring its own
         set_lr(job.optimizer, lr_at(step, tr))
     job.steps = step  # dropout masks are keyed by the step
-    inputs, targets = data.batch(step, tr.batch_size, slice(0, tr.batch_size))  # under replica groups the Job
-    # trains the live groups' rows of it
+    inputs, targets = data.batch(step, tr.batch_size, slice(0, tr.batch_size))  # replica groups: the live ones' rows
     mask = real_positions(targets) if tr.pad_documents and job.parallel.balancing else None
     loss = job.backward(inputs, targets, meter=meter, token_mask=mask)
     if observer:
@@ -280,7 +278,7 @@ def train(cfg: Config, comm: Comm, *, observer: StepObserver | None = None, prog
     run_id = this_run(cfg, comm) if writes_out or tr.resume or tr.resume_from else ""
     start, resumed_from = resume(job, cfg, run_id)
     replicas = replica_groups(cfg, job, start)
-    ft_steps: list[dict] = []  # replica groups: each attempted step's quorum
+    tries: dict[int, list[dict]] = {}  # replica groups: each try of a step not yet logged (its quorum)
     # The resume is accepted on every rank: only now does anything in OUT change.
     if writes_out:
         start_lineage(comm, Path(tr.out), run_id, start, resumed_from)
@@ -339,7 +337,7 @@ def train(cfg: Config, comm: Comm, *, observer: StepObserver | None = None, prog
             if step_log is not None:
                 step_log.write({"step": step + 1, "loss": loss, "lr": lr_at(step, tr), "step_time_s": dt,
                                 "tokens_per_s": tokens_per_step / dt, **({"val_loss": val} if val is not None else {}),
-                                **balance, **_ft_fields(ft_steps, step + 1)})
+                                **balance, **_ft_fields(tries.pop(step + 1, []))})
 
         pending = None  # the last step, reported after the next one started
         step, first = start, True
@@ -364,16 +362,16 @@ def train(cfg: Config, comm: Comm, *, observer: StepObserver | None = None, prog
                 first = False
             dt = time.perf_counter() - t0
             if quorum is not None:
-                ft_steps.append({"step": step + 1, "live": quorum.live, "quorum_s": round(quorum.wait_s, 4),
-                                 "healed_s": quorum.healed_s, "committed": out.committed,
-                                 "step_s": round(time.perf_counter() - t_quorum, 4)})
+                tries.setdefault(step + 1, []).append({"live": quorum.live, "quorum_s": round(quorum.wait_s, 4),
+                                                       "healed_s": quorum.healed_s,
+                                                       "step_s": round(time.perf_counter() - t_quorum, 4)})
                 if not out.committed:  # a group failed during the step: trained again by the next quorum
                     if mesh.is_main and not cfg.ft.replica_id:
                         print(f"meshtrain: step {step + 1} not committed (a replica group failed during it); "
                               f"trained again", file=sys.stderr)
                     continue
                 if digests_wanted():
-                    ft_steps[-1]["digest"] = replica_digest(job)
+                    tries[step + 1][-1]["digest"] = replica_digest(job)
             comm_detail = _per_axis({k: v - sent_before.get(k, 0.0) for k, v in comm.detailed_totals().items()})
             comm_per_step = {axis: sum(kinds.values()) for axis, kinds in comm_detail.items()}
             times.append(dt)
@@ -419,7 +417,7 @@ def train(cfg: Config, comm: Comm, *, observer: StepObserver | None = None, prog
                          comm_per_step=comm_per_step, parallel=p, data=data, skipped_steps=skipped, trace=traced,
                          comm_detail_per_step=comm_detail, val_losses=val_losses,
                          expert_load_max_over_mean=expert_load_ratios, balance_losses=balance_losses, job=job,
-                         ft=replicas.report() if replicas is not None else None, ft_steps=ft_steps)
+                         ft=replicas.report() if replicas is not None else None)
     finally:
         if replicas is not None:
             replicas.shutdown()
@@ -430,10 +428,9 @@ def train(cfg: Config, comm: Comm, *, observer: StepObserver | None = None, prog
             board.close()
 
 
-def _ft_fields(ft_steps: list[dict], step: int) -> dict:
+def _ft_fields(tries: list[dict]) -> dict:
     """A committed step's quorum in its log line (replica groups): the live groups, the wait
     for the quorum, the tries it took (a group lost during one is trained again), a heal."""
-    tries = [s for s in ft_steps if s["step"] == step]
     if not tries:
         return {}
     done = tries[-1]
