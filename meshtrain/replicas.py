@@ -57,8 +57,8 @@ def available() -> bool:
     return importlib.util.find_spec("torchft") is not None
 
 
-REPLICA_ENV = "MESHTRAIN_FT_REPLICA"  # this group's index (faults.FT_REPLICA_ENV: meshtrain's launcher sets it)
-LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
+REPLICA_ENV = faults.FT_REPLICA_ENV  # this group's index (meshtrain's launcher of the groups sets it)
+LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"  # torchft's own name for it
 
 
 @dataclass(frozen=True)
@@ -139,7 +139,6 @@ class ReplicaGroups:
         self.options, self.device = options, device
         self.group_rank = group_rank
         self.counts = FtCounts()
-        self._live = None  # the last quorum's live groups
         self._state_fn: Callable[[], dict] | None = None
         self._load_fn: Callable[[dict], None] | None = None
         self._healed_s: float | None = None
@@ -147,12 +146,12 @@ class ReplicaGroups:
         # A store of this attempt's own, hosted by group rank 0: torchrun's keeps the keys of a
         # failed attempt (the old manager's address) across restarts.
         self._store = None
+        host, port = None, None
         if group_rank == 0:
             from torch.distributed import TCPStore
-            self._store = TCPStore(_this_host(), 0, is_master=True, wait_for_workers=False)
-            host, port = _this_host(), self._store.port
-        else:
-            host, port = None, None
+            host = _this_host()
+            self._store = TCPStore(host, 0, is_master=True, wait_for_workers=False)
+            port = self._store.port
         host, port = share_store((host, port))
         timeout = timedelta(seconds=options.timeout_s)
         pg = _process_group(device, timeout)
@@ -197,7 +196,7 @@ class ReplicaGroups:
                     and time.perf_counter() - t0 < START_WAIT_S):
                 break
             time.sleep(0.2)
-        self._first, self._live = False, live
+        self._first = False
         index = self.manager.participating_rank()
         return StepQuorum(index=index if index is not None else 0, live=live, wait_s=time.perf_counter() - t0,
                           healed_s=self._healed_s)

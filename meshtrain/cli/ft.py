@@ -19,7 +19,6 @@ from meshtrain.cli.config import Config, ConfigError, flag_of
 from meshtrain.faults import FT_REPLICA_ENV
 from meshtrain.launch import HOST_RANKS_ENV
 
-LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
 CONNECT_S = 5.0  # how long the check waits for the lighthouse to answer
 
 
@@ -46,9 +45,6 @@ def check(cfg: Config, renv) -> None:
     for name in ("timeout", "quorum_timeout", "heartbeat_timeout", "bucket_mb"):
         if not getattr(ft, name) > 0:
             raise ConfigError(f"{flag_of('ft', name)} {getattr(ft, name)}: must be positive")
-    from meshtrain.replicas import MISSING, available
-    if not available():
-        raise ConfigError(MISSING)
     if _is_moe(cfg):
         raise ConfigError(f"--ft-replicas with {cfg.model.name}: a mixture of experts' routers move their balancing "
                           f"bias from each group's own token counts, which would part the groups; not built yet")
@@ -57,10 +53,13 @@ def check(cfg: Config, renv) -> None:
         raise ConfigError(f"--batch-size {tr.batch_size} does not split over --ft-replicas {ft.replicas} groups of "
                           f"dp·microbatches = {lay.dp or 1}·{lay.microbatches}: use a multiple of {rows}")
     ours = os.environ.get(FT_REPLICA_ENV) is not None  # a group meshtrain's own launcher started
+    if renv is None and not ours and ft.replica_id is not None:
+        raise ConfigError("--ft-replica-id is for a launcher's ranks (torchrun per group); from a shell "
+                          "meshtrain starts the --ft-replicas groups itself: drop --ft-replica-id")
+    from meshtrain.replicas import LIGHTHOUSE_ENV, MISSING, available
+    if not available():
+        raise ConfigError(MISSING)
     if renv is None and not ours:
-        if ft.replica_id is not None:
-            raise ConfigError("--ft-replica-id is for a launcher's ranks (torchrun per group); from a shell "
-                              "meshtrain starts the --ft-replicas groups itself: drop --ft-replica-id")
         if ft.lighthouse:
             reachable(ft.lighthouse)
         return
