@@ -69,6 +69,7 @@ class Job:
         self._token_mask = TokenMask(parallel.dropout_keys, mesh, options.sp)  # a MoE's balancing tokens
         self.replicas = None  # `meshtrain.replicas.ReplicaGroups`: gradients summed over live replica groups
         self.quorum = None  # and the step's quorum (`ReplicaGroups.begin_step`), set before each backward
+        self._load_table = None  # under replica groups, a MoE's load table summed over them (`backward`)
         if loss.kind == "own":  # the model computes its loss in its forward: watched there
             parallel.loss_scope = loss.watching
         loss.row_share = 1 / mesh.size("cp")
@@ -153,7 +154,9 @@ class Job:
                 self.replicas.sum_([counted], self.steps + 1)
             divide_(grads, counted)
         if self.quorum is not None:  # each group's share of the live groups' mean: summed over them
-            self.replicas.sum_([*grads, loss], self.steps + 1)
+            self._load_table = self._expert_load.step_table()  # a MoE's load: its routers' biases move from all groups'
+            self.replicas.sum_([*grads, loss, *([self._load_table] if self._load_table is not None else [])],
+                               self.steps + 1)
         if predicted is not None and self._loss.resolved == "counted":  # checked with the norm, in `update`
             self._miscount = torch.stack([counted.double(), predicted])
         if not self._loss.settled:  # the first step says how a watched loss is weighted
@@ -196,7 +199,8 @@ class Job:
                 print(f"meshtrain: warning: step {self.steps + 1}: the gradient norm is not finite "
                       f"(first: {nonfinite}); step skipped", file=sys.stderr)
         p.zero_grad()
-        load, balance = self._expert_load.finish_step(stepped)  # the routers' biases moved from the global load
+        load, balance = self._expert_load.finish_step(stepped, self._load_table)  # the biases moved from the global load
+        self._load_table = None
         self.quorum = None
         if committed:
             self.steps += 1

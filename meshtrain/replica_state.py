@@ -19,9 +19,6 @@ from meshtrain.parallel.state import persistent_buffers
 def attach_replicas(job, options) -> None:
     """Make `job` one of `options.replicas` replica groups (`meshtrain.replicas`): its torchft
     manager, with this module's state registered for healing a joining group."""
-    if job.parallel.routers:
-        raise ValueError("replica groups with a mixture of experts: its routers move their balancing bias from "
-                         "each group's own token counts, which would part the groups; not built yet")
     from meshtrain.replicas import ReplicaGroups
     mesh = job.mesh
     groups = ReplicaGroups(options, mesh.device, mesh.rank, mesh.world_size, job.parallel.comm.broadcast_object)

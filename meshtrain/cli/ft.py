@@ -45,9 +45,6 @@ def check(cfg: Config, renv) -> None:
     for name in ("timeout", "quorum_timeout", "heartbeat_timeout", "bucket_mb"):
         if not getattr(ft, name) > 0:
             raise ConfigError(f"{flag_of('ft', name)} {getattr(ft, name)}: must be positive")
-    if _is_moe(cfg):
-        raise ConfigError(f"--ft-replicas with {cfg.model.name}: a mixture of experts' routers move their balancing "
-                          f"bias from each group's own token counts, which would part the groups; not built yet")
     rows = ft.replicas * (lay.dp or 1) * lay.microbatches
     if tr.batch_size % rows:
         raise ConfigError(f"--batch-size {tr.batch_size} does not split over --ft-replicas {ft.replicas} groups of "
@@ -168,11 +165,3 @@ def _wait(groups: list[subprocess.Popen]) -> list[int]:
     while any(g.poll() is None for g in groups):
         time.sleep(0.2)
     return [g.returncode for g in groups]
-
-
-def _is_moe(cfg: Config) -> bool:
-    from meshtrain.recipe import is_user_model
-    from meshtrain.recipes import PRESETS, family_of
-    name = cfg.model.name
-    return not is_user_model(name) and name in PRESETS and "moe" in family_of(PRESETS[name]).options
-

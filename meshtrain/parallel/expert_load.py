@@ -37,14 +37,13 @@ class ExpertLoad:
         self.routers = [(names.index(n), mine[n]) for n in names if n in mine]
         self.axes = ["dp"] + (["tp"] if sp else []) + (["pp"] if comm.mesh.size("pp") > 1 else [])
 
-    def finish_step(self, stepped: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Collective over the token-splitting axes and pp: the step's global load [every
-        router of the model, experts] and its balancing loss summed over the layers (a 0-dim
-        tensor; both None without routers), each router's bias moved from its row when the
-        step was taken, and the counts restarted. A stage without a router takes part in the
-        sums all the same."""
+    def step_table(self) -> torch.Tensor | None:
+        """Collective over the token-splitting axes and pp: the step's table [every router of
+        the model, experts + 1] (each router's load, and the balancing loss its layer added;
+        None without routers), whose sum over replica groups a caller may add before
+        `finish_step` (`meshtrain.replicas`). A stage without a router takes part all the same."""
         if not self.rows:
-            return None, None
+            return None
         table = torch.zeros(self.rows, self.experts + 1, device=self.comm.mesh.device)
         for i, router in self.routers:
             table[i, :router.expert_load.shape[0]] = router.expert_load
@@ -53,6 +52,18 @@ class ExpertLoad:
                 router.balance_loss.zero_()
         for axis in self.axes:  # other stages' rows are zero here: pp's sum fills them in
             self.comm.all_reduce(table, axis, purpose=METRICS)
+        return table
+
+    def finish_step(self, stepped: bool, table: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The step's global load [every router of the model, experts] and its balancing loss
+        summed over the layers (a 0-dim tensor; both None without routers), from `table` (the
+        step's `step_table`, made here when None), each router's bias moved from its row when
+        the step was taken, and the counts restarted."""
+        if not self.rows:
+            return None, None
+        if table is None:
+            table = self.step_table()
         load = table[:, :-1]
         for i, router in self.routers:
             if stepped:
