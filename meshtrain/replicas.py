@@ -310,17 +310,9 @@ def _process_group(device: torch.device, timeout: timedelta):
 
 def _buckets(tensors: list[torch.Tensor], limit: int) -> list[list[torch.Tensor]]:
     """Consecutive tensors of one dtype and device, up to `limit` bytes a bucket."""
-    out: list[list[torch.Tensor]] = []
-    size = 0
-    for t in tensors:
-        b = t.numel() * t.element_size()
-        if out and out[-1][0].dtype == t.dtype and out[-1][0].device == t.device and size + b <= limit:
-            out[-1].append(t)
-            size += b
-        else:
-            out.append([t])
-            size = b
-    return out
+    from meshtrain.parallel.state import runs_of
+    runs = runs_of([((t.dtype, t.device), t.numel() * t.element_size()) for t in tensors], limit)
+    return [[tensors[i] for i in run] for run in runs]
 
 
 def _this_host() -> str:

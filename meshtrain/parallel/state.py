@@ -220,11 +220,16 @@ def _gather_batch(items: list[tuple[torch.Tensor, tuple]], axis: str, comm: Comm
 def batches_of(entries: list[Entry], batch_bytes: int) -> list[list[int]]:
     """`entries` cut into runs of consecutive ones of one dtype, at most `batch_bytes` each
     (one alone where it is larger): what one message carries (`batch_bytes` 0: one each)."""
+    return runs_of([(e.dtype, math.prod(e.shape) * e.dtype.itemsize) for e in entries], batch_bytes)
+
+
+def runs_of(items: list[tuple[object, int]], limit: int) -> list[list[int]]:
+    """The indices of `items` ((kind, bytes) pairs) cut into runs of consecutive ones of one
+    kind, at most `limit` bytes each (one alone where it is larger)."""
     runs: list[list[int]] = []
     total = 0
-    for i, e in enumerate(entries):
-        nbytes = math.prod(e.shape) * e.dtype.itemsize
-        if runs and entries[runs[-1][0]].dtype == e.dtype and total + nbytes <= batch_bytes:
+    for i, (kind, nbytes) in enumerate(items):
+        if runs and items[runs[-1][0]][0] == kind and total + nbytes <= limit:
             runs[-1].append(i)
             total += nbytes
         else:
