@@ -21,6 +21,7 @@ cross_entropy   the mean cross-entropy over non-ignored targets, classes last
 TensorPlan, COLUMN, ROW, VOCAB, REGION, SEQUENCE, Fused, Heads    tensor-parallel plans
 PipelinePlan    how a model is cut into pipeline stages
 Recipe          a model of yours for `meshtrain train|verify --model pkg.module:factory`
+Fp8Options      parallelize(fp8=...): the recipe, emulation, the smallest layer converted
 FaultTolerance  init(ft=...): these ranks are one of R replica groups on torchft; the loop
                 asks `job.begin_step()` for each step (a joining group heals there)
 search_layout   the fastest layout of this world for your model, planned then profiled
@@ -44,6 +45,7 @@ _API = {
     "PipelinePlan": "meshtrain.parallel.pipeline.plan",
     "Recipe": "meshtrain.recipe",
     "FaultTolerance": "meshtrain.replicas",
+    "Fp8Options": "meshtrain.parallel.options",
     "search_layout": "meshtrain.searched", "SearchedLayout": "meshtrain.searched", "Shape": "meshtrain.plan.shapes",
 }
 __all__ = sorted(_API)

@@ -37,7 +37,7 @@ from meshtrain.parallel.compose import Parallelized, parallelize as apply_strate
 from meshtrain.parallel.context import gather_sequence, shard_sequence
 from meshtrain.parallel.expert_load import ExpertLoad, set_aux_scale
 from meshtrain.parallel.compile import check_compilable, eager_while
-from meshtrain.parallel.options import CompileOptions, Strategies
+from meshtrain.parallel.options import CompileOptions, Fp8Options, Strategies
 from meshtrain.parallel.pipeline.stages import PipelinePlan
 from meshtrain.parallel.tensor import TensorPlan
 from meshtrain.parallel.token_mask import TokenMask
@@ -299,9 +299,14 @@ class Job:
         mine, _, count = self._rows_of(inputs, targets, rows)
         extra = loss_inputs(self._loss, p, self.mesh, inputs, rows, self._passes_num_items)
         total = torch.zeros((), dtype=torch.float64, device=self.mesh.device)
-        loss = self._evaluated_loss(inputs, targets, mine, extra)
-        if loss is not None:  # the last pipeline stage's ranks
-            total += loss.double() / count
+        # fp8's scales are a forward's own: its forwards take the training micro-batches' rows
+        m = self.options.microbatches if self.options.fp8 is not None else 1
+        micro = (mine.stop - mine.start) // m
+        for i in range(m):
+            loss = self._evaluated_loss(inputs, targets, slice(mine.start + i * micro, mine.start + (i + 1) * micro),
+                                        extra)
+            if loss is not None:  # the last pipeline stage's ranks
+                total += loss.double() / count
         return global_mean(self._loss, p, total)[0].item()
 
     def _evaluated_loss(self, inputs, targets, rows: slice, extra: dict) -> torch.Tensor | None:
@@ -421,7 +426,7 @@ def parallelize(model: nn.Module, mesh: Mesh, *, optimizer: OptimizerFactory, lo
                 bucket_mb: float = 25.0, keep_gathered: bool = False, dp_linear_sync: str = "allreduce",
                 stage_layers: list[int] | None = None, rows_per_step: int | None = None, strict_p2p: bool = False,
                 sync_options: dict | None = None, cp_mode: str = "ring", compile: bool = False,
-                compile_backend: str = "inductor", ep_max_load: float | None = None) -> Job:
+                compile_backend: str = "inductor", ep_max_load: float | None = None, fp8=None) -> Job:
     """Apply the strategies to `model` (in place) on `mesh` (`meshtrain.init`) and build the
     optimizer on what each rank holds.
 
@@ -457,13 +462,16 @@ def parallelize(model: nn.Module, mesh: Mesh, *, optimizer: OptimizerFactory, lo
     `torch.compile` returned. `ep_max_load`: on a mesh with ep > 1, the most rows a rank's
     experts may receive in a MoE layer, as a multiple of the balanced share; a routing
     that would send more stops every rank alike with one line (`experts.LoadOverBound`)
-    before the rows move."""
+    before the rows move. `fp8`: "tensorwise" or "rowwise" (or `meshtrain.Fp8Options`, with
+    `emulate` and `min_features`): the linear layers in the block list run their matmuls in
+    float8 on torchao's recipe, with whole tensors' scales under every layout (needs torchao:
+    `pip install 'meshtrain[fp8]'`; docs/fp8.md)."""
     options = Strategies(zero=zero, precision=precision, grad_dtype=grad_dtype or "fp32", recompute=recompute,
                          sp=sp, schedule=schedule, chunks=chunks, microbatches=microbatches, bucket_mb=bucket_mb,
                          keep_gathered=keep_gathered, dp_linear_sync=dp_linear_sync,
                          stage_layers=tuple(stage_layers) if stage_layers else None, strict_p2p=strict_p2p,
                          cp_mode=cp_mode, compile=CompileOptions(compile_backend) if compile else None,
-                         ep_max_load=ep_max_load)
+                         ep_max_load=ep_max_load, fp8=Fp8Options.of(fp8))
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: {type(model).__name__} is not a torch.nn.Module")
     check_compilable(model, options.compile)

@@ -190,7 +190,8 @@ def _layout_arguments(cfg: Config, sync_options: dict) -> dict:
                 keep_gathered=lay.keep_gathered, dp_linear_sync=lay.dp_linear_sync,
                 rows_per_step=tr.batch_size * tokens_per_sample(cfg), strict_p2p=strict_p2p_requested(),
                 sync_options=sync_options, cp_mode=lay.cp_mode,
-                compile=lay.compile, compile_backend=lay.compile_backend, ep_max_load=lay.ep_max_load)
+                compile=lay.compile, compile_backend=lay.compile_backend, ep_max_load=lay.ep_max_load,
+                fp8=lay.fp8_options())
 
 
 def job_for(p: Parallelized, cfg: Config) -> Job:

@@ -42,6 +42,7 @@ from meshtrain.cli.config import Config, LayoutConfig
 from meshtrain.mesh import Mesh
 from meshtrain.optim import sum_of_squares
 from meshtrain.parallel.compile import compile_stats
+from meshtrain.parallel.fp8 import fp8_casts
 from meshtrain.parallel.state import digest
 from meshtrain.train import StepObserver, held_out_loss, setup, train, train_step
 from meshtrain.checkpoint.folders import step_dir
@@ -86,18 +87,27 @@ def lockstep_steps(steps: int, resume_at: int | None = None) -> list[int]:
 
 
 def curve_only(cfg: Config) -> bool:
-    """Low-precision compute is judged by its loss curve, not in lockstep."""
-    return cfg.layout.precision != "fp32"
+    """Low-precision compute is judged by its loss curve, not in lockstep: bf16; and fp8 where
+    the layout sums a micro-batch's products in another order than one process (tensor and
+    context parallelism), for fp8's rounding turns those last-bit differences into whole
+    steps of an element (docs/verify.md). Its scales are audited there instead."""
+    lay = cfg.layout
+    return lay.precision != "fp32" or (lay.fp8 != "none" and (lay.tp > 1 or lay.cp > 1))
 
 
 def reference_config(cfg: Config) -> Config:
     """One process, one micro-batch, on the CPU: the same model, seed and global batch — in
     the run's micro-batches where its loss is defined per forward (a pooled balancing loss:
-    a plain loop with gradient accumulation pools each micro-batch)."""
+    a plain loop with gradient accumulation pools each micro-batch) or its scales are
+    (--fp8: each data-parallel rank's micro-batches, with the same linear layers in fp8)."""
     ref = copy.deepcopy(cfg)
+    lay = cfg.layout
     per_forward = cfg.model.moe_balance == "pooled"
-    ref.layout = LayoutConfig(dp=1, tp=1, pp=1, microbatches=cfg.layout.microbatches if per_forward else 1,
-                              bucket_mb=cfg.layout.bucket_mb)
+    # fp8's scales are each micro-batch's own: the reference runs the layout's micro-batches,
+    # every data-parallel rank's in turn (the same rows each), with the same conversion.
+    microbatches = lay.microbatches * (lay.dp if lay.fp8 != "none" else 1) if lay.fp8 != "none" or per_forward else 1
+    ref.layout = LayoutConfig(dp=1, tp=1, pp=1, microbatches=microbatches, bucket_mb=lay.bucket_mb, fp8=lay.fp8,
+                              fp8_emulate=lay.fp8_emulate, fp8_min_features=lay.fp8_min_features)
     ref.train.device = "cpu"
     return ref
 
@@ -106,8 +116,10 @@ class LayoutRecorder(StepObserver):
     """At each sampled step: the full state before, the synchronised gradients, the weights
     after (kept on rank 0 only), and every rank's pieces checked against them."""
 
-    def __init__(self, steps: list[int], is_main: bool, cfg: Config | None = None, resume_at: int | None = None):
+    def __init__(self, steps: list[int], is_main: bool, cfg: Config | None = None, resume_at: int | None = None,
+                 audit_steps: list[int] = ()):
         self.steps, self.is_main, self.records, self.problems = set(steps), is_main, {}, []
+        self.audit_steps = set(audit_steps)  # fp8: every scale checked against its whole tensor's
         self.cfg = cfg  # the run's configuration, for its held-out batch
         # A run saved after step K and resumed: its full state (optimizer included) and every
         # rank's random-number state after step K, and again before step K + 1 (after the load).
@@ -118,6 +130,9 @@ class LayoutRecorder(StepObserver):
             self.records.setdefault(step, {}).update(parts)
 
     def before_step(self, p, step):
+        if step in self.audit_steps:
+            for casts in fp8_casts(p.module):
+                casts.audit = []
         pre = p.full_state_dict() if step in self.steps else None
         if pre is not None:
             self.keep(step, pre=pre)
@@ -135,6 +150,8 @@ class LayoutRecorder(StepObserver):
             self.keep(step, grad_norm=norm)
 
     def after_step(self, p, step, loss):
+        if step in self.audit_steps:
+            self.problems += _fp8_audit(p, step)
         if step in self.steps:
             post = p.full_state_dict(with_optimizer=False)["model"]
             self.keep(step, post=post, loss=loss)
@@ -184,6 +201,18 @@ def _check_pieces(p, full: dict[str, torch.Tensor], what: str, step: int,
     return problems
 
 
+def _fp8_audit(p, step: int) -> list[tuple[int, str]]:
+    """Collective: each rank's fp8 casts whose scales were not the whole tensor's this step
+    (`Fp8Casts.audit`), on rank 0; the audit switched off."""
+    found = []
+    for casts in fp8_casts(p.module):
+        found += casts.audit or []
+        casts.audit = None
+    return [(step, f"step {step}: rank {rank}: {name}'s {cast} cast did not scale by the whole tensor's amax "
+                   f"(relative difference {diff:.2e})")
+            for rank, part in enumerate(p.comm.all_gather_object(found)) for name, cast, diff in part]
+
+
 def record(cfg: Config, comm: Comm, label: str, *, resume_at: int | None = None,
            part: str | None = None) -> dict | None:
     """Run the layout (every rank calls this); rank 0 returns its losses and, per sampled
@@ -191,7 +220,8 @@ def record(cfg: Config, comm: Comm, label: str, *, resume_at: int | None = None,
     With `resume_at` K, one part of a run resumed after step K (`part_config` makes its
     configuration): "first" runs steps 1..K and saves; "resumed" loads and runs K+1..N."""
     sampled = [] if curve_only(cfg) else lockstep_steps(cfg.train.steps, resume_at)
-    recorder = LayoutRecorder(sampled, comm.mesh.is_main, cfg, resume_at=resume_at)
+    audited = lockstep_steps(cfg.train.steps, resume_at) if cfg.layout.fp8 != "none" else []
+    recorder = LayoutRecorder(sampled, comm.mesh.is_main, cfg, resume_at=resume_at, audit_steps=audited)
     if part is None:  # verify writes nothing into --out (which `train` claims): a folder of its own
         folder = shared_temp_folder(comm, prefix="meshtrain-verify-")
         try:
@@ -514,7 +544,9 @@ def report(cfg: Config, result: dict, json_mode: bool) -> int:
         print(f"{i + 1:>4}{'*' if i + 1 in lockstep else ' '}  {a:>12.8f}  {b:>12.8f}  {d:>9.2e}", file=out)
     tol = result["tolerances"]
     if result["curve_only"]:
-        print(f"loss curve vs the fp32 one-process run (low precision: no lockstep): max_loss_rel_diff "
+        why = "low precision" if cfg.layout.precision != "fp32" else "fp8 over sums in another order; scales audited"
+        print(f"loss curve vs the {'fp32 ' if cfg.layout.precision != 'fp32' else ''}one-process run ({why}: no "
+              f"lockstep): max_loss_rel_diff "
               f"{result['max_loss_rel_diff']:.2e} (≤ {tol['curve']:g})", file=out)
     else:
         print(f"lockstep at steps {sorted(lockstep)}: max_grad_rel_diff {result['max_grad_rel_diff']:.2e} "

@@ -16,7 +16,7 @@ from typing import ClassVar
 from pathlib import Path
 
 from meshtrain.recipes import PRESETS, family_of, is_preset, spec_of
-from meshtrain.parallel.options import (COMPILE_BACKENDS, LINEAR_SYNCS, PRECISIONS, SCHEDULES, ConfigError,
+from meshtrain.parallel.options import (COMPILE_BACKENDS, FP8_RECIPES, LINEAR_SYNCS, PRECISIONS, SCHEDULES, ConfigError,
                                        Layout)
 
 ATTENTIONS = ("sdpa", "math")
@@ -216,6 +216,14 @@ FLAGS = [
      "checkpointing and ZeRO; collectives stay eager between compiled graphs; docs/compile.md)"),
     ("--compile-backend", "layout", "compile_backend", str, "with --compile: " + " | ".join(COMPILE_BACKENDS) +
      " (inductor, the default, generates kernels; aot_eager traces and differentiates without generating code)"),
+    ("--fp8", "layout", "fp8", str, "none | " + " | ".join(FP8_RECIPES) + ": the blocks' linear layers' matmuls in "
+     "float8 on torchao's recipe (tensorwise: a scale per tensor; rowwise: per row), with whole tensors' scales in "
+     "every layout (needs pip install 'meshtrain[fp8]'; docs/fp8.md)"),
+    ("--fp8-emulate", "layout", "fp8_emulate", bool, "with --fp8: torchao's emulation of the fp8 matmuls, for a "
+     "device without them (CPU; GPUs before compute capability 8.9): the same numerics, slower than fp32"),
+    ("--fp8-min-features", "layout", "fp8_min_features", int, "with --fp8: the smallest side (in or out features) "
+     "of a linear layer it converts (default 1024; smaller ones lose to their casts; both sides must be multiples "
+     "of 16)"),
     ("--stage-layers", "layout", "stage_layers", str, "blocks per pipeline (virtual) stage, e.g. 3,3,2 "
      "(default: as even as possible)"),
     ("--steps", "train", "steps", int, "optimizer steps"),

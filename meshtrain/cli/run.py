@@ -81,6 +81,7 @@ def run(args, argv: list[str], rank_function=None) -> int:
         if ft.launches_groups(cfg, renv):  # R groups of the layout on this host
             local_world *= cfg.ft.replicas
         device = launch.choose_device(cfg.train.device, local_rank, local_world)
+        _check_fp8(cfg, device)
         if device.type == "cpu":
             if args.search_plan is not PENDING:
                 _check_build_fits_the_host(cfg, local_world)
@@ -202,6 +203,32 @@ def _check_command(cfg: C.Config, args) -> None:
         if args.vs == "torch-pp" and (lay.pp < 2 or lay.dp > 1 or lay.tp > 1 or cfg.model.name == "mlp"):
             raise C.ConfigError("bench --vs torch-pp compares pipeline parallelism of a GPT alone; use --pp 2 or more, "
                                 "--dp 1 and --tp 1")
+
+
+def _check_fp8(cfg: C.Config, device) -> None:
+    """--fp8 on this device (emulated, or fp8 matmuls present), and a preset with a linear
+    layer it converts (its structure built on meta; a user's model is checked where it is built)."""
+    options = cfg.layout.fp8_options()
+    if options is None:
+        return
+    import torch
+    from meshtrain.parallel.expert_load import expert_routers
+    from meshtrain.parallel.fp8 import fp8_layer_names, fp8_problem
+    from meshtrain.recipes.build import preset_recipe
+    problem = fp8_problem(device, options.emulate)
+    if problem:
+        raise C.ConfigError(problem)
+    if is_user_model(cfg.model.name):
+        return
+    m = cfg.model
+    recipe = preset_recipe(m.name, dropout=m.dropout, attention=m.attention, mlp_hidden=m.mlp_hidden,
+                           moe=m.moe_options())
+    with torch.device("meta"):
+        model = recipe.make_model()
+    try:
+        fp8_layer_names(model, options, recipe.pipeline.blocks if recipe.pipeline else None, expert_routers(model))
+    except ValueError as e:
+        raise C.ConfigError(f"{e} ({m.name})") from None
 
 
 def _check_build_fits_the_host(cfg: C.Config, local_ranks: int) -> None:

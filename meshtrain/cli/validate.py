@@ -8,6 +8,7 @@ No torch import here: a bad flag must fail in a fraction of a second."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 from pathlib import Path
@@ -16,7 +17,7 @@ from meshtrain.cli.config import (ATTENTIONS, BUILTIN_DATA, DEVICES, Config, Con
                                   fill_dp, flag_of, strict_p2p_requested)
 from meshtrain.data.corpus import DataError
 from meshtrain.hf import HFError, read_config, spec_from_config, weight_files
-from meshtrain.parallel.options import (COMPILE_BACKENDS, CP_MODES, GRAD_DTYPES, LINEAR_SYNCS, PRECISIONS, SCHEDULES,
+from meshtrain.parallel.options import (COMPILE_BACKENDS, CP_MODES, FP8_RECIPES, GRAD_DTYPES, LINEAR_SYNCS, PRECISIONS, SCHEDULES,
                                        expert_problem, parse_recompute, schedule_or_batch_problem)
 from meshtrain.recipe import is_user_model
 from meshtrain.recipes import PRESETS, PUBLISHED, add_preset, family_of, is_preset, is_published, parse_widths
@@ -181,6 +182,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     if lay.dp_linear_sync == "allgather" and (lay.zero or lay.tp > 1 or lay.pp > 1):
         raise ConfigError("--dp-linear-sync allgather is built for plain data parallelism (with micro-batches), "
                           "not yet with --zero, --tp or --pp; use --dp-linear-sync allreduce")
+    _validate_fp8(cfg)
     if lay.keep_gathered and lay.zero != 3:
         raise ConfigError("--keep-gathered applies to --zero 3 (the only stage that frees parameters); drop it")
     if world_size is not None and world_size != lay.world_size:
@@ -340,6 +342,31 @@ def _validate_pipeline(cfg: Config, spec) -> None:
         if len(counts) != lay.pp * lay.chunks or sum(counts) != blocks or min(counts) < 1:
             raise ConfigError(f"--stage-layers {lay.stage_layers}: give pp×chunks = {lay.pp * lay.chunks} positive "
                               f"counts that sum to the {blocks} blocks of {name}")
+
+
+def _validate_fp8(cfg: Config) -> None:
+    """--fp8 and its two options: a recipe, torchao installed, a schedule and a linear-layer
+    sync that leave the linear layers' matmuls to it. (The device and the layers it converts
+    are checked where the model is built: `parallel/fp8.py`.)"""
+    lay = cfg.layout
+    if lay.fp8 == "none":
+        for field, flag in (("fp8_emulate", "--fp8-emulate"), ("fp8_min_features", "--fp8-min-features")):
+            if getattr(lay, field) != getattr(LayoutConfig, field):
+                raise ConfigError(f"{flag} applies to --fp8; add --fp8 tensorwise or rowwise, or drop {flag}")
+        return
+    if lay.fp8 not in FP8_RECIPES:
+        raise ConfigError(f"unknown fp8 recipe '{lay.fp8}'; use --fp8 {' | '.join(('none',) + FP8_RECIPES)}")
+    if lay.fp8_min_features < 1:
+        raise ConfigError(f"--fp8-min-features {lay.fp8_min_features}: must be a positive integer")
+    if importlib.util.find_spec("torchao") is None:
+        raise ConfigError("--fp8 needs torchao, which is not installed: pip install 'meshtrain[fp8]' (or train "
+                          "without --fp8)")
+    if lay.schedule == "zb" and lay.pp > 1:
+        raise ConfigError("--fp8 with --schedule zb: the zero-bubble split backward forms the linear layers' weight "
+                          "gradients itself, in high precision; use --schedule 1f1b, gpipe or interleaved")
+    if lay.dp_linear_sync != "allreduce":
+        raise ConfigError(f"--fp8 with --dp-linear-sync {lay.dp_linear_sync}: the all-gather path forms the linear "
+                          "layers' weight gradients itself, in high precision; use --dp-linear-sync allreduce")
 
 
 def _reject_unbuilt(lay: LayoutConfig, tr: TrainConfig) -> None:

@@ -30,6 +30,7 @@ from meshtrain.parallel.materialize import InitSpec, cast_keeping_state_fp32, ma
 from meshtrain.optim import FULL_SHAPE, OptimizerFactory, check_optimizer, keep_grad_views, optimizer_from
 from meshtrain.parallel.data import DataParallel
 from meshtrain.parallel.dropout import DropoutKeys, FunctionalDropout, seed_dropout, split_over_cp
+from meshtrain.parallel.fp8 import apply_fp8, fp8_layer_names, fp8_problem
 from meshtrain.parallel.options import Strategies
 from meshtrain.parallel.linear_gather import LinearGather, choose_linear_syncs
 from meshtrain.parallel.pipeline.engine import PipelineRunner
@@ -258,6 +259,11 @@ def parallelize(model: nn.Module, comm: Comm, options: Strategies, *, optimizer:
     balancing = balancing_layers(model)
     ignore_index = getattr(loss_fn, "ignore_index", -100)  # the target a vocabulary-parallel loss skips
     n_params = sum(p.numel() for p in model.parameters())
+    # The linear layers fp8 converts, chosen on the plain model: the same set in every layout.
+    if options.fp8 is not None and (problem := fp8_problem(mesh.device, options.fp8.emulate)):
+        raise ValueError(problem)
+    fp8_names = fp8_layer_names(model, options.fp8, pipeline.blocks if pipeline is not None else None, routers) \
+        if options.fp8 is not None else []
     check_optimizer(factory, model, elementwise=bool(options.zero and mesh.size("dp") > 1) or mesh.size("tp") > 1)
     # Mixed precision first: every strategy below then holds, sends and shards bf16 tensors.
     compute_dtype = COMPUTE_DTYPES[options.precision]
@@ -304,6 +310,10 @@ def parallelize(model: nn.Module, comm: Comm, options: Strategies, *, optimizer:
                                         max_load=options.ep_max_load)
         mine = {id(q) for q in model.parameters()}
         whole = [q for q in whole if id(q) in mine]  # the experts it replaced are summed over edp instead
+    # FP8: the chosen linear layers' matmuls in float8, with the scales of whole tensors over
+    # the axes that split them (after tensor, context and expert parallelism made the parts).
+    if options.fp8 is not None:
+        apply_fp8(model, fp8_names, options.fp8, comm, sp=options.sp)
     # Zero-bubble: the stage's linear layers (as the plan made them) keep their weight
     # gradients for the weight pass.
     if mesh.size("pp") > 1 and options.schedule == "zb":
@@ -320,7 +330,8 @@ def parallelize(model: nn.Module, comm: Comm, options: Strategies, *, optimizer:
         compile_blocks([b for run in runs for b in run], options.compile)
     # Activation checkpointing.
     if options.recompute != "none":
-        apply_recompute(runs, options.recompute, keys, mlp_chunks=options.compile is None)
+        # (an MLP in row chunks would give fp8 two scales where one process has one)
+        apply_recompute(runs, options.recompute, keys, mlp_chunks=options.compile is None and options.fp8 is None)
     # Gradients in the compute dtype, or (grad_dtype fp32) in fp32 buffers apart from the
     # bf16 tensors, which the fp32 masters then hold as their `.grad`.
     grad_dtype = torch.float32 if options.grad_dtype == "fp32" else compute_dtype

@@ -17,6 +17,10 @@ GRAD_DTYPES = ("compute", "fp32")
 LINEAR_SYNCS = ("allreduce", "allgather", "auto")
 CP_MODES = ("ring", "ulysses")  # context parallelism's attention
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
+FP8_RECIPES = ("tensorwise", "rowwise")  # torchao's float8 training recipes (`parallel/fp8.py`)
+# Below this many features on either side torchao's H100 tables show an fp8 matmul losing to
+# its casts (its own auto filter skips layers of 1,024 or fewer output features).
+FP8_MIN_FEATURES = 1024
 
 
 class ConfigError(ValueError):
@@ -35,6 +39,32 @@ class CompileOptions:
     def __post_init__(self):
         if self.backend not in COMPILE_BACKENDS:
             raise ValueError(f"compile backend {self.backend!r}: use {', '.join(COMPILE_BACKENDS)}")
+
+
+@dataclass(frozen=True)
+class Fp8Options:
+    """The blocks' linear layers' matmuls in float8 (`parallel/fp8.py`). `recipe`:
+    "tensorwise" or "rowwise" (torchao's); `emulate`: torchao's emulation (a CPU, or a GPU
+    without fp8 matmuls: the same numerics, slower than fp32); `min_features`: the smallest
+    side a converted layer may have."""
+    recipe: str = "tensorwise"
+    emulate: bool = False
+    min_features: int = FP8_MIN_FEATURES
+
+    def __post_init__(self):
+        if self.recipe not in FP8_RECIPES:
+            raise ValueError(f"fp8 recipe {self.recipe!r}: use {' or '.join(FP8_RECIPES)}")
+        if not isinstance(self.min_features, int) or self.min_features < 1:
+            raise ValueError(f"fp8 min_features={self.min_features!r}: use an integer ≥ 1")
+
+    @classmethod
+    def of(cls, fp8) -> "Fp8Options | None":
+        """`parallelize(fp8=...)`'s argument as options: None, a recipe's name, or options."""
+        if fp8 is None or isinstance(fp8, cls):
+            return fp8
+        if isinstance(fp8, str):
+            return cls(fp8)
+        raise TypeError(f"fp8={fp8!r}: pass 'tensorwise', 'rowwise' or meshtrain.Fp8Options(...)")
 
 
 @dataclass(frozen=True)
@@ -65,6 +95,7 @@ class Strategies:
     cp_mode: str = "ring"
     compile: CompileOptions | None = None  # each block's forward compiled (None: eager)
     ep_max_load: float | None = None  # the most rows an ep rank may receive, × the balanced share (None: no bound)
+    fp8: Fp8Options | None = None  # the blocks' linear layers' matmuls in float8 (None: not)
 
     def __post_init__(self):
         checks = [("zero", self.zero in (0, 1, 2, 3), "0, 1, 2 or 3"),
@@ -80,6 +111,12 @@ class Strategies:
         for name, ok, allowed in checks:
             if not ok:
                 raise ValueError(f"{name}={getattr(self, name)!r}: use {allowed}")
+        if self.fp8 is not None and self.schedule == "zb":
+            raise ValueError("fp8 with the zero-bubble schedule: its split backward computes the linear layers' weight "
+                             "gradients itself, in high precision; use schedule 1f1b, gpipe or interleaved")
+        if self.fp8 is not None and self.dp_linear_sync != "allreduce":
+            raise ValueError(f"fp8 with dp_linear_sync={self.dp_linear_sync!r}: the all-gather path forms the linear "
+                             "layers' weight gradients itself, in high precision; use dp_linear_sync='allreduce'")
         try:
             parse_recompute(self.recompute)
         except ValueError:
@@ -128,6 +165,9 @@ class Layout:
     compile: bool = False  # each block's forward compiled by torch.compile
     compile_backend: str = "inductor"
     ep_max_load: float | None = None  # expert parallelism: the bound on the rows a rank receives (× balanced)
+    fp8: str = "none"  # none | tensorwise | rowwise: the blocks' linear layers' matmuls in float8 (torchao)
+    fp8_emulate: bool = False  # torchao's emulation of the fp8 matmuls (a device without them: CPU)
+    fp8_min_features: int = FP8_MIN_FEATURES  # the smallest side of a linear layer --fp8 converts
 
     def stage_layer_counts(self) -> list[int] | None:
         return [int(n) for n in self.stage_layers.split(",")] if self.stage_layers else None
@@ -144,8 +184,15 @@ class Layout:
         cp = f" cp={self.cp} {self.cp_mode}" if self.cp > 1 else ""
         compiled = f" compile={self.compile_backend}" if self.compile else ""
         ep = f" ep={self.ep}" if self.ep > 1 else ""
+        fp8 = f" fp8={self.fp8}" if self.fp8 != "none" else ""
         return (f"dp={self.dp}{zero}{cp}{ep} tp={self.tp}{sp} pp={self.pp}{pp} microbatches={self.microbatches} "
-                f"{self.precision}{compiled}")
+                f"{self.precision}{fp8}{compiled}")
+
+    def fp8_options(self):
+        """`--fp8`'s options (`parallel.fp8.Fp8Options`), or None without it."""
+        if self.fp8 == "none":
+            return None
+        return Fp8Options(self.fp8, emulate=self.fp8_emulate, min_features=self.fp8_min_features)
 
     def strategies(self, strict_p2p: bool = False) -> Strategies:
         """The strategies' own options for this layout (the axis sizes live on the mesh)."""
@@ -156,12 +203,12 @@ class Layout:
                           bucket_mb=self.bucket_mb, keep_gathered=self.keep_gathered,
                           dp_linear_sync=self.dp_linear_sync, strict_p2p=strict_p2p, cp_mode=self.cp_mode,
                           compile=CompileOptions(self.compile_backend) if self.compile else None,
-                          ep_max_load=self.ep_max_load)
+                          ep_max_load=self.ep_max_load, fp8=self.fp8_options())
 
     def summary(self) -> dict:
         """The `layout` object of the JSON contract."""
         keys = ("dp", "tp", "pp", "zero", "sp", "schedule", "microbatches", "recompute", "precision", "cp", "cp_mode",
-                "compile", "ep")
+                "compile", "ep", "fp8")
         return {k: getattr(self, k) for k in keys}
 
 

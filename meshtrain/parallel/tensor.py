@@ -42,6 +42,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from meshtrain.comm import Comm
+from meshtrain.parallel.fp8 import linear
 from meshtrain.parallel.modules import replace_submodule
 from meshtrain.parallel.materialize import is_placeholder, placeholder
 from meshtrain.parallel.dropout import SeededDropout
@@ -150,7 +151,10 @@ def _own_copy(t: torch.Tensor) -> torch.Tensor:
 
 
 class ColumnParallelLinear(nn.Module):
-    """y_i = x A_iᵀ + b_i: rows of the weight (output features) and the bias split over tp."""
+    """y_i = x A_iᵀ + b_i: rows of the weight (output features) and the bias split over tp
+    (the matmul in float8 once `fp8` is set: `parallel/fp8.py`)."""
+
+    fp8 = None
 
     def __init__(self, full: nn.Linear, comm: Comm):
         super().__init__()
@@ -163,7 +167,7 @@ class ColumnParallelLinear(nn.Module):
             set_shard(self.bias, TP, 0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.fp8)
 
 
 class FusedColumnParallelLinear(ColumnParallelLinear):
@@ -194,6 +198,8 @@ class RowParallelLinear(nn.Module):
     partial products summed over tp (reduce-scattered along the sequence under SP); the
     bias, whole on every rank, added once after the sum."""
 
+    fp8 = None  # the matmul's float8 casts (`parallel/fp8.py`)
+
     def __init__(self, full: nn.Linear, comm: Comm, sp: bool):
         super().__init__()
         self.comm, self.sp = comm, sp
@@ -203,7 +209,7 @@ class RowParallelLinear(nn.Module):
         self.bias = nn.Parameter(_own_copy(full.bias.detach())) if full.bias is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = _reduce_output(F.linear(x, self.weight), self.comm, self.sp)
+        y = _reduce_output(linear(x, self.weight, None, self.fp8), self.comm, self.sp)
         return y + self.bias if self.bias is not None else y
 
 
