@@ -77,7 +77,10 @@ def keep_grad_views(optimizer: torch.optim.Optimizer, zero_buffers: Callable[[],
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
     for group in optimizer.param_groups:
-        group["lr"] = lr
+        if torch.is_tensor(group["lr"]):  # a tensor learning rate (torchao's) changes in place
+            group["lr"].fill_(lr)
+        else:
+            group["lr"] = lr
 
 
 def by_device_and_dtype(tensors) -> list[list[torch.Tensor]]:
@@ -222,7 +225,9 @@ def check_optimizer(factory: OptimizerFactory, model: nn.Module, *, elementwise:
             setattr(t, FULL_SHAPE, tuple(p.shape))
             stand_ins.append((name, t))
     optimizer = optimizer_from(factory, stand_ins)
-    if elementwise and not isinstance(optimizer, ELEMENTWISE):
+    # (a low-bit optimizer's blocks are laid out by ZeRO and checked against tp's shards:
+    # `lowbit.py`, `parallel/state_blocks.py`)
+    if elementwise and not isinstance(optimizer, ELEMENTWISE) and getattr(factory, "state_block", None) is None:
         allowed = ", ".join(c.__name__ for c in ELEMENTWISE)
         raise ValueError(f"optimizer: {type(optimizer).__name__} does not step each element on its own, so it cannot "
                          f"step ZeRO's or tensor parallelism's pieces of a tensor as it would the whole; use one of "

@@ -158,12 +158,20 @@ def setup(cfg: Config, comm: Comm, *, measure_memory: bool = True, **sync_option
         model, init = _model_and_init(cfg, recipe)
         loss_fn = cross_entropy if recipe.loss_fn == "cross_entropy" else recipe.loss_fn
         normalizer = loss_terms_per_step(cfg) if recipe.loss_reduction == "sum" else None
-        job = parallelize(model, comm.mesh, optimizer=recipe.optimizer or adamw(tr.lr, tr.weight_decay),
+        job = parallelize(model, comm.mesh, optimizer=recipe.optimizer or optimizer_factory(tr),
                           loss_fn=loss_fn, loss_reduction=recipe.loss_reduction, normalizer=normalizer, init=init,
                           tp_plan=recipe.tp_plan if cfg.layout.tp > 1 else None, pipeline=recipe.pipeline,
                           wrap=recipe.wrap, lr_scheduler=recipe.lr_scheduler, **_layout_arguments(cfg, sync_options))
     job.parallel.build_peak_bytes = meter.peak if meter is not None else None
     return data, job
+
+
+def optimizer_factory(tr):
+    """--optimizer's factory: AdamW, or torchao's low-bit AdamW, with --lr and --weight-decay."""
+    if tr.optimizer == "adamw":
+        return adamw(tr.lr, tr.weight_decay)
+    from meshtrain.lowbit import low_bit_adamw
+    return low_bit_adamw(tr.optimizer, tr.lr, tr.weight_decay)
 
 
 def _model_and_init(cfg: Config, recipe: Recipe):

@@ -28,6 +28,7 @@ from meshtrain.checkpoint import dcp, folders
 from meshtrain.checkpoint.boxes import Box, boxes
 from meshtrain.checkpoint.dcp import Boxed
 from meshtrain.checkpoint.folders import CheckpointError, CorruptCheckpoint, decide, first_problem
+from meshtrain.lowbit import readable_state
 from meshtrain.parallel.state import persistent_buffers
 
 STATE = "state.json"
@@ -55,7 +56,7 @@ def saved_state(parallel) -> dict[str, Boxed]:
     state: dict[str, Boxed] = {}
     for h in parallel.holdings.checkpointed():
         _add(state, _model(h.name), h.shape, h.tensor.dtype, boxes(h.tensor, h.where, h.shape))
-        for key, v in parallel.optimizer.state.get(h.tensor, {}).items():
+        for key, v in readable_state(parallel.optimizer, h.tensor).items():
             if not torch.is_tensor(v):
                 continue
             if v.dim() > 0 and v.shape == h.tensor.shape:  # per element: placed as its parameter

@@ -434,7 +434,8 @@ def _run_here(cfg, args, renv, device) -> int:
         mesh = (Mesh.build(cfg.layout.pp, cfg.layout.dp, cfg.layout.tp, device, cp=cfg.layout.cp, ep=cfg.layout.ep)
                 if renv is not None else Mesh.single(device))
         after = _COMMANDS[args.command](cfg, Comm(mesh), args)
-    except (CheckpointError, RunRefused, NonFinite, Preempted, LoadOverBound, SearchRefused) as e:  # every rank alike
+    except (CheckpointError, RunRefused, NonFinite, Preempted, LoadOverBound, SearchRefused,
+            C.ConfigError) as e:  # every rank alike (a strategy's refusal of the layout: C.ConfigError)
         if (mesh.is_main if mesh is not None else renv is None or renv.rank == 0):
             print(f"meshtrain: {'' if isinstance(e, Preempted) else 'error: '}{e}", file=sys.stderr)
         code = {NonFinite: 3, Preempted: 0}.get(type(e), 2)

@@ -17,7 +17,7 @@ from meshtrain.cli.config import (ATTENTIONS, BUILTIN_DATA, DEVICES, Config, Con
                                   fill_dp, flag_of, strict_p2p_requested)
 from meshtrain.data.corpus import DataError
 from meshtrain.hf import HFError, read_config, spec_from_config, weight_files
-from meshtrain.parallel.options import (COMPILE_BACKENDS, CP_MODES, FP8_RECIPES, GRAD_DTYPES, LINEAR_SYNCS, PRECISIONS, SCHEDULES,
+from meshtrain.parallel.options import (COMPILE_BACKENDS, CP_MODES, FP8_RECIPES, OPTIMIZERS, GRAD_DTYPES, LINEAR_SYNCS, PRECISIONS, SCHEDULES,
                                        expert_problem, parse_recompute, schedule_or_batch_problem)
 from meshtrain.recipe import is_user_model
 from meshtrain.recipes import PRESETS, PUBLISHED, add_preset, family_of, is_preset, is_published, parse_widths
@@ -183,6 +183,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         raise ConfigError("--dp-linear-sync allgather is built for plain data parallelism (with micro-batches), "
                           "not yet with --zero, --tp or --pp; use --dp-linear-sync allreduce")
     _validate_fp8(cfg)
+    _validate_optimizer(cfg)
     if lay.keep_gathered and lay.zero != 3:
         raise ConfigError("--keep-gathered applies to --zero 3 (the only stage that frees parameters); drop it")
     if world_size is not None and world_size != lay.world_size:
@@ -342,6 +343,16 @@ def _validate_pipeline(cfg: Config, spec) -> None:
         if len(counts) != lay.pp * lay.chunks or sum(counts) != blocks or min(counts) < 1:
             raise ConfigError(f"--stage-layers {lay.stage_layers}: give pp×chunks = {lay.pp * lay.chunks} positive "
                               f"counts that sum to the {blocks} blocks of {name}")
+
+
+def _validate_optimizer(cfg: Config) -> None:
+    """--optimizer: a known one; torchao installed for a low-bit one."""
+    name = cfg.train.optimizer
+    if name not in OPTIMIZERS:
+        raise ConfigError(f"unknown optimizer '{name}'; use --optimizer {' | '.join(OPTIMIZERS)}")
+    if name != "adamw" and importlib.util.find_spec("torchao") is None:
+        raise ConfigError(f"--optimizer {name} is torchao's, which is not installed: pip install 'meshtrain[fp8]' "
+                          f"(or use --optimizer adamw)")
 
 
 def _validate_fp8(cfg: Config) -> None:

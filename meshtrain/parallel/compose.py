@@ -31,7 +31,7 @@ from meshtrain.optim import FULL_SHAPE, OptimizerFactory, check_optimizer, keep_
 from meshtrain.parallel.data import DataParallel
 from meshtrain.parallel.dropout import DropoutKeys, FunctionalDropout, seed_dropout, split_over_cp
 from meshtrain.parallel.fp8 import apply_fp8, fp8_layer_names, fp8_problem
-from meshtrain.parallel.options import Strategies
+from meshtrain.parallel.options import ConfigError, Strategies
 from meshtrain.parallel.linear_gather import LinearGather, choose_linear_syncs
 from meshtrain.parallel.pipeline.engine import PipelineRunner
 from meshtrain.parallel.pipeline.schedules import schedule
@@ -41,6 +41,7 @@ from meshtrain.parallel.compile import compile_blocks
 from meshtrain.parallel.context import apply_context_parallel
 from meshtrain.parallel.recompute import apply_recompute
 from meshtrain.parallel.runner import PlainRunner
+from meshtrain.parallel.state_blocks import check_state_blocks
 from meshtrain.parallel.state import (PIECE_BYTES, Entry, ParamHoldings, Piece, batches_of, full_shape, is_collector,
                                       persistent_buffers, shard_index)
 from meshtrain.parallel.tensor import TensorParallelSync, TensorPlan, apply_plan, vocab_parallel_cross_entropy_sum
@@ -261,7 +262,7 @@ def parallelize(model: nn.Module, comm: Comm, options: Strategies, *, optimizer:
     n_params = sum(p.numel() for p in model.parameters())
     # The linear layers fp8 converts, chosen on the plain model: the same set in every layout.
     if options.fp8 is not None and (problem := fp8_problem(mesh.device, options.fp8.emulate)):
-        raise ValueError(problem)
+        raise ConfigError(problem)
     fp8_names = fp8_layer_names(model, options.fp8, pipeline.blocks if pipeline is not None else None, routers) \
         if options.fp8 is not None else []
     check_optimizer(factory, model, elementwise=bool(options.zero and mesh.size("dp") > 1) or mesh.size("tp") > 1)
@@ -314,6 +315,9 @@ def parallelize(model: nn.Module, comm: Comm, options: Strategies, *, optimizer:
     # the axes that split them (after tensor, context and expert parallelism made the parts).
     if options.fp8 is not None:
         apply_fp8(model, fp8_names, options.fp8, comm, sp=options.sp)
+    # A low-bit optimizer's blocks: each tensor-parallel or expert shard whole blocks of its tensor.
+    if getattr(factory, "state_block", None):
+        check_state_blocks(model, factory.state_block, comm)
     # Zero-bubble: the stage's linear layers (as the plan made them) keep their weight
     # gradients for the weight pass.
     if mesh.size("pp") > 1 and options.schedule == "zb":
@@ -354,7 +358,7 @@ def parallelize(model: nn.Module, comm: Comm, options: Strategies, *, optimizer:
         chunks = [len(ids) for ids in stage.block_ids] if mesh.size("pp") > 1 else None
         shared = dict(bucket_mb=options.bucket_mb, grad_dtype=grad_dtype, reshard_after_forward=not options.keep_gathered,
                       blocks=wrap or (pipeline.blocks if pipeline is not None else None), draw=draw,
-                      init_fingerprint=fingerprint)
+                      init_fingerprint=fingerprint, align=getattr(factory, "state_block", None) or 1)
         sync = zero = Zero(model, comm, options.zero, runs=chunks, params=dense, **shared, **dp_options)
         zeros = [zero]
         if experts:

@@ -28,18 +28,20 @@ class FlatGroup:
     """Parameters flattened into one buffer of n·S elements, of which this rank owns [lo, hi)."""
 
     def __init__(self, index: int, label: str, named: list[tuple[str, nn.Parameter]], comm: Comm, axis: str,
-                 keep_full: bool, draw: Callable[[str, nn.Parameter], torch.Tensor] | None = None):
+                 keep_full: bool, draw: Callable[[str, nn.Parameter], torch.Tensor] | None = None, align: int = 1):
         """`draw(name, p)`: this rank's values of a placeholder parameter (`parallel.materialize`),
-        drawn as the group is built, so no rank holds more than its part plus one parameter."""
+        drawn as the group is built, so no rank holds more than its part plus one parameter.
+        `align`: every parameter and every shard starts at a multiple of it (a low-bit
+        optimizer's block: each piece is then whole blocks of its parameter), zeros between."""
         self.index, self.label = index, label
         self.names, self.params = [n for n, _ in named], [p for _, p in named]
         self.shapes = [p.shape for p in self.params]
         self.offsets, total = [], 0
         for p in self.params:
             self.offsets.append(total)
-            total += p.numel()
+            total += -(-p.numel() // align) * align
         n = comm.mesh.size(axis)
-        self.shard_size = -(-total // n)
+        self.shard_size = -(-total // (n * align)) * align
         self.padded = n * self.shard_size
         self.lo = comm.mesh.coord(axis) * self.shard_size
         self.hi = self.lo + self.shard_size

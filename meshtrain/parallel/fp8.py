@@ -23,7 +23,6 @@ mixture of experts' router (its scores choose the experts), with both sides mult
 from __future__ import annotations
 
 import dataclasses
-import logging
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -33,31 +32,20 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from meshtrain.parallel.modules import find_block_list, replace_submodule
-from meshtrain.parallel.options import Fp8Options
+from meshtrain.parallel.options import ConfigError, Fp8Options
+from meshtrain.torchao_import import import_torchao
 
 FP8_ALIGN = 16  # both sides of an fp8 matmul's operands are multiples of this (torch._scaled_mm)
 PURPOSE = "fp8"  # the scales' all-reduces, counted apart from each axis's traffic
 
 
 @lru_cache(maxsize=None)
-def torchao_float8():
-    """torchao's float8 modules, imported once with their import-time messages quieted (the
-    CUDA kernels a CPU build cannot load, a deprecation inside torch). ImportError, with the
-    extra to install, when torchao is missing."""
-    quiet = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
-    levels = [q.level for q in quiet]
-    for q in quiet:
-        q.setLevel(logging.ERROR)
-    try:
-        import torchao.float8 as float8
-        from torchao.float8 import config, float8_linear, float8_training_tensor, float8_utils
-    except ImportError as e:
-        raise ImportError("fp8 needs torchao: pip install 'meshtrain[fp8]'") from e
-    finally:
-        for q, level in zip(quiet, levels):
-            q.setLevel(level)
-    return dict(float8=float8, config=config, linear=float8_linear, tensor=float8_training_tensor,
-                utils=float8_utils)
+def torchao_float8() -> dict:
+    """torchao's float8 modules (imported once, quietly; ImportError naming the extra)."""
+    config, linear, tensor, utils = import_torchao("torchao.float8.config", "torchao.float8.float8_linear",
+                                                   "torchao.float8.float8_training_tensor",
+                                                   "torchao.float8.float8_utils")
+    return dict(config=config, linear=linear, tensor=tensor, utils=utils)
 
 
 def fp8_problem(device: torch.device, emulate: bool) -> str | None:
@@ -80,7 +68,7 @@ def fp8_problem(device: torch.device, emulate: bool) -> str | None:
 def fp8_layer_names(model: nn.Module, options: Fp8Options, blocks: str | None = None,
                     routers=()) -> list[str]:
     """The linear layers `options` converts, by name, on the plain model (see the module's
-    docstring); ValueError (one line) when none qualifies."""
+    docstring); `ConfigError` (one line) when none qualifies."""
     prefix, block_list = find_block_list(model, blocks)
     inside = [(f"{prefix}.{n}" if prefix else n, m) for n, m in block_list.named_modules()]
     linears = [(n, m) for n, m in inside if isinstance(m, nn.Linear)
@@ -90,7 +78,7 @@ def fp8_layer_names(model: nn.Module, options: Fp8Options, blocks: str | None = 
         sizes = sorted(((m.in_features, m.out_features) for _, m in linears), key=lambda s: (min(s), max(s)),
                        reverse=True)
         largest = f"the largest is {sizes[0][0]}×{sizes[0][1]}" if sizes else "its blocks hold no nn.Linear"
-        raise ValueError(f"--fp8: no linear layer in the model's blocks has both sides multiples of {FP8_ALIGN} and at "
+        raise ConfigError(f"--fp8: no linear layer in the model's blocks has both sides multiples of {FP8_ALIGN} and at "
                          f"least {options.min_features} features ({largest}); lower --fp8-min-features "
                          f"(fp8_min_features), or train without --fp8")
     return chosen

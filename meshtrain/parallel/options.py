@@ -21,6 +21,10 @@ FP8_RECIPES = ("tensorwise", "rowwise")  # torchao's float8 training recipes (`p
 # Below this many features on either side torchao's H100 tables show an fp8 matmul losing to
 # its casts (its own auto filter skips layers of 1,024 or fewer output features).
 FP8_MIN_FEATURES = 1024
+# torchao's low-bit AdamW (`meshtrain/lowbit.py`): --optimizer name -> (its class, the block of
+# elements that shares one scale)
+LOW_BIT_OPTIMIZERS = {"adamw8bit": ("AdamW8bit", 256), "adamw4bit": ("AdamW4bit", 128), "adamwfp8": ("AdamWFp8", 256)}
+OPTIMIZERS = ("adamw", *LOW_BIT_OPTIMIZERS)
 
 
 class ConfigError(ValueError):

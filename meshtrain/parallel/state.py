@@ -19,6 +19,7 @@ import torch
 import torch.nn as nn
 
 from meshtrain.comm import METRICS, Comm
+from meshtrain.lowbit import held_bytes, is_low_bit, readable_state
 from meshtrain.optim import SHARDED_OVER, local_tensor, zero_
 from meshtrain.parallel.precision import grad_holder, grad_of, master_bytes, master_of
 
@@ -357,7 +358,7 @@ class ParamHoldings:
                 if t is not None:
                     out.append((Entry(n, None, full_shape(p, self.comm), t.dtype), t, spec))
             else:
-                for key, v in self.optimizer.state.get(master_of(self.optimizer, p), {}).items():
+                for key, v in readable_state(self.optimizer, master_of(self.optimizer, p)).items():
                     if torch.is_tensor(v):
                         whole = _is_per_element(v, p)
                         out.append((Entry(n, key, full_shape(p, self.comm) if whole else tuple(v.shape), v.dtype), v,
@@ -442,6 +443,7 @@ def model_state_bytes(params, optimizer: torch.optim.Optimizer, *, grads=None, m
     states = [v for st in optimizer.state.values() for v in st.values()
               if torch.is_tensor(v) and v.dim() > 0]  # skip Adam's scalar step counters
     grads = [p.grad for p in params] if grads is None else grads
+    low_bit = sum(held_bytes(v) for v in states if is_low_bit(v))  # codes, scales and code map
     parts = {"params": tensor_bytes(params), "grads": tensor_bytes(grads), "master": master,
-             "optimizer": tensor_bytes(states), "gathered": gathered}
+             "optimizer": tensor_bytes(v for v in states if not is_low_bit(v)) + low_bit, "gathered": gathered}
     return {"total": sum(parts.values()), **parts}

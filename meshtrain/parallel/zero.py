@@ -79,12 +79,14 @@ class Zero:
                  blocks: str | None = None, reshard_after_forward: bool = True,
                  on_event: Callable[[str, int], None] | None = None, grad_dtype: torch.dtype | None = None,
                  runs: list[int] | None = None, draw: Callable[[str, nn.Parameter], torch.Tensor] | None = None,
-                 init_fingerprint: int | None = None, params: list[tuple[str, nn.Parameter]] | None = None):
+                 init_fingerprint: int | None = None, params: list[tuple[str, nn.Parameter]] | None = None,
+                 align: int = 1):
         """`draw`, `init_fingerprint`: the parameters are placeholders, drawn as their groups
         are built (`FlatGroup`), from an init spec the replicas are checked to share.
         `params`: the (name, parameter) pairs this instance shards (default: all the model's
         that require gradients; expert parallelism shards the experts' over their own
-        replicas, edp, in a second instance)."""
+        replicas, edp, in a second instance). `align`: where parameters and shards start in
+        the flat groups (a low-bit optimizer's block, `FlatGroup`)."""
         if stage not in (1, 2, 3):
             raise ValueError(f"ZeRO stage {stage}: use 1, 2 or 3")
         self.comm, self.stage, self.axis = comm, stage, axis
@@ -102,7 +104,7 @@ class Zero:
         self._expected: tuple[bool, int] | None = None  # the next instruction (`expect`), under pipelines
         check_replicas_agree(comm, axis, named, [g for _, g, _ in grouped], init_fingerprint)
         self.groups = [FlatGroup(i, label, [(name_of[p], p) for p in params], comm, axis, keep_full=stage < 3,
-                                 draw=draw)
+                                 draw=draw, align=align)
                        for i, (label, params, _) in enumerate(grouped)]
         self._group_of = {p: g for g in self.groups for p in g.params}
         self.grad_dtype = grad_dtype or self.groups[0].shard.dtype

@@ -8,6 +8,7 @@ import torch
 import torch.nn as nn
 
 from meshtrain.comm import METRICS, Comm
+from meshtrain.lowbit import readable_state
 from meshtrain.parallel.precision import grad_holder, grad_of, master_bytes, master_of
 from meshtrain.optim import full_shape as optimizer_full_shape
 from meshtrain.parallel.state import (SHARD, Entry, Held, Piece, Where, assemble_batched, batches_of, buffer_entries,
@@ -73,15 +74,16 @@ class ZeroHoldings:
             return master_of(self.optimizer, value)
         if kind == "grads":
             return self.zero.piece_grads[value]
-        return self.optimizer.state.get(master_of(self.optimizer, value), {}).get(key)
+        return readable_state(self.optimizer, master_of(self.optimizer, value)).get(key)
 
     def _keys(self) -> list[tuple[str, tuple | None, torch.dtype]]:
         """The optimizer state's keys, alike on every rank: each with None for a per-element
         state (the parameter's shape) or its own shape (Adam's step), and its dtype."""
-        first = next(iter(self.optimizer.state.values()), None)
+        first = next(iter(self.optimizer.state), None)
         if first is None:  # before the first step, on every rank alike
             return []
-        return [(k, None if v.dim() > 0 else tuple(v.shape), v.dtype) for k, v in first.items() if torch.is_tensor(v)]
+        return [(k, None if v.dim() > 0 else tuple(v.shape), v.dtype)
+                for k, v in readable_state(self.optimizer, first).items() if torch.is_tensor(v)]
 
     def _plan(self, kind: str) -> list[tuple[Entry, FlatGroup, int, str | None]]:
         """Each entry of `kind`, with its group, its parameter's number and the state key."""
