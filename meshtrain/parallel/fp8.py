@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 from meshtrain.parallel.modules import find_block_list, replace_submodule
 from meshtrain.parallel.options import ConfigError, Fp8Options
+from meshtrain.parallel.state import SHARD
 from meshtrain.torchao_import import import_torchao
 
 FP8_ALIGN = 16  # both sides of an fp8 matmul's operands are multiples of this (torch._scaled_mm)
@@ -223,8 +224,8 @@ class Fp8Linear(nn.Linear):
 def apply_fp8(model: nn.Module, names: list[str], options: Fp8Options, comm, *, sp: bool) -> int:
     """Convert this rank's layers among `names` (after tensor, context and expert parallelism
     have made their parts): a plain `nn.Linear` becomes an `Fp8Linear`, a tensor-parallel
-    one gets its casts (`.fp8`), each with the axes that split its operands. Returns how many."""
-    from meshtrain.parallel.tensor import ColumnParallelLinear, RowParallelLinear
+    one (a column or row layer: its weight split by rows or by columns) gets its casts
+    (`.fp8`), each with the axes that split its operands. Returns how many."""
     mesh, present = comm.mesh, dict(model.named_modules())
     cp = ("cp",) if mesh.size("cp") > 1 else ()
     count = 0
@@ -232,10 +233,11 @@ def apply_fp8(model: nn.Module, names: list[str], options: Fp8Options, comm, *, 
         m = present.get(name)
         if m is None:  # another pipeline stage's
             continue
-        if isinstance(m, ColumnParallelLinear):
-            m.fp8 = Fp8Casts(options, comm, Split(tokens=cp, outputs=("tp",)), name)
-        elif isinstance(m, RowParallelLinear):
-            m.fp8 = Fp8Casts(options, comm, Split(tokens=cp, inputs=("tp",)), name)
+        spec = getattr(getattr(m, "weight", None), SHARD, None)
+        if hasattr(m, "fp8") and spec is not None:  # a tensor-parallel layer: its weight split by rows or columns
+            axis, dim = spec[0], spec[1]
+            m.fp8 = Fp8Casts(options, comm, Split(tokens=cp, outputs=(axis,)) if dim == 0 else
+                             Split(tokens=cp, inputs=(axis,)), name)
         elif type(m) is nn.Linear:  # whole on every tp rank; under SP its input is a sequence chunk
             tokens = cp + (("tp",) if sp and mesh.size("tp") > 1 else ())
             with torch.device("meta"):
