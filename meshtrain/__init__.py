@@ -17,6 +17,7 @@ parallelize     apply the strategies to a model; returns a `Job` (step, forward,
 verify          a layout against one process on your batches (`VerifyReport`)
 full_shape      the full shape of a parameter, shard or ZeRO piece (for optimizer factories)
 adamw           the command line's optimizer factory (what `job.load` of its checkpoints needs)
+low_bit_adamw   torchao's AdamW with 8-bit, 4-bit or fp8 moments ("adamw8bit", "adamw4bit", "adamwfp8")
 cross_entropy   the mean cross-entropy over non-ignored targets, classes last
 TensorPlan, COLUMN, ROW, VOCAB, REGION, SEQUENCE, Fused, Heads    tensor-parallel plans
 PipelinePlan    how a model is cut into pipeline stages
@@ -38,7 +39,7 @@ _API = {
     "parallelize": "meshtrain.job", "Job": "meshtrain.job", "StepOutput": "meshtrain.step_output",
     "cross_entropy": "meshtrain.loss_terms",
     "verify": "meshtrain.lockstep", "VerifyReport": "meshtrain.lockstep",
-    "full_shape": "meshtrain.optim", "adamw": "meshtrain.optim",
+    "full_shape": "meshtrain.optim", "adamw": "meshtrain.optim", "low_bit_adamw": "meshtrain.lowbit",
     "TensorPlan": "meshtrain.parallel.styles", "COLUMN": "meshtrain.parallel.styles",
     "ROW": "meshtrain.parallel.styles", "VOCAB": "meshtrain.parallel.styles", "REGION": "meshtrain.parallel.styles",
     "SEQUENCE": "meshtrain.parallel.styles", "Fused": "meshtrain.parallel.styles", "Heads": "meshtrain.parallel.styles",

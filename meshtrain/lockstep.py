@@ -105,8 +105,10 @@ def verify(make_model: Callable[[], nn.Module], batches: Iterable, *, optimizer,
                                  optimizer=optimizer, loss_fn=loss_fn, options=options)
     verdict = None
     if mesh.is_main:
-        reference = _reference(make_model, batches, layout, seed, optimizer=optimizer, loss_fn=loss_fn,
-                               **{k: v for k, v in options.items() if k not in _LAYOUT_ONLY})
+        same = {k: v for k, v in options.items() if k not in _LAYOUT_ONLY}
+        if options.get("fp8") is not None:  # fp8's scales are each micro-batch's: the layout's micro-batches
+            same["microbatches"] = mesh.batch_dp * options.get("microbatches", 1)
+        reference = _reference(make_model, batches, layout, seed, optimizer=optimizer, loss_fn=loss_fn, **same)
         result = compare(layout, reference)
         if result["curve_only"]:  # low precision: the loss curve against fp32, no lockstep
             worst = {"loss_curve": (result["max_loss_rel_diff"], None)}
@@ -121,8 +123,12 @@ def _record(job: Job, batches: list, sampled: list[int], *, first_step: int = 1,
     """Collective: the layout's losses and, at each sampled step, what `meshtrain verify`
     records (`verifier.LayoutRecorder`), the learning rates the step used and the random-number
     state it began with (on rank 0). `batches` are steps `first_step`, `first_step` + 1, ..."""
-    p, curve_only = job.parallel, job.options.precision != "fp32"
-    recorder, losses = LayoutRecorder([] if curve_only else sampled, job.mesh.is_main, resume_at=resume_at), []
+    p, mesh, fp8 = job.parallel, job.mesh, job.options.fp8 is not None
+    # bf16, and fp8 over sums in another order than one process's (tp, cp), by the loss curve (`verifier.curve_only`)
+    curve_only = job.options.precision != "fp32" or (fp8 and (mesh.size("tp") > 1 or mesh.size("cp") > 1))
+    recorder = LayoutRecorder([] if curve_only else sampled, mesh.is_main, resume_at=resume_at,
+                              audit_steps=sampled if fp8 else ())
+    losses = []
     for step, (inputs, targets) in enumerate(batches, start=first_step):
         recorder.before_step(p, step)
         if step in recorder.steps:

@@ -44,13 +44,6 @@ def quantizes(shape, block: int) -> bool:
     return n >= MIN_QUANTIZED and n % block == 0
 
 
-def state_bytes_per_element(kind: str) -> float:
-    """A quantized tensor's optimizer-state bytes per element: two moments' codes and scales."""
-    block = LOW_BIT[kind][1]
-    code = 0.5 if kind == "adamw4bit" else 1.0
-    return 2 * (code + 4 / block)
-
-
 @lru_cache(maxsize=None)
 def _optim():
     """torchao's optimizer modules (imported once, quietly; ImportError naming the extra)."""

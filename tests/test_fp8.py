@@ -1,5 +1,5 @@
-"""`--fp8` / `parallelize(fp8=...)`: the blocks' linear layers' matmuls in float8 on torchao's
-recipes (`parallel/fp8.py`), emulated on the CPU.
+"""`--fp8`: the blocks' linear layers' matmuls in float8 on torchao's recipes
+(`parallel/fp8.py`), emulated on the CPU.
 
 - One process: `Fp8Linear` is torchao's own `Float8Linear`, bit for bit (forward and every
   gradient, both recipes, fp32 and bf16), on torchao's matmul (nothing split) and on
@@ -9,7 +9,8 @@ recipes (`parallel/fp8.py`), emulated on the CPU.
   the real code, and speaks once the amax reduction is skipped.
 - `meshtrain verify` PASSes in data, ZeRO-3, tensor + sequence, pipeline and expert layouts,
   and FAILs naming a cast when the amax reduction over tp is skipped inside the ranks.
-- The command line's refusals, one line each with the fix; `meshtrain train --fp8` runs."""
+- The command line's refusals, one line each with the fix; `meshtrain train --fp8` runs.
+- Known bugs, as strict xfails (at the end)."""
 
 import copy
 import dataclasses
@@ -86,8 +87,9 @@ def _run(model: nn.Module, x: torch.Tensor):
 @pytest.mark.parametrize("recipe", RECIPES)
 @pytest.mark.parametrize("path", ["whole", "split"])
 def test_fp8_linear_is_torchaos_float8_linear_bit_for_bit(recipe, dtype, path):
-    """"whole": nothing split, torchao's own matmul; "split": a split declared over an axis of
-    size 1, so meshtrain's `_Fp8Matmul` runs its own casts (what tensor parallelism runs)."""
+    """Path "whole": nothing split, torchao's own matmul; "split": a split declared over an
+    axis of size 1, so meshtrain's `_Fp8Matmul` runs its own casts (what tensor parallelism
+    runs)."""
     from meshtrain.comm import Comm
     from meshtrain.mesh import Mesh
     mlp = _mlp(dtype)
@@ -105,9 +107,8 @@ def test_fp8_linear_is_torchaos_float8_linear_bit_for_bit(recipe, dtype, path):
     assert grads.keys() == grads_ao.keys() == {"0.weight", "0.bias", "2.weight", "2.bias"}
     for name in grads:
         assert torch.equal(grads[name], grads_ao[name]), name
-    # and it quantizes: the plain fp32 MLP's output is percents away (e4m3 keeps 3 mantissa bits)
-    y_plain = _run(mlp.float(), x.float())[0]
-    assert _rel(y, y_plain) > 1e-2
+    # and it quantizes: the plain MLP's output (same dtype) is percents away (e4m3 keeps 3 mantissa bits)
+    assert _rel(y, _run(mlp, x)[0]) > 1e-2
 
 
 # ---- two ranks, tp = 2: a column layer then a row layer ---------------------------------------
@@ -236,12 +237,15 @@ def _record(mesh, cfg, mutant: bool):
 
 def _verify_in_ranks(cfg, mutant: bool = False) -> dict:
     """`helpers.verify_in_ranks`, with `_record` in the ranks: the verdict, with the report's
-    `layout` key; every rank converted its stage's share of the chosen layers."""
+    `layout` key. Every rank converted its stage's share of the chosen layers; a lockstep
+    layout recorded the held-out loss after each sampled step (which `compare` checks)."""
     ranks = on_the_layout(_record, cfg, mutant, timeout=300)
     for rank, (_, converted) in enumerate(ranks):
         assert len(converted) == 1, (rank, converted)
         chosen, n = converted[0]
         assert chosen > 0 and n == chosen // cfg.layout.pp, (rank, converted)
+    steps = ranks[0][0]["steps"]
+    assert verifier.curve_only(cfg) or (steps and all("val" in rec for rec in steps.values())), steps.keys()
     return {"layout": cfg.layout.summary(), **verdict(cfg, ranks[0][0])}
 
 
@@ -308,3 +312,41 @@ def test_train_with_fp8_writes_its_steps(tmp_path):
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [rec["step"] for rec in records] == [1, 2]
     assert all(math.isfinite(rec["loss"]) for rec in records), records
+
+
+# ---- known bugs (strict xfail: each turns into a failure, to be made a plain test, once fixed) ----
+
+@pytest.mark.xfail(strict=True, reason="bug: validate refuses --fp8 with --schedule zb only when pp > 1, but "
+                   "Strategies refuses it at any pp: with pp 1 (where zb is otherwise ignored) the rank raises "
+                   "ValueError, a traceback and exit 1, not a one-line refusal")
+def test_zero_bubble_without_a_pipeline_is_refused_in_one_line_or_runs(tmp_path):
+    r = run_cli("train", *TINY, "--fp8", "tensorwise", *FP8, "--dp", "1", "--schedule", "zb", "--steps", "1",
+                "--out", tmp_path / "run", timeout=300)
+    err = r.stderr.strip()
+    assert r.returncode == 0 or (r.returncode == 2 and "\n" not in err and err.startswith("meshtrain: error: ")), \
+        (r.returncode, err[-2000:])
+
+
+RESUME = ("verify", *TINY, "--steps", "4", "--dp", "2", "--fp8", "tensorwise", *FP8, "--resume-at", "2")
+
+
+@pytest.mark.xfail(strict=True, reason="bug: --resume-layout keeps only the precision of the first layout "
+                   "(cli/resume_at.py RESUME_KEEPS), not --fp8 and its options, which the one-process reference also "
+                   "holds for the whole run: the resumed part trains without fp8 and verify FAILs a correct resume")
+def test_a_resume_layout_that_does_not_repeat_fp8_is_kept_in_fp8_or_refused():
+    r = run_cli(*RESUME, "--resume-layout", "dp=2", timeout=300)
+    err = r.stderr.strip().splitlines()
+    assert r.returncode == 0 or (r.returncode == 2 and len(err) == 1 and err[0].startswith("meshtrain: error: ")), \
+        (r.returncode, r.stdout[-2000:], r.stderr[-2000:])
+
+
+@pytest.mark.xfail(strict=True, reason="bug: a lockstep first layout (dp 2) resumed in a curve-only one (fp8 with "
+                   "tp 2): the resumed part records no lockstep step (its own curve_only) and join_parts judges by "
+                   "the first part's curve_only (no curve check), so steps K+1..N are checked by nothing (a resume in "
+                   "another recipe PASSes too)")
+def test_the_steps_resumed_in_a_curve_only_layout_are_judged():
+    r = run_cli(*RESUME, "--resume-layout", "tp=2 fp8=tensorwise fp8-emulate fp8-min-features=16", "--json",
+                timeout=300)
+    assert r.returncode in (0, 1), r.stderr[-2000:]
+    j = last_json(r.stdout)
+    assert j["curve_only"] or {3, 4} <= set(j["lockstep_steps"]), (j["curve_only"], j["lockstep_steps"])

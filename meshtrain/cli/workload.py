@@ -31,4 +31,5 @@ def checked_workload(cfg: C.Config, shape: Shape, seq: int) -> Workload:
         raise PlanError("--batch-size and --seq-len must be positive integers")
     if not 0 <= cfg.model.dropout < 1:
         raise PlanError(f"--dropout {cfg.model.dropout}: use a probability in [0, 1)")
-    return Workload(shape, cfg.train.batch_size, seq, cfg.model.dropout, cfg.model.attention)
+    return Workload(shape, cfg.train.batch_size, seq, cfg.model.dropout, cfg.model.attention,
+                    optimizer=cfg.train.optimizer)

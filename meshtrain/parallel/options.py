@@ -27,6 +27,13 @@ LOW_BIT_OPTIMIZERS = {"adamw8bit": ("AdamW8bit", 256), "adamw4bit": ("AdamW4bit"
 OPTIMIZERS = ("adamw", *LOW_BIT_OPTIMIZERS)
 
 
+def low_bit_bytes_per_element(kind: str) -> float:
+    """A low-bit AdamW's state bytes per element of a quantized tensor: two moments' codes
+    (1 byte, or half of one at 4 bits) and their blocks' fp32 scales."""
+    block = LOW_BIT_OPTIMIZERS[kind][1]
+    return 2 * ((0.5 if kind == "adamw4bit" else 1.0) + 4 / block)
+
+
 class ConfigError(ValueError):
     """A configuration that cannot work; the message is one line that names the fix. The
     command line's refusals raise it (`meshtrain.cli.config.ConfigError` is this class), and

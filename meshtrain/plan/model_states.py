@@ -30,10 +30,13 @@ PAPER_K = 12  # the ZeRO paper's optimizer bytes per parameter under mixed preci
 
 
 def model_state_bytes(n_params: float, zero: int, dp: int, *, precision: str = "bf16", grad_dtype: str = "fp32",
-                      accounting: str = "torch", gathered_params: float = 0) -> dict[str, float]:
+                      accounting: str = "torch", gathered_params: float = 0,
+                      optimizer_bytes: float = 8) -> dict[str, float]:
     """Bytes one device holds for `n_params` parameters (its share after tp and pp), by part,
     with a `total`. Under ZeRO-3 with dp > 1, `gathered_params` are held whole at their
-    peak (`zero3_peak_gathered`), in the parameters' precision: a part of its own."""
+    peak (`zero3_peak_gathered`), in the parameters' precision: a part of its own.
+    `optimizer_bytes`: the optimizer state's bytes a parameter (AdamW's two fp32 moments: 8;
+    a low-bit AdamW's: `low_bit_state_bytes`)."""
     if zero not in (0, 1, 2, 3):
         raise ValueError(f"ZeRO stage {zero}: use 0, 1, 2 or 3")
     if accounting == "paper":
@@ -42,7 +45,7 @@ def model_state_bytes(n_params: float, zero: int, dp: int, *, precision: str = "
         low = precision == "bf16"
         param = 2 if low else 4
         grad = 4 if (not low or grad_dtype == "fp32") else 2
-        master, optim = (4 if low else 0), 8
+        master, optim = (4 if low else 0), optimizer_bytes
     else:
         raise ValueError(f"unknown accounting '{accounting}'; use paper or torch")
     shard = {"params": zero >= 3, "grads": zero >= 2, "master": zero >= 1, "optimizer": zero >= 1}
@@ -52,6 +55,26 @@ def model_state_bytes(n_params: float, zero: int, dp: int, *, precision: str = "
         out["gathered"] = gathered_params * param
     out["total"] = sum(out.values())
     return out
+
+
+def low_bit_state_bytes(n_params: float, vectors: float, per_element: float) -> float:
+    """A low-bit AdamW's state bytes a parameter, averaged over `n_params` of which `vectors`
+    (norms and biases, too small to quantize) keep two fp32 moments and the rest
+    `per_element` bytes (`lowbit.state_bytes_per_element`)."""
+    if n_params <= 0:
+        return 8.0
+    return (vectors * 8 + (n_params - vectors) * per_element) / n_params
+
+
+def vector_params(shape, held: "StageParams", tp: int) -> int:
+    """The parameters of a device that are vectors (norms, biases): a GPT's LayerNorms, row
+    biases and column biases, a Llama's or MoE's RMSNorms (q/k norms included)."""
+    h = shape.hidden
+    if shape.kind == "gpt":  # a block's q, v and fc biases split over tp; proj biases and LayerNorms whole
+        per_block = (2 * h + shape.ffn_width) // tp + 6 * h
+        return held.blocks * per_block + (2 * h if held.outside else 0)
+    per_block = 2 * h + (2 * shape.head_size if shape.qk_norm else 0)
+    return held.blocks * per_block + (h if held.outside else 0)
 
 
 def _outside(shape, tp: int) -> dict[str, int]:

@@ -31,7 +31,8 @@ import functools
 from dataclasses import dataclass
 
 from meshtrain.ring import all_reduce_bytes
-from meshtrain.parallel.options import (CP_MODES, SCHEDULES, Layout, expert_problem, parse_recompute,
+from meshtrain.parallel.options import (CP_MODES, LOW_BIT_OPTIMIZERS, SCHEDULES, Layout, expert_problem,
+                                       low_bit_bytes_per_element, parse_recompute,
                                        schedule_or_batch_problem)
 from meshtrain.plan import activations, block_terms, model_states, sharing, stage_activations, traffic
 from meshtrain.plan.cost import hardware_flops, model_flops
@@ -52,6 +53,7 @@ class Workload:
     dropout: float = 0.0
     attention: str = "sdpa"
     device: str = "cuda"  # where the trainer runs: the ring's blocks are fused on "cpu", math on CUDA
+    optimizer: str = "adamw"  # or a low-bit AdamW (`lowbit.py`): its state's bytes a parameter
 
 
 def _divisors(n: int) -> str:
@@ -235,7 +237,8 @@ class Device:
         # ZeRO-3 holds two blocks gathered at its peak, or all of them with --keep-gathered
         held = self.held(stage)
         gathered = self.params_on(stage) if lay.keep_gathered else held.outside + held.largest_pair
-        kinds = dict(precision=lay.precision, grad_dtype=lay.grad_dtype, accounting=self.accounting)
+        kinds = dict(precision=lay.precision, grad_dtype=lay.grad_dtype, accounting=self.accounting,
+                     optimizer_bytes=self.optimizer_bytes(stage))
         if lay.ep == 1:
             return model_states.model_state_bytes(self.params_on(stage), lay.zero, self.replicas,
                                                   gathered_params=gathered, **kinds)
@@ -248,6 +251,16 @@ class Device:
                                                gathered_params=gathered, **kinds)
         experts = model_states.model_state_bytes(self.expert_params_on(stage), self.expert_zero, self.edp, **kinds)
         return {part: dense.get(part, 0) + experts.get(part, 0) for part in dense.keys() | experts.keys()}
+
+    def optimizer_bytes(self, stage: int) -> float:
+        """The optimizer state's bytes a parameter of a device of `stage`: AdamW's 8, or a
+        low-bit AdamW's, its vectors kept in fp32."""
+        if self.work.optimizer not in LOW_BIT_OPTIMIZERS:
+            return 8.0
+        held = self.held(stage)
+        params = self.params_on(stage)
+        return model_states.low_bit_state_bytes(params, model_states.vector_params(self.shape, held, self.layout.tp),
+                                                low_bit_bytes_per_element(self.work.optimizer))
 
     def _torch_terms(self) -> dict:
         sh, lay = self.shape, self.layout
