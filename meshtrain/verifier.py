@@ -286,7 +286,8 @@ def join_parts(first: dict, resumed: dict, at: int, layout, ranks_alike: bool) -
     rng_saved, rng_restored = steps[at].pop("rng_digests"), steps[at + 1].pop("rng_digests")
     steps = {step: rec for step, rec in steps.items() if rec}  # not lockstep-checked (low precision): no step record
     return {"losses": first["losses"] + resumed["losses"], "steps": steps,
-            "problems": first["problems"] + resumed["problems"], "curve_only": first["curve_only"],
+            "problems": first["problems"] + resumed["problems"],
+            "curve_only": first["curve_only"] or resumed["curve_only"],  # a part judged by its curve: the run too
             "compiled": resumed.get("compiled") or first.get("compiled"),  # counted in these processes: both parts
             "resume": {"at": at, "layout": layout, "saved": saved, "restored": restored,
                        "rng": (rng_saved, rng_restored) if ranks_alike else None}}

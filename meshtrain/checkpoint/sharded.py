@@ -148,7 +148,9 @@ def hyper_parameters(parallel) -> list[tuple[str, list[str]]]:
     names, out = _names(parallel), []
     for i, group in enumerate(parallel.optimizer.param_groups):
         held = [names[id(p)] for p in group["params"] if id(p) in names]
-        out.append((_plain({k: v for k, v in group.items() if k != "params"},
+        # a number kept as a 0-dim tensor (torchao's learning rate) is saved as the number
+        out.append((_plain({k: v.item() if torch.is_tensor(v) and v.numel() == 1 else v
+                            for k, v in group.items() if k != "params"},
                            f"the hyper-parameters of optimizer group {i} ({held[0] if held else 'empty'})"), held))
     return out
 

@@ -14,8 +14,9 @@ from meshtrain.parallel.options import parse_layout
 
 
 # What --resume-layout inherits from the first layout: verify's one-process reference trains
-# in one precision throughout, so both parts must train in it (a plain resume may change it).
-RESUME_KEEPS = ("precision",)
+# in one precision, and with one fp8 conversion, throughout, so both parts must train so (a
+# plain resume may change them).
+RESUME_KEEPS = ("precision", "fp8", "fp8_emulate", "fp8_min_features")
 
 
 def resumed_config(cfg: Config, world_size: int | None = None) -> Config | None:
@@ -54,6 +55,16 @@ def resumed_config(cfg: Config, world_size: int | None = None) -> Config | None:
     if lay.precision != cfg.layout.precision:
         raise ConfigError(f"{where}: precision {lay.precision}, but the run saved in {cfg.layout.precision}; "
                           f"write precision={cfg.layout.precision} there")
+    first = cfg.layout
+    if (lay.fp8, lay.fp8_min_features) != (first.fp8, first.fp8_min_features):
+        raise ConfigError(f"{where}: fp8={lay.fp8} fp8-min-features={lay.fp8_min_features}, but the run saved with "
+                          f"fp8={first.fp8} fp8-min-features={first.fp8_min_features}; the reference keeps one "
+                          f"conversion throughout: drop them there")
+    if lay.fp8 != "none" and lay.dp * lay.microbatches != first.dp * first.microbatches:
+        raise ConfigError(f"{where}: dp×microbatches = {lay.dp}×{lay.microbatches}, but the run saved in "
+                          f"{first.dp}×{first.microbatches}; fp8's scales are each micro-batch's, and the reference "
+                          f"runs the first layout's micro-batches throughout: keep dp×microbatches = "
+                          f"{first.dp * first.microbatches}")
     try:
         validate(second, world_size)
     except ConfigError as e:

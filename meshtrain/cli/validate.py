@@ -372,7 +372,7 @@ def _validate_fp8(cfg: Config) -> None:
     if importlib.util.find_spec("torchao") is None:
         raise ConfigError("--fp8 needs torchao, which is not installed: pip install 'meshtrain[fp8]' (or train "
                           "without --fp8)")
-    if lay.schedule == "zb" and lay.pp > 1:
+    if lay.schedule == "zb":
         raise ConfigError("--fp8 with --schedule zb: the zero-bubble split backward forms the linear layers' weight "
                           "gradients itself, in high precision; use --schedule 1f1b, gpipe or interleaved")
     if lay.dp_linear_sync != "allreduce":

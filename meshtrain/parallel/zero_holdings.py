@@ -77,13 +77,17 @@ class ZeroHoldings:
         return readable_state(self.optimizer, master_of(self.optimizer, value)).get(key)
 
     def _keys(self) -> list[tuple[str, tuple | None, torch.dtype]]:
-        """The optimizer state's keys, alike on every rank: each with None for a per-element
-        state (the parameter's shape) or its own shape (Adam's step), and its dtype."""
+        """The optimizer state's keys, alike on every rank (in the order of their names): each
+        with None for a per-element state (the parameter's shape) or its own shape (Adam's
+        step), and its dtype."""
         first = next(iter(self.optimizer.state), None)
         if first is None:  # before the first step, on every rank alike
             return []
-        return [(k, None if v.dim() > 0 else tuple(v.shape), v.dtype)
-                for k, v in readable_state(self.optimizer, first).items() if torch.is_tensor(v)]
+        # sorted: a loaded entry keeps the checkpoint index's order of its keys, which differs
+        # between tensors, and so between the ranks' first entries
+        return sorted(((k, None if v.dim() > 0 else tuple(v.shape), v.dtype)
+                       for k, v in readable_state(self.optimizer, first).items() if torch.is_tensor(v)),
+                      key=lambda entry: str(entry[0]))
 
     def _plan(self, kind: str) -> list[tuple[Entry, FlatGroup, int, str | None]]:
         """Each entry of `kind`, with its group, its parameter's number and the state key."""
