@@ -17,9 +17,10 @@ The step is torchao's `single_param_adam`, compiled on a GPU (as torchao does) a
 elsewhere (inductor would compile each tensor shape for seconds on a CPU, to no gain).
 
 Checkpoints and the full state see each quantized moment as two per-element fp32 tensors
-(`plain_state`): its value (`exp_avg`) and its block's scale (`exp_avg.scale`), so they are
-cut and resharded like any moment; the optimizer rebuilds the exact codes from them at its
-next step (`restore`). A tensor left in fp32 has a scale of 0."""
+(`readable_state`): its value (`exp_avg`) and its block's scale (`exp_avg.adamw8bit_scale`,
+`scale_key`), so they are cut and resharded like any moment; the optimizer rebuilds the
+exact codes from them at its next step (`restore`). A tensor left in fp32 has a scale of 0;
+another kind's checkpoint (or AdamW's) is quantized afresh from its values."""
 
 from __future__ import annotations
 
@@ -35,7 +36,13 @@ from meshtrain.torchao_import import import_torchao
 LOW_BIT = LOW_BIT_OPTIMIZERS  # --optimizer name -> (torchao's class, block size)
 MIN_QUANTIZED = 4096  # torchao's (and bitsandbytes') smallest quantized tensor
 MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
-SCALE = ".scale"
+
+
+def scale_key(key: str, kind: str) -> str:
+    """The plain state's key of moment `key`'s block scales under `kind` ("exp_avg.adamw8bit_scale"):
+    named by kind, since each kind's scales mean another thing (8 and 4 bits: the block's
+    largest magnitude; fp8: that over fp8's largest), so another kind's are not taken for its own."""
+    return f"{key}.{kind}_scale"
 
 
 def quantizes(shape, block: int) -> bool:
@@ -60,15 +67,16 @@ def readable_state(optimizer: torch.optim.Optimizer, t: torch.Tensor) -> dict:
     under a low-bit optimizer each moment as its value and its block scales per element (0
     where it is kept in fp32), so that every tensor has the same keys; else as it is."""
     entry = optimizer.state.get(t, {})
-    if getattr(optimizer, "state_block", None) is None:
+    kind = getattr(optimizer, "kind", None)
+    if kind is None:
         return entry
     out = {}
     for key, v in entry.items():
         if key in MOMENTS and is_low_bit(v):
             out[key] = v.dequantize()
-            out[key + SCALE] = v.scale.repeat_interleave(v.block_size).view(v.shape)
-        elif key in MOMENTS and key + SCALE not in entry:  # kept in fp32
-            out[key], out[key + SCALE] = v, torch.zeros_like(v)
+            out[scale_key(key, kind)] = v.scale.repeat_interleave(v.block_size).view(v.shape)
+        elif key in MOMENTS and scale_key(key, kind) not in entry:  # kept in fp32
+            out[key], out[scale_key(key, kind)] = v, torch.zeros_like(v)
         else:  # the step, or a moment loaded and not yet restored, with its scales
             out[key] = v
     return out
@@ -85,12 +93,14 @@ def held_bytes(v: torch.Tensor) -> int:
 @lru_cache(maxsize=None)
 def low_bit_class(kind: str) -> type:
     """torchao's low-bit AdamW of `kind`, deciding what to quantize on one-process shapes,
-    stepping eagerly off the GPU, and restoring its codes from `plain_state`'s tensors."""
+    stepping eagerly off the GPU, and restoring its codes from `readable_state`'s tensors."""
     optim, adam, quant_utils = _optim()
     base = getattr(optim, LOW_BIT[kind][0])
+    kind_name = kind
 
     class LowBitAdamW(base):
-        state_block = LOW_BIT[kind][1]
+        state_block = LOW_BIT[kind_name][1]
+        kind = kind_name
 
         def _new_buffer(self, p, signed: bool):
             if not quantizes(full_shape(p), self.block_size):
@@ -101,10 +111,13 @@ def low_bit_class(kind: str) -> type:
             return self._subclass_zeros(p, signed, self.block_size)
 
         def restore(self, p, state: dict) -> None:
-            """Moments loaded as plain tensors (`plain_state`, or another optimizer's) in low
-            bits again: the exact codes from a value and its scales, else quantized afresh."""
+            """Moments loaded as plain tensors (`readable_state`'s, or another optimizer's) in
+            low bits again: the exact codes from a value and this kind's scales, else quantized
+            afresh from the value."""
             for key in MOMENTS:
-                scale, value = state.pop(key + SCALE, None), state.get(key)
+                scale, value = state.pop(scale_key(key, self.kind), None), state.get(key)
+                for other in [k for k in state if k.startswith(key + ".") and k.endswith("_scale")]:
+                    state.pop(other)  # another kind's scales: its values are quantized afresh below
                 if value is None or is_low_bit(value):
                     continue
                 buf = self._new_buffer(p, signed=key == "exp_avg")
@@ -152,7 +165,7 @@ def low_bit_class(kind: str) -> type:
 
 
 def _set_codes(buf, value: torch.Tensor, scale: torch.Tensor, quant_utils) -> None:
-    """`buf`'s codes for `value` on the given per-element block `scale` (`plain_state`'s)."""
+    """`buf`'s codes for `value` on the given per-element block `scale` (`readable_state`'s)."""
     block = buf.block_size
     scales = scale.reshape(-1, block)[:, 0].contiguous()
     if hasattr(buf, "qmap"):  # 8 or 4 bits: codes into a map of [-1, 1]

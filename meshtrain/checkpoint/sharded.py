@@ -128,11 +128,23 @@ def write_snapshot(snap: Snapshot, folder: Path, comm, files=(), process_group=N
     return written
 
 
+def _numbers(value):
+    """`value` with every one-element tensor as its number (torchao keeps learning rates as
+    0-dim tensors, in its groups and so in a scheduler's state)."""
+    if torch.is_tensor(value) and value.numel() == 1:
+        return value.item()
+    if isinstance(value, dict):
+        return {k: _numbers(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_numbers(v) for v in value)
+    return value
+
+
 def _plain(value, what: str) -> str:
-    """`value` as JSON text (sorted keys: equal values, equal texts), or one line saying
-    that it is not plain data."""
+    """`value` as JSON text (sorted keys: equal values, equal texts; one-element tensors as
+    numbers), or one line saying that it is not plain data."""
     try:
-        return json.dumps(value, sort_keys=True)
+        return json.dumps(_numbers(value), sort_keys=True)
     except (TypeError, ValueError) as e:
         raise TypeError(f"checkpoint: {what}: not plain data ({e})") from None
 
@@ -148,9 +160,7 @@ def hyper_parameters(parallel) -> list[tuple[str, list[str]]]:
     names, out = _names(parallel), []
     for i, group in enumerate(parallel.optimizer.param_groups):
         held = [names[id(p)] for p in group["params"] if id(p) in names]
-        # a number kept as a 0-dim tensor (torchao's learning rate) is saved as the number
-        out.append((_plain({k: v.item() if torch.is_tensor(v) and v.numel() == 1 else v
-                            for k, v in group.items() if k != "params"},
+        out.append((_plain({k: v for k, v in group.items() if k != "params"},
                            f"the hyper-parameters of optimizer group {i} ({held[0] if held else 'empty'})"), held))
     return out
 

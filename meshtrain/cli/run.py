@@ -185,6 +185,10 @@ def _check_command(cfg: C.Config, args) -> None:
         if cfg.layout.compile:
             raise C.ConfigError("bench --compile would time compiled blocks against an eager peer; bench eager against "
                                 "eager, and time --compile with benchmarks/compile.py")
+        if cfg.layout.fp8 != "none" or cfg.train.optimizer != "adamw":
+            raise C.ConfigError("bench times a strategy against its PyTorch peer, which runs bf16/fp32 matmuls and "
+                                "AdamW; drop --fp8 and --optimizer there, and compare fp8 and the low-bit optimizers "
+                                "with benchmarks/fp8.py (benchmarks/fp8_gpu.py on a GPU)")
         if args.vs not in C.BENCH_PEERS:
             raise C.ConfigError(f"unknown peer '{args.vs}'; use --vs {' | '.join(C.BENCH_PEERS)}")
         lay = cfg.layout
