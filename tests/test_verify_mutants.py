@@ -196,7 +196,7 @@ def a_rank_updates_another_ranks_partition():
     from meshtrain.parallel.zero import FlatGroup
     real = FlatGroup.__init__
 
-    def init(self, index, label, named, comm, axis, keep_full, draw=None):
+    def init(self, index, label, named, comm, axis, keep_full, draw=None, **options):
         mesh = comm.mesh
 
         class Shifted:  # the mesh, every dp coordinate one further along
@@ -206,7 +206,7 @@ def a_rank_updates_another_ranks_partition():
             def coord(_, a):
                 return (mesh.coord(a) + 1) % mesh.size(a) if a == axis else mesh.coord(a)
 
-        real(self, index, label, named, SimpleNamespace(mesh=Shifted()), axis, keep_full, draw)
+        real(self, index, label, named, SimpleNamespace(mesh=Shifted()), axis, keep_full, draw, **options)
     return [mock.patch.object(FlatGroup, "__init__", init)]
 
 
