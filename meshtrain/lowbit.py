@@ -93,7 +93,7 @@ def held_bytes(v: torch.Tensor) -> int:
 
 
 @lru_cache(maxsize=None)
-def low_bit_class(kind: str, compile: bool | None = None) -> type:
+def low_bit_class(kind: str) -> type:
     """torchao's low-bit AdamW of `kind`, deciding what to quantize on one-process shapes,
     stepping eagerly off the GPU, and restoring its codes from `readable_state`'s tensors."""
     optim, adam, quant_utils = _optim()
@@ -103,6 +103,7 @@ def low_bit_class(kind: str, compile: bool | None = None) -> type:
     class LowBitAdamW(base):
         state_block = LOW_BIT[kind_name][1]
         kind = kind_name
+        compile_step: bool | None = None  # the step compiled (None: on CUDA only)
 
         def _new_buffer(self, p, signed: bool):
             if not quantizes(full_shape(p), self.block_size):
@@ -154,7 +155,7 @@ def low_bit_class(kind: str, compile: bool | None = None) -> type:
                     if not torch.is_tensor(group["lr"]):
                         group["lr"] = torch.tensor(group["lr"], dtype=torch.float32)
                     single = adam.single_param_adam
-                    if compile or (compile is None and p.device.type == "cuda"):
+                    if self.compile_step or (self.compile_step is None and p.device.type == "cuda"):
                         single = torch.compile(single, fullgraph=True, dynamic=False)
                     single(p.detach(), p.grad, state["step"], state["exp_avg"], state["exp_avg_sq"],
                            state.get("max_exp_avg_sq"), group["lr"], group["betas"][0], group["betas"][1],
@@ -197,6 +198,8 @@ def low_bit_adamw(kind: str, lr: float, weight_decay: float = 0.0, betas: tuple[
         rest = [p for _, p in named if len(full_shape(p)) < 2]
         groups = [g for g in ({"params": decayed, "weight_decay": weight_decay},
                               {"params": rest, "weight_decay": 0.0}) if g["params"]]
-        return low_bit_class(kind, compile)(groups, lr=lr, betas=betas, eps=eps)
+        optimizer = low_bit_class(kind)(groups, lr=lr, betas=betas, eps=eps)
+        optimizer.compile_step = compile
+        return optimizer
     make.state_block = LOW_BIT[kind][1]
     return make
