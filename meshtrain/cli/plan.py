@@ -21,6 +21,7 @@ from meshtrain.plan.shapes import Shape
 from meshtrain.recipes import PUBLISHED, family_of, is_preset, is_published
 from meshtrain.plan.profile import MachineProfile, ProfileRates
 from meshtrain.plan.model_states import model_state_bytes
+from meshtrain.parallel.options import low_bit_bytes_per_element
 from meshtrain.plan.search import search
 
 EXPLICIT = ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab")
@@ -203,8 +204,10 @@ def params_only(args, cfg: C.Config, lay: C.LayoutConfig, limits: dict) -> dict:
     against the usable memory of `limits` (`budget`)."""
     if args.params < 1:
         raise PlanError(f"--params {args.params:g}: give a positive parameter count")
+    optimizer = cfg.train.optimizer  # a low-bit one: every parameter at its bytes (no shape says which are vectors)
     states = model_state_bytes(args.params / (lay.tp * lay.pp), lay.zero, lay.dp * lay.cp, precision=lay.precision,
-                               grad_dtype=lay.grad_dtype, accounting=args.accounting)
+                               grad_dtype=lay.grad_dtype, accounting=args.accounting,
+                               optimizer_bytes=low_bit_bytes_per_element(optimizer) if optimizer != "adamw" else 8)
     return {"n_params": int(args.params), "model_state_bytes": states, "activation_bytes": None,
             "activation_bytes_per_layer": None, "total_bytes": states["total"],
             "fits": states["total"] <= limits["usable_bytes"], "flops_per_step": None, "bubble_fraction": None,
