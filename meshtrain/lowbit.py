@@ -31,7 +31,7 @@ from functools import lru_cache
 
 import torch
 
-from meshtrain.optim import OptimizerFactory, full_shape
+from meshtrain.optim import OptimizerFactory, decay_groups, full_shape
 from meshtrain.parallel.options import LOW_BIT_OPTIMIZERS
 from meshtrain.torchao_import import import_torchao
 
@@ -194,11 +194,7 @@ def low_bit_adamw(kind: str, lr: float, weight_decay: float = 0.0, betas: tuple[
         raise ValueError(f"optimizer {kind!r}: use one of {', '.join(LOW_BIT)}")
 
     def make(named):
-        decayed = [p for _, p in named if len(full_shape(p)) >= 2]
-        rest = [p for _, p in named if len(full_shape(p)) < 2]
-        groups = [g for g in ({"params": decayed, "weight_decay": weight_decay},
-                              {"params": rest, "weight_decay": 0.0}) if g["params"]]
-        optimizer = low_bit_class(kind)(groups, lr=lr, betas=betas, eps=eps)
+        optimizer = low_bit_class(kind)(decay_groups(named, weight_decay), lr=lr, betas=betas, eps=eps)
         optimizer.compile_step = compile
         return optimizer
     make.state_block = LOW_BIT[kind][1]

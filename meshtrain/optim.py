@@ -57,12 +57,17 @@ def adamw(lr: float, weight_decay: float = 0.0, betas: tuple[float, float] = (0.
     """The command line's optimizer, as a factory: AdamW where matrices decay (GPT-2's and
     nanoGPT's rule, decided on full shapes) and biases and norms do not."""
     def make(named: list[tuple[str, torch.Tensor]]) -> torch.optim.Optimizer:
-        decayed = [p for _, p in named if len(full_shape(p)) >= 2]
-        rest = [p for _, p in named if len(full_shape(p)) < 2]
-        groups = [g for g in ({"params": decayed, "weight_decay": weight_decay},
-                              {"params": rest, "weight_decay": 0.0}) if g["params"]]
-        return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps)
+        return torch.optim.AdamW(decay_groups(named, weight_decay), lr=lr, betas=betas, eps=eps)
     return make
+
+
+def decay_groups(named: list[tuple[str, torch.Tensor]], weight_decay: float) -> list[dict]:
+    """Parameter groups where matrices decay by `weight_decay` and biases and norms do not,
+    decided on full shapes (`full_shape`), leaving out an empty group."""
+    decayed = [p for _, p in named if len(full_shape(p)) >= 2]
+    rest = [p for _, p in named if len(full_shape(p)) < 2]
+    return [g for g in ({"params": decayed, "weight_decay": weight_decay},
+                        {"params": rest, "weight_decay": 0.0}) if g["params"]]
 
 
 def keep_grad_views(optimizer: torch.optim.Optimizer, zero_buffers: Callable[[], None]) -> None:
