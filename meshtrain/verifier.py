@@ -89,10 +89,17 @@ def lockstep_steps(steps: int, resume_at: int | None = None) -> list[int]:
 def curve_only(cfg: Config) -> bool:
     """Low-precision compute is judged by its loss curve, not in lockstep: bf16; and fp8 where
     the layout sums a micro-batch's products in another order than one process (tensor and
-    context parallelism), for fp8's rounding turns those last-bit differences into whole
-    steps of an element (docs/verify.md). Its scales are audited there instead."""
+    context parallelism, a GPU's fp8 matmuls against the CPU's emulation), for fp8's rounding
+    turns those last-bit differences into whole steps of an element (docs/verify.md). Its
+    scales are audited there instead."""
     lay = cfg.layout
-    return lay.precision != "fp32" or (lay.fp8 != "none" and (lay.tp > 1 or lay.cp > 1))
+    return lay.precision != "fp32" or (lay.fp8 != "none" and (lay.tp > 1 or lay.cp > 1 or _on_gpu(cfg)))
+
+
+def _on_gpu(cfg: Config) -> bool:
+    """The layout runs on a GPU: its fp8 matmuls (`torch._scaled_mm`) sum in their own order,
+    not the CPU reference's emulation's."""
+    return cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available())
 
 
 def reference_config(cfg: Config) -> Config:
@@ -107,7 +114,7 @@ def reference_config(cfg: Config) -> Config:
     # every data-parallel rank's in turn (the same rows each), with the same conversion.
     microbatches = lay.microbatches * (lay.dp if lay.fp8 != "none" else 1) if lay.fp8 != "none" or per_forward else 1
     ref.layout = LayoutConfig(dp=1, tp=1, pp=1, microbatches=microbatches, bucket_mb=lay.bucket_mb, fp8=lay.fp8,
-                              fp8_emulate=lay.fp8_emulate, fp8_min_features=lay.fp8_min_features)
+                              fp8_emulate=lay.fp8 != "none", fp8_min_features=lay.fp8_min_features)  # a CPU: emulated
     ref.train.device = "cpu"
     return ref
 
