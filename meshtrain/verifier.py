@@ -42,7 +42,7 @@ from meshtrain.cli.config import Config, LayoutConfig
 from meshtrain.mesh import Mesh
 from meshtrain.optim import sum_of_squares
 from meshtrain.parallel.compile import compile_stats
-from meshtrain.parallel.fp8 import fp8_casts
+from meshtrain.parallel.fp8 import audit_findings, start_audit
 from meshtrain.parallel.state import digest
 from meshtrain.train import StepObserver, held_out_loss, setup, train, train_step
 from meshtrain.checkpoint.folders import step_dir
@@ -138,8 +138,7 @@ class LayoutRecorder(StepObserver):
 
     def before_step(self, p, step):
         if step in self.audit_steps:
-            for casts in fp8_casts(p.module):
-                casts.audit = []
+            start_audit(p.module)
         pre = p.full_state_dict() if step in self.steps else None
         if pre is not None:
             self.keep(step, pre=pre)
@@ -158,7 +157,9 @@ class LayoutRecorder(StepObserver):
 
     def after_step(self, p, step, loss):
         if step in self.audit_steps:
-            self.problems += _fp8_audit(p, step)
+            self.problems += [(step, f"step {step}: rank {rank}: {name}'s {cast} cast did not scale by the whole "
+                                     f"tensor's amax (relative difference {diff:.2e})")
+                              for rank, name, cast, diff in audit_findings(p.module, p.comm)]
         if step in self.steps:
             post = p.full_state_dict(with_optimizer=False)["model"]
             self.keep(step, post=post, loss=loss)
@@ -206,18 +207,6 @@ def _check_pieces(p, full: dict[str, torch.Tensor], what: str, step: int,
                 problems.append((step, f"step {step}: rank {rank}'s {name} ({what}) differs from the full "
                                        f"state (replicas must be bit-identical, shards equal where they live)"))
     return problems
-
-
-def _fp8_audit(p, step: int) -> list[tuple[int, str]]:
-    """Collective: each rank's fp8 casts whose scales were not the whole tensor's this step
-    (`Fp8Casts.audit`), on rank 0; the audit switched off."""
-    found = []
-    for casts in fp8_casts(p.module):
-        found += casts.audit or []
-        casts.audit = None
-    return [(step, f"step {step}: rank {rank}: {name}'s {cast} cast did not scale by the whole tensor's amax "
-                   f"(relative difference {diff:.2e})")
-            for rank, part in enumerate(p.comm.all_gather_object(found)) for name, cast, diff in part]
 
 
 def record(cfg: Config, comm: Comm, label: str, *, resume_at: int | None = None,

@@ -174,6 +174,22 @@ def fp8_casts(module: nn.Module) -> list[Fp8Casts]:
     return [m.fp8 for m in module.modules() if isinstance(getattr(m, "fp8", None), Fp8Casts)]
 
 
+def start_audit(module: nn.Module) -> None:
+    """Every cast of `module` checks its scales against its whole tensor until `audit_findings`."""
+    for casts in fp8_casts(module):
+        casts.audit = []
+
+
+def audit_findings(module: nn.Module, comm) -> list[tuple[int, str, str, float]]:
+    """Collective: every rank's casts whose scale was not the whole tensor's since
+    `start_audit`, as (rank, layer, cast, relative difference); the audit switched off."""
+    found = []
+    for casts in fp8_casts(module):
+        found += casts.audit or []
+        casts.audit = None
+    return [(rank, *item) for rank, part in enumerate(comm.all_gather_object(found)) for item in part]
+
+
 class _Fp8Matmul(torch.autograd.Function):
     """x Wᵀ with every operand of the three matmuls cast by `casts` (torchao's
     `matmul_with_hp_or_float8_args`, with the scales of whole tensors)."""
